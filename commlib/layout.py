@@ -1,0 +1,177 @@
+"""Layout plans: how a local tensor becomes the contiguous dim-0 buffer a collective sends, and back.
+
+Every collective of the project is run as ``pack -> dim-0 collective -> unpack``. A `Rearrange` is one
+local pass (view the source as `view`, permute its axes by `perm`, lay the result out contiguously); when
+the permutation keeps the memory order of every axis longer than 1 the pass is a view, not a copy. The
+torch frontend and the numpy reference both walk these plans, so the reference tests the plans themselves.
+JAX hands the dims to `lax` and lets XLA choose the layout.
+
+Geometry (W = world_size, n = size // W), one rank's view of the all-to-all on ``scatter_dim=a,
+gather_dim=b``::
+
+    input  s                   -- view --> s[:a] + (W, n) + s[a+1:]
+           pack: move the W axis first -> send [W, *chunk],   chunk = s[:a] + (n,) + s[a+1:]
+    all_to_all_single          -> recv [W, *chunk]   (recv[i] = rank i's chunk for this rank)
+           unpack: move the W axis in front of b, merge (W, s[b]) -> output, shape[a] /= W, shape[b] *= W
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+__all__ = ["Rearrange", "Plan", "all_to_all_layout", "all_gather_layout", "reduce_scatter_layout", "flat_layout"]
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rearrange:
+    """One local pass: ``source.reshape(view).permute(perm)``, laid out contiguously."""
+
+    view: Shape  # the source viewed with at most one axis split in two (always a view, any strides)
+    perm: tuple[int, ...]  # destination axis order over `view`'s axes
+    always_copy: bool = False  # True when the collective writes in place and needs a fresh buffer
+
+    @property
+    def out_shape(self) -> Shape:
+        """Shape after the permutation, before any final reshape."""
+        return tuple(self.view[axis] for axis in self.perm)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when a contiguous source needs no pass: the permutation keeps memory order."""
+        moved = [axis for axis in self.perm if self.view[axis] != 1]
+        return not self.always_copy and moved == sorted(moved)
+
+    def merged(self) -> tuple[Shape, tuple[int, ...]]:
+        """The same permutation over the fewest axes (size-1 axes dropped, co-moving neighbours merged).
+
+        E.g. the Ulysses pack ``[B, S/W, W, H/W, D]`` by ``(2, 0, 1, 3, 4)`` merges to
+        ``[B*S/W, W, H/W*D]`` by ``(1, 0, 2)``: a single batched transpose, the shape a pack kernel takes.
+        """
+        order = [axis for axis in self.perm if self.view[axis] != 1]
+        groups: list[list[int]] = []
+        for axis in order:
+            if groups and groups[-1][-1] == axis - 1 - _ones_between(self.view, groups[-1][-1], axis):
+                groups[-1].append(axis)
+            else:
+                groups.append([axis])
+        by_source = sorted(range(len(groups)), key=lambda g: groups[g][0])
+        shape = tuple(math.prod(self.view[axis] for axis in groups[g]) for g in by_source)
+        perm = tuple(by_source.index(g) for g in range(len(groups)))
+        return shape, perm
+
+
+def _ones_between(view: Shape, left: int, right: int) -> int:
+    """Number of size-1 axes strictly between `left` and `right` (they do not break adjacency)."""
+    return sum(1 for axis in range(left + 1, right) if view[axis] == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated collective on one rank: pack, the dim-0 collective, unpack.
+
+    Built only by the op functions of `commlib.ops`, which validate first; frontends walk it and
+    never re-check.
+    """
+
+    op: str  # public op name, for messages
+    collective: str  # dim-0 collective: all_reduce | all_gather | reduce_scatter | all_to_all | ...
+    world_size: int
+    in_shape: Shape  # this rank's input
+    out_shape: Shape  # this rank's output
+    dims: tuple[int, ...]  # normalised dims: (scatter_dim, gather_dim), (dim,) or ()
+    pack: Rearrange  # input -> contiguous send buffer of `send_shape`
+    send_shape: Shape
+    recv_shape: Shape  # what the collective returns on this rank
+    unpack: Rearrange  # recv buffer -> output of `out_shape`
+    reduce_op: str | None = None  # ReduceOp value for reductions, else None
+    scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
+    convention: str = "sum"  # gradient convention, see docs/gradients.md
+    accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
+    root: int | None = None  # group-local src/dst rank of rooted ops
+
+    @property
+    def copies(self) -> int:
+        """Local passes this plan makes on a contiguous input (0, 1 or 2)."""
+        return int(not self.pack.is_identity) + int(not self.unpack.is_identity)
+
+    def replace(self, **changes: object) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+
+def _identity(shape: Shape, always_copy: bool = False) -> Rearrange:
+    return Rearrange(view=shape, perm=tuple(range(len(shape))), always_copy=always_copy)
+
+
+def _split_front(shape: Shape, dim: int, world_size: int) -> Rearrange:
+    """Split `dim` into (world_size, size / world_size) and move the world_size axis first."""
+    view = shape[:dim] + (world_size, shape[dim] // world_size) + shape[dim + 1 :]
+    return Rearrange(view=view, perm=(dim, *range(dim), *range(dim + 1, len(view))))
+
+
+def _front_to(recv_shape: Shape, dim: int) -> Rearrange:
+    """Move the leading world_size axis of `recv_shape` to just before chunk axis `dim`."""
+    return Rearrange(view=recv_shape, perm=(*range(1, dim + 1), 0, *range(dim + 1, len(recv_shape))))
+
+
+def _chunk(shape: Shape, dim: int, world_size: int) -> Shape:
+    return shape[:dim] + (shape[dim] // world_size,) + shape[dim + 1 :]
+
+
+def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
+    return shape[:dim] + (shape[dim] * world_size,) + shape[dim + 1 :]
+
+
+@functools.lru_cache(maxsize=4096)
+def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_dim: int) -> dict:
+    """Fields of the all-to-all plan for valid, normalised arguments (see module docstring)."""
+    chunk = _chunk(shape, scatter_dim, world_size)
+    recv = (world_size, *chunk)
+    return dict(
+        pack=_split_front(shape, scatter_dim, world_size),
+        send_shape=recv,
+        recv_shape=recv,
+        unpack=_front_to(recv, gather_dim),
+        out_shape=_grown(chunk, gather_dim, world_size),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def all_gather_layout(shape: Shape, world_size: int, dim: int) -> dict:
+    """Gather into [W, *shape] (dim 0 = source rank), then move that axis in front of `dim`."""
+    recv = (world_size, *shape)
+    return dict(
+        pack=_identity(shape),
+        send_shape=shape,
+        recv_shape=recv,
+        unpack=_front_to(recv, dim),
+        out_shape=_grown(shape, dim, world_size),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> dict:
+    """Pack to [W, *chunk] (chunk r for rank r), reduce-scatter on dim 0; the result is already laid out."""
+    chunk = _chunk(shape, dim, world_size)
+    return dict(
+        pack=_split_front(shape, dim, world_size),
+        send_shape=(world_size, *chunk),
+        recv_shape=chunk,
+        unpack=_identity(chunk),
+        out_shape=chunk,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def flat_layout(shape: Shape, in_place: bool) -> dict:
+    """Same-shape collectives (all_reduce, broadcast, permute): no layout change; a fresh buffer if in place."""
+    return dict(
+        pack=_identity(shape, always_copy=in_place),
+        send_shape=shape,
+        recv_shape=shape,
+        unpack=_identity(shape),
+        out_shape=shape,
+    )

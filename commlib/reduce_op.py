@@ -1,0 +1,51 @@
+"""Reduction operators and the dtype rules that go with them."""
+
+from __future__ import annotations
+
+import enum
+
+from commlib.errors import comm_error, kind_error
+
+__all__ = ["ReduceOp", "parse_reduce_op", "FLOAT_DTYPES", "is_floating"]
+
+#: dtype names (numpy / torch / jax spelling without the module prefix) that carry gradients.
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class ReduceOp(str, enum.Enum):
+    """The reductions of `all_reduce` / `reduce_scatter`; the value is the accepted string spelling."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+
+def is_floating(dtype: str) -> bool:
+    """True for the floating dtypes that carry gradients (`FLOAT_DTYPES`)."""
+    return dtype in FLOAT_DTYPES
+
+
+def parse_reduce_op(op: object, *, op_name: str, received: dict | None = None) -> ReduceOp:
+    """Normalise `op` to a `ReduceOp`.
+
+    Accepts a `ReduceOp`, its string value in any case (``"sum"``, ``"MAX"``), or any object with a
+    string ``name`` attribute such as ``torch.distributed.ReduceOp.SUM`` (read by duck typing: the spec
+    never imports torch).
+
+    Raises:
+        CommError: an unknown name (e.g. ``torch.distributed.ReduceOp.BAND``).
+        TypeError: `op` is neither a string nor has a ``name``.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    received = received if received is not None else {"op": op}
+    name = op if isinstance(op, str) else getattr(op, "name", None)
+    if not isinstance(name, str):
+        raise kind_error(op_name, f"op must be a string or a ReduceOp, not {type(op).__name__}", **received)
+    try:
+        return ReduceOp(name.lower())
+    except ValueError:
+        known = ", ".join(member.value for member in ReduceOp)
+        raise comm_error(op_name, f"op ({name!r}) must be one of {known}", **received) from None

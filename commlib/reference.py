@@ -1,0 +1,114 @@
+"""Numpy reference: W simulated ranks, each op's outputs and its VJP.
+
+Every function takes the list of per-rank inputs (rank r at index r) and returns the list of per-rank
+outputs. It walks the same `Plan` a frontend walks (pack, dim-0 collective, unpack), so the plans are
+tested with the reference. Reductions run in float64 (int64 for integers), so the reference is the
+exact value the frontends are compared against.
+
+VJPs follow ``convention="sum"`` unless the plan says ``"replicated"``: rank r's loss is L_r(y_r) and
+the gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from commlib import ops
+from commlib.layout import Plan, Rearrange
+
+__all__ = ["run", "vjp", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d"]
+
+Arrays = list[np.ndarray]
+
+
+def _rearrange(x: np.ndarray, step: Rearrange, shape: tuple[int, ...]) -> np.ndarray:
+    return np.ascontiguousarray(x.reshape(step.view).transpose(step.perm)).reshape(shape)
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """float64 for floats, int64 for integers, bool as is: the exact arithmetic of the reference."""
+    if x.dtype.kind == "f" or x.dtype.kind == "V" or str(x.dtype) == "bfloat16":
+        return x.astype(np.float64)
+    if x.dtype.kind in "iu":
+        return x.astype(np.int64)
+    return x
+
+
+_REDUCE = {
+    "sum": lambda stacked: stacked.sum(axis=0),
+    "avg": lambda stacked: stacked.sum(axis=0),  # the plan's scale divides by W
+    "max": lambda stacked: stacked.max(axis=0),
+    "min": lambda stacked: stacked.min(axis=0),
+    "product": lambda stacked: stacked.prod(axis=0),
+}
+
+
+def _collective(plan: Plan, sends: Arrays) -> Arrays:
+    W = plan.world_size
+    if plan.collective == "all_to_all":
+        return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
+    if plan.collective == "all_gather":
+        return [np.stack(sends) for _ in range(W)]
+    reduced = _REDUCE[plan.reduce_op](np.stack(sends))
+    if plan.scale != 1.0:
+        reduced = reduced * plan.scale
+    if plan.collective == "all_reduce":
+        return [reduced.copy() for _ in range(W)]
+    if plan.collective == "reduce_scatter":
+        return [reduced[rank] for rank in range(W)]
+    raise NotImplementedError(plan.collective)
+
+
+def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
+    """Walk `plan` on every rank's input; returns every rank's output (float64 / int64)."""
+    if len(xs) != plan.world_size:
+        raise ValueError(f"{plan.op}: reference got {len(xs)} ranks for world_size {plan.world_size}")
+    sends = [_rearrange(_wide(np.asarray(x)), plan.pack, plan.send_shape) for x in xs]
+    recvs = _collective(plan, sends)
+    return [_rearrange(recv, plan.unpack, plan.out_shape) for recv in recvs]
+
+
+def vjp(plan: Plan, xs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray]) -> Arrays:
+    """Every rank's input gradient given every rank's output cotangent (see module docstring)."""
+    del xs  # linear ops: the VJP does not depend on the primal
+    if plan.convention == "replicated" and plan.collective == "all_reduce":
+        return [_wide(np.asarray(ct)) for ct in cotangents]
+    if plan.convention == "replicated" and plan.collective == "all_gather":
+        (dim,) = plan.dims
+        return [np.split(_wide(np.asarray(ct)), plan.world_size, axis=dim)[rank] for rank, ct in enumerate(cotangents)]
+    return run(ops.transpose(plan), cotangents)
+
+
+def _shape_of(xs: Sequence[np.ndarray]) -> tuple[int, ...]:
+    return tuple(np.shape(xs[0]))
+
+
+def _dtype_of(xs: Sequence[np.ndarray]) -> str:
+    return str(np.asarray(xs[0]).dtype)
+
+
+def all_reduce(xs, op="sum", *, convention="sum", accum_dtype=None) -> Arrays:
+    """Reference `all_reduce`: ``s -> s``, every rank gets the reduction."""
+    return run(ops.all_reduce(_shape_of(xs), len(xs), op, dtype=_dtype_of(xs), convention=convention), xs)
+
+
+def all_gather(xs, dim=-1, *, convention="sum") -> Arrays:
+    """Reference `all_gather`: ``shape[dim] *= W``."""
+    return run(ops.all_gather(_shape_of(xs), len(xs), dim, convention=convention), xs)
+
+
+def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None) -> Arrays:
+    """Reference `reduce_scatter`: ``shape[dim] /= W``."""
+    return run(ops.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs)), xs)
+
+
+def all_to_all(xs, scatter_dim, gather_dim) -> Arrays:
+    """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``."""
+    return run(ops.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim), xs)
+
+
+def all_to_all_4d(xs, scatter_dim=2, gather_dim=1) -> Arrays:
+    """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
+    return run(ops.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim), xs)

@@ -1,0 +1,20 @@
+"""commlib's PyTorch frontend: differentiable collectives over torch.distributed.
+
+Same op names and keywords as `commlib_jax` (tested); validation and shapes come from the spec `commlib`.
+Never imports jax.
+"""
+
+from commlib import CommError, ReduceOp
+from commlib_torch.communicator import DeviceCommunicator
+from commlib_torch.functional import all_gather, all_reduce, all_to_all, all_to_all_4d, reduce_scatter
+
+__all__ = [
+    "CommError",
+    "ReduceOp",
+    "DeviceCommunicator",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+]

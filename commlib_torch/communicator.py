@@ -1,0 +1,82 @@
+"""`DeviceCommunicator`: the seed's class (FastVideo / vLLM API) on commlib's differentiable ops.
+
+Same constructor and methods as the seed, with its flaws fixed: validation before communication, exact
+gradients, one local pass per side of an all-to-all, and `cpu_group` used when `device_group` is None.
+All rank arguments (`dst`, `src`) are group-local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib import ReduceOp
+from commlib_torch import functional
+
+__all__ = ["DeviceCommunicator"]
+
+
+class DeviceCommunicator:
+    """Collectives bound to one group, with autograd support.
+
+    Args:
+        cpu_group: a process group (gloo) over the participating ranks.
+        device: where `recv` allocates; defaults to CPU.
+        device_group: the group used for communication (e.g. NCCL); defaults to `cpu_group`.
+        unique_name: a label, kept for compatibility.
+    """
+
+    def __init__(self, cpu_group, device: torch.device | None = None, device_group=None, unique_name: str = ""):
+        self.device = device or torch.device("cpu")
+        self.cpu_group = cpu_group
+        self.device_group = device_group if device_group is not None else cpu_group
+        self.unique_name = unique_name
+        self.rank = dist.get_rank(cpu_group)
+        self.world_size = dist.get_world_size(cpu_group)
+        self.ranks = dist.get_process_group_ranks(cpu_group)
+        self.global_rank = dist.get_rank()
+        self.global_world_size = dist.get_world_size()
+        self.rank_in_group = self.rank
+
+    def all_reduce(self, input_: torch.Tensor, op=ReduceOp.SUM, *, convention="sum", accum_dtype=None):
+        """Differentiable all_reduce; see `commlib_torch.all_reduce`."""
+        return functional.all_reduce(input_, op, self.device_group, convention=convention, accum_dtype=accum_dtype)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum") -> torch.Tensor:
+        """Differentiable all_gather along `dim`; see `commlib_torch.all_gather`."""
+        return functional.all_gather(input_, dim, self.device_group, convention=convention)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op=ReduceOp.SUM, *, accum_dtype=None):
+        """Differentiable reduce_scatter along `dim`; see `commlib_torch.reduce_scatter`."""
+        return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype)
+
+    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Differentiable all_to_all; see `commlib_torch.all_to_all`."""
+        return functional.all_to_all(input_, scatter_dim, gather_dim, self.device_group)
+
+    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1) -> torch.Tensor:
+        """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_torch.all_to_all_4d`."""
+        return functional.all_to_all_4d(input_, scatter_dim, gather_dim, self.device_group)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenation of every rank's input along `dim` on group-local rank `dst`; None elsewhere.
+
+        Not differentiable (the seed's semantics); `commlib_torch.gather` is the differentiable op.
+        """
+        plan = functional.gather_plan(input_, dst, dim, self.device_group)
+        return functional.gather_to_root(input_, plan, self.device_group)
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send `tensor` to group-local rank `dst` (default: the next rank)."""
+        dst = (self.rank + 1) % self.world_size if dst is None else dst
+        dist.send(tensor.contiguous(), functional.global_rank(self.device_group, functional.check_peer("send", dst, self.world_size)), self.device_group)
+
+    def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
+        """Receive a tensor of `size` and `dtype` from group-local rank `src` (default: the previous rank)."""
+        src = (self.rank - 1) % self.world_size if src is None else src
+        tensor = torch.empty(size, dtype=dtype, device=self.device)
+        dist.recv(tensor, functional.global_rank(self.device_group, functional.check_peer("recv", src, self.world_size)), self.device_group)
+        return tensor
+
+    def destroy(self) -> None:
+        """Nothing to release: the groups belong to the caller."""
