@@ -27,9 +27,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16 -> "bfloat16"``: the spelling the spec uses."""
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16 -> "bfloat16"`` (names pass through): the spelling the spec uses."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:

@@ -1,0 +1,212 @@
+"""The seeded case table that `commlib parity` runs through the reference, torch and JAX.
+
+A `Case` names an op, its keyword arguments and one rank's input shape; `make_arrays` draws every rank's
+inputs and output cotangents from the seed; `expected` gives the reference outputs and input gradients
+(``convention`` as the case says), or the `CommError` / `TypeError` text the spec raises for it. Frontend
+runners read the same files (`write` / `read`), so the three sides see identical bytes.
+
+bfloat16 values are drawn on the bfloat16 grid and stored as float32, so every side starts from the same
+numbers without a bfloat16 type in numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from commlib import ops, reference, workloads
+from commlib.errors import CommError
+
+__all__ = ["Case", "case_table", "make_arrays", "expected", "write", "read", "storage_dtype", "tolerance"]
+
+ATTENTION = "ulysses_attention"
+
+#: Max abs error allowed relative to max(1, max |reference|), by dtype.
+_TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row of the table: `op` on every rank's input of `shape` with keyword arguments `kwargs`."""
+
+    name: str  # unique, stable id
+    op: str  # a public op name of both frontends, or "ulysses_attention"
+    world_size: int
+    shape: tuple[int, ...]  # one rank's input shape
+    dtype: str = "float32"
+    kwargs: tuple[tuple[str, object], ...] = ()  # keyword arguments of the op, JSON-able
+    transposed: bool = False  # the frontend feeds inputs and cotangents as non-contiguous transposed views
+    inputs: tuple[str, ...] = ("x",)  # names of the differentiable inputs
+
+    @property
+    def params(self) -> dict[str, object]:
+        return dict(self.kwargs)
+
+    def plan(self):
+        """The spec's plan for this case (raises the spec's error for invalid cases)."""
+        builder = getattr(ops, self.op)
+        if self.op in ("all_reduce", "reduce_scatter"):
+            return builder(self.shape, self.world_size, dtype=self.dtype, **self.params)
+        return builder(self.shape, self.world_size, **self.params)
+
+    def out_shape(self) -> tuple[int, ...]:
+        if self.op == ATTENTION:
+            return self.shape
+        return self.plan().out_shape
+
+
+def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> Case:
+    dtype = kwargs.pop("dtype", "float32")
+    transposed = kwargs.pop("transposed", False)
+    inputs = kwargs.pop("inputs", ("x",))
+    args = ",".join(f"{key}={value}" for key, value in kwargs.items())
+    layout = ",T" if transposed else ""
+    name = f"{op_name}{tag}[{'x'.join(map(str, shape))},{dtype}{layout}{',' + args if args else ''}]"
+    return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs))
+
+
+def _attention_shape(world_size: int, batch: int, seq: int, heads: int, head_dim: int) -> tuple[int, ...]:
+    seq = seq if seq % world_size == 0 else seq * world_size
+    heads = heads if heads % world_size == 0 else heads * world_size
+    return (batch, seq // world_size, heads, head_dim)
+
+
+def case_table(world_size: int) -> list[Case]:
+    """Every op, both conventions, odd shapes (batch > 1, size-1 dims, non-contiguous, negative dims,
+    bfloat16), the Ulysses attention layer, and invalid calls whose error text must match."""
+    W = world_size
+    qkv = ("q", "k", "v")
+    return [
+        _case("all_reduce", W, (3, 5)),
+        _case("all_reduce", W, (2, 3, 4), op="avg", transposed=True),
+        _case("all_reduce", W, (4, 6), dtype="bfloat16", accum_dtype="float32"),
+        _case("all_reduce", W, (3, 5), convention="replicated"),
+        _case("all_gather", W, (3, 5)),
+        _case("all_gather", W, (2, 3, 4), dim=0, transposed=True),
+        _case("all_gather", W, (2, 1, 3), dim=-2, dtype="bfloat16"),
+        _case("all_gather", W, (3, 4), dim=1, convention="replicated"),
+        _case("reduce_scatter", W, (2, 4 * W, 3), dim=1),
+        _case("reduce_scatter", W, (4 * W, 5), dim=-2, op="avg", transposed=True),
+        _case("reduce_scatter", W, (3, 2 * W), dim=-1, dtype="bfloat16", accum_dtype="float32"),
+        _case("all_to_all", W, (2 * W, 3, W), scatter_dim=0, gather_dim=2),
+        _case("all_to_all", W, (5, 2 * W), scatter_dim=-1, gather_dim=0, transposed=True),
+        _case("all_to_all", W, (W, 3, 1, 2), scatter_dim=0, gather_dim=-1, dtype="bfloat16"),
+        _case("all_to_all_4d", W, (2, 8, 2 * W, 4)),
+        _case("all_to_all_4d", W, (1, 8, 2 * W, 4)),
+        _case("all_to_all_4d", W, (2, 4 * W, 3, 4), scatter_dim=1, gather_dim=2, transposed=True),
+        _case("all_to_all_4d", W, (3, 5, 2 * W, 2), scatter_dim=-2, gather_dim=-3, dtype="bfloat16"),
+        _case(ATTENTION, W, _attention_shape(W, 2, 64, 8, 16), inputs=qkv),
+        _case(ATTENTION, W, _attention_shape(W, 1, 48, 4, 8), inputs=qkv),
+        # invalid calls: every side must raise the spec's text (only where the call is invalid at this W)
+        _case("all_to_all_4d", W, (2, 8, 2 * W + 1, 4), "!heads"),
+        _case("all_to_all_4d", W, (2, 8, 2 * W), "!ndim"),
+        _case("all_to_all", W, (2 * W, 3), "!same", scatter_dim=0, gather_dim=-2),
+        _case("all_gather", W, (3, 5), "!range", dim=2),
+        _case("all_reduce", W, (3,), "!op", op="band"),
+        _case("reduce_scatter", W, (2 * W + 1, 3), "!split"),
+    ]
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a case's arrays are stored in (bfloat16 is stored as float32)."""
+    return np.dtype("float32" if dtype == "bfloat16" else dtype)
+
+
+def _draw(rng: np.random.Generator, shape: Sequence[int], dtype: str) -> np.ndarray:
+    values = rng.standard_normal(shape).astype(storage_dtype(dtype))
+    if dtype == "bfloat16":  # round to the bfloat16 grid: keep the top 16 bits of each float32
+        values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    return values
+
+
+def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
+    """Every rank's inputs (by input name) and output cotangents (key "cotangent"), from `seed`."""
+    rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
+    W = case.world_size
+    arrays = {name: [_draw(rng, case.shape, case.dtype) for _ in range(W)] for name in case.inputs}
+    try:
+        out_shape = case.out_shape()
+    except (CommError, TypeError):
+        return arrays
+    arrays["cotangent"] = [_draw(rng, out_shape, case.dtype) for _ in range(W)]
+    return arrays
+
+
+def error_text(case: Case) -> str | None:
+    """``"CommError: ..."`` / ``"TypeError: ..."`` if the spec rejects the case, else None."""
+    if case.op == ATTENTION:
+        return None
+    try:
+        case.plan()
+    except (CommError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
+    W = case.world_size
+    q, k, v, ct = (np.concatenate(arrays[name], axis=1).astype(np.float64) for name in ("q", "k", "v", "cotangent"))
+    shards = lambda full: np.split(full, W, axis=1)  # noqa: E731
+    grads = workloads.attention_vjp(q, k, v, ct)
+    return shards(workloads.attention(q, k, v)), {name: shards(g) for name, g in zip("qkv", grads, strict=True)}
+
+
+def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
+    """Reference per-rank outputs and per-rank input gradients {input name: [rank arrays]}."""
+    if case.op == ATTENTION:
+        return _attention_expected(case, arrays)
+    plan = case.plan()
+    xs = arrays["x"]
+    return reference.run(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
+
+
+def tolerance(case: Case) -> float:
+    base = _TOLERANCE[case.dtype]
+    return max(base, 1e-4) if case.op == ATTENTION else base
+
+
+def _key(*parts: object) -> str:
+    return "|".join(map(str, parts))
+
+
+def write(directory: Path, cases: Sequence[Case], seed: int) -> None:
+    """Write ``cases.json`` and ``arrays.npz`` for the frontend runners."""
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for case in cases:
+        for name, ranks in make_arrays(case, seed).items():
+            arrays.update({_key(case.name, name, rank): value for rank, value in enumerate(ranks)})
+    np.savez(directory / "arrays.npz", **arrays)
+    table = [dataclasses.asdict(case) for case in cases]
+    (directory / "cases.json").write_text(json.dumps({"seed": seed, "cases": table}, indent=1))
+
+
+def read(directory: Path) -> list[tuple[Case, dict[str, list[np.ndarray]]]]:
+    """The cases and their arrays as written by `write`."""
+    table = json.loads((directory / "cases.json").read_text())["cases"]
+    with np.load(directory / "arrays.npz") as stored:
+        data = dict(stored)
+    result = []
+    for row in table:
+        row = {**row, "shape": tuple(row["shape"]), "inputs": tuple(row["inputs"]),
+               "kwargs": tuple((key, value) for key, value in row["kwargs"])}
+        case = Case(**row)
+        names = [*case.inputs, "cotangent"]
+        arrays = {
+            name: [data[_key(case.name, name, rank)] for rank in range(case.world_size)]
+            for name in names
+            if _key(case.name, name, 0) in data
+        }
+        result.append((case, arrays))
+    return result
+
+
+def result_key(case: Case, mode: str, what: str, rank: int) -> str:
+    """Key of a runner's result array: what = "out" or "grad_<input>"."""
+    return _key(case.name, mode, what, rank)
+

@@ -1,0 +1,139 @@
+"""`commlib parity`: one seeded case table through the numpy reference, torch and JAX, compared.
+
+The driver writes the table (`commlib.cases.write`), runs each frontend's runner as a subprocess
+(``python -m commlib_torch.parity_runner IN OUT --world-size N``, same for ``commlib_jax``), reads the
+results back and compares every rank's output and input gradients with the reference. Torch and JAX never
+share a process and a crashed runner becomes a failed row, not a dead driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from commlib import cases
+from commlib.errors import CommError
+
+__all__ = ["Row", "Results", "run", "compare"]
+
+FRAMEWORKS = ("torch", "jax")
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the parity table."""
+
+    case: str
+    framework: str
+    mode: str
+    out_error: float | None  # max abs error of outputs over ranks, relative to max(1, |reference|)
+    grad_error: float | None  # same for every input gradient
+    passed: bool
+    detail: str = ""
+
+
+class Results:
+    """What a frontend runner writes: per case and mode, every rank's output and input gradients, or an error."""
+
+    def __init__(self, framework: str) -> None:
+        self.framework = framework
+        self.arrays: dict[str, np.ndarray] = {}
+        self.errors: dict[str, str] = {}
+        self.entries: list[tuple[str, str]] = []  # (case name, mode) in the order run
+
+    def add(self, case: cases.Case, mode: str, outputs, gradients: dict) -> None:
+        self.entries.append((case.name, mode))
+        for rank, value in enumerate(outputs):
+            self.arrays[cases.result_key(case, mode, "out", rank)] = np.asarray(value)
+        for name, ranks in gradients.items():
+            for rank, value in enumerate(ranks):
+                self.arrays[cases.result_key(case, mode, f"grad_{name}", rank)] = np.asarray(value)
+
+    def fail(self, case: cases.Case, mode: str, error: BaseException | str) -> None:
+        """Record an error: an exception, or its ``"Type: message"`` text."""
+        self.entries.append((case.name, mode))
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.errors[f"{case.name}|{mode}"] = text
+
+    def save(self, directory: Path, versions: dict[str, str]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        np.savez(directory / "results.npz", **self.arrays)
+        meta = {"framework": self.framework, "entries": self.entries, "errors": self.errors, "versions": versions}
+        (directory / "results.json").write_text(json.dumps(meta, indent=1))
+
+
+def _max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    worst = 0.0
+    for mine, theirs in zip(got, want, strict=True):
+        if mine.shape != theirs.shape:
+            return float("inf")
+        scale = max(1.0, float(np.max(np.abs(theirs), initial=0.0)))
+        worst = max(worst, float(np.max(np.abs(mine.astype(np.float64) - theirs), initial=0.0)) / scale)
+    return worst
+
+
+def _compare_case(case, arrays, framework, mode, stored, meta) -> Row:
+    key = f"{case.name}|{mode}"
+    got_error = meta["errors"].get(key)
+    want_error = cases.error_text(case)
+    if want_error is not None or got_error is not None:
+        passed = got_error == want_error
+        detail = "" if passed else f"expected {want_error!r}, got {got_error!r}"
+        return Row(case.name, framework, mode, None, None, passed, detail)
+    W = case.world_size
+    outs, grads = cases.expected(case, arrays)
+    try:
+        got_out = [stored[cases.result_key(case, mode, "out", r)] for r in range(W)]
+        got_grads = {n: [stored[cases.result_key(case, mode, f"grad_{n}", r)] for r in range(W)] for n in grads}
+    except KeyError as missing:
+        return Row(case.name, framework, mode, None, None, False, f"no result {missing}")
+    out_error = _max_error(got_out, outs)
+    grad_error = max(_max_error(got_grads[name], grads[name]) for name in grads)
+    tol = cases.tolerance(case)
+    return Row(case.name, framework, mode, out_error, grad_error, out_error <= tol and grad_error <= tol)
+
+
+def compare(table, framework: str, result_dir: Path) -> list[Row]:
+    """Rows for every (case, mode) the runner reported; a case it never ran is a failed row."""
+    meta = json.loads((result_dir / "results.json").read_text())
+    with np.load(result_dir / "results.npz") as data:
+        stored = dict(data)
+    rows = []
+    for case, arrays in table:
+        modes = [mode for name, mode in meta["entries"] if name == case.name]
+        rows += [_compare_case(case, arrays, framework, mode, stored, meta) for mode in modes]
+        if not modes:
+            rows.append(Row(case.name, framework, "-", None, None, False, "not run"))
+    return rows
+
+
+def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float) -> list[Row]:
+    command = [sys.executable, "-m", f"commlib_{framework}.parity_runner", str(in_dir), str(out_dir)]
+    command += ["--world-size", str(world_size)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return [Row("(runner)", framework, "-", None, None, False, f"timed out after {timeout:.0f} s")]
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+        return [Row("(runner)", framework, "-", None, None, False, f"exit {done.returncode}: " + " | ".join(tail))]
+    return compare(cases.read(in_dir), framework, out_dir)
+
+
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
+    """The whole parity table at `world_size`."""
+    if world_size < 1:
+        raise CommError(f"parity: world_size ({world_size}) must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="commlib-parity-") as tmp:
+        in_dir = Path(tmp) / "cases"
+        cases.write(in_dir, cases.case_table(world_size), seed)
+        rows = []
+        for framework in frameworks:
+            rows += _run_framework(framework, in_dir, Path(tmp) / framework, world_size, timeout)
+        return rows

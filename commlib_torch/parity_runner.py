@@ -1,0 +1,103 @@
+"""Torch side of `commlib parity`: ``python -m commlib_torch.parity_runner IN_DIR OUT_DIR --world-size N``.
+
+Runs every case of the table on N gloo worker processes (mode "gloo"), and the attention cases also
+unsharded on one process (mode "unsharded"); writes every rank's output and input gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import commlib_torch
+from commlib import cases
+from commlib.errors import CommError
+from commlib.parity import Results
+from commlib_torch.attention import attention, ulysses_attention
+from commlib_torch.pool import WorkerError, WorkerPool
+
+__all__ = ["main"]
+
+
+@functools.lru_cache(maxsize=1)
+def _table(in_dir: str):
+    return cases.read(Path(in_dir))
+
+
+def _tensor(array: np.ndarray, case: cases.Case) -> torch.Tensor:
+    """The case's value as a tensor of its dtype; a non-contiguous transposed view when the case says so."""
+    if case.transposed and array.ndim >= 2:
+        return torch.from_numpy(np.swapaxes(array, 0, -1).copy()).to(getattr(torch, case.dtype)).transpose(0, -1)
+    return torch.from_numpy(array.copy()).to(getattr(torch, case.dtype))
+
+
+def _call(case: cases.Case, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if case.op == cases.ATTENTION:
+        return ulysses_attention(inputs["q"], inputs["k"], inputs["v"])
+    return getattr(commlib_torch, case.op)(inputs["x"], **case.params)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
+
+
+def run_case(context, in_dir: str, index: int):
+    """One case on this rank: ("ok", output, {input: grad}) or ("error", text) for a rejected call."""
+    case, arrays = _table(in_dir)[index]
+    inputs = {name: _tensor(arrays[name][context.rank], case).requires_grad_() for name in case.inputs}
+    try:
+        out = _call(case, inputs)
+    except (CommError, TypeError) as error:
+        return "error", f"{type(error).__name__}: {error}"
+    (out * _tensor(arrays["cotangent"][context.rank], case)).sum().backward()
+    return "ok", _numpy(out), {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
+
+
+def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:
+    """Attention on the full sequence in one process, split back into per-rank shards."""
+    W = case.world_size
+    full = {name: torch.from_numpy(np.concatenate(arrays[name], axis=1)).requires_grad_() for name in case.inputs}
+    out = attention(full["q"], full["k"], full["v"])
+    (out * torch.from_numpy(np.concatenate(arrays["cotangent"], axis=1))).sum().backward()
+    shards = lambda tensor: [_numpy(part) for part in tensor.chunk(W, dim=1)]  # noqa: E731
+    return shards(out), {name: shards(tensor.grad) for name, tensor in full.items()}
+
+
+def _record(results: Results, case: cases.Case, per_rank: list) -> None:
+    errors = {reply[1] for reply in per_rank if reply[0] == "error"}
+    if errors:
+        results.fail(case, "gloo", errors.pop() if len(errors) == 1 else f"ranks disagree: {sorted(errors)}")
+        return
+    grads = {name: [reply[2][name] for reply in per_rank] for name in case.inputs}
+    results.add(case, "gloo", [reply[1] for reply in per_rank], grads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m commlib_torch.parity_runner")
+    parser.add_argument("in_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--world-size", type=int, required=True)
+    args = parser.parse_args(argv)
+    table = _table(str(args.in_dir))
+    results = Results("torch")
+    with WorkerPool(args.world_size) as pool:
+        for index, (case, arrays) in enumerate(table):
+            try:
+                _record(results, case, pool.run(run_case, str(args.in_dir), index))
+            except WorkerError as error:
+                results.fail(case, "gloo", error)
+            if case.op == cases.ATTENTION:
+                results.add(case, "unsharded", *_unsharded(case, arrays))
+    results.save(args.out_dir, {"torch": torch.__version__, "python": sys.version.split()[0]})
+    return 0
+
+
+if __name__ == "__main__":
+    from commlib_torch import parity_runner
+
+    sys.exit(parity_runner.main())
