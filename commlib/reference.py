@@ -6,7 +6,9 @@ tested with the reference. Reductions run in float64 (int64 for integers), so th
 exact value the frontends are compared against.
 
 VJPs follow ``convention="sum"`` unless the plan says ``"replicated"``: rank r's loss is L_r(y_r) and
-the gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r.
+the gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r. all_reduce's max/min
+send the summed cotangent to the rank(s) holding the extremum (split equally among ties) and product
+multiplies it by the other ranks' values; under "replicated" each rank's own cotangent takes the sum's place.
 """
 
 from __future__ import annotations
@@ -46,14 +48,19 @@ _REDUCE = {
 
 
 def _collective(plan: Plan, sends: Arrays) -> Arrays:
+    """The dim-0 collective on every rank, then the plan's scale (any collective: the transpose of
+    reduce_scatter(avg) is an all_gather scaled by 1/W), as the frontends apply it."""
+    recvs = _exchange(plan, sends)
+    return recvs if plan.scale == 1.0 else [recv * plan.scale for recv in recvs]
+
+
+def _exchange(plan: Plan, sends: Arrays) -> Arrays:
     W = plan.world_size
     if plan.collective == "all_to_all":
         return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
     if plan.collective == "all_gather":
         return [np.stack(sends) for _ in range(W)]
     reduced = _REDUCE[plan.reduce_op](np.stack(sends))
-    if plan.scale != 1.0:
-        reduced = reduced * plan.scale
     if plan.collective == "all_reduce":
         return [reduced.copy() for _ in range(W)]
     if plan.collective == "reduce_scatter":
@@ -71,14 +78,35 @@ def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
 
 
 def vjp(plan: Plan, xs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray]) -> Arrays:
-    """Every rank's input gradient given every rank's output cotangent (see module docstring)."""
-    del xs  # linear ops: the VJP does not depend on the primal
-    if plan.convention == "replicated" and plan.collective == "all_reduce":
-        return [_wide(np.asarray(ct)) for ct in cotangents]
+    """Every rank's input gradient given every rank's output cotangent (see module docstring).
+
+    `xs` matters only for all_reduce max/min/product; the other ops are linear.
+    """
+    if plan.collective == "all_reduce":
+        return _all_reduce_vjp(plan, xs, cotangents)
     if plan.convention == "replicated" and plan.collective == "all_gather":
         (dim,) = plan.dims
         return [np.split(_wide(np.asarray(ct)), plan.world_size, axis=dim)[rank] for rank, ct in enumerate(cotangents)]
     return run(ops.transpose(plan), cotangents)
+
+
+def _all_reduce_vjp(plan: Plan, xs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray]) -> Arrays:
+    """``dx_s = incoming_s * dy/dx_s``; incoming is the sum of all ranks' cotangents ("sum") or this
+    rank's own ("replicated": it is already the gradient of the one replicated loss)."""
+    cts = [_wide(np.asarray(ct)) for ct in cotangents]
+    incoming = cts if plan.convention == "replicated" else [np.sum(np.stack(cts), axis=0)] * len(cts)
+    return [ct * partial for ct, partial in zip(incoming, _all_reduce_partials(plan, xs), strict=True)]
+
+
+def _all_reduce_partials(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
+    """Elementwise dy/dx_s: scale (sum, avg); 1/ties at the extremum (max, min); product of the others."""
+    stacked = np.stack([_wide(np.asarray(x)) for x in xs])
+    if plan.reduce_op in ("max", "min"):
+        hits = stacked == _REDUCE[plan.reduce_op](stacked)
+        return list(hits / hits.sum(axis=0))
+    if plan.reduce_op == "product":  # no division: exact where some rank holds a zero
+        return [np.prod(np.delete(stacked, rank, axis=0), axis=0) for rank in range(len(xs))]
+    return [np.full(stacked.shape[1:], plan.scale) for _ in xs]
 
 
 def _shape_of(xs: Sequence[np.ndarray]) -> tuple[int, ...]:
@@ -91,7 +119,10 @@ def _dtype_of(xs: Sequence[np.ndarray]) -> str:
 
 def all_reduce(xs, op="sum", *, convention="sum", accum_dtype=None) -> Arrays:
     """Reference `all_reduce`: ``s -> s``, every rank gets the reduction."""
-    return run(ops.all_reduce(_shape_of(xs), len(xs), op, dtype=_dtype_of(xs), convention=convention), xs)
+    plan = ops.all_reduce(
+        _shape_of(xs), len(xs), op, dtype=_dtype_of(xs), convention=convention, accum_dtype=accum_dtype
+    )
+    return run(plan, xs)
 
 
 def all_gather(xs, dim=-1, *, convention="sum") -> Arrays:
@@ -101,7 +132,7 @@ def all_gather(xs, dim=-1, *, convention="sum") -> Arrays:
 
 def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None) -> Arrays:
     """Reference `reduce_scatter`: ``shape[dim] /= W``."""
-    return run(ops.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs)), xs)
+    return run(ops.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype), xs)
 
 
 def all_to_all(xs, scatter_dim, gather_dim) -> Arrays:

@@ -38,7 +38,7 @@ class _Collective(torch.autograd.Function):
 
 def _vjp(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
     if plan.convention == "replicated" and plan.collective == "all_reduce":
-        return cotangent
+        return cotangent if plan.scale == 1.0 else cotangent * plan.scale
     if plan.convention == "replicated" and plan.collective == "all_gather":
         (dim,) = plan.dims
         return cotangent.chunk(plan.world_size, dim)[dist.get_rank(group)]
@@ -55,7 +55,8 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
     Args:
         op: "sum" | "avg" (= sum / W); a `commlib.ReduceOp` or `torch.distributed.ReduceOp` works too.
         convention: "sum": backward is all_reduce(sum) of the cotangent (avg: divided by W);
-            "replicated": backward is the identity (Megatron's g; `sum_grad` is its conjugate).
+            "replicated": backward is the identity, divided by W for avg (Megatron's g; `sum_grad` is its
+            conjugate).
         accum_dtype: e.g. ``torch.float32`` for bf16 input: reduce in that dtype (forward and backward),
             return x's dtype.
 

@@ -7,7 +7,6 @@ unsharded on one process (mode "unsharded"); writes every rank's output and inpu
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -21,12 +20,7 @@ from commlib.parity import Results
 from commlib_torch.attention import attention, ulysses_attention
 from commlib_torch.pool import WorkerError, WorkerPool
 
-__all__ = ["main"]
-
-
-@functools.lru_cache(maxsize=1)
-def _table(in_dir: str):
-    return cases.read(Path(in_dir))
+__all__ = ["main", "merge", "run_case"]
 
 
 def _tensor(array: np.ndarray, case: cases.Case) -> torch.Tensor:
@@ -46,9 +40,9 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
 
 
-def run_case(context, in_dir: str, index: int):
-    """One case on this rank: ("ok", output, {input: grad}) or ("error", text) for a rejected call."""
-    case, arrays = _table(in_dir)[index]
+def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]]):
+    """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
+    the call is rejected. Outputs and gradients come back as float64 (integers as they are)."""
     inputs = {name: _tensor(arrays[name][context.rank], case).requires_grad_() for name in case.inputs}
     try:
         out = _call(case, inputs)
@@ -68,13 +62,21 @@ def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:
     return shards(out), {name: shards(tensor.grad) for name, tensor in full.items()}
 
 
-def _record(results: Results, case: cases.Case, per_rank: list) -> None:
-    errors = {reply[1] for reply in per_rank if reply[0] == "error"}
+def merge(case: cases.Case, per_rank: list) -> tuple[list | None, dict | None, str | None]:
+    """`run_case` replies of every rank -> (outputs, {input: gradients}, error text or None)."""
+    errors = sorted({reply[1] for reply in per_rank if reply[0] == "error"})
     if errors:
-        results.fail(case, "gloo", errors.pop() if len(errors) == 1 else f"ranks disagree: {sorted(errors)}")
-        return
-    grads = {name: [reply[2][name] for reply in per_rank] for name in case.inputs}
-    results.add(case, "gloo", [reply[1] for reply in per_rank], grads)
+        return None, None, errors[0] if len(errors) == 1 else f"ranks disagree: {errors}"
+    gradients = {name: [reply[2][name] for reply in per_rank] for name in case.inputs}
+    return [reply[1] for reply in per_rank], gradients, None
+
+
+def _record(results: Results, case: cases.Case, per_rank: list) -> None:
+    outputs, gradients, error = merge(case, per_rank)
+    if error is not None:
+        results.fail(case, "gloo", error)
+    else:
+        results.add(case, "gloo", outputs, gradients)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,12 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
     args = parser.parse_args(argv)
-    table = _table(str(args.in_dir))
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
-        for index, (case, arrays) in enumerate(table):
+        for case, arrays in cases.read(args.in_dir):
             try:
-                _record(results, case, pool.run(run_case, str(args.in_dir), index))
+                _record(results, case, pool.run(run_case, case, arrays))
             except WorkerError as error:
                 results.fail(case, "gloo", error)
             if case.op == cases.ATTENTION:

@@ -1,0 +1,212 @@
+"""Layout plans: `Rearrange.is_identity`, `Rearrange.merged` and `Plan.copies`.
+
+Hand-checked examples first (Ulysses pack/unpack at batch 1 and batch > 1, dim-0 gather/scatter), then
+properties: executing ``view -> transpose(perm)`` equals executing the merged ``(shape, perm)`` form on
+the same contiguous data, and `is_identity` holds exactly when the pass leaves memory order unchanged.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from commlib import ops
+from commlib.layout import Rearrange
+
+
+def _execute(step: Rearrange, data: np.ndarray) -> np.ndarray:
+    """The pass as the plan states it: view, permute, lay out contiguously (flat, memory order)."""
+    return np.ascontiguousarray(data.reshape(step.view).transpose(step.perm)).ravel()
+
+
+def _execute_merged(step: Rearrange, data: np.ndarray) -> np.ndarray:
+    shape, perm = step.merged()
+    return np.ascontiguousarray(data.reshape(shape).transpose(perm)).ravel()
+
+
+# ---------------------------------------------------------------- Rearrange on hand-checked examples
+
+
+@pytest.mark.parametrize(
+    ("view", "perm", "identity", "merged"),
+    [
+        ((2, 3), (0, 1), True, ((6,), (0,))),
+        ((2, 3), (1, 0), False, ((2, 3), (1, 0))),
+        ((1, 3), (1, 0), True, ((3,), (0,))),  # a size-1 axis moving is no move
+        ((2, 1, 3), (1, 0, 2), True, ((6,), (0,))),
+        ((2, 1, 3), (2, 1, 0), False, ((2, 3), (1, 0))),
+        ((2, 1, 3), (0, 2, 1), True, ((6,), (0,))),  # size-1 axes do not break adjacency
+        ((2, 3, 4), (0, 2, 1), False, ((2, 3, 4), (0, 2, 1))),
+        ((2, 3, 4), (2, 0, 1), False, ((6, 4), (1, 0))),  # (0, 1) move together
+        ((2, 3, 4), (1, 2, 0), False, ((2, 12), (1, 0))),
+        ((2, 3, 1, 4), (3, 0, 1, 2), False, ((6, 4), (1, 0))),
+        ((1, 1), (1, 0), True, ((), ())),  # nothing but size-1 axes
+        ((5,), (0,), True, ((5,), (0,))),
+        ((0, 3), (1, 0), False, ((0, 3), (1, 0))),  # empty, but still a transpose by the rule
+    ],
+)
+def test_rearrange_identity_and_merged(view, perm, identity, merged):
+    step = Rearrange(view=view, perm=perm)
+    assert step.is_identity is identity
+    assert step.merged() == merged
+
+
+def test_rearrange_out_shape():
+    assert Rearrange(view=(2, 3, 4), perm=(2, 0, 1)).out_shape == (4, 2, 3)
+    assert Rearrange(view=(2, 1, 3), perm=(1, 2, 0)).out_shape == (1, 3, 2)
+
+
+def test_always_copy_is_never_identity():
+    step = Rearrange(view=(4, 5), perm=(0, 1), always_copy=True)
+    assert not step.is_identity
+    assert step.merged() == ((20,), (0,))  # merged() describes the permutation only
+
+
+# ---------------------------------------------------------------- Plans: Ulysses and the dim-0 collectives
+
+W = 4
+
+
+def test_ulysses_forward_batch_1_is_one_copy():
+    plan = ops.all_to_all_4d((1, 8, 12, 16), W, 2, 1)  # [B, S/W, H, D] -> [B, S, H/W, D]
+    assert plan.copies == 1
+    assert not plan.pack.is_identity
+    assert plan.unpack.is_identity  # [W, 1, S/W, H/W, D] -> [1, W, S/W, H/W, D] moves only a size-1 axis
+    assert plan.out_shape == (1, 32, 3, 16)
+
+
+def test_ulysses_forward_batch_2_is_two_copies():
+    plan = ops.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
+    assert plan.copies == 2
+    assert not plan.pack.is_identity and not plan.unpack.is_identity
+    assert plan.out_shape == (2, 32, 3, 16)
+
+
+def test_ulysses_reverse_batch_1_is_one_copy():
+    plan = ops.all_to_all_4d((1, 32, 3, 16), W, 1, 2)  # [B, S, H/W, D] -> [B, S/W, H, D]
+    assert plan.copies == 1
+    assert plan.pack.is_identity  # [1, W, S/W, H/W, D] -> [W, 1, ...]: the W blocks of seq are contiguous
+    assert not plan.unpack.is_identity
+    assert plan.out_shape == (1, 8, 12, 16)
+
+
+def test_ulysses_reverse_batch_2_is_two_copies():
+    plan = ops.all_to_all_4d((2, 32, 3, 16), W, 1, 2)
+    assert plan.copies == 2
+    assert plan.out_shape == (2, 8, 12, 16)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ulysses_pack_merges_to_a_batched_transpose(batch):
+    """[B, S/W, H, D] (2, 1): view [B, S/W, W, H/W, D], send [W, B, S/W, H/W, D] = a (1, 0, 2) transpose."""
+    plan = ops.all_to_all_4d((batch, 8, 12, 16), W, 2, 1)
+    assert plan.pack.view == (batch, 8, W, 3, 16)
+    assert plan.pack.merged() == ((batch * 8, W, 3 * 16), (1, 0, 2))
+
+
+def test_ulysses_forward_unpack_merges_to_a_transpose_of_batch_and_world():
+    plan = ops.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
+    assert plan.unpack.merged() == ((W, 2, 8 * 3 * 16), (1, 0, 2))
+
+
+def test_ulysses_reverse_unpack_merges_to_a_transpose():
+    """recv [W, B, S/W, H/W, D] -> [B, S/W, W, H/W, D]: the W axis moves behind (B, S/W)."""
+    for batch in (1, 2):
+        plan = ops.all_to_all_4d((batch, 32, 3, 16), W, 1, 2)
+        assert plan.unpack.merged() == ((W, batch * 8, 3 * 16), (1, 0, 2))
+
+
+@pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
+def test_all_gather_dim_0_is_zero_copy(shape):
+    assert ops.all_gather(shape, W, 0).copies == 0
+
+
+@pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
+def test_reduce_scatter_dim_0_is_zero_copy(shape):
+    assert ops.reduce_scatter(shape, W, 0).copies == 0
+
+
+def test_last_dim_gather_and_scatter_copy_once():
+    assert ops.all_gather((3, 5), W, -1).copies == 1  # unpack moves the rank axis
+    assert ops.reduce_scatter((3, 8), W, -1).copies == 1  # pack moves the rank axis
+    assert ops.all_gather((1, 5), W, -1).copies == 0  # nothing in front of dim but size 1
+    assert ops.reduce_scatter((1, 8), W, -1).copies == 0
+
+
+def test_all_reduce_copies_into_a_fresh_buffer():
+    plan = ops.all_reduce((3, 5), W)
+    assert plan.pack.always_copy
+    assert plan.copies == 1
+
+
+def test_world_size_1_all_to_all_is_zero_copy():
+    assert ops.all_to_all_4d((2, 8, 12, 16), 1, 2, 1).copies == 0
+    assert ops.all_to_all((3, 4, 5), 1, 0, 2).copies == 0
+
+
+# ---------------------------------------------------------------- properties
+
+
+@st.composite
+def rearranges(draw):
+    ndim = draw(st.integers(1, 6))
+    view = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
+    perm = tuple(draw(st.permutations(range(ndim))))
+    return Rearrange(view=view, perm=perm)
+
+
+def _check_step(step: Rearrange) -> None:
+    data = np.arange(math.prod(step.view))
+    expected = _execute(step, data)
+    assert np.array_equal(_execute_merged(step, data), expected)
+    shape, perm = step.merged()
+    assert math.prod(shape) == math.prod(step.view)
+    assert all(size > 1 for size in shape)
+    # fewest axes: no two neighbours in the destination come from neighbours in the source
+    assert all(perm[i + 1] != perm[i] + 1 for i in range(len(perm) - 1))
+    assert step.is_identity == (list(perm) == sorted(perm))
+    # identity means exactly "the contiguous source already is the result"
+    assert step.is_identity == np.array_equal(expected, data)
+
+
+@given(rearranges())
+def test_merged_executes_like_the_rearrange(step):
+    _check_step(step)
+
+
+@st.composite
+def all_to_all_plans(draw):
+    world_size = draw(st.integers(1, 4))
+    ndim = draw(st.integers(1, 5))
+    shape = list(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
+    scatter = draw(st.integers(0, ndim - 1))
+    shape[scatter] *= world_size
+    if ndim == 1:  # all_to_all needs two dims: use all_gather / reduce_scatter plans on the one dim
+        kind = draw(st.sampled_from(["all_gather", "reduce_scatter"]))
+        return getattr(ops, kind)(tuple(shape), world_size, draw(st.sampled_from([0, -1])))
+    gather = draw(st.integers(0, ndim - 1).filter(lambda dim: dim != scatter))
+    negate = draw(st.tuples(st.booleans(), st.booleans()))
+    return ops.all_to_all(tuple(shape), world_size, scatter - ndim * negate[0], gather - ndim * negate[1])
+
+
+@given(all_to_all_plans())
+def test_plan_steps_merge_correctly(plan):
+    for step in (plan.pack, plan.unpack):
+        _check_step(step)
+    assert plan.copies == (not plan.pack.is_identity) + (not plan.unpack.is_identity)
+    assert math.prod(plan.pack.view) == math.prod(plan.in_shape) == math.prod(plan.send_shape)
+    assert plan.pack.out_shape == plan.send_shape
+    assert math.prod(plan.unpack.view) == math.prod(plan.recv_shape) == math.prod(plan.out_shape)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
+def test_ulysses_copies_follow_the_batch(world_size, batch, seq, heads, head_dim):
+    """At most one pass each side; batch 1 saves one of them (for W > 1 and a non-trivial pack)."""
+    forward = ops.all_to_all_4d((batch, seq, heads * world_size, head_dim), world_size, 2, 1)
+    reverse = ops.all_to_all_4d((batch, seq * world_size, heads, head_dim), world_size, 1, 2)
+    for plan in (forward, reverse):
+        assert plan.copies <= 2
+        if batch == 1:
+            assert plan.copies <= 1

@@ -1,0 +1,88 @@
+"""Import hygiene, in fresh subprocesses: the spec pulls in no framework, each frontend pulls in only its own,
+and both frontends export the same op names.
+"""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HAS_JAX_FRONTEND = (ROOT / "commlib_jax" / "__init__.py").is_file()
+NO_JAX_FRONTEND = "commlib_jax/__init__.py does not exist yet (the JAX frontend is written separately)"
+
+FRAMEWORKS = ("torch", "jax", "jaxlib", "tensorflow")
+
+
+@functools.cache
+def _loaded_after(statement: str) -> dict:
+    """Run `statement` in a fresh interpreter; report which frameworks it loaded and the frontend's __all__."""
+    probe = f"""
+import json, sys
+{statement}
+frameworks = sorted({{name.split(".")[0] for name in sys.modules}} & set({FRAMEWORKS!r}))
+exports = {{}}
+for name in ("commlib_torch", "commlib_jax"):
+    if name in sys.modules:
+        exports[name] = list(getattr(sys.modules[name], "__all__", []))
+print(json.dumps({{"frameworks": frameworks, "exports": exports}}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import commlib",
+        "import commlib.ops, commlib.reference, commlib.layout, commlib.errors, commlib.reduce_op",
+    ],
+)
+def test_spec_imports_no_framework(statement):
+    assert _loaded_after(statement)["frameworks"] == []
+
+
+def test_torch_frontend_imports_no_jax():
+    pytest.importorskip("torch")
+    loaded = _loaded_after("import commlib_torch")["frameworks"]
+    assert "torch" in loaded
+    assert "jax" not in loaded and "jaxlib" not in loaded
+
+
+@pytest.mark.skipif(not HAS_JAX_FRONTEND, reason=NO_JAX_FRONTEND)
+def test_jax_frontend_imports_no_torch():
+    pytest.importorskip("jax")
+    loaded = _loaded_after("import commlib_jax")["frameworks"]
+    assert "jax" in loaded
+    assert "torch" not in loaded
+
+
+def _op_names(frontend: str) -> set[str]:
+    return set(_loaded_after(f"import {frontend}")["exports"][frontend])
+
+
+@pytest.mark.skipif(not HAS_JAX_FRONTEND, reason=NO_JAX_FRONTEND)
+def test_frontends_export_the_same_names():
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    from commlib import OP_NAMES
+
+    torch_names, jax_names = _op_names("commlib_torch"), _op_names("commlib_jax")
+    assert set(OP_NAMES) <= torch_names
+    assert set(OP_NAMES) <= jax_names
+    assert {name for name in torch_names if not name[0].isupper()} == {
+        name for name in jax_names if not name[0].isupper()
+    }, "the frontends' functions differ (classes such as DeviceCommunicator / Communicator may)"
+
+
+def test_torch_frontend_exports_every_op():
+    pytest.importorskip("torch")
+    from commlib import OP_NAMES
+
+    assert set(OP_NAMES) <= _op_names("commlib_torch")
