@@ -92,6 +92,7 @@ class Plan:
     convention: str = "sum"  # gradient convention, see docs/gradients.md
     accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
     root: int | None = None  # group-local src/dst rank of rooted ops
+    pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
 
     @property
     def copies(self) -> int:

@@ -23,7 +23,11 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_4d",
+    "broadcast",
     "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
     "check_rank",
     "transpose",
     "ULYSSES_DIMS",
@@ -32,7 +36,18 @@ __all__ = [
 #: Gradient conventions, see docs/gradients.md.
 CONVENTIONS = ("sum", "replicated")
 #: Names of the public ops both frontends export.
-OP_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d")
+OP_NAMES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
+)
 #: Names of the four axes of `all_to_all_4d`.
 ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 
@@ -121,6 +136,91 @@ def gather(shape, world_size, dst=0, dim=-1, *, op_name="gather") -> Plan:
         dims=(dim,),
         root=root,
         **all_gather_layout(shape, world_size, dim),
+    )
+
+
+def scatter(shape, world_size, src=0, dim=0, *, op_name="scatter") -> Plan:
+    """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused)."""
+    received = dict(shape=tuple(shape), src=src, dim=dim)
+    shape = _check_shape(op_name, shape)
+    world_size = _check_world_size(op_name, world_size, received)
+    root = check_rank(op_name, "src", src, world_size, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    return Plan(
+        op=op_name,
+        collective="scatter",
+        world_size=world_size,
+        in_shape=shape,
+        dims=(dim,),
+        root=root,
+        **reduce_scatter_layout(shape, world_size, dim),
+    )
+
+
+def broadcast(shape, world_size, src=0, *, op_name="broadcast") -> Plan:
+    """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere."""
+    received = dict(shape=tuple(shape), src=src)
+    shape = _check_shape(op_name, shape)
+    world_size = _check_world_size(op_name, world_size, received)
+    root = check_rank(op_name, "src", src, world_size, received)
+    return Plan(
+        op=op_name,
+        collective="broadcast",
+        world_size=world_size,
+        in_shape=shape,
+        dims=(),
+        root=root,
+        **flat_layout(shape, in_place=True),
+    )
+
+
+def _check_pairs(op: str, perm: object, world_size: int, received: dict) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((source, destination) for source, destination in perm)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise kind_error(op, "perm must be a sequence of (src, dst) pairs", **received) from None
+    for source, destination in pairs:
+        check_rank(op, "src", source, world_size, received)
+        check_rank(op, "dst", destination, world_size, received)
+    for role, index in (("source", 0), ("destination", 1)):
+        ranks = [pair[index] for pair in pairs]
+        repeated = sorted({rank for rank in ranks if ranks.count(rank) > 1})
+        if repeated:
+            raise comm_error(op, f"perm repeats {role} rank {repeated[0]} ({ranks.count(repeated[0])} times)", **received)
+    return tuple((int(source), int(destination)) for source, destination in pairs)
+
+
+def permute(shape, world_size, perm, *, op_name="permute") -> Plan:
+    """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
+    that is no destination gets zeros. Backward: the inverse permutation of the cotangents."""
+    received = dict(shape=tuple(shape), perm=perm)
+    shape = _check_shape(op_name, shape)
+    world_size = _check_world_size(op_name, world_size, received)
+    pairs = _check_pairs(op_name, perm, world_size, received)
+    return Plan(
+        op=op_name,
+        collective="permute",
+        world_size=world_size,
+        in_shape=shape,
+        dims=(),
+        pairs=pairs,
+        **flat_layout(shape, in_place=False),
+    )
+
+
+def sum_grad(shape, world_size, *, op_name="sum_grad") -> Plan:
+    """``s -> s`` identity forward; backward all_reduce(sum) of the cotangent (Megatron's f)."""
+    received = dict(shape=tuple(shape))
+    shape = _check_shape(op_name, shape)
+    world_size = _check_world_size(op_name, world_size, received)
+    return Plan(
+        op=op_name,
+        collective="identity",
+        world_size=world_size,
+        in_shape=shape,
+        dims=(),
+        **flat_layout(shape, in_place=False),
     )
 
 
@@ -237,22 +337,33 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1) -> Plan:
 def transpose(plan: Plan) -> Plan:
     """The plan of the VJP under ``convention="sum"``: the dual collective on the output shape.
 
-    all_reduce -> all_reduce (same scale); all_gather -> reduce_scatter(sum); reduce_scatter ->
-    all_gather (same scale); all_to_all -> all_to_all with scatter_dim and gather_dim swapped.
+    all_reduce(sum/avg) -> itself; all_gather <-> reduce_scatter(sum) (scale kept); all_to_all -> the dims
+    swapped; broadcast <-> reduce to the same root; gather <-> scatter (same root, dim); permute -> the
+    inverse pairs; sum_grad (identity) <-> all_reduce(sum). max/min/product are not linear: see the
+    reference's `vjp`.
     """
-    W, shape = plan.world_size, plan.out_shape
-    if plan.collective == "all_reduce":
+    W, shape, kind = plan.world_size, plan.out_shape, plan.collective
+    if kind == "all_reduce":
+        if plan.reduce_op not in ("sum", "avg"):
+            raise NotImplementedError(f"{plan.op}: op {plan.reduce_op!r} has no linear transpose")
         return plan
-    if plan.collective == "all_gather":
+    if kind in ("all_gather", "gather"):
         (dim,) = plan.dims
-        layout = reduce_scatter_layout(shape, W, dim)
-        return plan.replace(collective="reduce_scatter", in_shape=shape, reduce_op="sum", **layout)
-    if plan.collective == "reduce_scatter":
+        dual = "reduce_scatter" if kind == "all_gather" else "scatter"
+        return plan.replace(collective=dual, in_shape=shape, reduce_op="sum" if dual == "reduce_scatter" else None,
+                            **reduce_scatter_layout(shape, W, dim))
+    if kind in ("reduce_scatter", "scatter"):
         (dim,) = plan.dims
-        layout = all_gather_layout(shape, W, dim)
-        return plan.replace(collective="all_gather", in_shape=shape, reduce_op=None, **layout)
-    if plan.collective == "all_to_all":
+        dual = "all_gather" if kind == "reduce_scatter" else "gather"
+        return plan.replace(collective=dual, in_shape=shape, reduce_op=None, **all_gather_layout(shape, W, dim))
+    if kind == "all_to_all":
         scatter, gather = plan.dims
-        layout = all_to_all_layout(shape, W, gather, scatter)
-        return plan.replace(in_shape=shape, dims=(gather, scatter), **layout)
-    raise NotImplementedError(plan.collective)
+        return plan.replace(in_shape=shape, dims=(gather, scatter), **all_to_all_layout(shape, W, gather, scatter))
+    duals = {"broadcast": "reduce", "reduce": "broadcast", "identity": "all_reduce"}
+    if kind == "permute":
+        return plan.replace(pairs=tuple((dst, src) for src, dst in plan.pairs))
+    if kind in duals:
+        dual = duals[kind]
+        reduce_op = "sum" if dual in ("reduce", "all_reduce") else None
+        return plan.replace(collective=dual, reduce_op=reduce_op, **flat_layout(shape, in_place=dual != "identity"))
+    raise NotImplementedError(kind)

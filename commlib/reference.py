@@ -20,7 +20,20 @@ import numpy as np
 from commlib import ops
 from commlib.layout import Plan, Rearrange
 
-__all__ = ["run", "vjp", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d"]
+__all__ = [
+    "run",
+    "vjp",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
+]
 
 Arrays = list[np.ndarray]
 
@@ -55,17 +68,32 @@ def _collective(plan: Plan, sends: Arrays) -> Arrays:
 
 
 def _exchange(plan: Plan, sends: Arrays) -> Arrays:
-    W = plan.world_size
-    if plan.collective == "all_to_all":
+    W, root = plan.world_size, plan.root
+    kind = plan.collective
+    if kind == "all_to_all":
         return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
-    if plan.collective == "all_gather":
-        return [np.stack(sends) for _ in range(W)]
+    if kind in ("all_gather", "gather"):
+        gathered = np.stack(sends)
+        return [gathered if kind == "all_gather" or rank == root else np.zeros_like(gathered) for rank in range(W)]
+    if kind == "broadcast":
+        return [sends[root].copy() for _ in range(W)]
+    if kind == "scatter":
+        return [sends[root][rank] for rank in range(W)]
+    if kind == "identity":
+        return list(sends)
+    if kind == "permute":
+        received = [np.zeros_like(send) for send in sends]
+        for source, destination in plan.pairs:
+            received[destination] = sends[source].copy()
+        return received
     reduced = _REDUCE[plan.reduce_op](np.stack(sends))
-    if plan.collective == "all_reduce":
+    if kind == "all_reduce":
         return [reduced.copy() for _ in range(W)]
-    if plan.collective == "reduce_scatter":
+    if kind == "reduce":
+        return [reduced if rank == root else np.zeros_like(reduced) for rank in range(W)]
+    if kind == "reduce_scatter":
         return [reduced[rank] for rank in range(W)]
-    raise NotImplementedError(plan.collective)
+    raise NotImplementedError(kind)
 
 
 def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
@@ -143,3 +171,28 @@ def all_to_all(xs, scatter_dim, gather_dim) -> Arrays:
 def all_to_all_4d(xs, scatter_dim=2, gather_dim=1) -> Arrays:
     """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
     return run(ops.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim), xs)
+
+
+def broadcast(xs, src=0) -> Arrays:
+    """Reference `broadcast`: every rank gets rank `src`'s input."""
+    return run(ops.broadcast(_shape_of(xs), len(xs), src), xs)
+
+
+def gather(xs, dst=0, dim=-1) -> Arrays:
+    """Reference `gather`: the concatenation along `dim` on `dst`, zeros elsewhere."""
+    return run(ops.gather(_shape_of(xs), len(xs), dst, dim), xs)
+
+
+def scatter(xs, src=0, dim=0) -> Arrays:
+    """Reference `scatter`: rank r gets block r of rank `src`'s input along `dim`."""
+    return run(ops.scatter(_shape_of(xs), len(xs), src, dim), xs)
+
+
+def permute(xs, perm) -> Arrays:
+    """Reference `permute`: rank dst gets rank src's input for each (src, dst) pair; zeros elsewhere."""
+    return run(ops.permute(_shape_of(xs), len(xs), perm), xs)
+
+
+def sum_grad(xs) -> Arrays:
+    """Reference `sum_grad`: the identity (its VJP sums the cotangents over ranks)."""
+    return run(ops.sum_grad(_shape_of(xs), len(xs)), xs)
