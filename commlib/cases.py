@@ -21,6 +21,7 @@ import numpy as np
 
 from commlib import ops, reference, workloads
 from commlib.errors import CommError
+from commlib.reduce_op import is_floating
 
 __all__ = ["Case", "case_table", "make_arrays", "expected", "write", "read", "storage_dtype", "tolerance"]
 
@@ -41,7 +42,13 @@ class Case:
     dtype: str = "float32"
     kwargs: tuple[tuple[str, object], ...] = ()  # keyword arguments of the op, JSON-able
     transposed: bool = False  # the frontend feeds inputs and cotangents as non-contiguous transposed views
-    inputs: tuple[str, ...] = ("x",)  # names of the differentiable inputs
+    inputs: tuple[str, ...] = ("x",)  # names of the inputs
+    draw: str = "normal"  # "normal", or "small" (integers in [-1, 2]: ties and zeros for max/min/product)
+
+    @property
+    def differentiable(self) -> bool:
+        """Floating cases run backward too; integer and bool cases are forward-only."""
+        return is_floating(self.dtype)
 
     @property
     def params(self) -> dict[str, object]:
@@ -64,10 +71,12 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
     dtype = kwargs.pop("dtype", "float32")
     transposed = kwargs.pop("transposed", False)
     inputs = kwargs.pop("inputs", ("x",))
+    draw = kwargs.pop("draw", "normal")
+    tag += "~" if draw == "small" else ""
     args = ",".join(f"{key}={value}" for key, value in kwargs.items())
     layout = ",T" if transposed else ""
     name = f"{op_name}{tag}[{'x'.join(map(str, shape))},{dtype}{layout}{',' + args if args else ''}]"
-    return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs))
+    return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs), draw)
 
 
 def _attention_shape(world_size: int, batch: int, seq: int, heads: int, head_dim: int) -> tuple[int, ...]:
@@ -100,6 +109,22 @@ def case_table(world_size: int) -> list[Case]:
         _case("all_to_all_4d", W, (1, 8, 2 * W, 4)),
         _case("all_to_all_4d", W, (2, 4 * W, 3, 4), scatter_dim=1, gather_dim=2, transposed=True),
         _case("all_to_all_4d", W, (3, 5, 2 * W, 2), scatter_dim=-2, gather_dim=-3, dtype="bfloat16"),
+        _case("all_reduce", W, (2, 3), op="max", draw="small"),
+        _case("all_reduce", W, (2, 3), op="min", convention="replicated", draw="small"),
+        _case("all_reduce", W, (3, 2), op="product", draw="small"),
+        _case("all_reduce", W, (3, 4), op="max", transposed=True),
+        _case("all_reduce", W, (2, 3), op="product", dtype="int32"),
+        _case("all_reduce", W, (5,), op="max", dtype="int32"),
+        _case("broadcast", W, (2, 3), src=W - 1),
+        _case("broadcast", W, (3, 4), transposed=True),
+        _case("gather", W, (2, 3), dst=W - 1, dim=-1),
+        _case("gather", W, (2, 3, 2), dim=0, transposed=True),
+        _case("scatter", W, (2, 2 * W), src=W - 1, dim=-1),
+        _case("scatter", W, (3 * W, 2), transposed=True),
+        _case("permute", W, (2, 3), perm=[[rank, (rank + 1) % W] for rank in range(W)]),
+        _case("permute", W, (3, 2), perm=[[0, W - 1]], transposed=True),
+        _case("sum_grad", W, (2, 3)),
+        _case("sum_grad", W, (3, 4), transposed=True),
         _case(ATTENTION, W, _attention_shape(W, 2, 64, 8, 16), inputs=qkv),
         _case(ATTENTION, W, _attention_shape(W, 1, 48, 4, 8), inputs=qkv),
         # invalid calls: every side must raise the spec's text (only where the call is invalid at this W)
@@ -109,15 +134,25 @@ def case_table(world_size: int) -> list[Case]:
         _case("all_gather", W, (3, 5), "!range", dim=2),
         _case("all_reduce", W, (3,), "!op", op="band"),
         _case("reduce_scatter", W, (2 * W + 1, 3), "!split"),
+        _case("reduce_scatter", W, (2 * W, 3), "!max", op="max"),
+        _case("all_reduce", W, (3,), "!avg", op="avg", dtype="int32"),
+        _case("broadcast", W, (3,), "!src", src=W),
+        _case("gather", W, (3,), "!dst", dst=-1),
+        _case("scatter", W, (2 * W + 1,), "!split"),
+        _case("permute", W, (3,), "!repeat", perm=[[0, 0], [W - 1, 0]]),
     ]
 
 
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy dtype a case's arrays are stored in (bfloat16 is stored as float32)."""
+    if dtype == "bool":
+        return np.dtype(bool)
     return np.dtype("float32" if dtype == "bfloat16" else dtype)
 
 
-def _draw(rng: np.random.Generator, shape: Sequence[int], dtype: str) -> np.ndarray:
+def _draw(rng: np.random.Generator, shape: Sequence[int], dtype: str, draw: str = "normal") -> np.ndarray:
+    if draw == "small" or not is_floating(dtype):
+        return rng.integers(-1, 3, size=shape).astype(storage_dtype(dtype))
     values = rng.standard_normal(shape).astype(storage_dtype(dtype))
     if dtype == "bfloat16":  # round to the bfloat16 grid: keep the top 16 bits of each float32
         values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
@@ -128,10 +163,12 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     """Every rank's inputs (by input name) and output cotangents (key "cotangent"), from `seed`."""
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
-    arrays = {name: [_draw(rng, case.shape, case.dtype) for _ in range(W)] for name in case.inputs}
+    arrays = {name: [_draw(rng, case.shape, case.dtype, case.draw) for _ in range(W)] for name in case.inputs}
     try:
         out_shape = case.out_shape()
     except (CommError, TypeError):
+        return arrays
+    if not case.differentiable:
         return arrays
     arrays["cotangent"] = [_draw(rng, out_shape, case.dtype) for _ in range(W)]
     return arrays
@@ -162,11 +199,13 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
         return _attention_expected(case, arrays)
     plan = case.plan()
     xs = arrays["x"]
+    if not case.differentiable:
+        return reference.run(plan, xs), {}
     return reference.run(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
 
 
 def tolerance(case: Case) -> float:
-    base = _TOLERANCE[case.dtype]
+    base = _TOLERANCE.get(case.dtype, 0.0)  # integers and bool: exact
     return max(base, 1e-4) if case.op == ATTENTION else base
 
 

@@ -95,6 +95,11 @@ class Plan:
     pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
 
     @property
+    def is_trivial(self) -> bool:
+        """True when the op is the identity on every rank (world size 1, and a permute that keeps rank 0)."""
+        return self.world_size == 1 and (self.collective != "permute" or self.pairs == ((0, 0),))
+
+    @property
     def copies(self) -> int:
         """Local passes this plan makes on a contiguous input (0, 1 or 2)."""
         return int(not self.pack.is_identity) + int(not self.unpack.is_identity)

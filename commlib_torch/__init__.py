@@ -6,7 +6,18 @@ Never imports jax.
 
 from commlib import CommError, ReduceOp
 from commlib_torch.communicator import DeviceCommunicator
-from commlib_torch.functional import all_gather, all_reduce, all_to_all, all_to_all_4d, reduce_scatter
+from commlib_torch.functional import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_4d,
+    broadcast,
+    gather,
+    permute,
+    reduce_scatter,
+    scatter,
+    sum_grad,
+)
 
 __all__ = [
     "CommError",
@@ -17,4 +28,9 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
 ]

@@ -1,17 +1,20 @@
 """Walk a `commlib.Plan` on torch tensors: one pack pass, the dim-0 c10d collective, one unpack pass.
 
 A pass whose permutation keeps memory order is a view (no copy); a pass that must copy writes straight
-into the buffer the collective needs, casting to the accumulation dtype in the same pass.
+into the buffer the collective needs, casting to the accumulation dtype in the same pass. Rooted ops
+(broadcast, reduce, gather, scatter) and permute give zeros on the ranks that receive nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from commlib import Plan, Rearrange
 
-__all__ = ["dtype_name", "run", "torch_dtype"]
+__all__ = ["dtype_name", "global_rank", "rearrange", "run", "torch_dtype"]
 
 _C10D_REDUCE = {
     "sum": dist.ReduceOp.SUM,
@@ -21,10 +24,12 @@ _C10D_REDUCE = {
     "product": dist.ReduceOp.PRODUCT,
 }
 
-
 # torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Group = dist.ProcessGroup | None
+Empty = Callable[[tuple[int, ...]], torch.Tensor]
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -34,6 +39,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     return default if name is None else getattr(torch, name)
+
+
+def global_rank(group: Group, rank: int) -> int:
+    """The global rank of group-local `rank`."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -46,28 +56,70 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     return out.view(shape)
 
 
-def _collective(plan: Plan, send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    kind = plan.collective
+def _receives_only(plan: Plan, rank: int) -> bool:
+    """Ranks whose input the collective never reads: no pack pass for them."""
+    return plan.collective in ("broadcast", "scatter") and rank != plan.root
+
+
+def _permute(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
+    recv, operations = None, []
+    for source, destination in plan.pairs:
+        if source == rank == destination:
+            recv = send.clone()
+        elif source == rank:
+            operations.append(dist.P2POp(dist.isend, send, global_rank(group, destination), group))
+        elif destination == rank:
+            recv = empty(plan.recv_shape)
+            operations.append(dist.P2POp(dist.irecv, recv, global_rank(group, source), group))
+    for request in dist.batch_isend_irecv(operations) if operations else ():
+        request.wait()
+    return recv
+
+
+def _collective(plan: Plan, send, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
+    """Run the dim-0 collective; the received buffer, or None where this rank receives nothing."""
+    kind, is_root = plan.collective, rank == plan.root
+    root = None if plan.root is None else global_rank(group, plan.root)
+    reduce_op = _C10D_REDUCE.get(plan.reduce_op)
     if kind == "all_reduce":
-        dist.all_reduce(send, op=_C10D_REDUCE[plan.reduce_op], group=group)
+        dist.all_reduce(send, op=reduce_op, group=group)
         return send
-    recv = torch.empty(plan.recv_shape, dtype=send.dtype, device=send.device)
+    if kind == "reduce":
+        dist.reduce(send, dst=root, op=reduce_op, group=group)
+        return send if is_root else None
+    if kind == "broadcast":
+        buffer = send if is_root else empty(plan.recv_shape)
+        dist.broadcast(buffer, src=root, group=group)
+        return buffer
+    if kind == "permute":
+        return _permute(plan, send, group, rank, empty)
+    recv = empty(plan.recv_shape) if kind != "gather" or is_root else None
     if kind == "all_to_all":
         dist.all_to_all_single(recv, send, group=group)
     elif kind == "all_gather":  # c10d concatenates along dim 0: hand it flat buffers
         _all_gather_single(recv.view(-1), send.view(-1), group=group)
     elif kind == "reduce_scatter":
-        _reduce_scatter_single(recv.view(-1), send.view(-1), op=_C10D_REDUCE[plan.reduce_op], group=group)
+        _reduce_scatter_single(recv.view(-1), send.view(-1), op=reduce_op, group=group)
+    elif kind == "gather":
+        dist.gather(send, list(recv.unbind(0)) if is_root else None, dst=root, group=group)
+    elif kind == "scatter":
+        dist.scatter(recv, list(send.unbind(0)) if is_root else None, src=root, group=group)
     else:
         raise NotImplementedError(kind)
     return recv
 
 
-def run(plan: Plan, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Output of `plan` on this rank for input `x` (any strides); in x's dtype."""
+def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Output of `plan` on this rank for input `x` (any strides), in x's dtype."""
+    if plan.collective == "identity":
+        return x
+    rank = dist.get_rank(group)
     buffer_dtype = torch_dtype(plan.accum_dtype, x.dtype)
-    send = rearrange(x, plan.pack, plan.send_shape, buffer_dtype)
-    recv = _collective(plan, send, group)
+    empty = lambda shape: torch.empty(shape, dtype=buffer_dtype, device=x.device)  # noqa: E731
+    send = None if _receives_only(plan, rank) else rearrange(x, plan.pack, plan.send_shape, buffer_dtype)
+    recv = _collective(plan, send, group, rank, empty)
+    if recv is None:
+        return torch.zeros(plan.out_shape, dtype=x.dtype, device=x.device)
     if plan.scale != 1.0:
         recv.mul_(plan.scale)
     return rearrange(recv, plan.unpack, plan.out_shape, x.dtype)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import ReduceOp
+from commlib import ReduceOp, ops
 from commlib_torch import functional
+from commlib_torch._walk import global_rank
 
 __all__ = ["DeviceCommunicator"]
 
@@ -39,7 +40,8 @@ class DeviceCommunicator:
         self.rank_in_group = self.rank
 
     def all_reduce(self, input_: torch.Tensor, op=ReduceOp.SUM, *, convention="sum", accum_dtype=None):
-        """Differentiable all_reduce; see `commlib_torch.all_reduce`."""
+        """Differentiable all_reduce (op None means sum, as in the seed); see `commlib_torch.all_reduce`."""
+        op = ReduceOp.SUM if op is None else op
         return functional.all_reduce(input_, op, self.device_group, convention=convention, accum_dtype=accum_dtype)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum") -> torch.Tensor:
@@ -58,24 +60,41 @@ class DeviceCommunicator:
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_torch.all_to_all_4d`."""
         return functional.all_to_all_4d(input_, scatter_dim, gather_dim, self.device_group)
 
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Differentiable broadcast from group-local `src`; see `commlib_torch.broadcast`."""
+        return functional.broadcast(input_, src, self.device_group)
+
+    def scatter(self, input_: torch.Tensor, src: int = 0, dim: int = 0) -> torch.Tensor:
+        """Differentiable scatter from group-local `src`; see `commlib_torch.scatter`."""
+        return functional.scatter(input_, src, dim, self.device_group)
+
+    def permute(self, input_: torch.Tensor, perm) -> torch.Tensor:
+        """Differentiable (src, dst) permutation; see `commlib_torch.permute`."""
+        return functional.permute(input_, perm, self.device_group)
+
+    def sum_grad(self, input_: torch.Tensor) -> torch.Tensor:
+        """Identity forward, all_reduce(sum) backward; see `commlib_torch.sum_grad`."""
+        return functional.sum_grad(input_, self.device_group)
+
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's input along `dim` on group-local rank `dst`; None elsewhere.
 
         Not differentiable (the seed's semantics); `commlib_torch.gather` is the differentiable op.
         """
-        plan = functional.gather_plan(input_, dst, dim, self.device_group)
-        return functional.gather_to_root(input_, plan, self.device_group)
+        return functional.gather_to_root(input_, dst, dim, self.device_group)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send `tensor` to group-local rank `dst` (default: the next rank)."""
         dst = (self.rank + 1) % self.world_size if dst is None else dst
-        dist.send(tensor.contiguous(), functional.global_rank(self.device_group, functional.check_peer("send", dst, self.world_size)), self.device_group)
+        peer = ops.check_rank("send", "dst", dst, self.world_size)
+        dist.send(tensor.contiguous(), global_rank(self.device_group, peer), self.device_group)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of `size` and `dtype` from group-local rank `src` (default: the previous rank)."""
         src = (self.rank - 1) % self.world_size if src is None else src
+        peer = ops.check_rank("recv", "src", src, self.world_size)
         tensor = torch.empty(size, dtype=dtype, device=self.device)
-        dist.recv(tensor, functional.global_rank(self.device_group, functional.check_peer("recv", src, self.world_size)), self.device_group)
+        dist.recv(tensor, global_rank(self.device_group, peer), self.device_group)
         return tensor
 
     def destroy(self) -> None:

@@ -2,8 +2,10 @@
 
 Each public function validates through the spec (`commlib.ops`, raising `CommError` / `TypeError`
 before any communication), then applies `_Collective`, an autograd Function that walks the plan forward
-and applies the transposed plan backward (so double backward works). Ranks are group-local; ``group=None``
-is the default (WORLD) group. At world size 1 every op returns its input itself (no communication).
+and applies the transposed plan backward (so double backward works); all_reduce max/min/product use
+`_Extremum` / `_Product`, whose VJPs need the primal. Ranks (`src`, `dst`, `perm`) are group-local;
+``group=None`` is the default (WORLD) group. Where the op is the identity (world size 1) it returns its
+input itself, with no communication.
 
 Gradients follow ``convention="sum"`` (each rank's loss is its own, the objective is their sum) unless
 ``convention="replicated"`` is given where the op accepts it; see docs/gradients.md.
@@ -13,12 +15,24 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from commlib import ops
 from commlib.layout import Plan
-from commlib_torch._walk import dtype_name, rearrange, run
+from commlib_torch._walk import dtype_name, run
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d"]
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
+]
 
 Group = dist.ProcessGroup | None
 
@@ -45,18 +59,76 @@ def _vjp(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
     return _Collective.apply(cotangent, ops.transpose(plan), group)
 
 
+def _incoming(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
+    """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated")."""
+    if plan.convention == "replicated":
+        return cotangent
+    return run(ops.all_reduce(cotangent.shape, plan.world_size, dtype=dtype_name(cotangent.dtype),
+                              accum_dtype=plan.accum_dtype), cotangent, group)
+
+
+class _Extremum(torch.autograd.Function):
+    """all_reduce max/min: the incoming cotangent goes to the rank(s) holding the extremum, split among ties."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
+        out = run(plan, x, group)
+        ctx.plan, ctx.group = plan, group
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, cotangent: torch.Tensor):
+        x, out = ctx.saved_tensors
+        hits = (x == out).to(cotangent.dtype)
+        ties = run(ops.all_reduce(hits.shape, ctx.plan.world_size, dtype=dtype_name(hits.dtype)), hits, ctx.group)
+        return _incoming(ctx.plan, ctx.group, cotangent) * hits / ties, None, None
+
+
+class _Product(torch.autograd.Function):
+    """all_reduce product: the incoming cotangent times the product of the other ranks' values (no
+    division, so exact where an input is zero)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
+        ctx.plan, ctx.group = plan, group
+        ctx.save_for_backward(x)
+        return run(plan, x, group)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, cotangent: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        W, rank = ctx.plan.world_size, dist.get_rank(ctx.group)
+        everyone = run(ops.all_gather((1, *x.shape), W, 0), x.unsqueeze(0), ctx.group)
+        others = torch.cat([everyone[:rank], everyone[rank + 1 :]]).prod(dim=0)
+        return _incoming(ctx.plan, ctx.group, cotangent) * others, None, None
+
+
+_FUNCTIONS = {"max": _Extremum, "min": _Extremum, "product": _Product}
+
+
 def _apply(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if plan.world_size == 1 else _Collective.apply(x, plan, group)
+    if plan.is_trivial:
+        return x
+    return _FUNCTIONS.get(plan.reduce_op, _Collective).apply(x, plan, group)
+
+
+def _world_size(group: Group) -> int:
+    return dist.get_world_size(group)
 
 
 def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="sum", accum_dtype=None) -> torch.Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result. ``[*s] -> [*s]``.
 
     Args:
-        op: "sum" | "avg" (= sum / W); a `commlib.ReduceOp` or `torch.distributed.ReduceOp` works too.
-        convention: "sum": backward is all_reduce(sum) of the cotangent (avg: divided by W);
-            "replicated": backward is the identity, divided by W for avg (Megatron's g; `sum_grad` is its
-            conjugate).
+        op: "sum" | "avg" (= sum / W) | "max" | "min" | "product"; a `commlib.ReduceOp` or
+            `torch.distributed.ReduceOp` works too. Integer and bool tensors: forward only.
+        convention: "sum": the incoming cotangent is all_reduce(sum) of the cotangents; "replicated": it is
+            this rank's own (Megatron's g; `sum_grad` is its conjugate). sum: grad = incoming; avg:
+            incoming / W; max/min: incoming on the rank(s) holding the extremum, split equally among ties;
+            product: incoming times the product of the other ranks' values.
         accum_dtype: e.g. ``torch.float32`` for bf16 input: reduce in that dtype (forward and backward),
             return x's dtype.
 
@@ -65,7 +137,7 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
     """
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = ops.all_reduce(
-        x.shape, dist.get_world_size(group), op, dtype=dtype_name(x.dtype), convention=convention, accum_dtype=accum
+        x.shape, _world_size(group), op, dtype=dtype_name(x.dtype), convention=convention, accum_dtype=accum
     )
     return _apply(plan, x, group)
 
@@ -79,8 +151,7 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
     Raises:
         CommError: `dim` out of range.
     """
-    plan = ops.all_gather(x.shape, dist.get_world_size(group), dim, convention=convention)
-    return _apply(plan, x, group)
+    return _apply(ops.all_gather(x.shape, _world_size(group), dim, convention=convention), x, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None) -> torch.Tensor:
@@ -93,9 +164,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
         CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
     """
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = ops.reduce_scatter(
-        x.shape, dist.get_world_size(group), dim, op, dtype=dtype_name(x.dtype), accum_dtype=accum
-    )
+    plan = ops.reduce_scatter(x.shape, _world_size(group), dim, op, dtype=dtype_name(x.dtype), accum_dtype=accum)
     return _apply(plan, x, group)
 
 
@@ -109,8 +178,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
     Raises:
         CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
     """
-    plan = ops.all_to_all(x.shape, dist.get_world_size(group), scatter_dim, gather_dim)
-    return _apply(plan, x, group)
+    return _apply(ops.all_to_all(x.shape, _world_size(group), scatter_dim, gather_dim), x, group)
 
 
 def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None) -> torch.Tensor:
@@ -122,28 +190,57 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
     """
-    plan = ops.all_to_all_4d(x.shape, dist.get_world_size(group), scatter_dim, gather_dim)
-    return _apply(plan, x, group)
+    return _apply(ops.all_to_all_4d(x.shape, _world_size(group), scatter_dim, gather_dim), x, group)
 
 
-def check_peer(op: str, peer: int, world_size: int) -> int:
-    """A validated group-local peer rank for point-to-point calls."""
-    return ops.check_rank(op, "peer", peer, world_size)
+def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
+    """Every rank gets rank `src`'s `x` (same shape). Backward: the cotangents summed on `src`, zeros elsewhere.
+
+    Raises:
+        CommError: `src` not in [0, W).
+    """
+    return _apply(ops.broadcast(x.shape, _world_size(group), src), x, group)
 
 
-def gather_plan(x: torch.Tensor, dst: int, dim: int, group: Group) -> Plan:
-    return ops.gather(x.shape, dist.get_world_size(group), dst, dim)
+def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None) -> torch.Tensor:
+    """Rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks get
+    zeros of that shape, so every rank can run backward. Backward: scatter of `dst`'s cotangent.
+
+    Raises:
+        CommError: `dst` not in [0, W), `dim` out of range.
+    """
+    return _apply(ops.gather(x.shape, _world_size(group), dst, dim), x, group)
 
 
-def gather_to_root(x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor | None:
-    """Forward-only gather: the concatenation on `plan.root`, None on other ranks."""
-    send = x.contiguous()
-    is_root = dist.get_rank(group) == plan.root
-    recv = torch.empty(plan.recv_shape, dtype=x.dtype, device=x.device) if is_root else None
-    dist.gather(send, list(recv.unbind(0)) if is_root else None, dst=global_rank(group, plan.root), group=group)
-    return rearrange(recv, plan.unpack, plan.out_shape, x.dtype) if is_root else None
+def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None) -> torch.Tensor:
+    """Rank r gets block r of rank `src`'s `x` along `dim` (``shape[dim] /= W``); the other ranks' `x` is
+    not read (its gradient is zero). Backward: gather of the cotangents to `src`.
+
+    Raises:
+        CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
+    """
+    return _apply(ops.scatter(x.shape, _world_size(group), src, dim), x, group)
 
 
-def global_rank(group: Group, rank: int) -> int:
-    """The global rank of group-local `rank`."""
-    return rank if group is None else dist.get_global_rank(group, rank)
+def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
+    """For each ``(src, dst)`` in `perm`, rank dst gets rank src's `x` (``lax.ppermute`` semantics); a rank
+    that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
+
+    Raises:
+        CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
+    """
+    return _apply(ops.permute(x.shape, _world_size(group), perm), x, group)
+
+
+def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Identity forward; backward all_reduce(sum) of the cotangent (Megatron's f, the conjugate of
+    ``all_reduce(..., convention="replicated")``; JAX's ``pcast(x, to="varying")``)."""
+    return _apply(ops.sum_grad(x.shape, _world_size(group)), x, group)
+
+
+def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.Tensor | None:
+    """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
+    plan = ops.gather(x.shape, _world_size(group), dst, dim)
+    with torch.no_grad():
+        out = x if plan.is_trivial else run(plan, x, group)
+    return out if dist.get_rank(group) == plan.root else None

@@ -43,11 +43,15 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
 def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]]):
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are)."""
-    inputs = {name: _tensor(arrays[name][context.rank], case).requires_grad_() for name in case.inputs}
+    inputs = {name: _tensor(arrays[name][context.rank], case) for name in case.inputs}
+    for tensor in inputs.values():
+        tensor.requires_grad_(case.differentiable)
     try:
         out = _call(case, inputs)
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
+    if not case.differentiable:
+        return "ok", _numpy(out), {}
     (out * _tensor(arrays["cotangent"][context.rank], case)).sum().backward()
     return "ok", _numpy(out), {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
 
@@ -67,7 +71,7 @@ def merge(case: cases.Case, per_rank: list) -> tuple[list | None, dict | None, s
     errors = sorted({reply[1] for reply in per_rank if reply[0] == "error"})
     if errors:
         return None, None, errors[0] if len(errors) == 1 else f"ranks disagree: {errors}"
-    gradients = {name: [reply[2][name] for reply in per_rank] for name in case.inputs}
+    gradients = {name: [reply[2][name] for reply in per_rank] for name in per_rank[0][2]}
     return [reply[1] for reply in per_rank], gradients, None
 
 
