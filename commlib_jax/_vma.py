@@ -1,0 +1,49 @@
+"""Varying-type bookkeeping for `shard_map(check_vma=True)` (a no-op under check_vma=False and pmap).
+
+Every commlib op takes and returns values typed *varying* over its axes, and its backward returns varying
+cotangents. That is what makes the gradient the torch answer (``convention="sum"``) in every mode: an
+invariant output (psum's) would let JAX sum the ranks' cotangents before our backward runs (W times the
+answer), and an invariant input shared by all ranks gets its per-rank gradients summed by pcast's transpose.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+__all__ = ["axes_of", "axis_arg", "to_varying", "varying_axes"]
+
+
+def axes_of(axis_name) -> tuple:
+    """``"x" -> ("x",)``; a tuple or list of names stays in order (row-major rank order)."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_arg(axes: tuple):
+    """The form lax takes: one name, or the tuple of names."""
+    return axes if len(axes) > 1 else axes[0]
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes `x` is typed varying over (empty under check_vma=False and pmap).
+
+    jax 0.10-0.11 keep them in ``jax.typeof(x).mat.varying``; earlier releases in ``.vma``.
+    """
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _manual_axes() -> frozenset:
+    return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def to_varying(x, axes: tuple):
+    """`x` cast to varying over the manual axes among `axes` it is not varying over yet (pcast of an
+    already varying axis raises, so only the missing ones are cast)."""
+    have, manual = varying_axes(x), _manual_axes()
+    missing = tuple(axis for axis in axes if axis in manual and axis not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x

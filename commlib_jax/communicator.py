@@ -1,0 +1,81 @@
+"""`Communicator(axis_name)`: the methods of `commlib_torch.DeviceCommunicator`, bound to a mesh axis.
+
+Use it inside `jax.shard_map` / `jax.pmap` over `axis_name`. SPMD runs one program on every rank, so two
+methods differ from the torch class: `gather` returns zeros (not None) off `dst`, and one-sided
+`send` / `recv` do not exist -- `permute` (``lax.ppermute``) is the point-to-point op.
+"""
+
+from __future__ import annotations
+
+from commlib import ReduceOp
+from commlib_jax import functional
+from commlib_jax._vma import axes_of, axis_arg
+
+__all__ = ["Communicator"]
+
+
+class Communicator:
+    """Collectives over `axis_name` (a mesh axis name or a tuple of them), with exact gradients."""
+
+    def __init__(self, axis_name, unique_name: str = ""):
+        self.axis_name = axis_name
+        self.unique_name = unique_name
+
+    @property
+    def world_size(self) -> int:
+        """Ranks along the axis (only inside shard_map / pmap)."""
+        from jax import lax
+
+        return lax.axis_size(axis_arg(axes_of(self.axis_name)))
+
+    def all_reduce(self, input_, op=ReduceOp.SUM, *, convention="sum", accum_dtype=None):
+        """See `commlib_jax.all_reduce` (op None means sum, as in the torch class)."""
+        op = ReduceOp.SUM if op is None else op
+        return functional.all_reduce(input_, self.axis_name, op, convention=convention, accum_dtype=accum_dtype)
+
+    def all_gather(self, input_, dim: int = -1, *, convention="sum"):
+        """See `commlib_jax.all_gather`."""
+        return functional.all_gather(input_, self.axis_name, dim, convention=convention)
+
+    def reduce_scatter(self, input_, dim: int = 0, op=ReduceOp.SUM, *, accum_dtype=None):
+        """See `commlib_jax.reduce_scatter`."""
+        return functional.reduce_scatter(input_, self.axis_name, dim, op, accum_dtype=accum_dtype)
+
+    def all_to_all(self, input_, scatter_dim: int, gather_dim: int):
+        """See `commlib_jax.all_to_all`."""
+        return functional.all_to_all(input_, self.axis_name, scatter_dim, gather_dim)
+
+    def all_to_all_4D(self, input_, scatter_dim: int = 2, gather_dim: int = 1):
+        """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_jax.all_to_all_4d`."""
+        return functional.all_to_all_4d(input_, self.axis_name, scatter_dim, gather_dim)
+
+    def broadcast(self, input_, src: int = 0):
+        """See `commlib_jax.broadcast`."""
+        return functional.broadcast(input_, self.axis_name, src)
+
+    def gather(self, input_, dst: int = 0, dim: int = -1):
+        """The concatenation along `dim` on rank `dst`, zeros elsewhere; see `commlib_jax.gather`."""
+        return functional.gather(input_, self.axis_name, dst, dim)
+
+    def scatter(self, input_, src: int = 0, dim: int = 0):
+        """See `commlib_jax.scatter`."""
+        return functional.scatter(input_, self.axis_name, src, dim)
+
+    def permute(self, input_, perm):
+        """See `commlib_jax.permute`."""
+        return functional.permute(input_, self.axis_name, perm)
+
+    def sum_grad(self, input_):
+        """See `commlib_jax.sum_grad`."""
+        return functional.sum_grad(input_, self.axis_name)
+
+    def send(self, tensor, dst=None):
+        """Not available in SPMD: every rank runs the same program. Use `permute`."""
+        raise NotImplementedError("Communicator.send: SPMD has no one-sided send; use permute(x, [(src, dst)])")
+
+    def recv(self, size, dtype, src=None):
+        """Not available in SPMD: every rank runs the same program. Use `permute`."""
+        raise NotImplementedError("Communicator.recv: SPMD has no one-sided recv; use permute(x, [(src, dst)])")
+
+    def destroy(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,135 @@
+"""JAX side of `commlib parity`: ``python -m commlib_jax.parity_runner IN_DIR OUT_DIR --world-size N``.
+
+Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
+``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
+device. Each rank's loss is ``sum(out_r * cotangent_r)``; the per-rank losses leave the map as a [W] array
+and are summed outside, so gradients follow ``convention="sum"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["MODES", "main", "modes_for", "run_case"]
+
+MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap", "shard_map[2x2 mesh]")
+
+
+def modes_for(world_size: int) -> tuple[str, ...]:
+    return MODES if world_size == 4 else MODES[:3]
+
+
+def _stacked(case, arrays, name):
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.stack(arrays[name]), dtype=case.dtype)
+
+
+def _per_rank(case, axis_name):
+    """This rank's output and loss for its slice of the stacked inputs (leading axis of size 1)."""
+    import commlib_jax
+    from commlib import cases
+    from commlib_jax.attention import ulysses_attention
+
+    def body(cotangent, *inputs):
+        inputs = [x[0] for x in inputs]
+        if case.op == cases.ATTENTION:
+            out = ulysses_attention(*inputs, axis_name)
+        else:
+            out = getattr(commlib_jax, case.op)(inputs[0], axis_name, **case.params)
+        loss = (out * cotangent[0]).sum() if cotangent is not None else out.sum()
+        return out[None], loss[None]
+
+    return body
+
+
+def _mapped(case, mode: str):
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    W = case.world_size
+    if mode == "pmap":
+        return jax.pmap(lambda ct, *xs: jax.tree.map(lambda t: t[0], _per_rank(case, "i")(
+            None if ct is None else ct[None], *(x[None] for x in xs))), axis_name="i")
+    devices = np.array(jax.devices()[:W])
+    if mode == "shard_map[2x2 mesh]":
+        mesh, axis = Mesh(devices.reshape(2, 2), ("x", "y")), ("x", "y")
+    else:
+        mesh, axis = Mesh(devices, ("i",)), "i"
+    check_vma = mode != "shard_map[check_vma=False]"
+    spec = P(axis)
+    n = len(case.inputs) + 1
+    return jax.shard_map(_per_rank(case, axis), mesh=mesh, in_specs=(spec,) * n, out_specs=(spec, spec),
+                         check_vma=check_vma)
+
+
+def run_case(case, arrays, mode: str):
+    """(outputs, {input: gradients}) per rank for `case` in `mode`; raises the frontend's error if rejected."""
+    import jax
+
+    mapped = _mapped(case, mode)
+    inputs = [_stacked(case, arrays, name) for name in case.inputs]
+    if not case.differentiable or "cotangent" not in arrays:  # integers, and calls the spec rejects
+        out, _ = jax.jit(lambda *xs: mapped(None, *xs) if mode == "pmap" else mapped(xs[0], *xs))(*inputs)
+        return list(np.asarray(out, dtype=out.dtype)), {}
+    cotangent = _stacked(case, arrays, "cotangent")
+
+    def total(inputs):
+        out, losses = mapped(cotangent, *inputs)
+        return losses.astype("float32").sum(), out
+
+    grads, out = jax.jit(jax.grad(total, has_aux=True))(inputs)
+    as_numpy = lambda a: list(np.asarray(a, dtype=np.float64))  # noqa: E731
+    return as_numpy(out), {name: as_numpy(g) for name, g in zip(case.inputs, grads, strict=True)}
+
+
+def _unsharded(case, arrays):
+    import jax
+    import jax.numpy as jnp
+
+    from commlib_jax.attention import attention
+
+    W = case.world_size
+    full = {name: jnp.asarray(np.concatenate(arrays[name], axis=1)) for name in [*case.inputs, "cotangent"]}
+    loss = lambda q, k, v: (attention(q, k, v) * full["cotangent"]).sum()  # noqa: E731
+    grads = jax.grad(loss, argnums=(0, 1, 2))(full["q"], full["k"], full["v"])
+    split = lambda a: np.split(np.asarray(a, dtype=np.float64), W, axis=1)  # noqa: E731
+    return split(attention(full["q"], full["k"], full["v"])), dict(zip("qkv", map(split, grads), strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m commlib_jax.parity_runner")
+    parser.add_argument("in_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--world-size", type=int, required=True)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.world_size)
+    from commlib import cases
+    from commlib.errors import CommError
+    from commlib.parity import Results
+
+    results = Results("jax")
+    for case, arrays in cases.read(args.in_dir):
+        for mode in modes_for(args.world_size):
+            try:
+                results.add(case, mode, *run_case(case, arrays, mode))
+            except (CommError, TypeError) as error:
+                results.fail(case, mode, error)
+            except Exception as error:  # a crash in one case is a failed row, not a dead runner
+                results.fail(case, mode, f"crash: {type(error).__name__}: {error}")
+        if case.op == cases.ATTENTION:
+            results.add(case, "unsharded", *_unsharded(case, arrays))
+    results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
