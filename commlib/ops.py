@@ -104,6 +104,8 @@ def _check_reduction(op: str, reduce_op: ReduceOp, dtype: str, accum_dtype: obje
     """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
     if reduce_op is ReduceOp.AVG and not is_floating(dtype):
         raise comm_error(op, f"op ('avg') needs a floating dtype, not {dtype}", **received, dtype=dtype)
+    if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
+        raise comm_error(op, "op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all)", **received, dtype=dtype)
     if accum_dtype is None:
         return None
     accum = _check_dtype(op, "accum_dtype", accum_dtype, received)

@@ -21,6 +21,9 @@ class ReduceOp(str, enum.Enum):
     MIN = "min"
     PRODUCT = "product"
 
+    def __repr__(self) -> str:  # error messages show what a string would: op='sum'
+        return repr(self.value)
+
 
 def is_floating(dtype: str) -> bool:
     """True for the floating dtypes that carry gradients (`FLOAT_DTYPES`)."""

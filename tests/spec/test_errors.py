@@ -287,3 +287,14 @@ def test_reference_raises_the_spec_errors():
     _raises(CommError, lambda: reference.all_reduce(ints, "avg"))
     _raises(CommError, lambda: reference.reduce_scatter(ints, 0, "avg"))
     _raises(TypeError, lambda: reference.all_gather(ints, 0.0))
+
+
+def test_sum_of_bools_is_refused():
+    """gloo ORs bools, numpy counts them: the spec refuses the ambiguous sum and names the alternatives."""
+    with pytest.raises(CommError) as info:
+        ops.all_reduce((3,), 4, "sum", dtype="bool")
+    assert str(info.value) == (
+        "all_reduce: op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all). "
+        "Received: shape=(3,), op='sum', dtype='bool'"
+    )
+    assert ops.all_reduce((3,), 4, "max", dtype="bool").reduce_op == "max"
