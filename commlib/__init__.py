@@ -5,10 +5,11 @@ simulates W ranks (`commlib.reference`), and the `commlib` CLI. Frontends: `comm
 Importing this package never imports torch or jax.
 """
 
+from commlib.check import CommFailure, CommTimeout
 from commlib.errors import CommError
 from commlib.layout import Plan, Rearrange
 from commlib.ops import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
 
-__all__ = ["CommError", "ReduceOp", "Plan", "Rearrange", "CONVENTIONS", "OP_NAMES"]
+__all__ = ["CommError", "CommFailure", "CommTimeout", "ReduceOp", "Plan", "Rearrange", "CONVENTIONS", "OP_NAMES"]
 __version__ = "0.1.0"

@@ -155,7 +155,7 @@ def _draw(rng: np.random.Generator, shape: Sequence[int], dtype: str, draw: str 
         return rng.integers(-1, 3, size=shape).astype(storage_dtype(dtype))
     values = rng.standard_normal(shape).astype(storage_dtype(dtype))
     if dtype == "bfloat16":  # round to the bfloat16 grid: keep the top 16 bits of each float32
-        values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        values = np.asarray((values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32))  # 0-d: not a scalar
     return values
 
 

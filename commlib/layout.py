@@ -100,6 +100,11 @@ class Plan:
         return self.world_size == 1 and (self.collective != "permute" or self.pairs == ((0, 0),))
 
     @property
+    def is_empty(self) -> bool:
+        """True when the input (hence the output, on every rank) has a zero-size dim: no data moves."""
+        return 0 in self.in_shape
+
+    @property
     def copies(self) -> int:
         """Local passes this plan makes on a contiguous input (0, 1 or 2)."""
         return int(not self.pack.is_identity) + int(not self.unpack.is_identity)

@@ -78,11 +78,13 @@ def _max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return worst
 
 
-def check(case: cases.Case, arrays, outputs, gradients, error: str | None, framework="", mode="") -> Row:
+def check(case: cases.Case, arrays, outputs, gradients, error: str | None, framework="", mode="", *,
+          forward_only: bool = False) -> Row:
     """Compare one frontend's result for `case` with the reference.
 
     `outputs`: every rank's output; `gradients`: {input name: every rank's gradient}; `error`: the
     ``"Type: message"`` text the frontend raised, or None. An invalid case passes only with the spec's text.
+    `forward_only`: compare the outputs only (a run without backward, e.g. under ``torch.no_grad()``).
     """
     want_error = cases.error_text(case)
     if want_error is not None or error is not None:
@@ -91,7 +93,8 @@ def check(case: cases.Case, arrays, outputs, gradients, error: str | None, frame
         return Row(case.name, framework, mode, None, None, passed, detail)
     want_outputs, want_gradients = cases.expected(case, arrays)
     out_error = _max_error(outputs, want_outputs)
-    grad_error = max((_max_error(gradients[name], want_gradients[name]) for name in want_gradients), default=0.0)
+    names = () if forward_only else want_gradients
+    grad_error = max((_max_error(gradients[name], want_gradients[name]) for name in names), default=0.0)
     tol = cases.tolerance(case)
     return Row(case.name, framework, mode, out_error, grad_error, out_error <= tol and grad_error <= tol)
 

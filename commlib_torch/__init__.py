@@ -4,7 +4,8 @@ Same op names and keywords as `commlib_jax` (tested); validation and shapes come
 Never imports jax.
 """
 
-from commlib import CommError, ReduceOp
+from commlib import CommError, CommFailure, CommTimeout, ReduceOp
+from commlib_torch._checked import checked, set_checked  # torch-only, so not in __all__
 from commlib_torch.communicator import DeviceCommunicator
 from commlib_torch.functional import (
     all_gather,
@@ -21,6 +22,8 @@ from commlib_torch.functional import (
 
 __all__ = [
     "CommError",
+    "CommFailure",
+    "CommTimeout",
     "ReduceOp",
     "DeviceCommunicator",
     "all_reduce",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import ReduceOp, ops
+from commlib import ops
 from commlib_torch import functional
 from commlib_torch._walk import global_rank
 
@@ -39,16 +39,16 @@ class DeviceCommunicator:
         self.global_world_size = dist.get_world_size()
         self.rank_in_group = self.rank
 
-    def all_reduce(self, input_: torch.Tensor, op=ReduceOp.SUM, *, convention="sum", accum_dtype=None):
+    def all_reduce(self, input_: torch.Tensor, op="sum", *, convention="sum", accum_dtype=None):
         """Differentiable all_reduce (op None means sum, as in the seed); see `commlib_torch.all_reduce`."""
-        op = ReduceOp.SUM if op is None else op
+        op = "sum" if op is None else op
         return functional.all_reduce(input_, op, self.device_group, convention=convention, accum_dtype=accum_dtype)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum") -> torch.Tensor:
         """Differentiable all_gather along `dim`; see `commlib_torch.all_gather`."""
         return functional.all_gather(input_, dim, self.device_group, convention=convention)
 
-    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op=ReduceOp.SUM, *, accum_dtype=None):
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op="sum", *, accum_dtype=None):
         """Differentiable reduce_scatter along `dim`; see `commlib_torch.reduce_scatter`."""
         return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype)
 

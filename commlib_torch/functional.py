@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from commlib import ops
 from commlib.layout import Plan
 from commlib_torch._walk import dtype_name, run
+from commlib_torch._checked import guard
 
 __all__ = [
     "all_reduce",
@@ -60,15 +60,18 @@ def _vjp(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
 
 
 def _incoming(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
-    """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated")."""
+    """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated").
+    Differentiable, so a gradient penalty can differentiate the VJP again."""
     if plan.convention == "replicated":
         return cotangent
-    return run(ops.all_reduce(cotangent.shape, plan.world_size, dtype=dtype_name(cotangent.dtype),
-                              accum_dtype=plan.accum_dtype), cotangent, group)
+    summed = ops.all_reduce(cotangent.shape, plan.world_size, dtype=dtype_name(cotangent.dtype),
+                            accum_dtype=plan.accum_dtype)
+    return _Collective.apply(cotangent, summed, group)
 
 
 class _Extremum(torch.autograd.Function):
-    """all_reduce max/min: the incoming cotangent goes to the rank(s) holding the extremum, split among ties."""
+    """all_reduce max/min: the incoming cotangent goes to the rank(s) holding the extremum, split among ties.
+    The VJP is linear in the cotangent and locally constant in x, and differentiable as such."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
@@ -78,17 +81,18 @@ class _Extremum(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, cotangent: torch.Tensor):
         x, out = ctx.saved_tensors
-        hits = (x == out).to(cotangent.dtype)
-        ties = run(ops.all_reduce(hits.shape, ctx.plan.world_size, dtype=dtype_name(hits.dtype)), hits, ctx.group)
-        return _incoming(ctx.plan, ctx.group, cotangent) * hits / ties, None, None
+        with torch.no_grad():
+            hits = (x == out).to(cotangent.dtype)
+            ties = run(ops.all_reduce(hits.shape, ctx.plan.world_size, dtype=dtype_name(hits.dtype)), hits, ctx.group)
+        return _incoming(ctx.plan, ctx.group, cotangent) * (hits / ties), None, None
 
 
 class _Product(torch.autograd.Function):
     """all_reduce product: the incoming cotangent times the product of the other ranks' values (no
-    division, so exact where an input is zero)."""
+    division, so exact where an input is zero). The VJP is built from differentiable ops (an all_gather of
+    x, torch's prod), so its second derivative is exact too."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
@@ -97,11 +101,10 @@ class _Product(torch.autograd.Function):
         return run(plan, x, group)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, cotangent: torch.Tensor):
         (x,) = ctx.saved_tensors
         W, rank = ctx.plan.world_size, dist.get_rank(ctx.group)
-        everyone = run(ops.all_gather((1, *x.shape), W, 0), x.unsqueeze(0), ctx.group)
+        everyone = _Collective.apply(x.unsqueeze(0), ops.all_gather((1, *x.shape), W, 0), ctx.group)
         others = torch.cat([everyone[:rank], everyone[rank + 1 :]]).prod(dim=0)
         return _incoming(ctx.plan, ctx.group, cotangent) * others, None, None
 
@@ -112,7 +115,7 @@ _FUNCTIONS = {"max": _Extremum, "min": _Extremum, "product": _Product}
 def _apply(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     if plan.is_trivial:
         return x
-    return _FUNCTIONS.get(plan.reduce_op, _Collective).apply(x, plan, group)
+    return guard(_FUNCTIONS.get(plan.reduce_op, _Collective)).apply(x, plan, group)  # checked mode, failures
 
 
 def _world_size(group: Group) -> int:
@@ -242,5 +245,5 @@ def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.T
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
     plan = ops.gather(x.shape, _world_size(group), dst, dim)
     with torch.no_grad():
-        out = x if plan.is_trivial else run(plan, x, group)
+        out = x.detach().clone(memory_format=torch.contiguous_format) if plan.is_trivial else run(plan, x, group)
     return out if dist.get_rank(group) == plan.root else None

@@ -7,6 +7,8 @@ unsharded on one process (mode "unsharded"); writes every rank's output and inpu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -20,14 +22,16 @@ from commlib.parity import Results
 from commlib_torch.attention import attention, ulysses_attention
 from commlib_torch.pool import WorkerError, WorkerPool
 
-__all__ = ["main", "merge", "run_case"]
+__all__ = ["failure_text", "main", "merge", "run_case", "run_table"]
 
 
-def _tensor(array: np.ndarray, case: cases.Case) -> torch.Tensor:
-    """The case's value as a tensor of its dtype; a non-contiguous transposed view when the case says so."""
+def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) -> torch.Tensor:
+    """The case's value as a tensor of its dtype; a non-contiguous transposed view when the case says so,
+    channels_last strides (4-D) when asked."""
     if case.transposed and array.ndim >= 2:
         return torch.from_numpy(np.swapaxes(array, 0, -1).copy()).to(getattr(torch, case.dtype)).transpose(0, -1)
-    return torch.from_numpy(array.copy()).to(getattr(torch, case.dtype))
+    tensor = torch.from_numpy(array.copy()).to(getattr(torch, case.dtype))
+    return tensor.contiguous(memory_format=torch.channels_last) if channels_last and tensor.ndim == 4 else tensor
 
 
 def _call(case: cases.Case, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -40,19 +44,29 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
 
 
-def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]]):
+_GRAD_MODES = {"grad": contextlib.nullcontext, "constant": contextlib.nullcontext, "no_grad": torch.no_grad,
+               "inference_mode": torch.inference_mode}
+
+
+def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
+             channels_last: bool = False):
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
-    the call is rejected. Outputs and gradients come back as float64 (integers as they are)."""
-    inputs = {name: _tensor(arrays[name][context.rank], case) for name in case.inputs}
+    the call is rejected. Outputs and gradients come back as float64 (integers as they are).
+
+    `grad_mode` (see `commlib.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
+    require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
+    4-D inputs and cotangents get channels_last strides."""
+    inputs = {name: _tensor(arrays[name][context.rank], case, channels_last) for name in case.inputs}
     for tensor in inputs.values():
-        tensor.requires_grad_(case.differentiable)
+        tensor.requires_grad_(case.differentiable and grad_mode != "constant")
     try:
-        out = _call(case, inputs)
+        with _GRAD_MODES[grad_mode]():
+            out = _call(case, inputs)
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
-    if not case.differentiable:
+    if not case.differentiable or grad_mode != "grad":
         return "ok", _numpy(out), {}
-    (out * _tensor(arrays["cotangent"][context.rank], case)).sum().backward()
+    (out * _tensor(arrays["cotangent"][context.rank], case, channels_last)).sum().backward()
     return "ok", _numpy(out), {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
 
 
@@ -83,6 +97,26 @@ def _record(results: Results, case: cases.Case, per_rank: list) -> None:
         results.add(case, "gloo", outputs, gradients)
 
 
+def failure_text(error: WorkerError) -> str:
+    """``"WorkerError: rank 1 died with exit code -9; rank 0 raised CommFailure: ..."``: the first line of
+    each failed rank's report, without the tracebacks."""
+    lines = re.findall(r"\brank \d+ (?:raised|died with|did not answer)[^\n]*", str(error))
+    return "WorkerError: " + "; ".join(lines or str(error).splitlines()[:1])
+
+
+def run_table(pool: WorkerPool, table, results: Results, job=run_case) -> None:
+    """Run each (case, arrays) of `table` on every rank of `pool` (`job`: a `run_case`-like job) into
+    `results`. A case whose ranks raised, died or hung becomes a failed row naming them (`failure_text`);
+    the pool starts fresh workers for the next case."""
+    for case, arrays in table:
+        try:
+            _record(results, case, pool.run(job, case, arrays))
+        except WorkerError as error:
+            results.fail(case, "gloo", failure_text(error))
+        if case.op == cases.ATTENTION:
+            results.add(case, "unsharded", *_unsharded(case, arrays))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m commlib_torch.parity_runner")
     parser.add_argument("in_dir", type=Path)
@@ -91,13 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
-        for case, arrays in cases.read(args.in_dir):
-            try:
-                _record(results, case, pool.run(run_case, case, arrays))
-            except WorkerError as error:
-                results.fail(case, "gloo", error)
-            if case.op == cases.ATTENTION:
-                results.add(case, "unsharded", *_unsharded(case, arrays))
+        run_table(pool, cases.read(args.in_dir), results)
     results.save(args.out_dir, {"torch": torch.__version__, "python": sys.version.split()[0]})
     return 0
 

@@ -1,0 +1,282 @@
+"""Checked mode and failed collectives: the spec side (numpy + stdlib only).
+
+Checked mode: before each collective every rank encodes its call -- op, forward/backward, shape, dtype,
+dims, reduce op, convention, root, perm, accum_dtype -- into a fixed-size int64 `fingerprint` (the same
+size for every op, so the exchange itself cannot mismatch), the frontend all-gathers them over the group,
+and `compare` raises the same `CommError` on every rank if any rank differs::
+
+    all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has (2, 8, 12, 4). Received: ...
+
+Failed collectives: `failure` turns the text of a backend error (gloo / NCCL ``RuntimeError``) into a
+`CommTimeout` (a rank never arrived within the process group's timeout) or a `CommFailure` (a rank died
+or the connection broke), naming the op and the group, or returns None when the text is not one of those.
+Both are ``RuntimeError`` subclasses, not `CommError`: the call was valid, the group failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from commlib.errors import comm_error
+from commlib.layout import Plan
+from commlib.ops import CONVENTIONS, OP_NAMES
+from commlib.reduce_op import FLOAT_DTYPES, ReduceOp
+
+__all__ = [
+    "FINGERPRINT_SIZE",
+    "PHASES",
+    "Call",
+    "CommFailure",
+    "CommTimeout",
+    "compare",
+    "decode",
+    "failure",
+    "fingerprint",
+]
+
+#: The call's phase: the forward collective, or the collective(s) of its backward.
+PHASES = ("forward", "backward")
+_MAGIC = 0x636F6D6C_0001  # "coml", format 1: tells a fingerprint from other int64 data
+_SHAPE_SLOTS = 8  # sizes stored exactly up to this ndim (a hash of the whole shape always)
+_PAIR_SLOTS = 4  # permute pairs stored exactly up to this many (a hash of all of them always)
+_NONE = -1
+
+# Slot layout of a fingerprint (int64 each).
+_VERSION, _OP, _PHASE, _WORLD, _NDIM = range(5)
+_SHAPE = 5
+_SHAPE_HASH = _SHAPE + _SHAPE_SLOTS
+_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH = range(_SHAPE_HASH + 1,
+                                                                                         _SHAPE_HASH + 10)
+_PAIRS = _PAIR_HASH + 1
+#: Number of int64 values every rank sends, whatever the op.
+FINGERPRINT_SIZE = 32
+assert _PAIRS + _PAIR_SLOTS <= FINGERPRINT_SIZE
+
+# Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
+_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *CONVENTIONS, *sorted(FLOAT_DTYPES), "complex64",
+                "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+
+
+def _code(name: str | None) -> int:
+    """A stable code for a name (crc32; the same on every rank and version), -1 for None."""
+    return _NONE if name is None else zlib.crc32(name.encode())
+
+
+_NAMES = {_code(name): name for name in _KNOWN_NAMES}
+
+
+def _name(code: int) -> str | None:
+    return None if code == _NONE else _NAMES.get(code, f"<unknown #{code:08x}>")
+
+
+def _hash(values: Sequence[object]) -> int:
+    return zlib.crc32(",".join(map(str, values)).encode())
+
+
+def _slots(values: Sequence[int], count: int) -> list[int]:
+    return [*values[:count], *[_NONE] * (count - len(values[:count]))]
+
+
+def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
+    """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases)."""
+    row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
+    shape, pairs = plan.in_shape, plan.pairs
+    dims = _slots(plan.dims, 2)
+    row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op), PHASES.index(phase), plan.world_size,
+                                                   len(shape)]
+    row[_SHAPE:_SHAPE_HASH] = _slots(shape, _SHAPE_SLOTS)
+    row[_SHAPE_HASH] = _hash(shape)
+    row[[_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH]] = [
+        _code(dtype), *dims, _code(plan.reduce_op), _code(plan.convention),
+        _NONE if plan.root is None else plan.root, _code(plan.accum_dtype), len(pairs), _hash(pairs),
+    ]
+    row[_PAIRS:_PAIRS + _PAIR_SLOTS] = _slots([(source << 32) | destination for source, destination in pairs],
+                                              _PAIR_SLOTS)
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A decoded fingerprint: what one rank was about to run. Fields print as they appear in messages."""
+
+    op: str | None
+    phase: str
+    world_size: int
+    shape: tuple[int, ...] | str  # a str when over 8 dims (only the first 8 are known)
+    dtype: str | None
+    dims: tuple[int, ...]
+    reduce_op: str | None
+    convention: str | None
+    root: int | None
+    accum_dtype: str | None
+    perm: tuple[tuple[int, int], ...] | str  # a str when over 4 pairs (only the first 4 are known)
+
+    @property
+    def collective(self) -> str:
+        return f"{self.op}" if self.phase == "forward" else f"{self.op} backward"
+
+
+def _shape(row: np.ndarray) -> tuple[int, ...] | str:
+    ndim = int(row[_NDIM])
+    sizes = tuple(int(size) for size in row[_SHAPE:_SHAPE + min(ndim, _SHAPE_SLOTS)])
+    if ndim <= _SHAPE_SLOTS:
+        return sizes
+    return f"({', '.join(map(str, sizes))}, ...) [{ndim}-d, hash {int(row[_SHAPE_HASH]):08x}]"
+
+
+def _perm(row: np.ndarray) -> tuple[tuple[int, int], ...] | str:
+    count = int(row[_PAIR_COUNT])
+    pairs = tuple((int(code) >> 32, int(code) & 0xFFFFFFFF) for code in row[_PAIRS:_PAIRS + min(count, _PAIR_SLOTS)])
+    if count <= _PAIR_SLOTS:
+        return pairs
+    text = ", ".join(f"({source}, {destination})" for source, destination in pairs)
+    return f"({text}, ...) [{count} pairs, hash {int(row[_PAIR_HASH]):08x}]"
+
+
+def decode(row: np.ndarray) -> Call:
+    """The `Call` a fingerprint describes (shapes over 8 dims and perms over 4 pairs are shown in part)."""
+    dims = tuple(int(dim) for dim in row[[_DIM0, _DIM1]] if dim != _NONE)
+    phase = int(row[_PHASE])
+    return Call(
+        op=_name(int(row[_OP])),
+        phase=PHASES[phase] if 0 <= phase < len(PHASES) else f"<phase {phase}>",
+        world_size=int(row[_WORLD]),
+        shape=_shape(row),
+        dtype=_name(int(row[_DTYPE])),
+        dims=dims,
+        reduce_op=_name(int(row[_REDUCE])),
+        convention=_name(int(row[_CONVENTION])),
+        root=None if row[_ROOT] == _NONE else int(row[_ROOT]),
+        accum_dtype=_name(int(row[_ACCUM])),
+        perm=_perm(row),
+    )
+
+
+# What ranks may disagree on, in the order reported: (label, slots compared, how a Call shows it).
+_ASPECTS = (
+    ("world_size", [_WORLD], lambda call: str(call.world_size)),
+    ("shape", [_NDIM, *range(_SHAPE, _SHAPE_HASH + 1)], lambda call: str(call.shape)),
+    ("dtype", [_DTYPE], lambda call: str(call.dtype)),
+    ("dims", [_DIM0, _DIM1], lambda call: str(call.dims)),
+    ("reduce op", [_REDUCE], lambda call: str(call.reduce_op)),
+    ("convention", [_CONVENTION], lambda call: str(call.convention)),
+    ("root", [_ROOT], lambda call: str(call.root)),
+    ("accum_dtype", [_ACCUM], lambda call: str(call.accum_dtype)),
+    ("perm", [_PAIR_COUNT, _PAIR_HASH, *range(_PAIRS, _PAIRS + _PAIR_SLOTS)], lambda call: str(call.perm)),
+)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _by_value(values: list[str], verb: tuple[str, str]) -> str:
+    """``"ranks 0, 1, 3 have X, rank 2 has Y"``: ranks grouped by value, in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return ", ".join(f"{_ranks(ranks)} {verb[len(ranks) > 1]} {value}" for value, ranks in groups.items())
+
+
+def _differences(rows: np.ndarray, calls: list[Call]) -> list[str]:
+    if len({call.collective for call in calls}) > 1:  # op or phase: the other aspects don't compare
+        return [f"the collective: {_by_value([call.collective for call in calls], ('runs', 'run'))}"]
+    found = []
+    for label, slots, show in _ASPECTS:
+        if len({tuple(row) for row in rows[:, slots].tolist()}) > 1:
+            if label == "root":
+                label = "dst" if calls[0].op == "gather" else "src"
+            found.append(f"{label}: {_by_value([show(call) for call in calls], ('has', 'have'))}")
+    return found or ["the call (their fingerprints differ)"]
+
+
+def _received(call: Call, rank: int) -> dict[str, object]:
+    """This rank's own call, for the message's "Received:" part (defaults left out)."""
+    received = dict(rank=rank, phase=call.phase, shape=call.shape, dtype=call.dtype, op=call.reduce_op,
+                    dims=call.dims, convention=None if call.convention == "sum" else call.convention,
+                    root=call.root, accum_dtype=call.accum_dtype, perm=call.perm if call.op == "permute" else None)
+    return {key: value for key, value in received.items() if value is not None and value != ()}
+
+
+def compare(fingerprints: np.ndarray, rank: int) -> None:
+    """Raise `CommError` if the rows of `fingerprints` (one per group rank, group-local order) differ.
+
+    Every rank gets the same array, so every rank raises; the message names the op (this rank's), each
+    aspect the ranks disagree on with every rank's value, and ends with this rank's own call.
+    """
+    rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
+    if (rows == rows[0]).all():
+        return
+    own = decode(rows[rank]) if rows[rank, _VERSION] == _MAGIC else None
+    strangers = [r for r in range(len(rows)) if rows[r, _VERSION] != _MAGIC]
+    op_name = own.op if own is not None else "checked mode"
+    if strangers:
+        raise comm_error(op_name, f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
+                                  f"every rank of the group, and every rank must call the same collectives",
+                         rank=rank)
+    calls = [decode(row) for row in rows]
+    assert own is not None
+    name = own.collective
+    message = "ranks disagree on " + "; on ".join(_differences(rows, calls))
+    raise comm_error(name, message, **_received(own, rank))
+
+
+class CommFailure(RuntimeError):
+    """A valid collective that could not complete: a rank of the group died or its connection broke.
+
+    A ``RuntimeError`` (as the backend's own errors are), not a `CommError`: the call was fine, the group
+    failed. The backend's error is chained as ``__cause__``; the process group is unusable afterwards.
+    """
+
+
+class CommTimeout(CommFailure):
+    """A collective that timed out waiting for the other ranks (one skipped the call, is stuck, or died)."""
+
+
+# Lower-case fragments of backend error texts (gloo, NCCL, c10d store) and what they mean.
+_TIMEOUT_TEXTS = ("timed out", "timeout")
+_PEER_TEXTS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote worker crash",
+    "remote process exited",
+    "socket closed",
+    "communicator was aborted",
+    "nccl error",
+    "connection refused",
+)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _backend_text(text: str) -> str:
+    """The backend message's first line, without gloo's ``[.../file.cc:78] `` source prefix and its
+    "This is typically caused by ..." advice."""
+    first = (text.strip().splitlines() or [""])[0]
+    return _SOURCE_PREFIX.sub("", first).split(" This is typically caused by")[0].strip()
+
+
+def failure(op_name: str, error_text: str, *, rank: int, group_ranks: Sequence[int], phase: str = "forward",
+            received: dict[str, object] | None = None) -> CommFailure | None:
+    """The `CommTimeout` / `CommFailure` for a backend error of a collective, or None if the text is neither
+    a timeout nor a lost peer (e.g. out of memory: then the backend's error stands).
+
+    `rank` is this rank's group rank, `group_ranks` the group's global ranks (group-local order).
+    """
+    lowered = error_text.lower()
+    name = op_name if phase == "forward" else f"{op_name} backward"
+    group = f"group rank {rank} of the group with global ranks {list(group_ranks)}"
+    details = {**(received or {}), "backend_error": _backend_text(error_text)}
+    if any(text in lowered for text in _TIMEOUT_TEXTS):
+        message = (f"timed out on {group} waiting for the other ranks: a rank skipped this collective, "
+                   f"or is stuck or dead")
+        return CommTimeout(str(comm_error(name, message, **details)))
+    if any(text in lowered for text in _PEER_TEXTS):
+        message = f"{group} lost its connection to another rank: a rank died or left the group"
+        return CommFailure(str(comm_error(name, message, **details)))
+    return None

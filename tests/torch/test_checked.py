@@ -1,0 +1,138 @@
+"""Checked mode on real gloo groups: ranks that disagree on a call all raise the same `CommError` before the
+collective runs (where unchecked gloo aborts, hangs or returns garbage), valid calls pass unchanged; and
+calls outside grad mode build no autograd state."""
+
+from __future__ import annotations
+
+import pytest
+
+from commlib import cases
+from commlib_torch.parity_runner import merge
+from tests.torch import failure_jobs
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _call(name, shape, dtype="float32", /, **kwargs):
+    """One rank's call for `failure_jobs.call_checked`: (op name, shape, dtype, keyword arguments)."""
+    return (name, shape, dtype, kwargs)
+
+
+def _errors(replies):
+    """Every rank's error message; fails if a rank did not raise CommError."""
+    assert all(reply[:2] == ("error", "CommError") for reply in replies), replies
+    return [reply[2] for reply in replies]
+
+
+def _same_body(messages):
+    """The part of the message every rank shares (before each rank's own "Received: ...")."""
+    bodies = {message.split(": ", 1)[1].split(". Received: ")[0] for message in messages}
+    assert len(bodies) == 1, messages
+    return bodies.pop()
+
+
+def test_shape_disagreement_names_the_op_the_ranks_and_the_shapes(pool):
+    calls = [_call("all_to_all_4d", (2, 8, 8, 4))] * 4
+    calls[2] = _call("all_to_all_4d", (2, 8, 12, 4))
+    messages = _errors(pool(4).run(failure_jobs.call_checked, calls))
+    assert messages[0] == ("all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has "
+                           "(2, 8, 12, 4). Received: rank=0, phase='forward', shape=(2, 8, 8, 4), dtype='float32', "
+                           "dims=(2, 1)")
+    assert messages[2].endswith("Received: rank=2, phase='forward', shape=(2, 8, 12, 4), dtype='float32', dims=(2, 1)")
+    _same_body(messages)
+
+
+@pytest.mark.parametrize(
+    ("calls", "expected"),
+    [
+        ([_call("all_reduce", (3,)), _call("all_reduce", (4,))],
+         "ranks disagree on shape: rank 0 has (3,), rank 1 has (4,)"),
+        ([_call("all_gather", (2, 3), dim=0), _call("all_gather", (2, 3), "float64", dim=0)],
+         "ranks disagree on dtype: rank 0 has float32, rank 1 has float64"),
+        ([_call("all_reduce", (2, 2)), _call("all_gather", (2, 2))],
+         "ranks disagree on the collective: rank 0 runs all_reduce, rank 1 runs all_gather"),
+        ([_call("all_reduce", (3,), op="sum"), _call("all_reduce", (3,), op="max")],
+         "ranks disagree on reduce op: rank 0 has sum, rank 1 has max"),
+        ([_call("all_reduce", (3,)), _call("all_reduce", (3,), convention="replicated")],
+         "ranks disagree on convention: rank 0 has sum, rank 1 has replicated"),
+        ([_call("broadcast", (3,), src=0), _call("broadcast", (3,), src=1)],
+         "ranks disagree on src: rank 0 has 0, rank 1 has 1"),
+        ([_call("gather", (3,), dst=1), _call("gather", (3,), dst=0)],
+         "ranks disagree on dst: rank 0 has 1, rank 1 has 0"),
+        ([_call("permute", (3,), perm=[[0, 1], [1, 0]]), _call("permute", (3,), perm=[[0, 1]])],
+         "ranks disagree on perm: rank 0 has ((0, 1), (1, 0)), rank 1 has ((0, 1),)"),
+        ([_call("all_gather", (2, 2), dim=0), _call("all_gather", (2, 2), dim=-1)],
+         "ranks disagree on dims: rank 0 has (0,), rank 1 has (1,)"),
+        ([_call("all_to_all", (2, 2), scatter_dim=0, gather_dim=1), _call("all_to_all", (2, 2), scatter_dim=1,
+                                                                          gather_dim=0)],
+         "ranks disagree on dims: rank 0 has (0, 1), rank 1 has (1, 0)"),
+        ([_call("all_reduce", (3,), "bfloat16", accum_dtype="float32"), _call("all_reduce", (3,), "bfloat16")],
+         "ranks disagree on accum_dtype: rank 0 has float32, rank 1 has None"),
+        ([_call("reduce_scatter", (4, 3)), _call("reduce_scatter", (4, 5), "float16")],
+         "ranks disagree on shape: rank 0 has (4, 3), rank 1 has (4, 5); on dtype: rank 0 has float32, rank 1 has "
+         "float16"),
+    ],
+    ids=["shape", "dtype", "op", "reduce_op", "convention", "src", "dst", "perm", "dim", "dims", "accum_dtype",
+         "shape+dtype"],
+)
+def test_every_rank_raises_the_same_error_before_the_collective(pool, calls, expected):
+    messages = _errors(pool(2).run(failure_jobs.call_checked, calls, backward=True))
+    assert _same_body(messages) == expected
+    assert messages[0].startswith(f"{calls[0][0]}: {expected}. Received: rank=0, phase='forward'")
+    assert messages[1].startswith(f"{calls[1][0]}: {expected}. Received: rank=1, phase='forward'")
+
+
+def test_backward_collectives_are_checked_too(pool):
+    messages = _errors(pool(3).run(failure_jobs.backward_disagrees))
+    expected = "ranks disagree on the collective: rank 0 runs all_gather backward, ranks 1, 2 run all_to_all backward"
+    assert _same_body(messages) == expected
+    assert messages[0].startswith(f"all_gather backward: {expected}. Received: rank=0, phase='backward', shape=(6, 3)")
+    assert messages[1].startswith(f"all_to_all backward: {expected}. Received: rank=1, phase='backward'")
+
+
+@pytest.mark.parametrize("enable", failure_jobs.ENABLERS)
+def test_each_switch_turns_checking_on(pool, enable):
+    calls = [_call("all_reduce", (3,)), _call("all_reduce", (5,))]
+    messages = _errors(pool(2).run(failure_jobs.call_checked, calls, enable=enable))
+    assert _same_body(messages) == "ranks disagree on shape: rank 0 has (3,), rank 1 has (5,)"
+
+
+def test_switches_restore_the_previous_state(pool):
+    (states, _) = pool(2).run(failure_jobs.checked_state)
+    default = states["default"]  # False unless the test run itself sets COMMLIB_CHECK
+    assert states == {"default": default, "context": True, "after context": default, "set_checked": True,
+                      "after set_checked": default, "env": True, "after env": default,
+                      "checked(False) inside checked()": False, "restored": True}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_valid_calls_pass_unchanged_in_checked_mode(pool, world_size):
+    """The whole parity case table (every op, both conventions, forward and backward) passes checked."""
+    from commlib import parity
+
+    failed = []
+    for case in cases.case_table(world_size):
+        arrays = cases.make_arrays(case, 0)
+        outputs, gradients, error = merge(case, pool(world_size).run(failure_jobs.run_case_checked, case, arrays))
+        row = parity.check(case, arrays, outputs, gradients, error)
+        failed += [] if row.passed else [f"{row.case}: {row.detail} out {row.out_error} grad {row.grad_error}"]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "constant"])
+def test_no_autograd_state_outside_grad_mode(pool, mode, check):
+    for per_op in pool(3).run(failure_jobs.autograd_state, mode, check):
+        assert per_op == {name: (False, False, 0) for name in per_op}, per_op
+
+
+def test_grad_mode_control_builds_the_graph(pool):
+    for per_op in pool(3).run(failure_jobs.autograd_state, "grad"):
+        assert all(has_grad_fn and requires_grad for has_grad_fn, requires_grad, _ in per_op.values()), per_op
+        assert per_op["all_reduce_max"][2] == 2 and per_op["all_reduce_product"][2] == 1  # their VJPs need x
+
+
+def test_overhead_reports_every_variant(pool):
+    for timings in pool(2).run(failure_jobs.overhead, (64,), 5):
+        assert set(timings) == {"raw", "commlib", "no_grad", "inference_mode", "constant", "checked", "fingerprint"}
+        assert all(0.0 < seconds < 5.0 for seconds in timings.values()), timings

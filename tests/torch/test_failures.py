@@ -1,0 +1,122 @@
+"""Skipped collectives and dead ranks on real gloo groups (process-group timeout 5 s): the other ranks raise
+`commlib.CommTimeout` / `commlib.CommFailure` naming the op and the group in bounded time, the pool reports
+which rank failed and leaves no process behind, and a parity run turns it into a failed row naming the rank.
+
+Each test has a hard timeout (pytest-timeout); the pool kills every worker of a broken group itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+import commlib_torch.pool as pool_module
+from commlib import CommFailure, CommTimeout, cases, parity
+from commlib.parity import Results
+from commlib_torch.parity_runner import run_table
+from commlib_torch.pool import WorkerError, WorkerPool
+from tests.torch import failure_jobs, pool_jobs
+
+PG_TIMEOUT = 5.0
+GROUP = "of the group with global ranks [0, 1, 2]"
+BACKEND_TIMEOUT = r"backend_error='Timed out waiting 5000ms for (send|recv) operation to complete'$"
+
+
+@pytest.fixture
+def pool_5s(monkeypatch):
+    """Three gloo workers with a 5 s process-group timeout; the pool waits up to 15 s for ranks still busy
+    after another failed (instead of killing them after 2 s), so the survivors' own errors are seen."""
+    monkeypatch.setattr(pool_module, "STRAGGLER_GRACE", 15.0)
+    with WorkerPool(3, timeout=60.0, pg_timeout=PG_TIMEOUT) as pool:
+        yield pool
+
+
+def _gone(process_ids) -> bool:
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and _running(pid) for pid in process_ids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _run_failing(pool, job, *args, **kwargs) -> tuple[WorkerError, float]:
+    before = pool.run(pool_jobs.process_id)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        pool.run(job, *args, **kwargs)
+    elapsed = time.monotonic() - start
+    assert _gone(before), "workers of the broken group are still running"
+    assert pool.run(pool_jobs.identify) == [(rank, 3) for rank in range(3)]  # fresh workers, working group
+    return info.value, elapsed
+
+
+def _rank_errors(error: WorkerError) -> dict[int, str]:
+    """{rank: "raised Type: message" or "died with exit code N"} from the pool's report (no tracebacks)."""
+    return {int(rank): text for rank, text in re.findall(r"\brank (\d+) ((?:raised|died with)[^\n]*)", str(error))}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
+@pytest.mark.parametrize(("op", "phase"), [("all_reduce", "forward"), ("all_gather", "backward"),
+                                           ("all_to_all_4d", "forward")])
+def test_rank_skipping_a_collective_makes_the_others_raise_comm_timeout(pool_5s, op, phase, check):
+    error, elapsed = _run_failing(pool_5s, failure_jobs.skip_collective, 2, op, phase, check)
+    assert elapsed < PG_TIMEOUT + 5.0
+    assert error.ranks == (0, 1) and isinstance(error.cause, CommTimeout)
+    name = op if phase == "forward" else f"{op} backward"
+    for rank, text in _rank_errors(error).items():
+        assert text.startswith(f"raised CommTimeout: {name}: timed out on group rank {rank} {GROUP} waiting for "
+                               f"the other ranks: a rank skipped this collective, or is stuck or dead. Received: "
+                               f"shape="), text
+        assert re.search(BACKEND_TIMEOUT, text), text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("op", "phase"), [("all_reduce", "forward"), ("all_to_all_4d", "forward"),
+                                           ("all_gather", "backward")])
+def test_rank_killed_mid_collective_makes_the_survivors_raise(pool_5s, op, phase):
+    error, elapsed = _run_failing(pool_5s, failure_jobs.die_in_collective, 1, op, phase)
+    assert elapsed < 0.5 + 10.0
+    assert error.ranks == (0, 1, 2) and error.exit_codes == {1: -9}
+    assert isinstance(error.cause, CommFailure)  # rank 0's error: lost peer, or a timeout waiting for rank 2
+    reports = _rank_errors(error)
+    assert reports[1] == "died with exit code -9"
+    name = op if phase == "forward" else f"{op} backward"
+    for rank in (0, 2):
+        assert re.match(rf"raised Comm(Failure|Timeout): {name}: ", reports[rank]), reports[rank]
+        assert f"group rank {rank} {GROUP}" in reports[rank]
+
+
+@pytest.mark.timeout(90)
+def test_parity_run_reports_the_rank_that_died(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(pool_module, "STRAGGLER_GRACE", 15.0)
+    first, last = cases.case_table(2)[:2]
+    doomed = cases.Case("kill-rank-1", first.op, 2, first.shape)
+    table = [(case, cases.make_arrays(case, 0)) for case in (first, doomed, last)]
+    results = Results("torch")
+    with WorkerPool(2, timeout=60.0, pg_timeout=PG_TIMEOUT) as pool:
+        run_table(pool, table, results, job=failure_jobs.kill_rank_in_case)
+    results.save(tmp_path, {})
+    rows = parity.compare(table, "torch", tmp_path)
+    assert [row.passed for row in rows] == [True, False, True]  # the pool restarted for the third case
+    detail = rows[1].detail
+    assert detail.startswith("expected None, got ") and "WorkerError: rank 0 raised Comm" in detail, detail
+    assert "rank 1 died with exit code -9" in detail and "Traceback" not in detail, detail
+
+    from commlib import cli
+
+    monkeypatch.setattr(parity, "run", lambda *args, **kwargs: rows)
+    assert cli.main(["parity", "--world-size", "2", "--frameworks", "torch"]) == 1
+    assert "rank 1 died with exit code -9" in capsys.readouterr().out
