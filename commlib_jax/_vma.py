@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-__all__ = ["axes_of", "axis_arg", "to_varying", "varying_axes"]
+__all__ = ["axes_of", "axis_arg", "mesh_order", "to_varying", "varying_axes"]
 
 
 def axes_of(axis_name) -> tuple:
@@ -35,6 +35,12 @@ def varying_axes(x) -> frozenset:
         return frozenset(vma)
     mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
     return frozenset(getattr(mat, "varying", ()))
+
+
+def mesh_order(axes: tuple) -> tuple:
+    """`axes` sorted in the order of the enclosing mesh's axis names (as given under pmap, which has none)."""
+    names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+    return tuple(sorted(axes, key=names.index)) if set(axes) <= set(names) else axes
 
 
 def _manual_axes() -> frozenset:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commlib import Plan
-from commlib_jax._vma import axis_arg, to_varying
+from commlib_jax._vma import axis_arg, mesh_order, to_varying
 
 __all__ = ["dtype_name", "run", "rank"]
 
@@ -60,10 +60,35 @@ def _collective(plan: Plan, axes: tuple, x):
         scatter, gather = plan.dims
         return lax.all_to_all(x, name, split_axis=scatter, concat_axis=gather, tiled=True)
     if kind == "permute":
-        return lax.ppermute(x, name, perm=plan.pairs)
+        return _ppermute(plan, axes, x)
     if kind == "identity":
         return x
     raise NotImplementedError(kind)
+
+
+def _ppermute(plan: Plan, axes: tuple, x):
+    """``lax.ppermute`` with commlib's ranks (row-major over `axes` in the order given, as ``axis_index``).
+
+    jax numbers a tuple of axes' ranks for ppermute row-major in the *mesh's* axis order, whatever the
+    order of the tuple (its lowering sorts the replica groups), so on a ("x", "y") mesh the ranks of
+    ("y", "x") differ. Permuting over the axes in mesh order with the pairs renumbered agrees with either.
+    """
+    order = mesh_order(axes)
+    if order == axes:
+        return lax.ppermute(x, axis_arg(axes), perm=plan.pairs)
+    sizes = {axis: lax.axis_size(axis) for axis in axes}
+
+    def renumber(rank: int) -> int:
+        coordinates = {}
+        for axis in reversed(axes):
+            rank, coordinates[axis] = divmod(rank, sizes[axis])
+        index = 0
+        for axis in order:
+            index = index * sizes[axis] + coordinates[axis]
+        return index
+
+    pairs = [(renumber(source), renumber(destination)) for source, destination in plan.pairs]
+    return lax.ppermute(x, axis_arg(order), perm=pairs)
 
 
 def run(plan: Plan, axes: tuple, x):

@@ -47,7 +47,9 @@ def _collective(plan: Plan, axes: tuple, x):
 
 
 def _forward(plan: Plan, axes: tuple, x):
-    out = run(plan, axes, x)
+    # `_collective`, not `run`: differentiating the VJP again (a gradient penalty) differentiates this
+    # forward too, and must use commlib's rules -- lax has none for pmax/pmin, and its own for the rest.
+    out = _collective(plan, axes, x)
     return out, ((x, out) if plan.reduce_op in _NONLINEAR else None)
 
 
@@ -85,6 +87,8 @@ def _nonlinear_vjp(plan: Plan, axes: tuple, residuals, cotangent):
 
 
 def _apply(plan: Plan, axes: tuple, x):
+    if plan.is_empty:  # XLA rejects zero-size all_gather / reduce_scatter dims, and nothing moves anyway
+        return to_varying(x, axes).reshape(plan.out_shape)
     return x if plan.is_trivial else _collective(plan, axes, to_varying(x, axes))
 
 
