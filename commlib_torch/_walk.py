@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from commlib import Plan, Rearrange
+from commlib_torch import _pack
 
 __all__ = ["dtype_name", "global_rank", "rearrange", "run", "torch_dtype"]
 
@@ -48,11 +49,11 @@ def global_rank(group: Group, rank: int) -> int:
 
 def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One local pass of `step` into a contiguous tensor of `shape`; a view when nothing moves."""
-    source = x.reshape(step.view).permute(step.perm)
     if step.is_identity and dtype == x.dtype and x.is_contiguous():
-        return source.reshape(shape)
+        return x.reshape(step.view).permute(step.perm).reshape(shape)
     out = torch.empty(step.out_shape, dtype=dtype, device=x.device)
-    out.copy_(source)
+    if not (x.is_cuda and _pack.copy_into(out, x, step)):  # CUDA: a Triton kernel or a wide-word copy
+        out.copy_(x.reshape(step.view).permute(step.perm))
     return out.view(shape)
 
 
@@ -62,18 +63,17 @@ def _receives_only(plan: Plan, rank: int) -> bool:
 
 
 def _permute(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
-    recv, operations = None, []
-    for source, destination in plan.pairs:
-        if source == rank == destination:
-            recv = send.clone()
-        elif source == rank:
-            operations.append(dist.P2POp(dist.isend, send, global_rank(group, destination), group))
-        elif destination == rank:
-            recv = empty(plan.recv_shape)
-            operations.append(dist.P2POp(dist.irecv, recv, global_rank(group, source), group))
-    for request in dist.batch_isend_irecv(operations) if operations else ():
-        request.wait()
-    return recv
+    """ppermute as one all_to_all_single with uneven splits: this rank's buffer goes to its destination (if
+    any), its source's buffer comes in (if any). One call for every pattern, and traceable by torch.compile."""
+    destination = dict(plan.pairs).get(rank)
+    source = {dst: src for src, dst in plan.pairs}.get(rank)
+    size = send.numel()
+    recv = empty((size if source is not None else 0,))
+    send_sizes = [size if peer == destination else 0 for peer in range(plan.world_size)]
+    recv_sizes = [size if peer == source else 0 for peer in range(plan.world_size)]
+    flat = send.reshape(-1) if destination is not None else send.reshape(-1)[:0]
+    dist.all_to_all_single(recv, flat, recv_sizes, send_sizes, group=group)
+    return recv.view(plan.recv_shape) if source is not None else None
 
 
 def _collective(plan: Plan, send, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
@@ -118,6 +118,7 @@ def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     empty = lambda shape: torch.empty(shape, dtype=buffer_dtype, device=x.device)  # noqa: E731
     send = None if _receives_only(plan, rank) else rearrange(x, plan.pack, plan.send_shape, buffer_dtype)
     recv = _collective(plan, send, group, rank, empty)
+    del send  # dead once sent: the unpack's output can take its memory (peak = send + recv, not + output)
     if recv is None:
         return torch.zeros(plan.out_shape, dtype=x.dtype, device=x.device)
     if plan.scale != 1.0:
