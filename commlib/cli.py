@@ -1,4 +1,4 @@
-"""The `commlib` command line: ``commlib parity`` (and ``commlib bench``)."""
+"""The `commlib` command line: ``commlib parity`` and ``commlib bench``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from commlib import parity
+from commlib import bench, parity
 
 __all__ = ["main"]
 
@@ -42,6 +42,47 @@ def _parity(args: argparse.Namespace) -> int:
     return 0 if rows and not failed else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    settings = {**bench.QUICK} if args.quick else {**bench.FULL}
+    settings.update({key: value for key in settings if (value := getattr(args, key)) is not None})
+    rows, facts = bench.run(**settings, frameworks=args.frameworks, quick=args.quick, cases=args.cases,
+                            timeout=args.timeout)
+    table = bench.markdown(rows)
+    print(table)
+    met = [row.met for row in rows if row.met is not None]
+    verdict = f"targets met {sum(met)}/{len(met)}" if met else "no target applies (they are set at W 4, 16 MiB)"
+    print(f"\n{len(rows)} comparisons, {verdict}; {facts['seconds']} s; "
+          f"load average {facts['load_before']} -> {facts['load_after']}; {facts['versions']}")
+    for framework, error in facts["failures"].items():
+        print(f"{framework} runner FAILED: {error}")
+    if not rows:
+        print(f"no comparison ran (cases {args.cases})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"facts": facts, "settings": settings,
+                                               "rows": [dataclasses.asdict(row) for row in rows]}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plot and not bench.plot(rows, args.plot):
+        print("--plot needs matplotlib: pip install 'commlib[bench]'")
+    return 1 if facts["failures"] or not rows else 0
+
+
+def _add_bench(commands) -> None:
+    timing = commands.add_parser("bench", help="time commlib against raw collectives, the seed and bare jax.lax")
+    timing.add_argument("--quick", action="store_true", help=f"a short run (under a minute): {bench.QUICK}")
+    timing.add_argument("--world-sizes", type=int, nargs="+", help=f"default {bench.FULL['world_sizes']}")
+    timing.add_argument("--sizes-mib", type=float, nargs="+", help=f"MiB per rank, default {bench.FULL['sizes_mib']}")
+    timing.add_argument("--repeats", type=int, help=f"timed rounds per variant, default {bench.FULL['repeats']}")
+    timing.add_argument("--warmup", type=int, help=f"untimed rounds first, default {bench.FULL['warmup']}")
+    timing.add_argument("--frameworks", nargs="+", choices=bench.FRAMEWORKS, default=list(bench.FRAMEWORKS))
+    timing.add_argument("--cases", nargs="+", help="only the cases of these names (each framework runs those it has)")
+    timing.add_argument("--json", metavar="PATH", help="also write the rows and run facts as JSON")
+    timing.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
+    timing.add_argument("--plot", metavar="PATH", help="also plot the ratios as PNG (needs matplotlib)")
+    timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
+    timing.set_defaults(handler=_bench)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commlib", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS))
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
+    _add_bench(commands)
     return parser
 
 

@@ -1,0 +1,215 @@
+"""`commlib bench`: commlib side by side with the raw collectives, the seed's algorithm and bare `jax.lax`.
+
+As `commlib parity` does, the driver runs each frontend's runner as a subprocess
+(``python -m commlib_torch.bench_runner OUT.json ...`` on W gloo worker processes, ``python -m
+commlib_jax.bench_runner OUT.json ...`` on W CPU devices), reads their records back and reduces them: the
+median of each variant's rounds, and ratio = commlib's median / the baseline's. Torch and JAX never share
+a process and never run at the same time. Benchmarks, not tests: a missed target is reported, not raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "Row", "Target", "markdown", "plot", "rows", "run"]
+
+FRAMEWORKS = ("torch", "jax")
+#: `commlib bench` settings; --quick takes QUICK (only the cases marked quick), explicit options win.
+FULL = {"world_sizes": [2, 4], "sizes_mib": [1, 4, 16, 64], "repeats": 9, "warmup": 1}
+QUICK = {"world_sizes": [4], "sizes_mib": [4], "repeats": 9, "warmup": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """An upper bound on ``commlib / baseline`` at one world size and size per rank."""
+
+    framework: str
+    case: str  # case name, or its prefix when it ends with "*"
+    baseline: str
+    limit: float
+    world_size: int = 4
+    size_mib: float = 16
+
+    def applies(self, row: Row) -> bool:
+        name = self.case.removesuffix("*")
+        matches = row.case.startswith(name) if self.case.endswith("*") else row.case == name
+        return (matches and row.framework == self.framework and row.baseline == self.baseline
+                and row.world_size == self.world_size and row.size_mib == self.size_mib)
+
+
+#: The issue's targets (CPU, gloo, world 4, 16 MiB per rank).
+TARGETS = (
+    Target("torch", "all_reduce", "torch.distributed", 1.10),
+    Target("torch", "all_gather (dim 0)", "torch.distributed", 1.10),
+    Target("torch", "reduce_scatter (dim 0)", "torch.distributed", 1.10),
+    Target("torch", "all_to_all_4d (2, 1) B=1", "seed (3 copies)", 0.8),
+    Target("torch", "all_to_all_4d (1, 2) B=1", "seed (3 copies)", 0.8),
+    Target("jax", "*", "jax.lax", 1.05),
+)
+
+
+@dataclasses.dataclass
+class Row:
+    """One comparison: the subject (commlib) against one baseline, at one world size and size."""
+
+    framework: str
+    case: str
+    world_size: int
+    size_mib: float
+    subject: str
+    subject_ms: float | None  # median over rounds
+    baseline: str
+    baseline_ms: float | None
+    ratio: float | None  # subject / baseline, median wall-clock times
+    spread: float | None  # larger interquartile range of the two wall-clock times, relative to its median
+    cpu_ratio: float | None = None  # subject / baseline, median CPU times (all threads, all ranks)
+    target: float | None = None
+    met: bool | None = None
+    detail: str = ""
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def _spread(seconds: list[float]) -> float:
+    if len(seconds) < 4:
+        return (max(seconds) - min(seconds)) / statistics.median(seconds)
+    quartiles = statistics.quantiles(seconds, n=4)
+    return (quartiles[2] - quartiles[0]) / statistics.median(seconds)
+
+
+def rows(records: list[dict], targets=TARGETS) -> list[Row]:
+    """Runner records -> one row per (record, baseline), with the target that applies to it."""
+    result = []
+    for record in records:
+        seconds, subject = record["seconds"], record["subject"]
+        for baseline in record["baselines"]:
+            mine, theirs = _median_ms(seconds[subject]), _median_ms(seconds[baseline])
+            row = Row(record["framework"], record["case"], record["world_size"], record["size_mib"], subject, mine,
+                      baseline, theirs, mine / theirs, max(_spread(seconds[subject]), _spread(seconds[baseline])))
+            cpu = record.get("cpu_seconds")
+            if cpu:
+                row.cpu_ratio = statistics.median(cpu[subject]) / statistics.median(cpu[baseline])
+            for target in targets:
+                if target.applies(row):
+                    row.target, row.met = target.limit, row.ratio <= target.limit
+            result.append(row)
+    return result
+
+
+def _run_framework(framework: str, out: Path, options: list[str], timeout: float) -> tuple[list[dict], dict, str]:
+    """(records, versions, error text or "") of one runner subprocess."""
+    command = [sys.executable, "-m", f"commlib_{framework}.bench_runner", str(out), *options]
+    env = dict(os.environ)
+    if framework == "jax":  # one XLA thread per device: fewer threads contending for the cores, less noise
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        return [], {}, f"timed out after {timeout:.0f} s"
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+        return [], {}, f"exit {done.returncode}: " + " | ".join(tail)
+    result = json.loads(out.read_text())
+    return result["records"], result["versions"], ""
+
+
+def run(world_sizes=(2, 4), sizes_mib=(1, 4, 16, 64), repeats: int = 7, warmup: int = 1, frameworks=FRAMEWORKS,
+        quick: bool = False, cases: list[str] | None = None, timeout: float = 3600.0) -> tuple[list[Row], dict]:
+    """Run the benches; (rows, facts about the run: versions, machine, load, seconds, failures, and the
+    runners' records with every round's seconds)."""
+    options = ["--world-sizes", *map(str, world_sizes), "--sizes-mib", *map(str, sizes_mib),
+               "--repeats", str(repeats), "--warmup", str(warmup), *(["--quick"] if quick else [])]
+    facts = {"date": datetime.date.today().isoformat(), "machine": _machine(), "load_before": _load(),
+             "versions": {"python": sys.version.split()[0]}, "failures": {}, "records": []}
+    start, result = time.perf_counter(), []
+    with tempfile.TemporaryDirectory(prefix="commlib-bench-") as tmp:
+        for framework in frameworks:
+            extra = ["--cases", *cases] if cases else []
+            records, versions, error = _run_framework(framework, Path(tmp) / f"{framework}.json",
+                                                      options + extra, timeout)
+            facts["versions"].update(versions)
+            if error:
+                facts["failures"][framework] = error
+            facts["records"] += records
+            result += rows(records)
+    facts.update(load_after=_load(), seconds=round(time.perf_counter() - start, 1))
+    return result, facts
+
+
+def _machine() -> str:
+    return f"{platform.machine()} {platform.system()} {os.cpu_count()} cpus ({platform.processor() or 'cpu'})"
+
+
+def _load() -> list[float] | None:
+    return [round(value, 2) for value in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: list[Row]) -> str:
+    """The rows as a GitHub markdown table."""
+    from tabulate import tabulate
+
+    body = []
+    for row in result:
+        verdict = "" if row.target is None else f"<= {row.target:.2f} {'met' if row.met else 'MISSED'}"
+        body.append([row.framework, row.case, row.world_size, f"{row.size_mib:g}", _number(row.subject_ms, 1),
+                     row.baseline, _number(row.baseline_ms, 1), _number(row.ratio), f"{100 * row.spread:.0f}%",
+                     _number(row.cpu_ratio), verdict])
+    headers = ["framework", "case", "W", "MiB/rank", "commlib ms", "baseline", "baseline ms", "ratio", "spread",
+               "cpu ratio", "target"]
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def plot(result: list[Row], path: str | Path) -> bool:
+    """Ratio against size for each case and its main (first) baseline, one panel per framework and world
+    size; False without matplotlib (``pip install commlib[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    main = {}  # (framework, case) -> its first baseline
+    for row in result:
+        main.setdefault((row.framework, row.case), row.baseline)
+    frameworks = sorted({row.framework for row in result})
+    world_sizes = sorted({row.world_size for row in result})
+    figure, axes = plt.subplots(max(1, len(frameworks)), max(1, len(world_sizes)), squeeze=False,
+                                figsize=(6.5 * max(1, len(world_sizes)) + 3.5, 4.2 * max(1, len(frameworks))))
+    for row_axes, framework in zip(axes, frameworks, strict=False):
+        for axis, world_size in zip(row_axes, world_sizes, strict=False):
+            lines: dict[str, list[Row]] = {}
+            for row in result:
+                if ((row.framework, row.world_size) == (framework, world_size) and row.ratio is not None
+                        and row.baseline == main[(row.framework, row.case)]):
+                    lines.setdefault(f"{row.case} / {row.baseline}", []).append(row)
+            for index, (label, points) in enumerate(sorted(lines.items())):
+                points.sort(key=lambda row: row.size_mib)
+                axis.plot([p.size_mib for p in points], [p.ratio for p in points], marker="o", label=label,
+                          linestyle=("-", "--", ":")[index // 10 % 3])  # the colour cycle repeats after 10
+            axis.axhline(1.0, color="grey", linewidth=0.8)
+            axis.set(xscale="log", xlabel="MiB per rank", ylabel="commlib / baseline (median time)",
+                     title=f"{framework}, world size {world_size}")
+        row_axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

@@ -1,0 +1,150 @@
+"""JAX side of `commlib bench`: ``python -m commlib_jax.bench_runner OUT.json --world-sizes 2 4 --sizes-mib 1 16
+--repeats 7 [--quick]``.
+
+Each case runs the commlib op and the bare `jax.lax` collective on the same per-device block inside
+``jax.shard_map`` (check_vma=True) over W CPU devices, jitted: the forward, and the forward plus backward
+(``value_and_grad`` of ``sum(out * cotangent)``). Variants are timed in rotating order, each call until
+``block_until_ready``, in wall-clock and in CPU time (all threads); the driver (`commlib.bench`) takes
+medians. The forward values must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CASES", "JaxCase", "main"]
+
+_AXIS = "i"
+_HEADS, _HEAD_DIM = 8, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxCase:
+    """One row family: per-device shape from (W, float32 elements), the commlib op and the bare lax op."""
+
+    shape: Callable[[int, int], tuple[int, ...]]
+    ours: Callable  # (x, axis_name) -> out, x this device's block
+    bare: Callable
+    quick: bool = False
+
+
+def _flat(world_size: int, numel: int) -> tuple[int, ...]:
+    return (numel // world_size // 128 * world_size, 128)
+
+
+def _ulysses(batch: int) -> Callable[[int, int], tuple[int, ...]]:
+    def shape(world_size: int, numel: int) -> tuple[int, ...]:
+        seq = max(world_size, numel // (batch * _HEADS * _HEAD_DIM) // world_size * world_size)
+        return (batch, seq, _HEADS, _HEAD_DIM)
+
+    return shape
+
+
+def _cases() -> dict[str, JaxCase]:
+    from jax import lax
+
+    import commlib_jax as cl
+
+    return {
+        "all_reduce": JaxCase(_flat, lambda x, a: cl.all_reduce(x, a), lambda x, a: lax.psum(x, a), quick=True),
+        "all_gather (dim 0)": JaxCase(_flat, lambda x, a: cl.all_gather(x, a, dim=0),
+                                      lambda x, a: lax.all_gather(x, a, axis=0, tiled=True)),
+        "reduce_scatter (dim 0)": JaxCase(_flat, lambda x, a: cl.reduce_scatter(x, a, dim=0),
+                                          lambda x, a: lax.psum_scatter(x, a, scatter_dimension=0, tiled=True),
+                                          quick=True),
+        "all_to_all_4d (2, 1) B=1": JaxCase(_ulysses(1), lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
+                                            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True), quick=True),
+        "all_to_all_4d (2, 1) B=2": JaxCase(_ulysses(2), lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
+                                            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True)),
+    }
+
+
+def _functions(case: JaxCase, world_size: int) -> dict[str, Callable]:
+    """{"commlib fwd", "lax fwd", "commlib fwd+bwd", "lax fwd+bwd"} -> jitted functions of (x, cotangent)."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:world_size]), (_AXIS,))
+    functions = {}
+    for label, op in (("commlib", case.ours), ("lax", case.bare)):
+        mapped = jax.shard_map(lambda x, op=op: op(x, _AXIS), mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS))
+        functions[f"{label} fwd"] = jax.jit(lambda x, cotangent, mapped=mapped: mapped(x))
+        loss = lambda x, cotangent, mapped=mapped: (mapped(x) * cotangent).sum()  # noqa: E731
+        functions[f"{label} fwd+bwd"] = jax.jit(jax.value_and_grad(loss))
+    return functions
+
+
+def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, `repeats` rounds in rotating order after `warmup` rounds."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = case.shape(world_size, nbytes // 4)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((world_size * shape[0], *shape[1:]), dtype=np.float32))
+    functions = _functions(case, world_size)
+    out_shape = jax.eval_shape(functions["commlib fwd"], x, x).shape
+    cotangent = jnp.asarray(rng.standard_normal(out_shape, dtype=np.float32))
+    forward = {name: np.asarray(fn(x, cotangent)) for name, fn in functions.items() if name.endswith("fwd")}
+    if not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
+        raise AssertionError(f"commlib and lax disagree at world size {world_size}, shape {shape}")
+    names = list(functions)
+    seconds, cpu_seconds = {name: [] for name in functions}, {name: [] for name in functions}
+    for index in range(warmup + repeats):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(functions[name](x, cotangent))
+            if index >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+                cpu_seconds[name].append(time.process_time() - start_cpu)
+    return {"wall": seconds, "cpu": cpu_seconds}
+
+
+def _records(name: str, case: JaxCase, world_size: int, size: float, seconds: dict) -> list[dict]:
+    return [{"framework": "jax", "case": f"{name} {part}", "world_size": world_size, "size_mib": size,
+             "subject": "commlib", "baselines": ["jax.lax"],
+             "seconds": {"commlib": seconds["wall"][f"commlib {part}"], "jax.lax": seconds["wall"][f"lax {part}"]},
+             "cpu_seconds": {"commlib": seconds["cpu"][f"commlib {part}"], "jax.lax": seconds["cpu"][f"lax {part}"]}}
+            for part in ("fwd", "fwd+bwd")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m commlib_jax.bench_runner")
+    parser.add_argument("out", type=Path, help="JSON file for the records")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all; others ignored)")
+    parser.add_argument("--quick", action="store_true", help="only the cases marked quick")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(args.world_sizes))
+    cases = _cases()
+    names = args.cases or [name for name, case in cases.items() if case.quick or not args.quick]
+    names = [name for name in names if name in cases]  # --cases may name the other framework's cases
+    records = []
+    for world_size in args.world_sizes:
+        for name in names:
+            for size in args.sizes_mib:
+                seconds = time_case(cases[name], world_size, int(size * 2**20), args.repeats, args.warmup)
+                records += _records(name, cases[name], world_size, size, seconds)
+    versions = {"jax": jax.__version__, "python": sys.version.split()[0]}
+    args.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
