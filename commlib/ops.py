@@ -13,7 +13,7 @@ import operator
 
 from commlib.errors import comm_error, kind_error
 from commlib.layout import Plan, all_gather_layout, all_to_all_layout, flat_layout, reduce_scatter_layout
-from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
+from commlib.reduce_op import FLOAT_BITS, ReduceOp, is_floating, parse_reduce_op
 
 __all__ = [
     "CONVENTIONS",
@@ -90,7 +90,8 @@ def _check_divisible(op: str, quantity: str, size: int, world_size: int, receive
 
 def _check_convention(op: str, convention: object, received: dict) -> str:
     if convention not in CONVENTIONS:
-        raise comm_error(op, f"convention ({convention!r}) must be one of {', '.join(CONVENTIONS)}", **received)
+        message = f"convention ({convention!r}) must be one of {', '.join(CONVENTIONS)}"
+        raise comm_error(op, message, **received, convention=convention)
     return str(convention)
 
 
@@ -106,11 +107,17 @@ def _check_reduction(op: str, reduce_op: ReduceOp, dtype: str, accum_dtype: obje
         raise comm_error(op, f"op ('avg') needs a floating dtype, not {dtype}", **received, dtype=dtype)
     if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
         raise comm_error(op, "op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all)", **received, dtype=dtype)
+    if reduce_op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT) and dtype.startswith("complex"):
+        raise comm_error(op, f"op ({reduce_op.value!r}) needs a real dtype, not {dtype}", **received, dtype=dtype)
     if accum_dtype is None:
         return None
     accum = _check_dtype(op, "accum_dtype", accum_dtype, received)
+    received = {**received, "dtype": dtype, "accum_dtype": accum}
     if not is_floating(accum) or not is_floating(dtype):
         raise comm_error(op, f"accum_dtype ({accum}) and the input dtype ({dtype}) must be floating", **received)
+    if FLOAT_BITS[accum] < FLOAT_BITS[dtype]:
+        message = f"accum_dtype ({accum}, {FLOAT_BITS[accum]} bits) must be at least as wide as the input ({dtype})"
+        raise comm_error(op, message, **received)
     return None if accum == dtype else accum
 
 

@@ -6,10 +6,12 @@ import enum
 
 from commlib.errors import comm_error, kind_error
 
-__all__ = ["ReduceOp", "parse_reduce_op", "FLOAT_DTYPES", "is_floating"]
+__all__ = ["ReduceOp", "parse_reduce_op", "FLOAT_BITS", "FLOAT_DTYPES", "is_floating"]
 
-#: dtype names (numpy / torch / jax spelling without the module prefix) that carry gradients.
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: Bits of each floating dtype (numpy / torch / jax spelling without the module prefix).
+FLOAT_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+#: dtype names that carry gradients.
+FLOAT_DTYPES = frozenset(FLOAT_BITS)
 
 
 class ReduceOp(str, enum.Enum):

@@ -298,3 +298,26 @@ def test_sum_of_bools_is_refused():
         "Received: shape=(3,), op='sum', dtype='bool'"
     )
     assert ops.all_reduce((3,), 4, "max", dtype="bool").reduce_op == "max"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: ops.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
+         "all_reduce: accum_dtype (float16, 16 bits) must be at least as wide as the input (float64). "
+         "Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'"),
+        (lambda: ops.all_reduce((2,), 2, "max", dtype="complex64"),
+         "all_reduce: op ('max') needs a real dtype, not complex64. Received: shape=(2,), op='max', dtype='complex64'"),
+        (lambda: ops.all_reduce((2,), 2, convention="mean"),
+         "all_reduce: convention ('mean') must be one of sum, replicated. "
+         "Received: shape=(2,), op='sum', convention='mean'"),
+        (lambda: ops.reduce_scatter((4,), 2, dtype="float32", accum_dtype="int8"),
+         "reduce_scatter: accum_dtype (int8) and the input dtype (float32) must be floating. "
+         "Received: shape=(4,), dim=0, op='sum', dtype='float32', accum_dtype='int8'"),
+    ],
+)
+def test_dtype_and_convention_messages(call, message):
+    """A narrower accumulation, complex extrema and bad conventions are refused, naming what was received."""
+    with pytest.raises(CommError) as info:
+        call()
+    assert str(info.value) == message
