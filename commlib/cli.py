@@ -14,6 +14,22 @@ from commlib import bench, parity
 __all__ = ["main"]
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1 (a world size)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _writable(text: str) -> str:
+    """argparse type: a file path whose folder exists, checked before any work is done."""
+    folder = Path(text).resolve().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {folder} does not exist")
+    return text
+
+
 def _format_error(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
@@ -70,15 +86,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_bench(commands) -> None:
     timing = commands.add_parser("bench", help="time commlib against raw collectives, the seed and bare jax.lax")
     timing.add_argument("--quick", action="store_true", help=f"a short run (under a minute): {bench.QUICK}")
-    timing.add_argument("--world-sizes", type=int, nargs="+", help=f"default {bench.FULL['world_sizes']}")
+    timing.add_argument("--world-sizes", type=_positive, nargs="+", help=f"default {bench.FULL['world_sizes']}")
     timing.add_argument("--sizes-mib", type=float, nargs="+", help=f"MiB per rank, default {bench.FULL['sizes_mib']}")
     timing.add_argument("--repeats", type=int, help=f"timed rounds per variant, default {bench.FULL['repeats']}")
     timing.add_argument("--warmup", type=int, help=f"untimed rounds first, default {bench.FULL['warmup']}")
     timing.add_argument("--frameworks", nargs="+", choices=bench.FRAMEWORKS, default=list(bench.FRAMEWORKS))
     timing.add_argument("--cases", nargs="+", help="only the cases of these names (each framework runs those it has)")
-    timing.add_argument("--json", metavar="PATH", help="also write the rows and run facts as JSON")
-    timing.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
-    timing.add_argument("--plot", metavar="PATH", help="also plot the ratios as PNG (needs matplotlib)")
+    timing.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows and run facts as JSON")
+    timing.add_argument("--markdown", metavar="PATH", type=_writable, help="also write the table as markdown")
+    timing.add_argument("--plot", metavar="PATH", type=_writable, help="also plot the ratios as PNG (needs matplotlib)")
     timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
     timing.set_defaults(handler=_bench)
 
@@ -87,9 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commlib", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("parity", help="run the case table through numpy, torch and JAX and compare")
-    check.add_argument("--world-size", type=int, default=4, help="ranks (torch processes, JAX CPU devices)")
+    check.add_argument("--world-size", type=_positive, default=4, help="ranks (torch processes, JAX CPU devices)")
     check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS))
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
