@@ -28,24 +28,6 @@ def _report(row: bad_input.Row, result: parity.Row) -> str:
 
 
 @pytest.fixture(scope="module")
-def torch_pool():
-    """One `WorkerPool` per world size for this module (gloo on CPU)."""
-    pytest.importorskip("torch")
-    from commlib_torch.pool import WorkerPool
-
-    pools = {}
-
-    def get(world_size: int):
-        if world_size not in pools:
-            pools[world_size] = WorkerPool(world_size, timeout=120.0)
-        return pools[world_size]
-
-    yield get
-    for started in pools.values():
-        started.close()
-
-
-@pytest.fixture(scope="module")
 def jax_cpu():
     """JAX on 4 CPU devices with float64 (as tests/jax/conftest.py sets it up); fails, not skips, without."""
     import jax
@@ -74,11 +56,11 @@ def test_spec(row):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
-def test_torch(row, torch_pool):
+def test_torch(row, pool):
     from commlib_torch.parity_runner import merge, run_case
 
     arrays = _arrays(row)
-    replies = torch_pool(row.case.world_size).run(run_case, row.case, arrays, grad_mode=row.grad_mode,
+    replies = pool(row.case.world_size).run(run_case, row.case, arrays, grad_mode=row.grad_mode,
                                                   channels_last=row.layout == "channels_last")
     outputs, gradients, error = merge(row.case, replies)
     result = parity.check(row.case, arrays, outputs, gradients, error, "torch", "gloo", forward_only=row.forward_only)
