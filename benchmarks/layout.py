@@ -7,7 +7,7 @@ For each shape (bf16, as one rank holds it at W = 8) and direction it times, alt
 
 - ``copy``: one device-to-device copy of the input's bytes into a preallocated tensor -- the unit;
 - ``clone``: the same copy into a fresh tensor (on the CPU that pays the page faults of new memory);
-- ``seed``: the seed's three-copy algorithm (`commlib_torch.bench_runner.seed_all_to_all_4d`) with the
+- ``seed``: the seed's three-copy algorithm (`commlib_torch.tools.baselines.seed_all_to_all_4d`) with the
   exchange skipped: its receive buffer is allocated as the seed allocates it, nothing is sent;
 - ``commlib``: commlib's plan walk -- pack pass, the receive buffer of the collective, unpack pass of that
   same-shaped buffer (on CUDA through `commlib_torch._pack`: the Triton kernel at these sizes);
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from commlib import ops
+from commlib import plans
 from commlib_torch import _pack, _walk
-from commlib_torch.bench_runner import seed_all_to_all_4d
+from commlib_torch.tools.baselines import seed_all_to_all_4d
 
 WORLD_SIZE = 8
 #: (batch, seq, heads, head_dim) of the (2, 1) input on one rank; the (1, 2) input is its output's shape.
@@ -92,7 +92,7 @@ def _inductor_rearrange():
 
 
 def variants(x: torch.Tensor, dims: tuple[int, int], inductor: bool, exchange=_skip) -> dict[str, Callable]:
-    plan = ops.all_to_all_4d(x.shape, WORLD_SIZE, *dims)
+    plan = plans.all_to_all_4d(x.shape, WORLD_SIZE, *dims)
     copy_target = torch.empty_like(x)
     result = {"copy": lambda: copy_target.copy_(x), "clone": lambda: x.clone(),
               "seed": lambda: seed_all_to_all_4d(x, WORLD_SIZE, *dims, exchange=exchange),
@@ -178,7 +178,7 @@ def bench(device: torch.device, repeats: int, warmup: int, do_check: bool, induc
     rows = []
     for shape in SHAPES:
         for dims in ((2, 1), (1, 2)):
-            plan21 = ops.all_to_all_4d(shape, WORLD_SIZE, 2, 1)
+            plan21 = plans.all_to_all_4d(shape, WORLD_SIZE, 2, 1)
             in_shape = shape if dims == (2, 1) else plan21.out_shape
             x = torch.randn(in_shape, device=device).to(torch.bfloat16)
             if do_check:
@@ -186,7 +186,7 @@ def bench(device: torch.device, repeats: int, warmup: int, do_check: bool, induc
             calls = variants(x, dims, inductor)
             medians = time_variants(calls, repeats, warmup, device)
             in_bytes = x.numel() * x.element_size()
-            plan = ops.all_to_all_4d(x.shape, WORLD_SIZE, *dims)
+            plan = plans.all_to_all_4d(x.shape, WORLD_SIZE, *dims)
             for name in calls:
                 memory = None if name in ("copy", "clone") else peak_memory(calls[name], device)
                 host = host_seconds(calls[name], device)
@@ -208,7 +208,7 @@ def bench(device: torch.device, repeats: int, warmup: int, do_check: bool, induc
 
 def sweep(device: torch.device, repeats: int) -> list[dict]:
     """The kernel's time for the batch-1 pack over tile sizes and warps (CUDA)."""
-    plan = ops.all_to_all_4d(SHAPES[0], WORLD_SIZE, 2, 1)
+    plan = plans.all_to_all_4d(SHAPES[0], WORLD_SIZE, 2, 1)
     rows_, columns, size = _pack.row_transpose(plan.pack)
     x = torch.randn(SHAPES[0], device=device).to(torch.bfloat16)
     out = torch.empty(plan.pack.out_shape, dtype=x.dtype, device=device)

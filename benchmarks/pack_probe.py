@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from commlib import ops
+from commlib import plans
 from commlib_torch import _pack, _walk
 
 _SLEEP_CYCLES = 2_000_000
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
-    cases = {"B=1 pack (2, 1)": (ops.all_to_all_4d((1, 32768, 24, 128), 8, 2, 1), "pack"),
-             "B=2 unpack (2, 1)": (ops.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),
-             "small B=1 pack": (ops.all_to_all_4d((1, 64, 24, 128), 8, 2, 1), "pack")}
+    cases = {"B=1 pack (2, 1)": (plans.all_to_all_4d((1, 32768, 24, 128), 8, 2, 1), "pack"),
+             "B=2 unpack (2, 1)": (plans.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),
+             "small B=1 pack": (plans.all_to_all_4d((1, 64, 24, 128), 8, 2, 1), "pack")}
     for case, (plan, part) in cases.items():
         step, shape, source_shape = ((plan.pack, plan.send_shape, plan.in_shape) if part == "pack"
                                      else (plan.unpack, plan.out_shape, plan.recv_shape))

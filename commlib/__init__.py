@@ -1,15 +1,32 @@
 """commlib: the framework-free spec of differentiable collectives (numpy + stdlib only).
 
-Op catalogue and validation (`commlib.ops`), layout plans (`commlib.layout`), the numpy reference that
-simulates W ranks (`commlib.reference`), and the `commlib` CLI. Frontends: `commlib_torch`, `commlib_jax`.
-Importing this package never imports torch or jax.
+- `commlib.plans`: one plan builder per public op (validation, shapes, the layout plan) -- what both
+  frontends call first;
+- `commlib.layout`: `Plan`, `Rearrange`, the `Collective` and `Convention` enums, and the pack/unpack plans;
+- `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
+- `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
+- `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
+  CommFailure), `commlib.errors` (every exception and the message format);
+- `commlib.tools`: the parity table and the `commlib` command (tooling, not the library).
+
+Frontends: `commlib_torch`, `commlib_jax`. Importing this package never imports torch or jax.
 """
 
-from commlib.check import CommFailure, CommTimeout
-from commlib.errors import CommError
-from commlib.layout import Plan, Rearrange
-from commlib.ops import CONVENTIONS, OP_NAMES
+from commlib.errors import CommError, CommFailure, CommTimeout
+from commlib.layout import Collective, Convention, Plan, Rearrange
+from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
 
-__all__ = ["CommError", "CommFailure", "CommTimeout", "ReduceOp", "Plan", "Rearrange", "CONVENTIONS", "OP_NAMES"]
+__all__ = [
+    "CommError",
+    "CommFailure",
+    "CommTimeout",
+    "ReduceOp",
+    "Collective",
+    "Convention",
+    "Plan",
+    "Rearrange",
+    "CONVENTIONS",
+    "OP_NAMES",
+]
 __version__ = "0.1.0"

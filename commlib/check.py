@@ -1,41 +1,35 @@
-"""Checked mode and failed collectives: the spec side (numpy + stdlib only).
+"""Checked mode, the spec side (numpy + stdlib only).
 
-Checked mode: before each collective every rank encodes its call -- op, forward/backward, shape, dtype,
+Before each collective every rank encodes its call -- op, forward/backward, shape, dtype,
 dims, reduce op, convention, root, perm, accum_dtype -- into a fixed-size int64 `fingerprint` (the same
 size for every op, so the exchange itself cannot mismatch), the frontend all-gathers them over the group,
 and `compare` raises the same `CommError` on every rank if any rank differs::
 
     all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has (2, 8, 12, 4). Received: ...
 
-Failed collectives: `failure` turns the text of a backend error (gloo / NCCL ``RuntimeError``) into a
-`CommTimeout` (a rank never arrived within the process group's timeout) or a `CommFailure` (a rank died
-or the connection broke), naming the op and the group, or returns None when the text is not one of those.
-Both are ``RuntimeError`` subclasses, not `CommError`: the call was valid, the group failed.
+The frontend sends `fingerprint` and calls `compare`; what a failed collective becomes is
+`commlib.failures`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
 
 from commlib.errors import comm_error
-from commlib.layout import Plan
-from commlib.ops import CONVENTIONS, OP_NAMES
+from commlib.layout import Convention, Plan
+from commlib.plans import OP_NAMES
 from commlib.reduce_op import FLOAT_DTYPES, ReduceOp
 
 __all__ = [
     "FINGERPRINT_SIZE",
     "PHASES",
     "Call",
-    "CommFailure",
-    "CommTimeout",
     "compare",
     "decode",
-    "failure",
     "fingerprint",
 ]
 
@@ -58,13 +52,13 @@ FINGERPRINT_SIZE = 32
 assert _PAIRS + _PAIR_SLOTS <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
-_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *CONVENTIONS, *sorted(FLOAT_DTYPES), "complex64",
+_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *(convention.value for convention in Convention), *sorted(FLOAT_DTYPES), "complex64",
                 "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
 
 
 def _code(name: str | None) -> int:
-    """A stable code for a name (crc32; the same on every rank and version), -1 for None."""
-    return _NONE if name is None else zlib.crc32(name.encode())
+    """A stable code for a name or a str enum's value (crc32; the same on every rank and version), -1 for None."""
+    return _NONE if name is None else zlib.crc32(str.encode(name))
 
 
 _NAMES = {_code(name): name for name in _KNOWN_NAMES}
@@ -83,11 +77,12 @@ def _slots(values: Sequence[int], count: int) -> list[int]:
 
 
 def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
-    """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases)."""
+    """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases;
+    `dtype` the tensor's, which a backward's cotangent may change)."""
     row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
     shape, pairs = plan.in_shape, plan.pairs
     dims = _slots(plan.dims, 2)
-    row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op), PHASES.index(phase), plan.world_size,
+    row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op_name), PHASES.index(phase), plan.world_size,
                                                    len(shape)]
     row[_SHAPE:_SHAPE_HASH] = _slots(shape, _SHAPE_SLOTS)
     row[_SHAPE_HASH] = _hash(shape)
@@ -224,59 +219,3 @@ def compare(fingerprints: np.ndarray, rank: int) -> None:
     name = own.collective
     message = "ranks disagree on " + "; on ".join(_differences(rows, calls))
     raise comm_error(name, message, **_received(own, rank))
-
-
-class CommFailure(RuntimeError):
-    """A valid collective that could not complete: a rank of the group died or its connection broke.
-
-    A ``RuntimeError`` (as the backend's own errors are), not a `CommError`: the call was fine, the group
-    failed. The backend's error is chained as ``__cause__``; the process group is unusable afterwards.
-    """
-
-
-class CommTimeout(CommFailure):
-    """A collective that timed out waiting for the other ranks (one skipped the call, is stuck, or died)."""
-
-
-# Lower-case fragments of backend error texts (gloo, NCCL, c10d store) and what they mean.
-_TIMEOUT_TEXTS = ("timed out", "timeout")
-_PEER_TEXTS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "remote worker crash",
-    "remote process exited",
-    "socket closed",
-    "communicator was aborted",
-    "nccl error",
-    "connection refused",
-)
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-def _backend_text(text: str) -> str:
-    """The backend message's first line, without gloo's ``[.../file.cc:78] `` source prefix and its
-    "This is typically caused by ..." advice."""
-    first = (text.strip().splitlines() or [""])[0]
-    return _SOURCE_PREFIX.sub("", first).split(" This is typically caused by")[0].strip()
-
-
-def failure(op_name: str, error_text: str, *, rank: int, group_ranks: Sequence[int], phase: str = "forward",
-            received: dict[str, object] | None = None) -> CommFailure | None:
-    """The `CommTimeout` / `CommFailure` for a backend error of a collective, or None if the text is neither
-    a timeout nor a lost peer (e.g. out of memory: then the backend's error stands).
-
-    `rank` is this rank's group rank, `group_ranks` the group's global ranks (group-local order).
-    """
-    lowered = error_text.lower()
-    name = op_name if phase == "forward" else f"{op_name} backward"
-    group = f"group rank {rank} of the group with global ranks {list(group_ranks)}"
-    details = {**(received or {}), "backend_error": _backend_text(error_text)}
-    if any(text in lowered for text in _TIMEOUT_TEXTS):
-        message = (f"timed out on {group} waiting for the other ranks: a rank skipped this collective, "
-                   f"or is stuck or dead")
-        return CommTimeout(str(comm_error(name, message, **details)))
-    if any(text in lowered for text in _PEER_TEXTS):
-        message = f"{group} lost its connection to another rank: a rank died or left the group"
-        return CommFailure(str(comm_error(name, message, **details)))
-    return None

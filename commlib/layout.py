@@ -18,12 +18,82 @@ gather_dim=b``::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 
-__all__ = ["Rearrange", "Plan", "all_to_all_layout", "all_gather_layout", "reduce_scatter_layout", "flat_layout"]
+from commlib.reduce_op import ReduceOp
+
+__all__ = [
+    "Collective",
+    "Convention",
+    "Rearrange",
+    "Plan",
+    "all_to_all_layout",
+    "all_gather_layout",
+    "reduce_scatter_layout",
+    "flat_layout",
+    "local_layout",
+    "permute_splits",
+    "reorder_pairs",
+]
 
 Shape = tuple[int, ...]
+
+
+class Collective(str, enum.Enum):
+    """What a plan does between its pack and unpack passes: a dim-0 collective, or a local step.
+
+    The local steps move no data between ranks: `IDENTITY` (with the plan's scale: a multiply), `SLICE`
+    (rank r keeps block r of `dims[0]`) and `PAD` (rank r's input becomes block r of zeros along
+    `dims[0]`, the transpose of `SLICE`). They are what the gradient rules of `commlib.gradients` are made of
+    besides the collectives, so every backward is a plan the frontends walk.
+    """
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+    ALL_GATHER = "all_gather"
+    GATHER = "gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    SCATTER = "scatter"
+    ALL_TO_ALL = "all_to_all"
+    PERMUTE = "permute"
+    IDENTITY = "identity"
+    SLICE = "slice"
+    PAD = "pad"
+
+    @property
+    def is_local(self) -> bool:
+        """True for the steps that move no data between ranks."""
+        return self in (Collective.IDENTITY, Collective.SLICE, Collective.PAD)
+
+    @property
+    def is_rooted(self) -> bool:
+        """True for the collectives with a `root` rank (src or dst)."""
+        return self in (Collective.REDUCE, Collective.BROADCAST, Collective.GATHER, Collective.SCATTER)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Convention(str, enum.Enum):
+    """How a plan's gradient counts the ranks (docs/gradients.md).
+
+    - `SUM`: each rank's loss is its own and the objective is their sum: the VJP is the exact transpose of
+      the collective over all ranks.
+    - `REPLICATED`: the output is replicated (every rank computes the same loss from it, counted once), so
+      the incoming cotangent is already the full gradient (Megatron's g).
+    - `REPLICATED_INPUT`: the input is replicated (the same value on every rank), so its gradient is the sum
+      of every rank's (Megatron's f and split: `sum_grad`, `shard`). Users do not pass it; the ops set it.
+    """
+
+    SUM = "sum"
+    REPLICATED = "replicated"
+    REPLICATED_INPUT = "replicated_input"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +141,14 @@ def _ones_between(view: Shape, left: int, right: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A validated collective on one rank: pack, the dim-0 collective, unpack.
+    """A validated collective on one rank: pack, the dim-0 collective (or a local step), unpack.
 
-    Built only by the op functions of `commlib.ops`, which validate first; frontends walk it and
-    never re-check.
+    Built only by `commlib.plans` (validated first) and `commlib.gradients` (the plans of backward passes);
+    the frontends and the reference walk it and never re-check.
     """
 
-    op: str  # public op name, for messages
-    collective: str  # dim-0 collective: all_reduce | all_gather | reduce_scatter | all_to_all | ...
+    op_name: str  # the public op this plan belongs to, for messages
+    collective: Collective
     world_size: int
     in_shape: Shape  # this rank's input
     out_shape: Shape  # this rank's output
@@ -87,9 +157,10 @@ class Plan:
     send_shape: Shape
     recv_shape: Shape  # what the collective returns on this rank
     unpack: Rearrange  # recv buffer -> output of `out_shape`
-    reduce_op: str | None = None  # ReduceOp value for reductions, else None
+    dtype: str = "float32"  # the input's dtype name ("bfloat16", "int32", ...)
+    reduce_op: ReduceOp | None = None  # for reductions, else None
     scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
-    convention: str = "sum"  # gradient convention, see docs/gradients.md
+    convention: Convention = Convention.SUM  # how the gradient counts the ranks
     accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
     root: int | None = None  # group-local src/dst rank of rooted ops
     pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
@@ -97,7 +168,9 @@ class Plan:
     @property
     def is_trivial(self) -> bool:
         """True when the op is the identity on every rank (world size 1, and a permute that keeps rank 0)."""
-        return self.world_size == 1 and (self.collective != "permute" or self.pairs == ((0, 0),))
+        if self.scale != 1.0:
+            return False
+        return self.world_size == 1 and (self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
 
     @property
     def is_empty(self) -> bool:
@@ -110,7 +183,8 @@ class Plan:
         return int(not self.pack.is_identity) + int(not self.unpack.is_identity)
 
     def replace(self, **changes: object) -> Plan:
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` (the gradient rules build duals this way)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 def _identity(shape: Shape, always_copy: bool = False) -> Rearrange:
@@ -186,3 +260,58 @@ def flat_layout(shape: Shape, in_place: bool) -> dict:
         unpack=_identity(shape),
         out_shape=shape,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def local_layout(in_shape: Shape, out_shape: Shape) -> dict:
+    """Local steps (identity, slice, pad): no pack or unpack pass; the step itself maps `in_shape` to `out_shape`."""
+    return dict(
+        pack=_identity(in_shape),
+        send_shape=in_shape,
+        recv_shape=out_shape,
+        unpack=_identity(out_shape),
+        out_shape=out_shape,
+    )
+
+
+def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: int,
+                   numel: int) -> tuple[list[int], list[int]]:
+    """``(send_splits, recv_splits)``: a permute as one uneven all-to-all of flat buffers of `numel` elements.
+
+    This rank sends its whole buffer to its destination (if any) and receives its source's (if any).
+
+    >>> permute_splits(((0, 1), (1, 2)), 3, 1, 4)
+    ([0, 0, 4], [4, 0, 0])
+    """
+    destination = dict(pairs).get(rank)
+    source = {dst: src for src, dst in pairs}.get(rank)
+    send = [numel if peer == destination else 0 for peer in range(world_size)]
+    recv = [numel if peer == source else 0 for peer in range(world_size)]
+    return send, recv
+
+
+def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],
+                  order: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """`pairs` of ranks numbered row-major over axes of `sizes`, renumbered row-major over the same axes taken
+    in `order` (indices into `sizes`).
+
+    JAX numbers a tuple of mesh axes' ranks for ``ppermute`` in the mesh's axis order, whatever order the
+    tuple gives; commlib numbers them in the order the user gives (as ``axis_index``), so the JAX frontend
+    permutes over the axes in mesh order with the pairs renumbered by this.
+
+    >>> reorder_pairs(((1, 2),), sizes=(2, 2), order=(1, 0))  # rank 1 = (0, 1) -> (1, 0) = 2
+    ((2, 1),)
+    """
+
+    def renumber(rank: int) -> int:
+        coordinates = []
+        for size in reversed(sizes):
+            rank, coordinate = divmod(rank, size)
+            coordinates.append(coordinate)
+        coordinates.reverse()
+        index = 0
+        for axis in order:
+            index = index * sizes[axis] + coordinates[axis]
+        return index
+
+    return tuple((renumber(source), renumber(destination)) for source, destination in pairs)

@@ -1,26 +1,35 @@
-"""Numpy reference: W simulated ranks, each op's outputs and its VJP.
+"""The numpy reference: every public op on W simulated ranks, outputs and VJPs, in exact arithmetic.
 
-Every function takes the list of per-rank inputs (rank r at index r) and returns the list of per-rank
-outputs. It walks the same `Plan` a frontend walks (pack, dim-0 collective, unpack), so the plans are
-tested with the reference. Reductions run in float64 (int64 for integers), so the reference is the
-exact value the frontends are compared against.
+`commlib.reference.all_reduce(xs, op)` is the op itself, not a plan builder: it takes the list of every
+rank's input (rank r at index r) and returns the list of every rank's output. It walks the same `Plan` a
+frontend walks (pack, dim-0 collective or local step, unpack) and the same rules of `commlib.gradients`
+for max/min/product, so the plans and the rules are tested with the reference. Reductions run in float64
+(int64 for integers): the reference is the exact value the frontends are compared against.
 
-VJPs follow ``convention="sum"`` unless the plan says ``"replicated"``: rank r's loss is L_r(y_r) and
-the gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r. all_reduce's max/min
-send the summed cotangent to the rank(s) holding the extremum (split equally among ties) and product
-multiplies it by the other ranks' values; under "replicated" each rank's own cotangent takes the sum's place.
+`vjp(plan, xs, cotangents)` follows the plan's convention: under "sum" rank r's loss is L_r(y_r) and the
+gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r.
+
+>>> import numpy as np
+>>> all_reduce([np.array([1.0]), np.array([5.0]), np.array([2.0])], "max")[0]
+array([5.])
+>>> from commlib import plans
+>>> vjp(plans.all_reduce((1,), 3, "max"), [np.array([1.0]), np.array([5.0]), np.array([2.0])], [np.ones(1)] * 3)
+[array([0.]), array([3.]), array([0.])]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from commlib import ops
-from commlib.layout import Plan, Rearrange
+from commlib import gradients, plans
+from commlib.layout import Collective, Plan, Rearrange
+from commlib.reduce_op import ReduceOp
 
 __all__ = [
+    "forward",
     "run",
     "vjp",
     "all_reduce",
@@ -52,46 +61,58 @@ def _wide(x: np.ndarray) -> np.ndarray:
 
 
 _REDUCE = {
-    "sum": lambda stacked: stacked.sum(axis=0),
-    "avg": lambda stacked: stacked.sum(axis=0),  # the plan's scale divides by W
-    "max": lambda stacked: stacked.max(axis=0),
-    "min": lambda stacked: stacked.min(axis=0),
-    "product": lambda stacked: stacked.prod(axis=0),
+    ReduceOp.SUM: lambda stacked: stacked.sum(axis=0),
+    ReduceOp.AVG: lambda stacked: stacked.sum(axis=0),  # the plan's scale divides by W
+    ReduceOp.MAX: lambda stacked: stacked.max(axis=0),
+    ReduceOp.MIN: lambda stacked: stacked.min(axis=0),
+    ReduceOp.PRODUCT: lambda stacked: stacked.prod(axis=0),
 }
 
 
 def _collective(plan: Plan, sends: Arrays) -> Arrays:
-    """The dim-0 collective on every rank, then the plan's scale (any collective: the transpose of
-    reduce_scatter(avg) is an all_gather scaled by 1/W), as the frontends apply it."""
-    recvs = _exchange(plan, sends)
+    """The dim-0 collective (or local step) on every rank, then the plan's scale, as the frontends apply it."""
+    recvs = _local(plan, sends) if plan.collective.is_local else _exchange(plan, sends)
     return recvs if plan.scale == 1.0 else [recv * plan.scale for recv in recvs]
 
 
-def _exchange(plan: Plan, sends: Arrays) -> Arrays:
-    W, root = plan.world_size, plan.root
-    kind = plan.collective
-    if kind == "all_to_all":
-        return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
-    if kind in ("all_gather", "gather"):
-        gathered = np.stack(sends)
-        return [gathered if kind == "all_gather" or rank == root else np.zeros_like(gathered) for rank in range(W)]
-    if kind == "broadcast":
-        return [sends[root].copy() for _ in range(W)]
-    if kind == "scatter":
-        return [sends[root][rank] for rank in range(W)]
-    if kind == "identity":
+def _local(plan: Plan, sends: Arrays) -> Arrays:
+    W, kind = plan.world_size, plan.collective
+    if kind is Collective.IDENTITY:
         return list(sends)
-    if kind == "permute":
+    (dim,) = plan.dims
+    if kind is Collective.SLICE:
+        return [np.split(send, W, axis=dim)[rank] for rank, send in enumerate(sends)]
+    padded = []
+    for rank, send in enumerate(sends):
+        blocks = [send if block == rank else np.zeros_like(send) for block in range(W)]
+        padded.append(np.concatenate(blocks, axis=dim))
+    return padded
+
+
+def _exchange(plan: Plan, sends: Arrays) -> Arrays:
+    W, root, kind = plan.world_size, plan.root, plan.collective
+    if kind is Collective.ALL_TO_ALL:
+        return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
+    if kind in (Collective.ALL_GATHER, Collective.GATHER):
+        gathered = np.stack(sends)
+        keep = [kind is Collective.ALL_GATHER or rank == root for rank in range(W)]
+        return [gathered if kept else np.zeros_like(gathered) for kept in keep]
+    if kind is Collective.BROADCAST:
+        return [sends[root].copy() for _ in range(W)]
+    if kind is Collective.SCATTER:
+        return [sends[root][rank] for rank in range(W)]
+    if kind is Collective.PERMUTE:
         received = [np.zeros_like(send) for send in sends]
         for source, destination in plan.pairs:
             received[destination] = sends[source].copy()
         return received
+    assert plan.reduce_op is not None, plan
     reduced = _REDUCE[plan.reduce_op](np.stack(sends))
-    if kind == "all_reduce":
+    if kind is Collective.ALL_REDUCE:
         return [reduced.copy() for _ in range(W)]
-    if kind == "reduce":
+    if kind is Collective.REDUCE:
         return [reduced if rank == root else np.zeros_like(reduced) for rank in range(W)]
-    if kind == "reduce_scatter":
+    if kind is Collective.REDUCE_SCATTER:
         return [reduced[rank] for rank in range(W)]
     raise NotImplementedError(kind)
 
@@ -99,42 +120,63 @@ def _exchange(plan: Plan, sends: Arrays) -> Arrays:
 def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
     """Walk `plan` on every rank's input; returns every rank's output (float64 / int64)."""
     if len(xs) != plan.world_size:
-        raise ValueError(f"{plan.op}: reference got {len(xs)} ranks for world_size {plan.world_size}")
+        raise ValueError(f"{plan.op_name}: reference got {len(xs)} ranks for world_size {plan.world_size}")
     sends = [_rearrange(_wide(np.asarray(x)), plan.pack, plan.send_shape) for x in xs]
     recvs = _collective(plan, sends)
     return [_rearrange(recv, plan.unpack, plan.out_shape) for recv in recvs]
 
 
+class _Ranks:
+    """`commlib.gradients.Backend` over numpy arrays stacked on a leading rank axis ([W, ...]): one
+    value per rank, so a rule written for one rank runs on all of them at once."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def collective(self, plan: Plan, x: np.ndarray) -> np.ndarray:
+        return np.stack(run(plan, list(x)))
+
+
+    def isnan(self, x: np.ndarray) -> np.ndarray:
+        return np.isnan(x) if x.dtype.kind in "fc" else np.zeros(x.shape, dtype=bool)
+
+    def astype(self, x: np.ndarray, dtype: Any) -> np.ndarray:
+        return x.astype(dtype if isinstance(dtype, str) else dtype.dtype)
+
+    def where(self, condition, x, y) -> np.ndarray:
+        return np.where(condition, x, y)
+
+    def prod(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.prod(x, axis=axis + 1)
+
+    def expand_dims(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.expand_dims(x, axis + 1)
+
+    def own_rank(self, world_size: int, ndim: int) -> np.ndarray:
+        return np.eye(world_size, dtype=bool).reshape((self.world_size, world_size) + (1,) * (ndim - 1))
+
+
+def _stacked(xs: Sequence[np.ndarray]) -> np.ndarray:
+    return np.stack([_wide(np.asarray(x)) for x in xs])
+
+
+def forward(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
+    """Every rank's output of the op whose plan is `plan` (the plan walked, plus max/min's NaN rule)."""
+    if not gradients.needs_primal(plan):
+        return run(plan, xs)
+    return list(gradients.forward(_Ranks(plan.world_size), plan, _stacked(xs)))
+
+
 def vjp(plan: Plan, xs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray]) -> Arrays:
-    """Every rank's input gradient given every rank's output cotangent (see module docstring).
+    """Every rank's input gradient given every rank's output cotangent, by the rules of `commlib.gradients`.
 
     `xs` matters only for all_reduce max/min/product; the other ops are linear.
     """
-    if plan.collective == "all_reduce":
-        return _all_reduce_vjp(plan, xs, cotangents)
-    if plan.convention == "replicated" and plan.collective == "all_gather":
-        (dim,) = plan.dims
-        return [np.split(_wide(np.asarray(ct)), plan.world_size, axis=dim)[rank] for rank, ct in enumerate(cotangents)]
-    return run(ops.transpose(plan), cotangents)
-
-
-def _all_reduce_vjp(plan: Plan, xs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray]) -> Arrays:
-    """``dx_s = incoming_s * dy/dx_s``; incoming is the sum of all ranks' cotangents ("sum") or this
-    rank's own ("replicated": it is already the gradient of the one replicated loss)."""
-    cts = [_wide(np.asarray(ct)) for ct in cotangents]
-    incoming = cts if plan.convention == "replicated" else [np.sum(np.stack(cts), axis=0)] * len(cts)
-    return [ct * partial for ct, partial in zip(incoming, _all_reduce_partials(plan, xs), strict=True)]
-
-
-def _all_reduce_partials(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
-    """Elementwise dy/dx_s: scale (sum, avg); 1/ties at the extremum (max, min); product of the others."""
-    stacked = np.stack([_wide(np.asarray(x)) for x in xs])
-    if plan.reduce_op in ("max", "min"):
-        hits = stacked == _REDUCE[plan.reduce_op](stacked)
-        return list(hits / hits.sum(axis=0))
-    if plan.reduce_op == "product":  # no division: exact where some rank holds a zero
-        return [np.prod(np.delete(stacked, rank, axis=0), axis=0) for rank in range(len(xs))]
-    return [np.full(stacked.shape[1:], plan.scale) for _ in xs]
+    if not gradients.needs_primal(plan):
+        return run(gradients.vjp_plan(plan), cotangents)
+    backend, x = _Ranks(plan.world_size), _stacked(xs)
+    out = gradients.forward(backend, plan, x)
+    return list(gradients.vjp(backend, plan, x, out, _stacked(cotangents)))
 
 
 def _shape_of(xs: Sequence[np.ndarray]) -> tuple[int, ...]:
@@ -147,52 +189,52 @@ def _dtype_of(xs: Sequence[np.ndarray]) -> str:
 
 def all_reduce(xs, op="sum", *, convention="sum", accum_dtype=None) -> Arrays:
     """Reference `all_reduce`: ``s -> s``, every rank gets the reduction."""
-    plan = ops.all_reduce(
+    plan = plans.all_reduce(
         _shape_of(xs), len(xs), op, dtype=_dtype_of(xs), convention=convention, accum_dtype=accum_dtype
     )
-    return run(plan, xs)
+    return forward(plan, xs)
 
 
 def all_gather(xs, dim=-1, *, convention="sum") -> Arrays:
     """Reference `all_gather`: ``shape[dim] *= W``."""
-    return run(ops.all_gather(_shape_of(xs), len(xs), dim, convention=convention), xs)
+    return run(plans.all_gather(_shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs)), xs)
 
 
 def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None) -> Arrays:
     """Reference `reduce_scatter`: ``shape[dim] /= W``."""
-    return run(ops.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype), xs)
+    return run(plans.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype), xs)
 
 
 def all_to_all(xs, scatter_dim, gather_dim) -> Arrays:
     """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``."""
-    return run(ops.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim), xs)
+    return run(plans.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs)), xs)
 
 
 def all_to_all_4d(xs, scatter_dim=2, gather_dim=1) -> Arrays:
     """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
-    return run(ops.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim), xs)
+    return run(plans.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs)), xs)
 
 
 def broadcast(xs, src=0) -> Arrays:
     """Reference `broadcast`: every rank gets rank `src`'s input."""
-    return run(ops.broadcast(_shape_of(xs), len(xs), src), xs)
+    return run(plans.broadcast(_shape_of(xs), len(xs), src, dtype=_dtype_of(xs)), xs)
 
 
 def gather(xs, dst=0, dim=-1) -> Arrays:
     """Reference `gather`: the concatenation along `dim` on `dst`, zeros elsewhere."""
-    return run(ops.gather(_shape_of(xs), len(xs), dst, dim), xs)
+    return run(plans.gather(_shape_of(xs), len(xs), dst, dim, dtype=_dtype_of(xs)), xs)
 
 
 def scatter(xs, src=0, dim=0) -> Arrays:
     """Reference `scatter`: rank r gets block r of rank `src`'s input along `dim`."""
-    return run(ops.scatter(_shape_of(xs), len(xs), src, dim), xs)
+    return run(plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs)), xs)
 
 
 def permute(xs, perm) -> Arrays:
     """Reference `permute`: rank dst gets rank src's input for each (src, dst) pair; zeros elsewhere."""
-    return run(ops.permute(_shape_of(xs), len(xs), perm), xs)
+    return run(plans.permute(_shape_of(xs), len(xs), perm, dtype=_dtype_of(xs)), xs)
 
 
 def sum_grad(xs) -> Arrays:
     """Reference `sum_grad`: the identity (its VJP sums the cotangents over ranks)."""
-    return run(ops.sum_grad(_shape_of(xs), len(xs)), xs)
+    return run(plans.sum_grad(_shape_of(xs), len(xs), dtype=_dtype_of(xs)), xs)

@@ -1,7 +1,8 @@
 """Run a `commlib.Plan` with `jax.lax` collectives (XLA chooses the layout; the plan gives the dims).
 
 Rooted ops are written with masks so every rank runs the same program: broadcast = psum of the source's
-value, scatter = psum_scatter of it, gather = all_gather kept on the destination; zeros elsewhere.
+value, scatter = psum_scatter of it, gather = all_gather kept on the destination, reduce = psum kept on it;
+zeros elsewhere. The local steps of gradient plans (identity, slice, pad) move no data between ranks.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from commlib import Plan
+from commlib import Collective, Plan, ReduceOp
+from commlib.layout import reorder_pairs
 from commlib_jax._vma import axis_arg, mesh_order, to_varying
 
 __all__ = ["dtype_name", "run", "rank"]
@@ -31,63 +33,63 @@ def _on_root(plan: Plan, axes: tuple, x):
 
 def _reduce(plan: Plan, axes: tuple, x):
     name = axis_arg(axes)
-    if plan.reduce_op in ("sum", "avg"):
+    if plan.reduce_op in (ReduceOp.SUM, ReduceOp.AVG):
         return lax.psum(x, name)
-    if plan.reduce_op == "max":
+    if plan.reduce_op is ReduceOp.MAX:
         return lax.pmax(x, name)
-    if plan.reduce_op == "min":
+    if plan.reduce_op is ReduceOp.MIN:
         return lax.pmin(x, name)
     return jnp.prod(lax.all_gather(x, name), axis=0, dtype=x.dtype)  # product: no lax primitive
 
 
 def _collective(plan: Plan, axes: tuple, x):
     name, kind = axis_arg(axes), plan.collective
-    if kind == "all_reduce":
+    if kind is Collective.ALL_REDUCE:
         return _reduce(plan, axes, x)
-    if kind == "reduce":
+    if kind is Collective.REDUCE:
         return _on_root(plan, axes, lax.psum(x, name))
-    if kind == "broadcast":
+    if kind is Collective.BROADCAST:
         return lax.psum(_on_root(plan, axes, x), name)
-    if kind in ("all_gather", "gather"):
+    if kind in (Collective.ALL_GATHER, Collective.GATHER):
         (dim,) = plan.dims
         gathered = lax.all_gather(x, name, axis=dim, tiled=True)
-        return gathered if kind == "all_gather" else _on_root(plan, axes, gathered)
-    if kind in ("reduce_scatter", "scatter"):
+        return gathered if kind is Collective.ALL_GATHER else _on_root(plan, axes, gathered)
+    if kind in (Collective.REDUCE_SCATTER, Collective.SCATTER):
         (dim,) = plan.dims
-        source = x if kind == "reduce_scatter" else _on_root(plan, axes, x)
+        source = x if kind is Collective.REDUCE_SCATTER else _on_root(plan, axes, x)
         return lax.psum_scatter(source, name, scatter_dimension=dim, tiled=True)
-    if kind == "all_to_all":
-        scatter, gather = plan.dims
-        return lax.all_to_all(x, name, split_axis=scatter, concat_axis=gather, tiled=True)
-    if kind == "permute":
+    if kind is Collective.ALL_TO_ALL:
+        scatter_dim, gather_dim = plan.dims
+        return lax.all_to_all(x, name, split_axis=scatter_dim, concat_axis=gather_dim, tiled=True)
+    if kind is Collective.PERMUTE:
         return _ppermute(plan, axes, x)
-    if kind == "identity":
+    return _local(plan, axes, x)
+
+
+def _local(plan: Plan, axes: tuple, x):
+    """identity, slice (this rank's block) or pad (this rank's block of zeros)."""
+    if plan.collective is Collective.IDENTITY:
         return x
-    raise NotImplementedError(kind)
+    (dim,) = plan.dims
+    if plan.collective is Collective.SLICE:
+        block = plan.out_shape[dim]
+        return lax.dynamic_slice_in_dim(x, rank(axes) * block, block, axis=dim)
+    block = x.shape[dim]
+    return lax.dynamic_update_slice_in_dim(jnp.zeros(plan.out_shape, x.dtype), x, rank(axes) * block, axis=dim)
 
 
 def _ppermute(plan: Plan, axes: tuple, x):
     """``lax.ppermute`` with commlib's ranks (row-major over `axes` in the order given, as ``axis_index``).
 
     jax numbers a tuple of axes' ranks for ppermute row-major in the *mesh's* axis order, whatever the
-    order of the tuple (its lowering sorts the replica groups), so on a ("x", "y") mesh the ranks of
-    ("y", "x") differ. Permuting over the axes in mesh order with the pairs renumbered agrees with either.
+    order of the tuple (its lowering sorts the replica groups): permute over the axes in mesh order with the
+    pairs renumbered by the spec (`commlib.layout.reorder_pairs`).
     """
     order = mesh_order(axes)
     if order == axes:
         return lax.ppermute(x, axis_arg(axes), perm=plan.pairs)
-    sizes = {axis: lax.axis_size(axis) for axis in axes}
-
-    def renumber(rank: int) -> int:
-        coordinates = {}
-        for axis in reversed(axes):
-            rank, coordinates[axis] = divmod(rank, sizes[axis])
-        index = 0
-        for axis in order:
-            index = index * sizes[axis] + coordinates[axis]
-        return index
-
-    pairs = [(renumber(source), renumber(destination)) for source, destination in plan.pairs]
+    sizes = tuple(lax.axis_size(axis) for axis in axes)
+    pairs = reorder_pairs(plan.pairs, sizes, tuple(axes.index(axis) for axis in order))
     return lax.ppermute(x, axis_arg(order), perm=pairs)
 
 

@@ -1,9 +1,10 @@
 """Differentiable collectives over `jax.lax`, for use inside `jax.shard_map` (check_vma True or False)
 and `jax.pmap`.
 
-Each public function validates through the spec (`commlib.ops`) at trace time -- the same `CommError` /
-`TypeError` text as the torch frontend -- then applies `_collective`, a `jax.custom_vjp` whose backward
-walks the transposed plan (so higher derivatives work); all_reduce max/min/product get their true VJPs.
+Each public function asks the spec for the call's plan (`commlib.plans`) at trace time -- the same
+`CommError` / `TypeError` text as the torch frontend -- then applies `_collective`, a `jax.custom_vjp` whose
+forward walks the plan (`commlib.gradients.forward`) and whose backward applies the spec's VJP rule
+(`commlib.gradients.vjp`) with `_collective`s again, so higher derivatives follow the same rules.
 `axis_name` is a mesh axis name or a tuple of them (rank order row-major). Ranks (`src`, `dst`, `perm`)
 are indices along it. Where the op is the identity (world size 1) it returns its input.
 
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commlib import ops
+from commlib import gradients, plans
 from commlib.layout import Plan
 from commlib_jax._vma import axes_of, axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
@@ -38,52 +39,55 @@ __all__ = [
     "sum_grad",
 ]
 
-_NONLINEAR = ("max", "min", "product")
+class _Backend:
+    """`commlib.gradients.Backend` on jax arrays over `axes`: the plan walked (`differentiable` False: inside
+    a forward) or `_collective` again (inside a VJP, so higher derivatives follow the same rules)."""
+
+    def __init__(self, axes: tuple, differentiable: bool) -> None:
+        self.axes, self.differentiable = axes, differentiable
+
+    def collective(self, plan: Plan, x):
+        return _apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
+
+
+    def isnan(self, x):
+        return jnp.isnan(x)
+
+    def astype(self, x, dtype):
+        return x.astype(dtype if isinstance(dtype, str) else dtype.dtype)
+
+    def where(self, condition, x, y):
+        return jnp.where(condition, x, y)
+
+    def prod(self, x, axis: int):
+        return jnp.prod(x, axis=axis)
+
+    def expand_dims(self, x, axis: int):
+        return jnp.expand_dims(x, axis)
+
+    def own_rank(self, world_size: int, ndim: int):
+        return jnp.arange(world_size).reshape((world_size,) + (1,) * (ndim - 1)) == rank(self.axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _collective(plan: Plan, axes: tuple, x):
-    return run(plan, axes, x)
+    return gradients.forward(_Backend(axes, differentiable=False), plan, x)
 
 
 def _forward(plan: Plan, axes: tuple, x):
     # `_collective`, not `run`: differentiating the VJP again (a gradient penalty) differentiates this
     # forward too, and must use commlib's rules -- lax has none for pmax/pmin, and its own for the rest.
     out = _collective(plan, axes, x)
-    return out, ((x, out) if plan.reduce_op in _NONLINEAR else None)
+    return out, ((x, out) if gradients.needs_primal(plan) else None)
 
 
 def _backward(plan: Plan, axes: tuple, residuals, cotangent):
-    return (to_varying(_vjp(plan, axes, residuals, cotangent), axes),)
+    x, out = residuals if residuals is not None else (None, None)
+    backend = _Backend(axes, differentiable=True)
+    return (to_varying(gradients.vjp(backend, plan, x, out, cotangent), axes),)
 
 
 _collective.defvjp(_forward, _backward)
-
-
-def _vjp(plan: Plan, axes: tuple, residuals, cotangent):
-    if plan.reduce_op in _NONLINEAR and plan.collective == "all_reduce":
-        return _nonlinear_vjp(plan, axes, residuals, cotangent)
-    if plan.convention == "replicated" and plan.collective == "all_reduce":
-        return cotangent if plan.scale == 1.0 else cotangent * jnp.asarray(plan.scale, cotangent.dtype)
-    if plan.convention == "replicated" and plan.collective == "all_gather":
-        (dim,) = plan.dims
-        size = cotangent.shape[dim] // plan.world_size
-        return lax.dynamic_slice_in_dim(cotangent, rank(axes) * size, size, axis=dim)
-    return _collective(ops.transpose(plan), axes, cotangent)
-
-
-def _nonlinear_vjp(plan: Plan, axes: tuple, residuals, cotangent):
-    """max/min: incoming cotangent on the rank(s) holding the extremum, split among ties; product:
-    incoming times the product of the other ranks' values (exact at zeros)."""
-    x, out = residuals
-    name = axis_arg(axes)
-    incoming = cotangent if plan.convention == "replicated" else lax.psum(cotangent, name)
-    if plan.reduce_op == "product":
-        everyone = lax.all_gather(x, name)
-        own = jnp.arange(plan.world_size).reshape((-1,) + (1,) * x.ndim) == rank(axes)
-        return incoming * jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
-    hits = (x == out).astype(cotangent.dtype)
-    return incoming * hits / lax.psum(hits, name)
 
 
 def _apply(plan: Plan, axes: tuple, x):
@@ -96,128 +100,146 @@ def _world_size(axes: tuple) -> int:
     return lax.axis_size(axis_arg(axes))
 
 
+def _accum(accum_dtype) -> str | None:
+    return None if accum_dtype is None else dtype_name(accum_dtype)
+
+
 def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
-    """Reduce `x` over `axis_name`; every rank gets the result. ``[*s] -> [*s]``.
+    """Reduce `x` over `axis_name`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
-        op: "sum" | "avg" (= sum / W) | "max" | "min" | "product" (or a `commlib.ReduceOp`). Integer and
-            bool arrays: forward only.
-        convention: "sum": the incoming cotangent is the sum of all ranks' cotangents; "replicated": it is
-            this rank's own (Megatron's g). sum: grad = incoming; avg: incoming / W; max/min: incoming on
-            the rank(s) holding the extremum, split equally among ties; product: incoming times the product
-            of the other ranks' values.
+        x: this rank's block; floating (differentiable), integer or bool (forward only).
+        axis_name: a mesh axis name of the enclosing ``shard_map`` / ``pmap``, or a tuple of them (ranks
+            row-major in the order given).
+        op: "sum" | "avg" (= sum / W) | "max" | "min" | "product" (or a `commlib.ReduceOp`). A NaN on any
+            rank makes max/min NaN (as numpy).
+        convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
         accum_dtype: e.g. ``jnp.float32`` for bf16 input: reduce in that dtype, return x's dtype.
 
+    Gradient: let g be the sum of every rank's cotangent ("sum") or this rank's own ("replicated"). sum: g;
+    avg: g / W; max/min: g on the rank(s) holding the result, split equally among ties (NaN results: among
+    the ranks holding a NaN); product: g times the other ranks' product.
+
     Raises:
-        CommError: unknown op, avg on an integer dtype, non-floating accum_dtype. TypeError: wrong kinds.
+        CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
+            accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
     axes = axes_of(axis_name)
-    accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = ops.all_reduce(
-        x.shape, _world_size(axes), op, dtype=dtype_name(x.dtype), convention=convention, accum_dtype=accum
-    )
+    plan = plans.all_reduce(x.shape, _world_size(axes), op, dtype=dtype_name(x.dtype), convention=convention,
+                            accum_dtype=_accum(accum_dtype))
     return _apply(plan, axes, x)
 
 
 def all_gather(x, axis_name, dim=-1, *, convention="sum"):
-    """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``.
+    """Concatenate every rank's `x` along `dim` in rank order over `axis_name` (a mesh axis name or a tuple
+    of them): ``shape[dim] *= W``, x's dtype.
 
-    Backward: "sum" -> reduce_scatter(sum) of the cotangent; "replicated" -> this rank's block of it.
-    Same value as ``lax.all_gather(x, axis_name, axis=dim, tiled=True)``.
+    Same value as ``lax.all_gather(x, axis_name, axis=dim, tiled=True)``. Gradient: "sum" -> reduce_scatter
+    (sum) of the cotangent; "replicated" -> this rank's block of it.
 
     Raises:
-        CommError: `dim` out of range.
+        CommError: `dim` out of range, unknown convention.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.all_gather(x.shape, _world_size(axes), dim, convention=convention), axes, x)
+    plan = plans.all_gather(x.shape, _world_size(axes), dim, dtype=dtype_name(x.dtype), convention=convention)
+    return _apply(plan, axes, x)
 
 
 def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None):
-    """Reduce over ranks and keep block `rank` of `dim`: ``shape[dim] /= W``; op in {"sum", "avg"}.
+    """Reduce over `axis_name` (a mesh axis name or a tuple of them) and keep block `rank` of `dim`:
+    ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`).
 
     Same value as ``lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`` (/ W for avg).
-    Backward: all_gather of the cotangent (/ W for avg).
+    Gradient: all_gather of the cotangent (/ W for avg).
 
     Raises:
         CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
     """
     axes = axes_of(axis_name)
-    accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = ops.reduce_scatter(x.shape, _world_size(axes), dim, op, dtype=dtype_name(x.dtype), accum_dtype=accum)
+    plan = plans.reduce_scatter(x.shape, _world_size(axes), dim, op, dtype=dtype_name(x.dtype),
+                                accum_dtype=_accum(accum_dtype))
     return _apply(plan, axes, x)
 
 
 def all_to_all(x, axis_name, scatter_dim, gather_dim):
-    """Block j of `scatter_dim` goes to rank j; received blocks are concatenated along `gather_dim` in rank
-    order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W`` (``lax.all_to_all(..., tiled=True)``).
+    """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
+    received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
+    ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
 
-    Backward: all_to_all of the cotangent with the dims swapped.
+    Gradient: all_to_all of the cotangent with the dims swapped.
 
     Raises:
         CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.all_to_all(x.shape, _world_size(axes), scatter_dim, gather_dim), axes, x)
+    plan = plans.all_to_all(x.shape, _world_size(axes), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    return _apply(plan, axes, x)
 
 
 def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1):
-    """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
+    """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `axis_name` (a mesh axis name or a tuple
+    of them), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
-    Backward: the other direction.
+    Gradient: the other direction.
 
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.all_to_all_4d(x.shape, _world_size(axes), scatter_dim, gather_dim), axes, x)
+    plan = plans.all_to_all_4d(x.shape, _world_size(axes), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    return _apply(plan, axes, x)
 
 
 def broadcast(x, axis_name, src=0):
-    """Every rank gets rank `src`'s `x`. Backward: the cotangents summed on `src`, zeros elsewhere.
+    """Every rank of `axis_name` (a mesh axis name or a tuple of them) gets rank `src`'s `x`:
+    ``[*s] -> [*s]``, x's dtype. Gradient: the cotangents summed on `src`, zeros elsewhere.
 
     Raises:
         CommError: `src` not in [0, W).
     """
     axes = axes_of(axis_name)
-    return _apply(ops.broadcast(x.shape, _world_size(axes), src), axes, x)
+    return _apply(plans.broadcast(x.shape, _world_size(axes), src, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def gather(x, axis_name, dst=0, dim=-1):
-    """Rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); other ranks get
-    zeros of that shape. Backward: scatter of `dst`'s cotangent.
+    """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets every rank's `x` concatenated
+    along `dim` (``shape[dim] *= W``); other ranks get zeros of that shape. x's dtype. Gradient: scatter of
+    `dst`'s cotangent.
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.gather(x.shape, _world_size(axes), dst, dim), axes, x)
+    return _apply(plans.gather(x.shape, _world_size(axes), dst, dim, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def scatter(x, axis_name, src=0, dim=0):
-    """Rank r gets block r of rank `src`'s `x` along `dim` (``shape[dim] /= W``); the other ranks' `x` is
-    not read. Backward: gather of the cotangents to `src`.
+    """Rank r of `axis_name` (a mesh axis name or a tuple of them) gets block r of rank `src`'s `x` along
+    `dim` (``shape[dim] /= W``); the other ranks' `x` is not read. x's dtype. Gradient: gather of the
+    cotangents to `src`.
 
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.scatter(x.shape, _world_size(axes), src, dim), axes, x)
+    return _apply(plans.scatter(x.shape, _world_size(axes), src, dim, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def permute(x, axis_name, perm):
-    """For each ``(src, dst)`` in `perm`, rank dst gets rank src's `x` (``lax.ppermute``); a rank that is no
-    destination gets zeros. Backward: the inverse permutation.
+    """For each ``(src, dst)`` in `perm` (ranks of `axis_name`, a mesh axis name or a tuple of them), rank dst
+    gets rank src's `x` (``lax.ppermute``); a rank that is no destination gets zeros. ``[*s] -> [*s]``,
+    x's dtype. Gradient: the inverse permutation.
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
     axes = axes_of(axis_name)
-    return _apply(ops.permute(x.shape, _world_size(axes), perm), axes, x)
+    return _apply(plans.permute(x.shape, _world_size(axes), perm, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def sum_grad(x, axis_name):
-    """Identity forward; backward all_reduce(sum) of the cotangent (Megatron's f, the conjugate of
-    ``all_reduce(..., convention="replicated")``)."""
+    """Identity forward; backward all_reduce(sum) of the cotangent over `axis_name` (a mesh axis name or a
+    tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``."""
     axes = axes_of(axis_name)
-    return _apply(ops.sum_grad(x.shape, _world_size(axes)), axes, x)
+    return _apply(plans.sum_grad(x.shape, _world_size(axes), dtype=dtype_name(x.dtype)), axes, x)

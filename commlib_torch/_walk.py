@@ -2,7 +2,8 @@
 
 A pass whose permutation keeps memory order is a view (no copy); a pass that must copy writes straight
 into the buffer the collective needs, casting to the accumulation dtype in the same pass. Rooted ops
-(broadcast, reduce, gather, scatter) and permute give zeros on the ranks that receive nothing.
+(broadcast, reduce, gather, scatter) and permute give zeros on the ranks that receive nothing. The local
+steps of gradient plans (identity, slice, pad) move no data between ranks.
 """
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from commlib import Plan, Rearrange
+from commlib import Collective, Plan, ReduceOp, Rearrange
+from commlib.layout import permute_splits
 from commlib_torch import _pack
 
-__all__ = ["dtype_name", "global_rank", "rearrange", "run", "torch_dtype"]
+__all__ = ["all_gather_single", "dtype_name", "global_rank", "rearrange", "run", "torch_dtype"]
 
 _C10D_REDUCE = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,  # gloo has no AVG: the plan's scale divides by W
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.SUM,  # gloo has no AVG: the plan's scale divides by W
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
 
 # torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Group = dist.ProcessGroup | None
@@ -59,60 +61,71 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
 
 def _receives_only(plan: Plan, rank: int) -> bool:
     """Ranks whose input the collective never reads: no pack pass for them."""
-    return plan.collective in ("broadcast", "scatter") and rank != plan.root
+    return plan.collective in (Collective.BROADCAST, Collective.SCATTER) and rank != plan.root
 
 
 def _permute(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
-    """ppermute as one all_to_all_single with uneven splits: this rank's buffer goes to its destination (if
-    any), its source's buffer comes in (if any). One call for every pattern, and traceable by torch.compile."""
-    destination = dict(plan.pairs).get(rank)
-    source = {dst: src for src, dst in plan.pairs}.get(rank)
-    size = send.numel()
-    recv = empty((size if source is not None else 0,))
-    send_sizes = [size if peer == destination else 0 for peer in range(plan.world_size)]
-    recv_sizes = [size if peer == source else 0 for peer in range(plan.world_size)]
-    flat = send.reshape(-1) if destination is not None else send.reshape(-1)[:0]
-    dist.all_to_all_single(recv, flat, recv_sizes, send_sizes, group=group)
-    return recv.view(plan.recv_shape) if source is not None else None
+    """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
+    pattern, and traceable by torch.compile."""
+    send_splits, recv_splits = permute_splits(plan.pairs, plan.world_size, rank, send.numel())
+    recv = empty((sum(recv_splits),))
+    flat = send.reshape(-1)[: sum(send_splits)]
+    dist.all_to_all_single(recv, flat, recv_splits, send_splits, group=group)
+    return recv.view(plan.recv_shape) if sum(recv_splits) else None
 
 
 def _collective(plan: Plan, send, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
     """Run the dim-0 collective; the received buffer, or None where this rank receives nothing."""
     kind, is_root = plan.collective, rank == plan.root
     root = None if plan.root is None else global_rank(group, plan.root)
-    reduce_op = _C10D_REDUCE.get(plan.reduce_op)
-    if kind == "all_reduce":
+    reduce_op = None if plan.reduce_op is None else _C10D_REDUCE[plan.reduce_op]
+    if kind is Collective.ALL_REDUCE:
         dist.all_reduce(send, op=reduce_op, group=group)
         return send
-    if kind == "reduce":
+    if kind is Collective.REDUCE:
         dist.reduce(send, dst=root, op=reduce_op, group=group)
         return send if is_root else None
-    if kind == "broadcast":
+    if kind is Collective.BROADCAST:
         buffer = send if is_root else empty(plan.recv_shape)
         dist.broadcast(buffer, src=root, group=group)
         return buffer
-    if kind == "permute":
+    if kind is Collective.PERMUTE:
         return _permute(plan, send, group, rank, empty)
-    recv = empty(plan.recv_shape) if kind != "gather" or is_root else None
-    if kind == "all_to_all":
+    recv = empty(plan.recv_shape) if kind is not Collective.GATHER or is_root else None
+    if kind is Collective.ALL_TO_ALL:
         dist.all_to_all_single(recv, send, group=group)
-    elif kind == "all_gather":  # c10d concatenates along dim 0: hand it flat buffers
-        _all_gather_single(recv.view(-1), send.view(-1), group=group)
-    elif kind == "reduce_scatter":
+    elif kind is Collective.ALL_GATHER:  # c10d concatenates along dim 0: hand it flat buffers
+        all_gather_single(recv.view(-1), send.view(-1), group=group)
+    elif kind is Collective.REDUCE_SCATTER:
         _reduce_scatter_single(recv.view(-1), send.view(-1), op=reduce_op, group=group)
-    elif kind == "gather":
+    elif kind is Collective.GATHER:
         dist.gather(send, list(recv.unbind(0)) if is_root else None, dst=root, group=group)
-    elif kind == "scatter":
+    elif kind is Collective.SCATTER:
         dist.scatter(recv, list(send.unbind(0)) if is_root else None, src=root, group=group)
     else:
         raise NotImplementedError(kind)
     return recv
 
 
+def _local(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """identity (times the scale), slice (this rank's block) or pad (this rank's block of zeros)."""
+    kind = plan.collective
+    if kind is Collective.IDENTITY:
+        return x if plan.scale == 1.0 else x * plan.scale
+    (dim,) = plan.dims
+    rank, block = dist.get_rank(group), plan.recv_shape[dim] if kind is Collective.SLICE else x.shape[dim]
+    if kind is Collective.SLICE:
+        out = x.narrow(dim, rank * block, block)
+    else:
+        out = x.new_zeros(plan.out_shape)
+        out.narrow(dim, rank * block, block).copy_(x)
+    return out if plan.scale == 1.0 else out * plan.scale
+
+
 def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     """Output of `plan` on this rank for input `x` (any strides), in x's dtype."""
-    if plan.collective == "identity":
-        return x
+    if plan.collective.is_local:
+        return _local(plan, x, group)
     rank = dist.get_rank(group)
     buffer_dtype = torch_dtype(plan.accum_dtype, x.dtype)
     empty = lambda shape: torch.empty(shape, dtype=buffer_dtype, device=x.device)  # noqa: E731

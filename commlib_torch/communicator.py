@@ -1,4 +1,4 @@
-"""`DeviceCommunicator`: the seed's class (FastVideo / vLLM API) on commlib's differentiable ops.
+"""`DeviceCommunicator`: the seed's class (FastVideo / vLLM API) on commlib's differentiable plans.
 
 Same constructor and methods as the seed, with its flaws fixed: validation before communication, exact
 gradients, one local pass per side of an all-to-all, and `cpu_group` used when `device_group` is None.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import ops
+from commlib import plans
 from commlib_torch import functional
 from commlib_torch._walk import global_rank
 
@@ -86,13 +86,13 @@ class DeviceCommunicator:
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send `tensor` to group-local rank `dst` (default: the next rank)."""
         dst = (self.rank + 1) % self.world_size if dst is None else dst
-        peer = ops.check_rank("send", "dst", dst, self.world_size)
+        peer = plans.check_rank("send", "dst", dst, self.world_size)
         dist.send(tensor.contiguous(), global_rank(self.device_group, peer), self.device_group)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of `size` and `dtype` from group-local rank `src` (default: the previous rank)."""
         src = (self.rank - 1) % self.world_size if src is None else src
-        peer = ops.check_rank("recv", "src", src, self.world_size)
+        peer = plans.check_rank("recv", "src", src, self.world_size)
         tensor = torch.empty(size, dtype=dtype, device=self.device)
         dist.recv(tensor, global_rank(self.device_group, peer), self.device_group)
         return tensor

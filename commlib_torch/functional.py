@@ -1,25 +1,29 @@
 """Differentiable collectives over `torch.distributed` (gloo on CPU, NCCL on CUDA).
 
-Each public function validates through the spec (`commlib.ops`, raising `CommError` / `TypeError`
-before any communication), then applies `_Collective`, an autograd Function that walks the plan forward
-and applies the transposed plan backward (so double backward works); all_reduce max/min/product use
-`_Extremum` / `_Product`, whose VJPs need the primal. Ranks (`src`, `dst`, `perm`) are group-local;
-``group=None`` is the default (WORLD) group. Where the op is the identity (world size 1) it returns its
-input itself, with no communication.
+Each public function asks the spec for the call's plan (`commlib.plans`, which raises `CommError` /
+`TypeError` before any communication), then applies `_Op`, the one autograd Function: its forward walks the
+plan (`commlib.gradients.forward`), its backward applies the spec's VJP rule (`commlib.gradients.vjp`) with
+collectives that are `_Op`s again, so every higher derivative follows the same rules. Where the op is the
+identity (world size 1) it returns its input itself, with no communication.
 
+``group``: the `torch.distributed.ProcessGroup` the collective runs over, ``None`` for the default (WORLD)
+group; W is its size and every rank argument (`src`, `dst`, `perm`) is a group-local rank in [0, W).
 Gradients follow ``convention="sum"`` (each rank's loss is its own, the objective is their sum) unless
 ``convention="replicated"`` is given where the op accepts it; see docs/gradients.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from commlib import ops
+from commlib import gradients, plans
 from commlib.layout import Plan
+from commlib_torch._checked import exchange, is_checked
+from commlib_torch._failures import translate
 from commlib_torch._walk import dtype_name, run
-from commlib_torch._checked import guard
 
 __all__ = [
     "all_reduce",
@@ -35,215 +39,233 @@ __all__ = [
 ]
 
 Group = dist.ProcessGroup | None
+Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
 
 
-class _Collective(torch.autograd.Function):
-    """A linear collective: forward walks `plan`, backward walks its transpose (or the replicated rule)."""
+class _Backend:
+    """`commlib.gradients.Backend` on torch tensors. Inside a forward (`origin` None) a collective is the
+    plan walked; inside a backward it is an `_Op` again, so the VJP is differentiable too."""
+
+    def __init__(self, group: Group, device: torch.device, origin: Origin | None = None) -> None:
+        self.group, self.device, self.origin = group, device, origin
+
+    def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+        return run(plan, x, self.group) if self.origin is None else _apply(plan, x, self.group, self.origin)
+
+
+    def isnan(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.isnan(x)
+
+    def astype(self, x: torch.Tensor, dtype) -> torch.Tensor:
+        return x.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype.dtype)
+
+    def where(self, condition, x, y) -> torch.Tensor:
+        return torch.where(condition, x, y)
+
+    def prod(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.prod(dim=axis)
+
+    def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.unsqueeze(axis)
+
+    def own_rank(self, world_size: int, ndim: int) -> torch.Tensor:
+        ranks = torch.arange(world_size, device=self.device).reshape((world_size,) + (1,) * (ndim - 1))
+        return ranks == dist.get_rank(self.group)
+
+
+def _boundary(plan: Plan, origin: Origin, group: Group, x: torch.Tensor, call: Callable[[], torch.Tensor]):
+    """`call()`, after checked mode's fingerprint exchange (collectives only); a backend error that means a
+    timeout or a lost rank re-raised as CommTimeout / CommFailure. Under torch.compile: `call()` alone."""
+    if torch.compiler.is_compiling():
+        return call()
+    subject, phase = origin
+    try:
+        if not plan.collective.is_local and is_checked():
+            exchange(subject, x, group, phase)
+        return call()
+    except RuntimeError as error:
+        translated = translate(error, subject.op_name, x, group, phase)
+        if translated is error:
+            raise
+        raise translated from error
+
+
+class _Op(torch.autograd.Function):
+    """One collective (or local step) of a plan; backward is the spec's VJP rule."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group, origin: Origin) -> torch.Tensor:
         ctx.plan, ctx.group = plan, group
-        return run(plan, x, group)
-
-    @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
-        return _vjp(ctx.plan, ctx.group, cotangent), None, None
-
-
-def _vjp(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
-    if plan.convention == "replicated" and plan.collective == "all_reduce":
-        return cotangent if plan.scale == 1.0 else cotangent * plan.scale
-    if plan.convention == "replicated" and plan.collective == "all_gather":
-        (dim,) = plan.dims
-        return cotangent.chunk(plan.world_size, dim)[dist.get_rank(group)]
-    return _Collective.apply(cotangent, ops.transpose(plan), group)
-
-
-def _incoming(plan: Plan, group: Group, cotangent: torch.Tensor) -> torch.Tensor:
-    """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated").
-    Differentiable, so a gradient penalty can differentiate the VJP again."""
-    if plan.convention == "replicated":
-        return cotangent
-    summed = ops.all_reduce(cotangent.shape, plan.world_size, dtype=dtype_name(cotangent.dtype),
-                            accum_dtype=plan.accum_dtype)
-    return _Collective.apply(cotangent, summed, group)
-
-
-class _Extremum(torch.autograd.Function):
-    """all_reduce max/min: the incoming cotangent goes to the rank(s) holding the extremum, split among ties.
-    The VJP is linear in the cotangent and locally constant in x, and differentiable as such."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
-        out = run(plan, x, group)
-        ctx.plan, ctx.group = plan, group
-        ctx.save_for_backward(x, out)
+        out = _boundary(plan, origin, group, x, lambda: gradients.forward(_Backend(group, x.device), plan, x))
+        if gradients.needs_output(plan):
+            ctx.save_for_backward(x, out)
+        elif gradients.needs_primal(plan):
+            ctx.save_for_backward(x)
         return out
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):
-        x, out = ctx.saved_tensors
-        with torch.no_grad():
-            hits = (x == out).to(cotangent.dtype)
-            ties = run(ops.all_reduce(hits.shape, ctx.plan.world_size, dtype=dtype_name(hits.dtype)), hits, ctx.group)
-        return _incoming(ctx.plan, ctx.group, cotangent) * (hits / ties), None, None
+        saved = (*ctx.saved_tensors, None, None)
+        backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
+        return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
 
 
-class _Product(torch.autograd.Function):
-    """all_reduce product: the incoming cotangent times the product of the other ranks' values (no
-    division, so exact where an input is zero). The VJP is built from differentiable ops (an all_gather of
-    x, torch's prod), so its second derivative is exact too."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        ctx.save_for_backward(x)
-        return run(plan, x, group)
-
-    @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        W, rank = ctx.plan.world_size, dist.get_rank(ctx.group)
-        everyone = _Collective.apply(x.unsqueeze(0), ops.all_gather((1, *x.shape), W, 0), ctx.group)
-        others = torch.cat([everyone[:rank], everyone[rank + 1 :]]).prod(dim=0)
-        return _incoming(ctx.plan, ctx.group, cotangent) * others, None, None
-
-
-_FUNCTIONS = {"max": _Extremum, "min": _Extremum, "product": _Product}
-
-
-def _apply(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+def _apply(plan: Plan, x: torch.Tensor, group: Group, origin: Origin | None = None) -> torch.Tensor:
     if plan.is_trivial:
         return x
-    return guard(_FUNCTIONS.get(plan.reduce_op, _Collective)).apply(x, plan, group)  # checked mode, failures
+    return _Op.apply(x, plan, group, origin or (plan, "forward"))
 
 
 def _world_size(group: Group) -> int:
     return dist.get_world_size(group)
 
 
+def _accum(accum_dtype) -> str | None:
+    return None if accum_dtype is None else dtype_name(accum_dtype)
+
+
 def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="sum", accum_dtype=None) -> torch.Tensor:
-    """Reduce `x` over the ranks of `group`; every rank gets the result. ``[*s] -> [*s]``.
+    """Reduce `x` over the ranks of `group`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
+        x: any shape and strides; floating (differentiable), integer or bool (forward only).
         op: "sum" | "avg" (= sum / W) | "max" | "min" | "product"; a `commlib.ReduceOp` or
-            `torch.distributed.ReduceOp` works too. Integer and bool tensors: forward only.
-        convention: "sum": the incoming cotangent is all_reduce(sum) of the cotangents; "replicated": it is
-            this rank's own (Megatron's g; `sum_grad` is its conjugate). sum: grad = incoming; avg:
-            incoming / W; max/min: incoming on the rank(s) holding the extremum, split equally among ties;
-            product: incoming times the product of the other ranks' values.
+            `torch.distributed.ReduceOp` works too. A NaN on any rank makes max/min NaN (as numpy).
+        group: the process group (None: WORLD).
+        convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
         accum_dtype: e.g. ``torch.float32`` for bf16 input: reduce in that dtype (forward and backward),
             return x's dtype.
 
+    Gradient: let g be all_reduce(sum) of the cotangents ("sum") or this rank's own cotangent
+    ("replicated"). sum: g; avg: g / W; max/min: g on the rank(s) holding the result, split equally among
+    ties (NaN results: among the ranks holding a NaN); product: g times the other ranks' product.
+
     Raises:
-        CommError: unknown op, avg on an integer dtype, non-floating accum_dtype. TypeError: wrong kinds.
+        CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
+            accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = ops.all_reduce(
-        x.shape, _world_size(group), op, dtype=dtype_name(x.dtype), convention=convention, accum_dtype=accum
-    )
+    plan = plans.all_reduce(x.shape, _world_size(group), op, dtype=dtype_name(x.dtype), convention=convention,
+                            accum_dtype=_accum(accum_dtype))
     return _apply(plan, x, group)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, convention="sum") -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``.
+    """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``, x's dtype.
 
-    Backward: "sum" -> reduce_scatter(sum) of the cotangent along `dim`; "replicated" -> this rank's
-    block of the cotangent. Identity: ``reduce_scatter(all_gather(x)) == W * x``.
+    `group`: the process group (None: WORLD). Gradient: "sum" -> reduce_scatter(sum) of the cotangent along
+    `dim`; "replicated" -> this rank's block of the cotangent (Megatron's gather). Identity:
+    ``reduce_scatter(all_gather(x)) == W * x``.
 
     Raises:
-        CommError: `dim` out of range.
+        CommError: `dim` out of range, unknown convention.
     """
-    return _apply(ops.all_gather(x.shape, _world_size(group), dim, convention=convention), x, group)
+    plan = plans.all_gather(x.shape, _world_size(group), dim, dtype=dtype_name(x.dtype), convention=convention)
+    return _apply(plan, x, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None) -> torch.Tensor:
-    """Reduce over ranks and keep block `rank` of `dim`: ``shape[dim] /= W``; op in {"sum", "avg"}.
+    """Reduce over the ranks of `group` (None: WORLD) and keep block `rank` of `dim`: ``shape[dim] /= W``;
+    op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`).
 
-    Same value as ``all_reduce(x, op).chunk(W, dim)[rank]``. Backward: all_gather of the cotangent along
+    Same value as ``all_reduce(x, op).chunk(W, dim)[rank]``. Gradient: all_gather of the cotangent along
     `dim` (divided by W for avg).
 
     Raises:
         CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
     """
-    accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = ops.reduce_scatter(x.shape, _world_size(group), dim, op, dtype=dtype_name(x.dtype), accum_dtype=accum)
+    plan = plans.reduce_scatter(x.shape, _world_size(group), dim, op, dtype=dtype_name(x.dtype),
+                                accum_dtype=_accum(accum_dtype))
     return _apply(plan, x, group)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None) -> torch.Tensor:
-    """Block j of `scatter_dim` goes to rank j; received blocks are concatenated along `gather_dim` in
-    rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W`` (``lax.all_to_all`` tiled).
+    """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
+    along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
+    x's dtype (``lax.all_to_all(..., tiled=True)``).
 
     One local pass before and one after the collective at most, none where the layout allows a view.
-    Backward: all_to_all of the cotangent with the dims swapped.
+    Gradient: all_to_all of the cotangent with the dims swapped.
 
     Raises:
         CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
     """
-    return _apply(ops.all_to_all(x.shape, _world_size(group), scatter_dim, gather_dim), x, group)
+    plan = plans.all_to_all(x.shape, _world_size(group), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    return _apply(plan, x, group)
 
 
 def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None) -> torch.Tensor:
-    """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
+    """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `group` (None: WORLD), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
-    Backward: the other direction. At batch 1 one of the two local passes is a view.
+    Gradient: the other direction. At batch 1 one of the two local passes is a view.
 
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
     """
-    return _apply(ops.all_to_all_4d(x.shape, _world_size(group), scatter_dim, gather_dim), x, group)
+    plan = plans.all_to_all_4d(x.shape, _world_size(group), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    return _apply(plan, x, group)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
-    """Every rank gets rank `src`'s `x` (same shape). Backward: the cotangents summed on `src`, zeros elsewhere.
+    """Every rank of `group` (None: WORLD) gets group rank `src`'s `x`: ``[*s] -> [*s]``, x's dtype.
+
+    Gradient: the cotangents summed on `src`, zeros elsewhere.
 
     Raises:
         CommError: `src` not in [0, W).
     """
-    return _apply(ops.broadcast(x.shape, _world_size(group), src), x, group)
+    return _apply(plans.broadcast(x.shape, _world_size(group), src, dtype=dtype_name(x.dtype)), x, group)
 
 
 def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None) -> torch.Tensor:
-    """Rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks get
-    zeros of that shape, so every rank can run backward. Backward: scatter of `dst`'s cotangent.
+    """Group rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks
+    of `group` (None: WORLD) get zeros of that shape, so every rank can run backward. x's dtype.
+
+    Gradient: scatter of `dst`'s cotangent.
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range.
     """
-    return _apply(ops.gather(x.shape, _world_size(group), dst, dim), x, group)
+    return _apply(plans.gather(x.shape, _world_size(group), dst, dim, dtype=dtype_name(x.dtype)), x, group)
 
 
 def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None) -> torch.Tensor:
-    """Rank r gets block r of rank `src`'s `x` along `dim` (``shape[dim] /= W``); the other ranks' `x` is
-    not read (its gradient is zero). Backward: gather of the cotangents to `src`.
+    """Rank r of `group` (None: WORLD) gets block r of group rank `src`'s `x` along `dim`
+    (``shape[dim] /= W``); the other ranks' `x` is not read (its gradient is zero). x's dtype.
+
+    Gradient: gather of the cotangents to `src`.
 
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
     """
-    return _apply(ops.scatter(x.shape, _world_size(group), src, dim), x, group)
+    return _apply(plans.scatter(x.shape, _world_size(group), src, dim, dtype=dtype_name(x.dtype)), x, group)
 
 
 def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
-    """For each ``(src, dst)`` in `perm`, rank dst gets rank src's `x` (``lax.ppermute`` semantics); a rank
-    that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
+    """For each ``(src, dst)`` in `perm` (group ranks of `group`, None: WORLD), rank dst gets rank src's `x`
+    (``lax.ppermute`` semantics); a rank that is no destination gets zeros. ``[*s] -> [*s]``, x's dtype.
+
+    Gradient: the inverse permutation of the cotangents.
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    return _apply(ops.permute(x.shape, _world_size(group), perm), x, group)
+    return _apply(plans.permute(x.shape, _world_size(group), perm, dtype=dtype_name(x.dtype)), x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Identity forward; backward all_reduce(sum) of the cotangent (Megatron's f, the conjugate of
-    ``all_reduce(..., convention="replicated")``; JAX's ``pcast(x, to="varying")``)."""
-    return _apply(ops.sum_grad(x.shape, _world_size(group)), x, group)
+    """Identity forward; backward all_reduce(sum) of the cotangent over `group` (None: WORLD): Megatron's f,
+    the conjugate of ``all_reduce(..., convention="replicated")``; JAX's ``pcast(x, to="varying")``.
+
+    Raises:
+        CommError / TypeError: only for a malformed shape or world size (never for a tensor).
+    """
+    return _apply(plans.sum_grad(x.shape, _world_size(group), dtype=dtype_name(x.dtype)), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    plan = ops.gather(x.shape, _world_size(group), dst, dim)
+    plan = plans.gather(x.shape, _world_size(group), dst, dim, dtype=dtype_name(x.dtype))
     with torch.no_grad():
         out = x.detach().clone(memory_format=torch.contiguous_format) if plan.is_trivial else run(plan, x, group)
     return out if dist.get_rank(group) == plan.root else None

@@ -18,7 +18,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def pool():
     """``pool(world_size)``: a persistent `WorkerPool` of real gloo ranks per world size, shared by every
     torch test of the session (started on first use, closed at the end)."""
-    from commlib_torch.pool import WorkerPool
+    from commlib_torch.tools.pool import WorkerPool
 
     pools = {}
 

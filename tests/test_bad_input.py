@@ -1,8 +1,8 @@
-"""The bad-input table (`commlib.bad_input`) on the spec, torch (gloo workers) and JAX (CPU devices).
+"""The bad-input table (`tests.bad_input`) on the spec, torch (gloo workers) and JAX (CPU devices).
 
 Every row either gives the reference value (and gradient, in grad mode) or the same error text on all
 three sides: the spec's `cases.error_text` must start with the row's expected text, and each frontend's
-result goes through `commlib.parity.check`, which passes an error only if it is the spec's exact text.
+result goes through `commlib.tools.parity.check`, which passes an error only if it is the spec's exact text.
 The frontends run through their parity runners' `run_case`, as `commlib parity` does.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commlib import bad_input, cases, parity
+from commlib.tools import cases, parity
+from tests import bad_input
 
 ROWS = bad_input.table()
 #: JAX modes each row runs in (the parity runner's names); pmap covers the other lowering path.
@@ -57,7 +58,7 @@ def test_spec(row):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_torch(row, pool):
-    from commlib_torch.parity_runner import merge, run_case
+    from commlib_torch.tools.parity_runner import merge, run_case
 
     arrays = _arrays(row)
     replies = pool(row.case.world_size).run(run_case, row.case, arrays, grad_mode=row.grad_mode,
@@ -71,7 +72,7 @@ def test_torch(row, pool):
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_jax(row, jax_cpu):
     from commlib import CommError
-    from commlib_jax.parity_runner import run_case
+    from commlib_jax.tools.parity_runner import run_case
 
     arrays = _arrays(row)
     if row.forward_only:

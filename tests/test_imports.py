@@ -41,7 +41,7 @@ print(json.dumps({{"frameworks": frameworks, "exports": exports}}))
     "statement",
     [
         "import commlib",
-        "import commlib.ops, commlib.reference, commlib.layout, commlib.errors, commlib.reduce_op",
+        "import commlib.plans, commlib.reference, commlib.layout, commlib.errors, commlib.reduce_op",
     ],
 )
 def test_spec_imports_no_framework(statement):

@@ -20,8 +20,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from commlib import CommError, cases, parity
-from commlib_jax import parity_runner
+from commlib import CommError
+from commlib.tools import cases, parity
+from commlib_jax.tools import parity_runner
 
 __all__ = ["REVERSED_MESH", "check", "error_text", "mapped", "on_mesh", "run"]
 
@@ -32,7 +33,7 @@ _COMPILED: dict[str, jax.stages.Compiled] = {}
 
 
 def error_text(error: BaseException) -> str:
-    """``"CommError: ..."``: the form `commlib.parity.check` compares with the spec's text."""
+    """``"CommError: ..."``: the form `commlib.tools.parity.check` compares with the spec's text."""
     return f"{type(error).__name__}: {error}"
 
 
@@ -117,7 +118,7 @@ def run(case: cases.Case, arrays, function) -> tuple[list[np.ndarray], dict[str,
 
 
 def check(case: cases.Case, arrays, function, label: str = ""):
-    """`commlib.parity.check` of `run` (a rejected call is compared by its error text)."""
+    """`commlib.tools.parity.check` of `run` (a rejected call is compared by its error text)."""
     try:
         outputs, gradients = run(case, arrays, function)
     except (CommError, TypeError) as error:

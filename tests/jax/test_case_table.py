@@ -1,7 +1,7 @@
 """The parity case table on simulated CPU devices: every case of `commlib.cases.case_table(W)` for W = 1..4
 in every mode of `parity_runner.modes_for(W)` -- shard_map with check_vma on and off, pmap, and at W = 4 a
 2 x 2 mesh with the tuple axis ("x", "y") in row-major rank order -- run by the parity runner's own
-`run_case` and compared with the numpy reference by `commlib.parity.check`: every rank's output and input
+`run_case` and compared with the numpy reference by `commlib.tools.parity.check`: every rank's output and input
 gradients, and for the rejected calls the spec's error text, raised at trace time.
 
 One test per (W, mode): each case compiles its own program, so the run time is the case count times a
@@ -11,8 +11,9 @@ compile (about 0.1-0.3 s each on CPU), ~13 x 48 in all.
 import numpy as np
 import pytest
 
-from commlib import CommError, cases, parity
-from commlib_jax.parity_runner import modes_for, run_case
+from commlib import CommError
+from commlib.tools import cases, parity
+from commlib_jax.tools.parity_runner import modes_for, run_case
 from tests.jax.programs import error_text
 
 SEED = 0

@@ -3,7 +3,7 @@ rank's loss being the sum of its output (cotangent 1): exact max/min/product gra
 accum_dtype, integer tensors; then `Communicator` against the functional ops, world size 1, tuple axis
 names in either order, an op over one axis of a 2 x 2 mesh, jit and grad in either order, and a
 closed-over (replicated) input. Values are checked exactly where the example states them, and every result
-against the numpy reference (`commlib.parity.check`). The rejected calls' error texts are in the case table.
+against the numpy reference (`commlib.tools.parity.check`). The rejected calls' error texts are in the case table.
 """
 
 import re
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import commlib_jax
-from commlib import cases, ops, parity, reference
+from commlib import gradients, plans, reference
+from commlib.tools import cases, parity
 from commlib_jax import Communicator
-from commlib_jax.parity_runner import modes_for
+from commlib_jax.tools.parity_runner import modes_for
 from tests.jax import programs
 
 MODES = modes_for(4)
@@ -54,7 +55,7 @@ def _scalar_case(op, world_size, convention="sum", dtype="float32", shape=()) ->
 
 
 def _run_and_check(case, arrays, function, mode):
-    """`programs.run` after asserting the result also passes `commlib.parity.check` against the reference."""
+    """`programs.run` after asserting the result also passes `commlib.tools.parity.check` against the reference."""
     outputs, gradients = programs.run(case, arrays, function)
     row = parity.check(case, arrays, outputs, gradients, None, "jax", mode)
     assert row.passed, row
@@ -180,7 +181,7 @@ def _one_case_per_op(world_size: int) -> list[cases.Case]:
     """The first valid floating case of each op of the table, and of each all_reduce reduction."""
     chosen = {}
     for case in cases.case_table(world_size):
-        if case.op in ops.OP_NAMES and case.differentiable and cases.error_text(case) is None:
+        if case.op in plans.OP_NAMES and case.differentiable and cases.error_text(case) is None:
             chosen.setdefault((case.op, case.params.get("op")), case)
     return list(chosen.values())
 
@@ -307,7 +308,7 @@ def test_closed_over_input_gets_the_sum_of_all_ranks_gradients(op, params, scale
     rng = np.random.default_rng(3)
     w = rng.standard_normal(shape)
     data = [rng.standard_normal(shape) if scaled else np.ones(shape) for _ in range(W)]
-    plan = getattr(ops, op)(shape, W, **params)
+    plan = getattr(plans, op)(shape, W, **params)
     cotangents = [rng.standard_normal(plan.out_shape) for _ in range(W)]
     case = cases.Case(f"closed:{op}", op, W, shape, "float64", tuple(params.items()))
 
@@ -366,7 +367,7 @@ def test_double_backward_of_linear_ops(mode):
         function = programs.mapped(case, mode, per_rank)
         penalty = lambda cotangent: function(cotangent, _stack(arrays["x"]), _stack(arrays["v"]))[1].sum()  # noqa: E731
         got = jax.jit(jax.grad(penalty))(_stack(arrays["cotangent"]))
-        want = reference.run(ops.transpose(ops.transpose(case.plan())), arrays["v"])
+        want = reference.run(gradients.vjp_plan(gradients.vjp_plan(case.plan())), arrays["v"])
         np.testing.assert_allclose(np.asarray(got), np.stack(want), rtol=1e-12, atol=1e-12, err_msg=op)
 
 
@@ -399,7 +400,7 @@ def test_second_derivatives_of_reductions(op, convention, mode):
     """A gradient penalty through all_reduce (plus a local x**3 / 3 term so gx stays in the graph): the
     gradients of sum(gx * v) with respect to x and to the cotangent match finite differences of the
     reference VJP (lax has no differentiation rule for pmax / pmin: commlib's forward must be used)."""
-    plan = ops.all_reduce((2,), 3, op, dtype="float64", convention=convention)
+    plan = plans.all_reduce((2,), 3, op, dtype="float64", convention=convention)
     case = cases.Case(f"second:{op},{convention}", "all_reduce", 3, (2,), "float64",
                       (("op", op), ("convention", convention)), inputs=("x", "v"))
 

@@ -1,7 +1,7 @@
 """Hypothesis over every op of issue 3 in float64: random shapes (size-1 dims, 0-d where the op allows), dims
 (negative too), rank arguments, world sizes 1-4 and, per example, one mode of `parity_runner.modes_for(W)`
 (shard_map check_vma on/off, pmap, the 2 x 2 mesh at W = 4) or the 2 x 2 mesh with the tuple axis reversed;
-every rank's output and input gradient against the numpy reference (`commlib.parity.check`).
+every rank's output and input gradient against the numpy reference (`commlib.tools.parity.check`).
 
 Default profile: 25 examples per test; ``HYPOTHESIS_PROFILE=slow`` (CI): 200. Dims are drawn from {1, 2}
 (times W on a split dim) so examples often lower to a program already compiled: `tests.jax.programs.run`
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commlib import cases
-from commlib_jax.parity_runner import modes_for
+from commlib.tools import cases
+from commlib_jax.tools.parity_runner import modes_for
 from tests.jax import programs
 
 WORLD_SIZES = (1, 2, 3, 4)

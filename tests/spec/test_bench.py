@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from commlib import bench, cli
+from commlib.tools import bench, cli
 
 
 def _record(framework="torch", case="all_reduce", subject=(2.0, 3.0, 4.0), baseline=(1.0, 2.0, 100.0), size=16):
@@ -56,7 +56,7 @@ def test_cli_quick_settings_and_overrides():
 
 
 def test_driver_imports_no_framework():
-    probe = "import sys, commlib.bench, commlib.cli; print(sorted({'torch', 'jax'} & set(sys.modules)))"
+    probe = "import sys, commlib.tools.bench, commlib.tools.cli; print(sorted({'torch', 'jax'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
 

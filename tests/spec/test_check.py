@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commlib import CommError, CommFailure, CommTimeout, check, ops
+from commlib import CommError, CommFailure, CommTimeout, check, failures, plans
 
 
 def _rows(*calls):
@@ -20,30 +20,30 @@ def _message(rows, rank=0) -> str:
 
 
 PLANS = [
-    ops.all_reduce((3,), 4, "max"),
-    ops.all_reduce((2, 3), 4, dtype="bfloat16", accum_dtype="float32", convention="replicated"),
-    ops.all_gather((2, 3), 4, -1),
-    ops.reduce_scatter((8, 3), 4, 0, "avg"),
-    ops.all_to_all((4, 3, 2), 4, 0, 2),
-    ops.all_to_all_4d((2, 8, 8, 4), 4),
-    ops.broadcast((), 4, 3),
-    ops.gather((0, 3), 4, 1, 0),
-    ops.scatter((4,), 4, 2),
-    ops.permute((3,), 4, [[0, 1], [1, 2], [2, 3], [3, 0]]),
-    ops.sum_grad((5, 1), 4),
-    ops.all_reduce(tuple(range(1, 11)), 4),
-    ops.permute((2,), 8, [[rank, (rank + 3) % 8] for rank in range(8)]),
+    plans.all_reduce((3,), 4, "max"),
+    plans.all_reduce((2, 3), 4, dtype="bfloat16", accum_dtype="float32", convention="replicated"),
+    plans.all_gather((2, 3), 4, -1),
+    plans.reduce_scatter((8, 3), 4, 0, "avg"),
+    plans.all_to_all((4, 3, 2), 4, 0, 2),
+    plans.all_to_all_4d((2, 8, 8, 4), 4),
+    plans.broadcast((), 4, 3),
+    plans.gather((0, 3), 4, 1, 0),
+    plans.scatter((4,), 4, 2),
+    plans.permute((3,), 4, [[0, 1], [1, 2], [2, 3], [3, 0]]),
+    plans.sum_grad((5, 1), 4),
+    plans.all_reduce(tuple(range(1, 11)), 4),
+    plans.permute((2,), 8, [[rank, (rank + 3) % 8] for rank in range(8)]),
 ]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.op)
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.op_name)
 def test_every_op_has_the_same_fingerprint_size_and_decodes(plan):
     for phase in check.PHASES:
         row = check.fingerprint(plan, "float32", phase)
         assert row.shape == (check.FINGERPRINT_SIZE,) and row.dtype == np.int64
         call = check.decode(row)
         assert (call.op, call.phase, call.world_size, call.dims, call.root) == (
-            plan.op, phase, plan.world_size, plan.dims, plan.root)
+            plan.op_name, phase, plan.world_size, plan.dims, plan.root)
         assert (call.reduce_op, call.convention, call.accum_dtype) == (plan.reduce_op, plan.convention,
                                                                       plan.accum_dtype)
         if len(plan.in_shape) <= 8:
@@ -53,12 +53,12 @@ def test_every_op_has_the_same_fingerprint_size_and_decodes(plan):
 
 
 def test_agreeing_ranks_pass():
-    plan = ops.all_to_all_4d((2, 8, 8, 4), 4)
+    plan = plans.all_to_all_4d((2, 8, 8, 4), 4)
     check.compare(_rows(*[(plan, "bfloat16", "forward")] * 4), 3)
 
 
 def test_shape_disagreement_groups_the_ranks():
-    same, other = ops.all_to_all_4d((2, 8, 8, 4), 4), ops.all_to_all_4d((2, 8, 12, 4), 4)
+    same, other = plans.all_to_all_4d((2, 8, 8, 4), 4), plans.all_to_all_4d((2, 8, 12, 4), 4)
     rows = _rows((same, "float32", "forward"), (same, "float32", "forward"), (other, "float32", "forward"),
                  (same, "float32", "forward"))
     assert _message(rows, 2) == (
@@ -67,30 +67,30 @@ def test_shape_disagreement_groups_the_ranks():
 
 
 def test_a_different_collective_is_reported_alone():
-    rows = _rows((ops.all_reduce((3,), 2), "float32", "forward"), (ops.all_gather((4,), 2), "int32", "backward"))
+    rows = _rows((plans.all_reduce((3,), 2), "float32", "forward"), (plans.all_gather((4,), 2), "int32", "backward"))
     assert _message(rows, 1) == (
         "all_gather backward: ranks disagree on the collective: rank 0 runs all_reduce, rank 1 runs all_gather "
         "backward. Received: rank=1, phase='backward', shape=(4,), dtype='int32', dims=(0,)")
-    forward_backward = _rows((ops.all_reduce((3,), 2), "float32", "forward"),
-                             (ops.all_reduce((3,), 2), "float32", "backward"))
+    forward_backward = _rows((plans.all_reduce((3,), 2), "float32", "forward"),
+                             (plans.all_reduce((3,), 2), "float32", "backward"))
     assert "rank 0 runs all_reduce, rank 1 runs all_reduce backward" in _message(forward_backward)
 
 
 @pytest.mark.parametrize(
     ("left", "right", "expected"),
     [
-        (ops.all_reduce((3,), 2, "sum"), ops.all_reduce((3,), 2, "product"),
+        (plans.all_reduce((3,), 2, "sum"), plans.all_reduce((3,), 2, "product"),
          "reduce op: rank 0 has sum, rank 1 has product"),
-        (ops.all_reduce((3,), 2), ops.all_reduce((3,), 2, convention="replicated"),
+        (plans.all_reduce((3,), 2), plans.all_reduce((3,), 2, convention="replicated"),
          "convention: rank 0 has sum, rank 1 has replicated"),
-        (ops.broadcast((3,), 2, 0), ops.broadcast((3,), 2, 1), "src: rank 0 has 0, rank 1 has 1"),
-        (ops.gather((3,), 2, 0), ops.gather((3,), 2, 1), "dst: rank 0 has 0, rank 1 has 1"),
-        (ops.all_gather((2, 2), 2, 0), ops.all_gather((2, 2), 2, 1), "dims: rank 0 has (0,), rank 1 has (1,)"),
-        (ops.all_reduce((3,), 2, dtype="float16", accum_dtype="float32"), ops.all_reduce((3,), 2, dtype="float16"),
+        (plans.broadcast((3,), 2, 0), plans.broadcast((3,), 2, 1), "src: rank 0 has 0, rank 1 has 1"),
+        (plans.gather((3,), 2, 0), plans.gather((3,), 2, 1), "dst: rank 0 has 0, rank 1 has 1"),
+        (plans.all_gather((2, 2), 2, 0), plans.all_gather((2, 2), 2, 1), "dims: rank 0 has (0,), rank 1 has (1,)"),
+        (plans.all_reduce((3,), 2, dtype="float16", accum_dtype="float32"), plans.all_reduce((3,), 2, dtype="float16"),
          "accum_dtype: rank 0 has float32, rank 1 has None"),
-        (ops.permute((3,), 2, [[0, 1]]), ops.permute((3,), 2, [[1, 0]]),
+        (plans.permute((3,), 2, [[0, 1]]), plans.permute((3,), 2, [[1, 0]]),
          "perm: rank 0 has ((0, 1),), rank 1 has ((1, 0),)"),
-        (ops.all_reduce((3,), 2), ops.all_reduce((3,), 3), "world_size: rank 0 has 2, rank 1 has 3"),
+        (plans.all_reduce((3,), 2), plans.all_reduce((3,), 3), "world_size: rank 0 has 2, rank 1 has 3"),
     ],
 )
 def test_each_aspect_is_named(left, right, expected):
@@ -99,25 +99,25 @@ def test_each_aspect_is_named(left, right, expected):
 
 
 def test_several_aspects_are_all_named():
-    rows = _rows((ops.reduce_scatter((4, 3), 2), "float32", "forward"),
-                 (ops.reduce_scatter((4, 5), 2), "bfloat16", "forward"))
+    rows = _rows((plans.reduce_scatter((4, 3), 2), "float32", "forward"),
+                 (plans.reduce_scatter((4, 5), 2), "bfloat16", "forward"))
     assert _message(rows).startswith("reduce_scatter: ranks disagree on shape: rank 0 has (4, 3), rank 1 has (4, 5); "
                                      "on dtype: rank 0 has float32, rank 1 has bfloat16. Received: ")
 
 
 def test_long_shapes_and_perms_are_compared_in_full():
     base = tuple(range(1, 11))
-    rows = _rows((ops.all_reduce(base, 2), "float32", "forward"), (ops.all_reduce(base[:-1] + (11,), 2), "float32",
+    rows = _rows((plans.all_reduce(base, 2), "float32", "forward"), (plans.all_reduce(base[:-1] + (11,), 2), "float32",
                                                                      "forward"))
     assert "ranks disagree on shape: rank 0 has (1, 2, 3, 4, 5, 6, 7, 8, ...) [10-d" in _message(rows)
     ring = [[rank, (rank + 1) % 6] for rank in range(6)]
-    rows = _rows((ops.permute((2,), 6, ring), "float32", "forward"), (ops.permute((2,), 6, ring[:-1]), "float32",
+    rows = _rows((plans.permute((2,), 6, ring), "float32", "forward"), (plans.permute((2,), 6, ring[:-1]), "float32",
                                                                       "forward"))
     assert "ranks disagree on perm: rank 0 has ((0, 1), (1, 2), (2, 3), (3, 4), ...) [6 pairs" in _message(rows)
 
 
 def test_a_rank_without_checked_mode_is_named():
-    rows = _rows((ops.all_reduce((3,), 2), "float32", "forward"), (ops.all_reduce((3,), 2), "float32", "forward"))
+    rows = _rows((plans.all_reduce((3,), 2), "float32", "forward"), (plans.all_reduce((3,), 2), "float32", "forward"))
     rows[1] = np.arange(check.FINGERPRINT_SIZE)
     assert _message(rows).startswith("all_reduce: rank 1 sent no commlib fingerprint: checked mode must be on")
 
@@ -130,7 +130,7 @@ GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.c
 
 
 def test_backend_timeout_becomes_comm_timeout():
-    error = check.failure("all_reduce", GLOO_TIMEOUT, rank=1, group_ranks=[0, 2, 3],
+    error = failures.failure("all_reduce", GLOO_TIMEOUT, rank=1, group_ranks=[0, 2, 3],
                           received=dict(shape=(3,), dtype="float32"))
     assert isinstance(error, CommTimeout) and isinstance(error, RuntimeError)
     assert str(error) == (
@@ -140,7 +140,7 @@ def test_backend_timeout_becomes_comm_timeout():
 
 
 def test_lost_peer_becomes_comm_failure():
-    error = check.failure("all_gather", GLOO_CLOSED, rank=0, group_ranks=[0, 1], phase="backward")
+    error = failures.failure("all_gather", GLOO_CLOSED, rank=0, group_ranks=[0, 1], phase="backward")
     assert type(error) is CommFailure
     assert str(error) == (
         "all_gather backward: group rank 0 of the group with global ranks [0, 1] lost its connection to another "
@@ -148,4 +148,4 @@ def test_lost_peer_becomes_comm_failure():
 
 
 def test_other_errors_are_not_translated():
-    assert check.failure("all_reduce", "CUDA out of memory", rank=0, group_ranks=[0, 1]) is None
+    assert failures.failure("all_reduce", "CUDA out of memory", rank=0, group_ranks=[0, 1]) is None

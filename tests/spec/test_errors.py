@@ -1,4 +1,4 @@
-"""Validation in `commlib.ops`: which exception, and the one message format both frontends share.
+"""Validation in `commlib.plans`: which exception, and the one message format both frontends share.
 
 Format: ``"{op}: {quantity} ({number}) must ... ({other number}). Received: k=v, ..."``; `CommError`
 (a `ValueError`) for bad values, `TypeError` (not a `ValueError`) for wrong kinds.
@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from commlib import CommError, ops, reference
+from commlib import CommError, plans, reference
 
 SHAPE = (2, 8, 6, 64)
 
@@ -35,120 +35,120 @@ def _check_format(message, op, *numbers):
 EXACT = [
     (
         "ulysses-heads",
-        lambda: ops.all_to_all_4d((2, 8, 6, 64), 4),
+        lambda: plans.all_to_all_4d((2, 8, 6, 64), 4),
         "all_to_all_4d: heads (6) must be divisible by world_size (4). "
         "Received: shape=(2, 8, 6, 64), scatter_dim=2, gather_dim=1",
     ),
     (
         "ulysses-seq",
-        lambda: ops.all_to_all_4d((2, 9, 8, 64), 2, 1, 2),
+        lambda: plans.all_to_all_4d((2, 9, 8, 64), 2, 1, 2),
         "all_to_all_4d: seq (9) must be divisible by world_size (2). "
         "Received: shape=(2, 9, 8, 64), scatter_dim=1, gather_dim=2",
     ),
     (
         "ulysses-3d",
-        lambda: ops.all_to_all_4d((2, 8, 6), 2),
+        lambda: plans.all_to_all_4d((2, 8, 6), 2),
         "all_to_all_4d: ndim (3) must be 4 ([batch, seq, heads, head_dim]). "
         "Received: shape=(2, 8, 6), scatter_dim=2, gather_dim=1",
     ),
     (
         "ulysses-same-dim-after-normalising",
-        lambda: ops.all_to_all_4d(SHAPE, 2, 1, -3),
+        lambda: plans.all_to_all_4d(SHAPE, 2, 1, -3),
         "all_to_all_4d: (scatter_dim, gather_dim) (1, 1) must be (2, 1) or (1, 2). "
         "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=-3",
     ),
     (
         "ulysses-other-pair",
-        lambda: ops.all_to_all_4d(SHAPE, 2, 3, 0),
+        lambda: plans.all_to_all_4d(SHAPE, 2, 3, 0),
         "all_to_all_4d: (scatter_dim, gather_dim) (3, 0) must be (2, 1) or (1, 2). "
         "Received: shape=(2, 8, 6, 64), scatter_dim=3, gather_dim=0",
     ),
     (
         "all_to_all-same-dim",
-        lambda: ops.all_to_all(SHAPE, 2, 1, 1),
+        lambda: plans.all_to_all(SHAPE, 2, 1, 1),
         "all_to_all: scatter_dim (1) must differ from gather_dim (1). "
         "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=1",
     ),
     (
         "all_to_all-same-dim-after-normalising",
-        lambda: ops.all_to_all(SHAPE, 2, 1, -3),
+        lambda: plans.all_to_all(SHAPE, 2, 1, -3),
         "all_to_all: scatter_dim (1) must differ from gather_dim (1). "
         "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=-3",
     ),
     (
         "all_to_all-scatter-out-of-range",
-        lambda: ops.all_to_all(SHAPE, 2, 4, 1),
+        lambda: plans.all_to_all(SHAPE, 2, 4, 1),
         "all_to_all: scatter_dim (4) must be in [-4, 4) for ndim 4. "
         "Received: shape=(2, 8, 6, 64), scatter_dim=4, gather_dim=1",
     ),
     (
         "all_to_all-gather-out-of-range-negative",
-        lambda: ops.all_to_all(SHAPE, 2, 1, -5),
+        lambda: plans.all_to_all(SHAPE, 2, 1, -5),
         "all_to_all: gather_dim (-5) must be in [-4, 4) for ndim 4. "
         "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=-5",
     ),
     (
         "all_to_all-not-divisible",
-        lambda: ops.all_to_all((3, 5), 2, -1, 0),
+        lambda: plans.all_to_all((3, 5), 2, -1, 0),
         "all_to_all: size of scatter_dim 1 (5) must be divisible by world_size (2). "
         "Received: shape=(3, 5), scatter_dim=-1, gather_dim=0",
     ),
     (
         "all_gather-dim-out-of-range",
-        lambda: ops.all_gather((2, 8), 2, 2),
+        lambda: plans.all_gather((2, 8), 2, 2),
         "all_gather: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=2",
     ),
     (
         "all_gather-dim-out-of-range-negative",
-        lambda: ops.all_gather((2, 8), 2, -3),
+        lambda: plans.all_gather((2, 8), 2, -3),
         "all_gather: dim (-3) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=-3",
     ),
     (
         "reduce_scatter-dim-out-of-range",
-        lambda: ops.reduce_scatter((4, 8), 2, -3),
+        lambda: plans.reduce_scatter((4, 8), 2, -3),
         "reduce_scatter: dim (-3) must be in [-2, 2) for ndim 2. Received: shape=(4, 8), dim=-3, op='sum'",
     ),
     (
         "reduce_scatter-not-divisible",
-        lambda: ops.reduce_scatter((3, 8), 2, 0),
+        lambda: plans.reduce_scatter((3, 8), 2, 0),
         "reduce_scatter: size of dim 0 (3) must be divisible by world_size (2). "
         "Received: shape=(3, 8), dim=0, op='sum'",
     ),
     (
         "reduce_scatter-not-divisible-negative-dim",
-        lambda: ops.reduce_scatter((4, 9), 4, -1),
+        lambda: plans.reduce_scatter((4, 9), 4, -1),
         "reduce_scatter: size of dim 1 (9) must be divisible by world_size (4). "
         "Received: shape=(4, 9), dim=-1, op='sum'",
     ),
     (
         "reduce_scatter-op-not-sum-or-avg",
-        lambda: ops.reduce_scatter((4, 8), 2, 0, "max"),
+        lambda: plans.reduce_scatter((4, 8), 2, 0, "max"),
         "reduce_scatter: op ('max') must be one of sum, avg. Received: shape=(4, 8), dim=0, op='max'",
     ),
     (
         "unknown-op-string",
-        lambda: ops.all_reduce((2, 8), 2, "bogus"),
+        lambda: plans.all_reduce((2, 8), 2, "bogus"),
         "all_reduce: op ('bogus') must be one of sum, avg, max, min, product. Received: shape=(2, 8), op='bogus'",
     ),
     (
         "avg-on-int32",
-        lambda: ops.all_reduce((4, 8), 2, "avg", dtype="int32"),
+        lambda: plans.all_reduce((4, 8), 2, "avg", dtype="int32"),
         "all_reduce: op ('avg') needs a floating dtype, not int32. Received: shape=(4, 8), op='avg', dtype='int32'",
     ),
     (
         "reduce_scatter-avg-on-int32",
-        lambda: ops.reduce_scatter((4, 8), 2, 0, "avg", dtype="int32"),
+        lambda: plans.reduce_scatter((4, 8), 2, 0, "avg", dtype="int32"),
         "reduce_scatter: op ('avg') needs a floating dtype, not int32. "
         "Received: shape=(4, 8), dim=0, op='avg', dtype='int32'",
     ),
     (
         "world_size-0",
-        lambda: ops.all_reduce((4, 8), 0),
+        lambda: plans.all_reduce((4, 8), 0),
         "all_reduce: world_size (0) must be >= 1. Received: shape=(4, 8), op='sum'",
     ),
     (
         "ulysses-world_size-0",
-        lambda: ops.all_to_all_4d(SHAPE, 0),
+        lambda: plans.all_to_all_4d(SHAPE, 0),
         "all_to_all_4d: world_size (0) must be >= 1. Received: shape=(2, 8, 6, 64), scatter_dim=2, gather_dim=1",
     ),
 ]
@@ -160,7 +160,7 @@ def test_comm_error_message(call, message):
 
 
 def test_the_documented_example_names_everything():
-    message = _raises(CommError, lambda: ops.all_to_all_4d((2, 8, 6, 64), 4))
+    message = _raises(CommError, lambda: plans.all_to_all_4d((2, 8, 6, 64), 4))
     _check_format(message, "all_to_all_4d", 6, 4)
     assert "heads" in message and "world_size" in message
 
@@ -168,27 +168,27 @@ def test_the_documented_example_names_everything():
 def test_comm_error_is_a_value_error():
     assert issubclass(CommError, ValueError)
     with pytest.raises(ValueError):
-        ops.all_gather((2,), 2, 5)
+        plans.all_gather((2,), 2, 5)
 
 
 # ---------------------------------------------------------------- CommError: format over many cases
 
 FORMAT = [
-    ("all_to_all_4d", lambda: ops.all_to_all_4d((2, 8, 6, 64), 4), (6, 4)),
-    ("all_to_all_4d", lambda: ops.all_to_all_4d((1, 7, 4, 8), 2, 1, 2), (7, 2)),
-    ("all_to_all_4d", lambda: ops.all_to_all_4d((2, 8, 6, 64, 1), 2), (5,)),
-    ("all_to_all", lambda: ops.all_to_all((4, 4), 2, 0, -2), (0, 0)),
-    ("all_to_all", lambda: ops.all_to_all((4, 4), 2, 0, 2), (2,)),
-    ("all_to_all", lambda: ops.all_to_all((4, 4), 2, -3, 1), (-3,)),
-    ("all_to_all", lambda: ops.all_to_all((4, 6), 4, 1, 0), (6, 4)),
-    ("all_gather", lambda: ops.all_gather((4,), 3, 1), (1,)),
-    ("all_gather", lambda: ops.all_gather((4,), -1, 0), (-1,)),
-    ("reduce_scatter", lambda: ops.reduce_scatter((4, 6), 4, 1), (6, 4)),
-    ("reduce_scatter", lambda: ops.reduce_scatter((4,), 2, 0, "product"), ()),
-    ("all_reduce", lambda: ops.all_reduce((4,), 2, "BOGUS"), ()),
-    ("all_reduce", lambda: ops.all_reduce((4,), 2, convention="mean"), ()),
-    ("all_reduce", lambda: ops.all_reduce((4,), 2, accum_dtype="int32"), ()),
-    ("gather", lambda: ops.gather((4,), 2, dst=2), (2,)),
+    ("all_to_all_4d", lambda: plans.all_to_all_4d((2, 8, 6, 64), 4), (6, 4)),
+    ("all_to_all_4d", lambda: plans.all_to_all_4d((1, 7, 4, 8), 2, 1, 2), (7, 2)),
+    ("all_to_all_4d", lambda: plans.all_to_all_4d((2, 8, 6, 64, 1), 2), (5,)),
+    ("all_to_all", lambda: plans.all_to_all((4, 4), 2, 0, -2), (0, 0)),
+    ("all_to_all", lambda: plans.all_to_all((4, 4), 2, 0, 2), (2,)),
+    ("all_to_all", lambda: plans.all_to_all((4, 4), 2, -3, 1), (-3,)),
+    ("all_to_all", lambda: plans.all_to_all((4, 6), 4, 1, 0), (6, 4)),
+    ("all_gather", lambda: plans.all_gather((4,), 3, 1), (1,)),
+    ("all_gather", lambda: plans.all_gather((4,), -1, 0), (-1,)),
+    ("reduce_scatter", lambda: plans.reduce_scatter((4, 6), 4, 1), (6, 4)),
+    ("reduce_scatter", lambda: plans.reduce_scatter((4,), 2, 0, "product"), ()),
+    ("all_reduce", lambda: plans.all_reduce((4,), 2, "BOGUS"), ()),
+    ("all_reduce", lambda: plans.all_reduce((4,), 2, convention="mean"), ()),
+    ("all_reduce", lambda: plans.all_reduce((4,), 2, accum_dtype="int32"), ()),
+    ("gather", lambda: plans.gather((4,), 2, dst=2), (2,)),
 ]
 
 
@@ -207,24 +207,24 @@ class DuckOp:
 
 
 def test_duck_typed_unknown_op_is_a_comm_error():
-    message = _raises(CommError, lambda: ops.all_reduce((4,), 2, DuckOp()))
+    message = _raises(CommError, lambda: plans.all_reduce((4,), 2, DuckOp()))
     assert message.startswith("all_reduce: op ('BAND') must be one of sum, avg, max, min, product. Received: ")
 
 
 def test_duck_typed_known_op_is_accepted():
-    assert ops.all_reduce((4,), 2, types.SimpleNamespace(name="AVG")).reduce_op == "avg"
+    assert plans.all_reduce((4,), 2, types.SimpleNamespace(name="AVG")).reduce_op == "avg"
 
 
 @pytest.mark.parametrize("op", [3, None, 1.5, types.SimpleNamespace(name=7)])
 def test_op_of_the_wrong_kind_is_a_type_error(op):
-    message = _raises(TypeError, lambda: ops.all_reduce((4,), 2, op))
+    message = _raises(TypeError, lambda: plans.all_reduce((4,), 2, op))
     assert message == f"all_reduce: op must be a string or a ReduceOp, not {type(op).__name__}. " \
                       f"Received: shape=(4,), op={op!r}"
 
 
 def test_type_errors_are_not_value_errors():
     with pytest.raises(TypeError) as info:
-        ops.all_reduce((4,), 2, None)
+        plans.all_reduce((4,), 2, None)
     assert not isinstance(info.value, ValueError)
 
 
@@ -234,43 +234,43 @@ def test_type_errors_are_not_value_errors():
 @pytest.mark.parametrize("dim", [1.0, True, False, "1", None])
 def test_dim_of_the_wrong_kind_is_a_type_error(dim):
     kind = type(dim).__name__
-    message = _raises(TypeError, lambda: ops.all_gather((2, 8), 2, dim))
+    message = _raises(TypeError, lambda: plans.all_gather((2, 8), 2, dim))
     assert message == f"all_gather: dim must be an int, not {kind}. Received: shape=(2, 8), dim={dim!r}"
-    _raises(TypeError, lambda: ops.reduce_scatter((4, 8), 2, dim))
-    _raises(TypeError, lambda: ops.all_to_all((4, 8), 2, dim, 0))
-    _raises(TypeError, lambda: ops.all_to_all((4, 8), 2, 0, dim))
-    _raises(TypeError, lambda: ops.all_to_all_4d(SHAPE, 2, dim, 1))
+    _raises(TypeError, lambda: plans.reduce_scatter((4, 8), 2, dim))
+    _raises(TypeError, lambda: plans.all_to_all((4, 8), 2, dim, 0))
+    _raises(TypeError, lambda: plans.all_to_all((4, 8), 2, 0, dim))
+    _raises(TypeError, lambda: plans.all_to_all_4d(SHAPE, 2, dim, 1))
 
 
 def test_numpy_integers_are_ints():
-    assert ops.all_gather((2, 8), 2, np.int64(-1)).dims == (1,)
-    assert ops.all_to_all((4, 8), np.int32(2), 0, np.int64(1)).world_size == 2
+    assert plans.all_gather((2, 8), 2, np.int64(-1)).dims == (1,)
+    assert plans.all_to_all((4, 8), np.int32(2), 0, np.int64(1)).world_size == 2
 
 
 @pytest.mark.parametrize("world_size", [2.0, True, "2"])
 def test_world_size_of_the_wrong_kind_is_a_type_error(world_size):
-    message = _raises(TypeError, lambda: ops.all_gather((2, 8), world_size, 0))
+    message = _raises(TypeError, lambda: plans.all_gather((2, 8), world_size, 0))
     assert message.startswith(f"all_gather: world_size must be an int, not {type(world_size).__name__}. Received: ")
 
 
 @pytest.mark.parametrize("world_size", [0, -1])
 def test_world_size_below_1_is_a_comm_error(world_size):
     for call in (
-        lambda: ops.all_reduce((4,), world_size),
-        lambda: ops.all_gather((4,), world_size, 0),
-        lambda: ops.reduce_scatter((4,), world_size, 0),
-        lambda: ops.all_to_all((4, 4), world_size, 0, 1),
-        lambda: ops.all_to_all_4d(SHAPE, world_size),
+        lambda: plans.all_reduce((4,), world_size),
+        lambda: plans.all_gather((4,), world_size, 0),
+        lambda: plans.reduce_scatter((4,), world_size, 0),
+        lambda: plans.all_to_all((4, 4), world_size, 0, 1),
+        lambda: plans.all_to_all_4d(SHAPE, world_size),
     ):
         assert f"world_size ({world_size}) must be >= 1. Received: " in _raises(CommError, call)
 
 
 def test_shape_of_the_wrong_kind_is_a_type_error():
-    _raises(TypeError, lambda: ops.all_gather((2.0, 8), 2, 0))
+    _raises(TypeError, lambda: plans.all_gather((2.0, 8), 2, 0))
 
 
 def test_negative_size_is_a_comm_error():
-    _check_format(_raises(CommError, lambda: ops.all_gather((2, -8), 2, 0)), "all_gather")
+    _check_format(_raises(CommError, lambda: plans.all_gather((2, -8), 2, 0)), "all_gather")
 
 
 # ---------------------------------------------------------------- the reference raises the same errors
@@ -292,26 +292,26 @@ def test_reference_raises_the_spec_errors():
 def test_sum_of_bools_is_refused():
     """gloo ORs bools, numpy counts them: the spec refuses the ambiguous sum and names the alternatives."""
     with pytest.raises(CommError) as info:
-        ops.all_reduce((3,), 4, "sum", dtype="bool")
+        plans.all_reduce((3,), 4, "sum", dtype="bool")
     assert str(info.value) == (
         "all_reduce: op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all). "
         "Received: shape=(3,), op='sum', dtype='bool'"
     )
-    assert ops.all_reduce((3,), 4, "max", dtype="bool").reduce_op == "max"
+    assert plans.all_reduce((3,), 4, "max", dtype="bool").reduce_op == "max"
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: ops.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
+        (lambda: plans.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
          "all_reduce: accum_dtype (float16, 16 bits) must be at least as wide as the input (float64). "
          "Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'"),
-        (lambda: ops.all_reduce((2,), 2, "max", dtype="complex64"),
+        (lambda: plans.all_reduce((2,), 2, "max", dtype="complex64"),
          "all_reduce: op ('max') needs a real dtype, not complex64. Received: shape=(2,), op='max', dtype='complex64'"),
-        (lambda: ops.all_reduce((2,), 2, convention="mean"),
+        (lambda: plans.all_reduce((2,), 2, convention="mean"),
          "all_reduce: convention ('mean') must be one of sum, replicated. "
          "Received: shape=(2,), op='sum', convention='mean'"),
-        (lambda: ops.reduce_scatter((4,), 2, dtype="float32", accum_dtype="int8"),
+        (lambda: plans.reduce_scatter((4,), 2, dtype="float32", accum_dtype="int8"),
          "reduce_scatter: accum_dtype (int8) and the input dtype (float32) must be floating. "
          "Received: shape=(4,), dim=0, op='sum', dtype='float32', accum_dtype='int8'"),
     ],

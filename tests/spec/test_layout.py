@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commlib import ops
+from commlib import plans
 from commlib.layout import Rearrange
 
 
@@ -70,7 +70,7 @@ W = 4
 
 
 def test_ulysses_forward_batch_1_is_one_copy():
-    plan = ops.all_to_all_4d((1, 8, 12, 16), W, 2, 1)  # [B, S/W, H, D] -> [B, S, H/W, D]
+    plan = plans.all_to_all_4d((1, 8, 12, 16), W, 2, 1)  # [B, S/W, H, D] -> [B, S, H/W, D]
     assert plan.copies == 1
     assert not plan.pack.is_identity
     assert plan.unpack.is_identity  # [W, 1, S/W, H/W, D] -> [1, W, S/W, H/W, D] moves only a size-1 axis
@@ -78,14 +78,14 @@ def test_ulysses_forward_batch_1_is_one_copy():
 
 
 def test_ulysses_forward_batch_2_is_two_copies():
-    plan = ops.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
+    plan = plans.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
     assert plan.copies == 2
     assert not plan.pack.is_identity and not plan.unpack.is_identity
     assert plan.out_shape == (2, 32, 3, 16)
 
 
 def test_ulysses_reverse_batch_1_is_one_copy():
-    plan = ops.all_to_all_4d((1, 32, 3, 16), W, 1, 2)  # [B, S, H/W, D] -> [B, S/W, H, D]
+    plan = plans.all_to_all_4d((1, 32, 3, 16), W, 1, 2)  # [B, S, H/W, D] -> [B, S/W, H, D]
     assert plan.copies == 1
     assert plan.pack.is_identity  # [1, W, S/W, H/W, D] -> [W, 1, ...]: the W blocks of seq are contiguous
     assert not plan.unpack.is_identity
@@ -93,7 +93,7 @@ def test_ulysses_reverse_batch_1_is_one_copy():
 
 
 def test_ulysses_reverse_batch_2_is_two_copies():
-    plan = ops.all_to_all_4d((2, 32, 3, 16), W, 1, 2)
+    plan = plans.all_to_all_4d((2, 32, 3, 16), W, 1, 2)
     assert plan.copies == 2
     assert plan.out_shape == (2, 8, 12, 16)
 
@@ -101,49 +101,49 @@ def test_ulysses_reverse_batch_2_is_two_copies():
 @pytest.mark.parametrize("batch", [1, 2])
 def test_ulysses_pack_merges_to_a_batched_transpose(batch):
     """[B, S/W, H, D] (2, 1): view [B, S/W, W, H/W, D], send [W, B, S/W, H/W, D] = a (1, 0, 2) transpose."""
-    plan = ops.all_to_all_4d((batch, 8, 12, 16), W, 2, 1)
+    plan = plans.all_to_all_4d((batch, 8, 12, 16), W, 2, 1)
     assert plan.pack.view == (batch, 8, W, 3, 16)
     assert plan.pack.merged() == ((batch * 8, W, 3 * 16), (1, 0, 2))
 
 
 def test_ulysses_forward_unpack_merges_to_a_transpose_of_batch_and_world():
-    plan = ops.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
+    plan = plans.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
     assert plan.unpack.merged() == ((W, 2, 8 * 3 * 16), (1, 0, 2))
 
 
 def test_ulysses_reverse_unpack_merges_to_a_transpose():
     """recv [W, B, S/W, H/W, D] -> [B, S/W, W, H/W, D]: the W axis moves behind (B, S/W)."""
     for batch in (1, 2):
-        plan = ops.all_to_all_4d((batch, 32, 3, 16), W, 1, 2)
+        plan = plans.all_to_all_4d((batch, 32, 3, 16), W, 1, 2)
         assert plan.unpack.merged() == ((W, batch * 8, 3 * 16), (1, 0, 2))
 
 
 @pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
 def test_all_gather_dim_0_is_zero_copy(shape):
-    assert ops.all_gather(shape, W, 0).copies == 0
+    assert plans.all_gather(shape, W, 0).copies == 0
 
 
 @pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
 def test_reduce_scatter_dim_0_is_zero_copy(shape):
-    assert ops.reduce_scatter(shape, W, 0).copies == 0
+    assert plans.reduce_scatter(shape, W, 0).copies == 0
 
 
 def test_last_dim_gather_and_scatter_copy_once():
-    assert ops.all_gather((3, 5), W, -1).copies == 1  # unpack moves the rank axis
-    assert ops.reduce_scatter((3, 8), W, -1).copies == 1  # pack moves the rank axis
-    assert ops.all_gather((1, 5), W, -1).copies == 0  # nothing in front of dim but size 1
-    assert ops.reduce_scatter((1, 8), W, -1).copies == 0
+    assert plans.all_gather((3, 5), W, -1).copies == 1  # unpack moves the rank axis
+    assert plans.reduce_scatter((3, 8), W, -1).copies == 1  # pack moves the rank axis
+    assert plans.all_gather((1, 5), W, -1).copies == 0  # nothing in front of dim but size 1
+    assert plans.reduce_scatter((1, 8), W, -1).copies == 0
 
 
 def test_all_reduce_copies_into_a_fresh_buffer():
-    plan = ops.all_reduce((3, 5), W)
+    plan = plans.all_reduce((3, 5), W)
     assert plan.pack.always_copy
     assert plan.copies == 1
 
 
 def test_world_size_1_all_to_all_is_zero_copy():
-    assert ops.all_to_all_4d((2, 8, 12, 16), 1, 2, 1).copies == 0
-    assert ops.all_to_all((3, 4, 5), 1, 0, 2).copies == 0
+    assert plans.all_to_all_4d((2, 8, 12, 16), 1, 2, 1).copies == 0
+    assert plans.all_to_all((3, 4, 5), 1, 0, 2).copies == 0
 
 
 # ---------------------------------------------------------------- properties
@@ -185,10 +185,10 @@ def all_to_all_plans(draw):
     shape[scatter] *= world_size
     if ndim == 1:  # all_to_all needs two dims: use all_gather / reduce_scatter plans on the one dim
         kind = draw(st.sampled_from(["all_gather", "reduce_scatter"]))
-        return getattr(ops, kind)(tuple(shape), world_size, draw(st.sampled_from([0, -1])))
+        return getattr(plans, kind)(tuple(shape), world_size, draw(st.sampled_from([0, -1])))
     gather = draw(st.integers(0, ndim - 1).filter(lambda dim: dim != scatter))
     negate = draw(st.tuples(st.booleans(), st.booleans()))
-    return ops.all_to_all(tuple(shape), world_size, scatter - ndim * negate[0], gather - ndim * negate[1])
+    return plans.all_to_all(tuple(shape), world_size, scatter - ndim * negate[0], gather - ndim * negate[1])
 
 
 @given(all_to_all_plans())
@@ -204,8 +204,8 @@ def test_plan_steps_merge_correctly(plan):
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
 def test_ulysses_copies_follow_the_batch(world_size, batch, seq, heads, head_dim):
     """At most one pass each side; batch 1 saves one of them (for W > 1 and a non-trivial pack)."""
-    forward = ops.all_to_all_4d((batch, seq, heads * world_size, head_dim), world_size, 2, 1)
-    reverse = ops.all_to_all_4d((batch, seq * world_size, heads, head_dim), world_size, 1, 2)
+    forward = plans.all_to_all_4d((batch, seq, heads * world_size, head_dim), world_size, 2, 1)
+    reverse = plans.all_to_all_4d((batch, seq * world_size, heads, head_dim), world_size, 1, 2)
     for plan in (forward, reverse):
         assert plan.copies <= 2
         if batch == 1:

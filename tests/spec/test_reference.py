@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commlib import CommError, ReduceOp, ops, reference
+from commlib import CommError, ReduceOp, gradients, plans, reference
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -254,7 +254,7 @@ def test_world_size_1_returns_the_input():
 
 
 def test_run_rejects_the_wrong_number_of_ranks():
-    plan = ops.all_gather((2,), 3, 0)
+    plan = plans.all_gather((2,), 3, 0)
     with pytest.raises(ValueError, match="3"):
         reference.run(plan, _integers((2,), 2))
 
@@ -267,21 +267,21 @@ def _linear_plans():
     cases = []
     for world_size in (1, 2, 3):
         for op in ("sum", "avg"):
-            cases.append((f"all_reduce-{op}-W{world_size}", ops.all_reduce((2, 3), world_size, op, dtype="float64")))
+            cases.append((f"all_reduce-{op}-W{world_size}", plans.all_reduce((2, 3), world_size, op, dtype="float64")))
             cases.append((
                 f"reduce_scatter-{op}-W{world_size}",
-                ops.reduce_scatter((2, 3 * world_size), world_size, -1, op, dtype="float64"),
+                plans.reduce_scatter((2, 3 * world_size), world_size, -1, op, dtype="float64"),
             ))
         for dim in (0, 1, -1):
-            cases.append((f"all_gather-d{dim}-W{world_size}", ops.all_gather((2, 3), world_size, dim)))
-        cases.append((f"all_to_all-W{world_size}", ops.all_to_all((2, 3, 2 * world_size), world_size, 2, 0)))
+            cases.append((f"all_gather-d{dim}-W{world_size}", plans.all_gather((2, 3), world_size, dim)))
+        cases.append((f"all_to_all-W{world_size}", plans.all_to_all((2, 3, 2 * world_size), world_size, 2, 0)))
         for batch in (1, 2):
             cases.append((
-                f"ulysses-B{batch}-W{world_size}", ops.all_to_all_4d((batch, 2, 2 * world_size, 3), world_size, 2, 1)
+                f"ulysses-B{batch}-W{world_size}", plans.all_to_all_4d((batch, 2, 2 * world_size, 3), world_size, 2, 1)
             ))
             cases.append((
                 f"ulysses-rev-B{batch}-W{world_size}",
-                ops.all_to_all_4d((batch, 2 * world_size, 2, 3), world_size, 1, 2),
+                plans.all_to_all_4d((batch, 2 * world_size, 2, 3), world_size, 1, 2),
             ))
     return cases
 
@@ -311,7 +311,7 @@ def test_vjp_dot_product_identity(plan):
 @given(all_to_all_cases())
 def test_all_to_all_vjp_dot_product_identity(case):
     xs, scatter_dim, gather_dim = case
-    plan = ops.all_to_all(xs[0].shape, len(xs), scatter_dim, gather_dim)
+    plan = plans.all_to_all(xs[0].shape, len(xs), scatter_dim, gather_dim)
     _check_dot_product(plan, seed=11)
 
 
@@ -338,17 +338,17 @@ def _assert_grads_close(actual, expected):
 
 
 FD_PLANS = [
-    ("all_reduce-sum", ops.all_reduce((2, 2), 3, "sum", dtype="float64")),
-    ("all_reduce-avg", ops.all_reduce((2, 2), 3, "avg", dtype="float64")),
-    ("all_reduce-max", ops.all_reduce((2, 2), 3, "max", dtype="float64")),
-    ("all_reduce-min", ops.all_reduce((2, 2), 3, "min", dtype="float64")),
-    ("all_reduce-product", ops.all_reduce((2, 2), 3, "product", dtype="float64")),
-    ("all_gather", ops.all_gather((2, 2), 3, 1)),
-    ("reduce_scatter-sum", ops.reduce_scatter((2, 6), 3, -1, "sum", dtype="float64")),
-    ("reduce_scatter-avg", ops.reduce_scatter((6, 2), 3, 0, "avg", dtype="float64")),
-    ("all_to_all", ops.all_to_all((2, 4, 3), 2, 1, 2)),
-    ("all_to_all_4d", ops.all_to_all_4d((2, 1, 4, 2), 2, 2, 1)),
-    ("all_to_all_4d-reverse", ops.all_to_all_4d((1, 4, 1, 2), 2, 1, 2)),
+    ("all_reduce-sum", plans.all_reduce((2, 2), 3, "sum", dtype="float64")),
+    ("all_reduce-avg", plans.all_reduce((2, 2), 3, "avg", dtype="float64")),
+    ("all_reduce-max", plans.all_reduce((2, 2), 3, "max", dtype="float64")),
+    ("all_reduce-min", plans.all_reduce((2, 2), 3, "min", dtype="float64")),
+    ("all_reduce-product", plans.all_reduce((2, 2), 3, "product", dtype="float64")),
+    ("all_gather", plans.all_gather((2, 2), 3, 1)),
+    ("reduce_scatter-sum", plans.reduce_scatter((2, 6), 3, -1, "sum", dtype="float64")),
+    ("reduce_scatter-avg", plans.reduce_scatter((6, 2), 3, 0, "avg", dtype="float64")),
+    ("all_to_all", plans.all_to_all((2, 4, 3), 2, 1, 2)),
+    ("all_to_all_4d", plans.all_to_all_4d((2, 1, 4, 2), 2, 2, 1)),
+    ("all_to_all_4d-reverse", plans.all_to_all_4d((1, 4, 1, 2), 2, 1, 2)),
 ]
 
 
@@ -366,12 +366,12 @@ def test_vjp_sum_convention_matches_finite_differences(plan):
 
 
 REPLICATED_PLANS = [
-    ("all_reduce-sum", lambda W: ops.all_reduce((2, 2), W, "sum", dtype="float64", convention="replicated")),
-    ("all_reduce-avg", lambda W: ops.all_reduce((2, 2), W, "avg", dtype="float64", convention="replicated")),
-    ("all_reduce-max", lambda W: ops.all_reduce((2, 2), W, "max", dtype="float64", convention="replicated")),
-    ("all_reduce-product", lambda W: ops.all_reduce((2, 2), W, "product", dtype="float64", convention="replicated")),
-    ("all_gather-0", lambda W: ops.all_gather((2, 2), W, 0, convention="replicated")),
-    ("all_gather-last", lambda W: ops.all_gather((2, 2), W, -1, convention="replicated")),
+    ("all_reduce-sum", lambda W: plans.all_reduce((2, 2), W, "sum", dtype="float64", convention="replicated")),
+    ("all_reduce-avg", lambda W: plans.all_reduce((2, 2), W, "avg", dtype="float64", convention="replicated")),
+    ("all_reduce-max", lambda W: plans.all_reduce((2, 2), W, "max", dtype="float64", convention="replicated")),
+    ("all_reduce-product", lambda W: plans.all_reduce((2, 2), W, "product", dtype="float64", convention="replicated")),
+    ("all_gather-0", lambda W: plans.all_gather((2, 2), W, 0, convention="replicated")),
+    ("all_gather-last", lambda W: plans.all_gather((2, 2), W, -1, convention="replicated")),
 ]
 
 
@@ -395,7 +395,7 @@ def test_vjp_replicated_convention_matches_finite_differences(make_plan, world_s
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_vjp_replicated_all_reduce_sum_is_the_identity(world_size):
-    plan = ops.all_reduce((2, 3), world_size, dtype="float64", convention="replicated")
+    plan = plans.all_reduce((2, 3), world_size, dtype="float64", convention="replicated")
     xs = _normal([(2, 3)] * world_size, seed=1)
     cotangents = _normal([(2, 3)] * world_size, seed=2)
     _assert_ranks_equal(reference.vjp(plan, xs, cotangents), cotangents)
@@ -404,7 +404,7 @@ def test_vjp_replicated_all_reduce_sum_is_the_identity(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_vjp_replicated_all_gather_is_the_own_slice(world_size, dim):
-    plan = ops.all_gather((2, 3), world_size, dim, convention="replicated")
+    plan = plans.all_gather((2, 3), world_size, dim, convention="replicated")
     xs = _normal([(2, 3)] * world_size, seed=1)
     cotangents = _normal([plan.out_shape] * world_size, seed=2)
     expected = [np.split(ct, world_size, axis=dim)[rank] for rank, ct in enumerate(cotangents)]
@@ -413,7 +413,7 @@ def test_vjp_replicated_all_gather_is_the_own_slice(world_size, dim):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_vjp_sum_convention_of_all_reduce_sums_the_cotangents(world_size):
-    plan = ops.all_reduce((2, 3), world_size, dtype="float64")
+    plan = plans.all_reduce((2, 3), world_size, dtype="float64")
     xs = _normal([(2, 3)] * world_size, seed=1)
     cotangents = _integers((2, 3), world_size, seed=2)
     _assert_ranks_equal(reference.vjp(plan, xs, cotangents), [sum(cotangents)] * world_size)
@@ -421,27 +421,27 @@ def test_vjp_sum_convention_of_all_reduce_sums_the_cotangents(world_size):
 
 def test_vjp_max_splits_ties_equally():
     xs = [np.array([1.0, 5.0]), np.array([3.0, 5.0]), np.array([3.0, 2.0])]
-    plan = ops.all_reduce((2,), 3, "max", dtype="float64")
+    plan = plans.all_reduce((2,), 3, "max", dtype="float64")
     grads = reference.vjp(plan, xs, [np.ones(2)] * 3)  # summed cotangent: 3
     _assert_ranks_equal(grads, [np.array([0.0, 1.5]), np.array([1.5, 1.5]), np.array([1.5, 0.0])])
 
 
 def test_vjp_min_goes_to_the_minimum():
     xs = [np.array([1.0, 5.0]), np.array([3.0, -5.0])]
-    plan = ops.all_reduce((2,), 2, "min", dtype="float64")
+    plan = plans.all_reduce((2,), 2, "min", dtype="float64")
     grads = reference.vjp(plan, xs, [np.array([1.0, 2.0]), np.array([10.0, 20.0])])
     _assert_ranks_equal(grads, [np.array([11.0, 0.0]), np.array([0.0, 22.0])])
 
 
 def test_vjp_product_is_exact_at_zeros():
     xs = [np.array([0.0, 2.0, 0.0]), np.array([3.0, 0.0, 0.0]), np.array([4.0, 5.0, 7.0])]
-    plan = ops.all_reduce((3,), 3, "product", dtype="float64")
+    plan = plans.all_reduce((3,), 3, "product", dtype="float64")
     grads = reference.vjp(plan, xs, [np.ones(3)] * 3)  # summed cotangent: 3
     _assert_ranks_equal(grads, [np.array([36.0, 0.0, 0.0]), np.array([0.0, 30.0, 0.0]), np.array([0.0, 0.0, 0.0])])
 
 
 def test_vjp_of_reduce_scatter_avg_divides_by_world_size():
-    plan = ops.reduce_scatter((4,), 2, 0, "avg", dtype="float64")
+    plan = plans.reduce_scatter((4,), 2, 0, "avg", dtype="float64")
     grads = reference.vjp(plan, _integers((4,), 2), [np.array([2.0, 4.0]), np.array([6.0, 8.0])])
     _assert_ranks_equal(grads, [np.array([1.0, 2.0, 3.0, 4.0])] * 2)
 
@@ -449,7 +449,7 @@ def test_vjp_of_reduce_scatter_avg_divides_by_world_size():
 @pytest.mark.parametrize("plan", [plan for _, plan in LINEAR_PLANS], ids=[name for name, _ in LINEAR_PLANS])
 def test_transpose_twice_gives_the_forward_back(plan):
     """Double backward: the transpose of the VJP plan computes the forward again."""
-    twice = ops.transpose(ops.transpose(plan))
+    twice = gradients.vjp_plan(gradients.vjp_plan(plan))
     assert (twice.in_shape, twice.out_shape, twice.dims) == (plan.in_shape, plan.out_shape, plan.dims)
     xs = _normal([plan.in_shape] * plan.world_size, seed=9)
     for out, want in zip(reference.run(twice, xs), reference.run(plan, xs), strict=True):

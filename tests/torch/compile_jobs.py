@@ -1,7 +1,7 @@
 """Pool jobs for test_compile.py: each op eager and under torch.compile(fullgraph=True).
 
 The rooted ops (broadcast, gather, scatter) are left out: c10d's rooted collectives are not traceable by
-Dynamo, and rank-dependent rewrites of them hang under AOTAutograd (see docs/ops.md).
+Dynamo, and rank-dependent rewrites of them hang under AOTAutograd (see docs/plans.md).
 """
 
 import torch

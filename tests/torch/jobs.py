@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
-from commlib import cases
+from commlib.tools import cases
 from commlib.errors import CommError
 from commlib_torch import DeviceCommunicator
-from commlib_torch.parity_runner import _tensor, run_case
-from commlib_torch.pool import WorkerContext
+from commlib_torch.tools.parity_runner import _tensor, run_case
+from commlib_torch.tools.pool import WorkerContext
 
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from commlib import cases
-from commlib_torch.parity_runner import merge
+from commlib.tools import cases
+from commlib_torch.tools.parity_runner import merge
 from tests.torch import failure_jobs
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,7 +108,7 @@ def test_switches_restore_the_previous_state(pool):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_valid_calls_pass_unchanged_in_checked_mode(pool, world_size):
     """The whole parity case table (every op, both conventions, forward and backward) passes checked."""
-    from commlib import parity
+    from commlib.tools import parity
 
     failed = []
     for case in cases.case_table(world_size):

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from commlib import cases, ops, parity, reference
-from commlib_torch.parity_runner import merge
+from commlib import plans, reference
+from commlib.tools import cases, parity
+from commlib_torch.tools.parity_runner import merge
 from tests.torch import jobs
 
 GROUPS = {"world": None, "02": (0, 2), "123": (1, 2, 3)}
@@ -86,7 +87,7 @@ def test_seed_positional_calls(pool, members, method, shape, kwargs):
 
 def _all_reduce_reference(W: int, op: str):
     xs = [np.array([rank + 1.0, 2.0 - rank]) for rank in range(W)]
-    plan = ops.all_reduce((2,), W, op, dtype="float64")
+    plan = plans.all_reduce((2,), W, op, dtype="float64")
     return reference.run(plan, xs), reference.vjp(plan, xs, [np.ones(2)] * W)
 
 

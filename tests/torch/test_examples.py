@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from commlib import cases, ops, reference
+from commlib import gradients, plans, reference
+from commlib.tools import cases
 from tests.torch import jobs
 
 EXAMPLES = [  # (op, one scalar per rank, convention, expected outputs, expected input gradients)
@@ -118,7 +119,7 @@ def test_double_backward_of_linear_ops(pool, op, shape, kwargs, transposed):
     arrays = cases.make_arrays(case, 0)
     arrays["v"] = cases.make_arrays(case, 1)["x"]
     replies = pool(4).run(jobs.double_backward, case, arrays)
-    twice = ops.transpose(ops.transpose(case.plan()))
+    twice = gradients.vjp_plan(gradients.vjp_plan(case.plan()))
     assert (twice.collective == "all_reduce") == (op in ("sum_grad", "all_reduce"))
     for got, want in zip(replies, reference.run(twice, arrays["v"]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -161,7 +162,7 @@ def test_second_derivatives_of_reductions(pool, op, xs, convention, cotangent_re
     xs = [np.array(x) for x in xs]
     cotangents = [np.array([1.0, -2.0]), np.array([0.5, 1.0]), np.array([-1.0, 3.0])]
     vs = [np.array([0.7, 1.1]), np.array([-0.3, 2.0]), np.array([1.3, -0.6])]
-    plan = ops.all_reduce((2,), 3, op, dtype="float64", convention=convention)
+    plan = plans.all_reduce((2,), 3, op, dtype="float64", convention=convention)
     replies = pool(3).run(jobs.second_order, op, [x.tolist() for x in xs], [c.tolist() for c in cotangents],
                           [v.tolist() for v in vs], convention, cotangent_requires_grad)
     want_x = _finite_difference(lambda shifted: _penalty(plan, shifted, cotangents, vs), xs)

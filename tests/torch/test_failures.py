@@ -13,11 +13,12 @@ import time
 
 import pytest
 
-import commlib_torch.pool as pool_module
-from commlib import CommFailure, CommTimeout, cases, parity
-from commlib.parity import Results
-from commlib_torch.parity_runner import run_table
-from commlib_torch.pool import WorkerError, WorkerPool
+import commlib_torch.tools.pool as pool_module
+from commlib import CommFailure, CommTimeout
+from commlib.tools import cases, parity
+from commlib.tools.parity import Results
+from commlib_torch.tools.parity_runner import run_table
+from commlib_torch.tools.pool import WorkerError, WorkerPool
 from tests.torch import failure_jobs, pool_jobs
 
 PG_TIMEOUT = 5.0
@@ -115,7 +116,7 @@ def test_parity_run_reports_the_rank_that_died(monkeypatch, tmp_path, capsys):
     assert detail.startswith("expected None, got ") and "WorkerError: rank 0 raised Comm" in detail, detail
     assert "rank 1 died with exit code -9" in detail and "Traceback" not in detail, detail
 
-    from commlib import cli
+    from commlib.tools import cli
 
     monkeypatch.setattr(parity, "run", lambda *args, **kwargs: rows)
     assert cli.main(["parity", "--world-size", "2", "--frameworks", "torch"]) == 1

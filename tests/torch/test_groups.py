@@ -5,8 +5,8 @@ output and input gradient is checked against the reference computed for that gro
 
 import pytest
 
-from commlib import cases, parity
-from commlib_torch.parity_runner import merge
+from commlib.tools import cases, parity
+from commlib_torch.tools.parity_runner import merge
 from tests.torch import jobs
 
 PARTITIONS = {

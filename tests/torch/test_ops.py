@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commlib import cases, parity
-from commlib_torch.parity_runner import merge, run_case
+from commlib.tools import cases, parity
+from commlib_torch.tools.parity_runner import merge, run_case
 
 WORLD_SIZES = (1, 2, 3, 4)
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from commlib import ops
+from commlib import plans
 from commlib_torch import _pack, _walk
 
 try:
@@ -46,10 +46,11 @@ def _poisoned(shape, dtype, device=DEVICE):
 def _steps():
     """Every non-identity pass of the Ulysses, all_to_all, all_gather and reduce_scatter plans at W = 4:
     (step, output shape, source shape)."""
-    plans = [ops.all_to_all_4d((batch, 8, 8, 6), 4, 2, 1) for batch in (1, 3)]
-    plans += [ops.all_to_all_4d((batch, 8, 2, 6), 4, 1, 2) for batch in (1, 3)]
-    plans += [ops.all_to_all((4, 3, 8), 4, 2, 0), ops.all_gather((3, 5, 2), 4, 1), ops.reduce_scatter((3, 8), 4, 1)]
-    for plan in plans:
+    chosen = [plans.all_to_all_4d((batch, 8, 8, 6), 4, 2, 1) for batch in (1, 3)]
+    chosen += [plans.all_to_all_4d((batch, 8, 2, 6), 4, 1, 2) for batch in (1, 3)]
+    chosen += [plans.all_to_all((4, 3, 8), 4, 2, 0), plans.all_gather((3, 5, 2), 4, 1),
+               plans.reduce_scatter((3, 8), 4, 1)]
+    for plan in chosen:
         for step, shape, source in ((plan.pack, plan.send_shape, plan.in_shape),
                                     (plan.unpack, plan.out_shape, plan.recv_shape)):
             if not step.is_identity:

@@ -8,7 +8,7 @@ allocation is the collective's receive buffer.
 
 import pytest
 
-from commlib import ops
+from commlib import gradients, plans
 from tests.torch import plan_jobs
 
 WORLD_SIZES = (2, 4)
@@ -34,7 +34,7 @@ CASES = {
 
 
 def _plan(op: str, shape, world_size: int, kwargs: dict):
-    return getattr(ops, op)(shape, world_size, **kwargs)
+    return getattr(plans, op)(shape, world_size, **kwargs)
 
 
 def _check_trace(trace: plan_jobs.Trace, plan, input_shared: bool, output_shared: bool) -> None:
@@ -57,7 +57,7 @@ def test_walk_follows_the_plan(pool, world_size, name):
     plan = _plan(op, shape, world_size, kwargs)
     for result in pool(world_size).run(plan_jobs.record, op, shape, kwargs):
         _check_trace(result["forward"], plan, result["input_in_collective"], result["out_in_collective"])
-        dual = ops.transpose(plan)
+        dual = gradients.vjp_plan(plan)
         _check_trace(result["backward"], dual, result["cotangent_in_collective"], result["grad_in_collective"])
 
 
@@ -68,7 +68,7 @@ def test_ulysses_copies(pool, world_size, batch, dims):
     """Batch 1: exactly one copy per all_to_all_4d (the other side is a view); batch > 1: two. Same backward."""
     shape = _ulysses_shape(world_size, batch, dims)
     kwargs = {"scatter_dim": dims[0], "gather_dim": dims[1]}
-    plan = ops.all_to_all_4d(shape, world_size, *dims)
+    plan = plans.all_to_all_4d(shape, world_size, *dims)
     assert plan.copies == (1 if batch == 1 else 2)
     for result in pool(world_size).run(plan_jobs.record, "all_to_all_4d", shape, kwargs):
         for part in ("forward", "backward"):

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-import commlib_torch.pool as pool_module
-from commlib_torch.pool import STRAGGLER_GRACE, WorkerError, WorkerPool
+import commlib_torch.tools.pool as pool_module
+from commlib_torch.tools.pool import STRAGGLER_GRACE, WorkerError, WorkerPool
 from tests.torch import pool_jobs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def test_closed_pool_refuses_jobs():
 def test_workers_exit_when_the_parent_dies(tmp_path):
     script = textwrap.dedent("""
         import os, threading
-        from commlib_torch.pool import WorkerPool
+        from commlib_torch.tools.pool import WorkerPool
         from tests.torch import pool_jobs
         pool = WorkerPool(2)
         print("workers:", *pool.run(pool_jobs.process_id), flush=True)

@@ -1,4 +1,4 @@
-"""Torch side of `commlib parity`: ``python -m commlib_torch.parity_runner IN_DIR OUT_DIR --world-size N``.
+"""Torch side of `commlib parity`: ``python -m commlib_torch.tools.parity_runner IN_DIR OUT_DIR --world-size N``.
 
 Runs every case of the table on N gloo worker processes (mode "gloo"), and the attention cases also
 unsharded on one process (mode "unsharded"); writes every rank's output and input gradients.
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 import commlib_torch
-from commlib import cases
+from commlib.tools import cases
 from commlib.errors import CommError
-from commlib.parity import Results
+from commlib.tools.parity import Results
 from commlib_torch.attention import attention, ulysses_attention
-from commlib_torch.pool import WorkerError, WorkerPool
+from commlib_torch.tools.pool import WorkerError, WorkerPool
 
 __all__ = ["failure_text", "main", "merge", "run_case", "run_table"]
 
@@ -53,7 +53,7 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are).
 
-    `grad_mode` (see `commlib.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
+    `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
     require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
     4-D inputs and cotangents get channels_last strides."""
     inputs = {name: _tensor(arrays[name][context.rank], case, channels_last) for name in case.inputs}
@@ -118,7 +118,7 @@ def run_table(pool: WorkerPool, table, results: Results, job=run_case) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m commlib_torch.parity_runner")
+    parser = argparse.ArgumentParser(prog="python -m commlib_torch.tools.parity_runner")
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
@@ -131,6 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from commlib_torch import parity_runner
+    from commlib_torch.tools import parity_runner
 
     sys.exit(parity_runner.main())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commlib import ops, reference, workloads
+from commlib import plans, reference, workloads
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
 
@@ -56,10 +56,7 @@ class Case:
 
     def plan(self):
         """The spec's plan for this case (raises the spec's error for invalid cases)."""
-        builder = getattr(ops, self.op)
-        if self.op in ("all_reduce", "reduce_scatter"):
-            return builder(self.shape, self.world_size, dtype=self.dtype, **self.params)
-        return builder(self.shape, self.world_size, **self.params)
+        return getattr(plans, self.op)(self.shape, self.world_size, dtype=self.dtype, **self.params)
 
     def out_shape(self) -> tuple[int, ...]:
         if self.op == ATTENTION:
@@ -200,8 +197,8 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
     plan = case.plan()
     xs = arrays["x"]
     if not case.differentiable:
-        return reference.run(plan, xs), {}
-    return reference.run(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
+        return reference.forward(plan, xs), {}
+    return reference.forward(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
 
 
 def tolerance(case: Case) -> float:

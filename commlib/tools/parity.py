@@ -1,7 +1,7 @@
 """`commlib parity`: one seeded case table through the numpy reference, torch and JAX, compared.
 
-The driver writes the table (`commlib.cases.write`), runs each frontend's runner as a subprocess
-(``python -m commlib_torch.parity_runner IN OUT --world-size N``, same for ``commlib_jax``), reads the
+The driver writes the table (`commlib.tools.cases.write`), runs each frontend's runner as a subprocess
+(``python -m commlib_torch.tools.parity_runner IN OUT --world-size N``, same for ``commlib_jax``), reads the
 results back and compares every rank's output and input gradients with the reference. Torch and JAX never
 share a process and a crashed runner becomes a failed row, not a dead driver.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commlib import cases
+from commlib.tools import cases
 from commlib.errors import CommError
 
 __all__ = ["Row", "Results", "check", "compare", "run"]
@@ -128,7 +128,7 @@ def compare(table, framework: str, result_dir: Path) -> list[Row]:
 
 
 def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float) -> list[Row]:
-    command = [sys.executable, "-m", f"commlib_{framework}.parity_runner", str(in_dir), str(out_dir)]
+    command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
     command += ["--world-size", str(world_size)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

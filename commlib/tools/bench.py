@@ -1,8 +1,8 @@
 """`commlib bench`: commlib side by side with the raw collectives, the seed's algorithm and bare `jax.lax`.
 
 As `commlib parity` does, the driver runs each frontend's runner as a subprocess
-(``python -m commlib_torch.bench_runner OUT.json ...`` on W gloo worker processes, ``python -m
-commlib_jax.bench_runner OUT.json ...`` on W CPU devices), reads their records back and reduces them: the
+(``python -m commlib_torch.tools.bench_runner OUT.json ...`` on W gloo worker processes, ``python -m
+commlib_jax.tools.bench_runner OUT.json ...`` on W CPU devices), reads their records back and reduces them: the
 median of each variant's rounds, and ratio = commlib's median / the baseline's. Torch and JAX never share
 a process and never run at the same time. Benchmarks, not tests: a missed target is reported, not raised.
 """
@@ -110,7 +110,7 @@ def rows(records: list[dict], targets=TARGETS) -> list[Row]:
 
 def _run_framework(framework: str, out: Path, options: list[str], timeout: float) -> tuple[list[dict], dict, str]:
     """(records, versions, error text or "") of one runner subprocess."""
-    command = [sys.executable, "-m", f"commlib_{framework}.bench_runner", str(out), *options]
+    command = [sys.executable, "-m", f"commlib_{framework}.tools.bench_runner", str(out), *options]
     env = dict(os.environ)
     if framework == "jax":  # one XLA thread per device: fewer threads contending for the cores, less noise
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from commlib import bench, parity
+from commlib.tools import bench, parity
 
 __all__ = ["main"]
 

@@ -1,6 +1,6 @@
 """The bad-input table: calls users get wrong, and edge cases that must still give the reference value.
 
-Every `Row` wraps a `commlib.cases.Case` (so the reference, `commlib.parity.check` and both frontends'
+Every `Row` wraps a `commlib.cases.Case` (so the reference, `commlib.tools.parity.check` and both frontends'
 parity runners take it as it is) plus how a frontend feeds the input: its memory layout (contiguous, a
 non-contiguous transposed view, or torch's channels_last) and its autograd mode (requires grad, a constant,
 under ``torch.no_grad()`` or ``torch.inference_mode()``; JAX runs those forward-only). `error` is the start
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from commlib.cases import Case
+from commlib.tools.cases import Case
 
 __all__ = ["LAYOUTS", "GRAD_MODES", "WORLD_SIZES", "Row", "table"]
 

@@ -1,4 +1,4 @@
-"""Torch side of `commlib bench`: ``python -m commlib_torch.bench_runner OUT.json --world-sizes 2 4
+"""Torch side of `commlib bench`: ``python -m commlib_torch.tools.bench_runner OUT.json --world-sizes 2 4
 --sizes-mib 1 16 --repeats 7 [--cases NAME ...]``.
 
 Each bench case (`CASES`, filled by `@bench_case`) builds, on every rank, its variants over the same bytes:
@@ -6,7 +6,7 @@ commlib and the baselines it is compared with. One `WorkerPool` of gloo ranks pe
 rotating order (so no variant always runs first), with a barrier before each call; per round the slowest
 rank's wall-clock time counts (a collective ends when its last rank does), and the CPU time of all ranks
 together (the work done, which a loaded machine's preemptions do not inflate). The driver
-(`commlib.bench`) takes medians.
+(`commlib.tools.bench`) takes medians.
 
 To add a row (e.g. checked mode, or commlib under ``torch.no_grad()``), register a builder::
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -36,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
-from commlib_torch.pool import WorkerContext, WorkerPool
+from commlib_torch.tools.baselines import SeedAllToAll4D, seed_all_to_all_4d, ulysses_by_hand
+from commlib_torch.tools.pool import WorkerContext, WorkerPool
 
-__all__ = ["CASES", "BenchCase", "bench_case", "main", "seed_all_to_all_4d", "time_case"]
+__all__ = ["CASES", "BenchCase", "bench_case", "checked_overhead", "main", "time_case"]
 
 Variant = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]  # timed, or (untimed prep, timed)
 _HEADS, _HEAD_DIM = 8, 64  # Ulysses inputs: [B, S, H, D] float32, S from the byte size
@@ -70,43 +72,6 @@ def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib
     return register
 
 
-# ---- the seed's algorithm (trainer/distributed/device_communicators/base_device_communicator.py) --------
-
-def seed_all_to_all_4d(input_, world_size, scatter_dim, gather_dim, exchange=None):
-    """The seed's three-copy ``AllToAll4D.forward``, verbatim but for `exchange(output, input)` (default
-    ``dist.all_to_all_single``), so the layout benchmark can run it without communication."""
-    exchange = exchange or dist.all_to_all_single
-    if scatter_dim == 2 and gather_dim == 1:
-        bs, shard_seqlen, hn, hd = input_.shape
-        shard_hn = hn // world_size
-        input_ = input_.transpose(0, 2).contiguous()  # hn, shard_seqlen, bs, hd
-        output = torch.empty_like(input_)
-        exchange(output, input_)  # hn, shard_seqlen, bs, hd
-        output = torch.cat(output.split(shard_hn), dim=1)  # sharded hn, seqlen, bs, hd
-        return output.transpose(0, 2).contiguous()  # bs, seqlen, sharded_hn, hd
-    bs, seqlen, shard_hn, hd = input_.shape
-    shard_seqlen = seqlen // world_size
-    input_ = input_.transpose(0, 2).contiguous()  # shard_hn, seqlen, bs, hd
-    input_ = input_.reshape(shard_hn, world_size, shard_seqlen, bs, hd).transpose(0, 1).reshape(
-        shard_hn * world_size, shard_seqlen, bs, hd).contiguous()
-    output = torch.empty_like(input_)
-    exchange(output, input_)
-    return output.transpose(0, 2).contiguous()  # bs, seqlen, sharded_hn, hd
-
-
-class _SeedAllToAll4D(torch.autograd.Function):
-    """The seed's autograd Function: backward is the same algorithm with the dims swapped."""
-
-    @staticmethod
-    def forward(ctx, input_, world_size, scatter_dim, gather_dim):
-        ctx.args = (world_size, gather_dim, scatter_dim)
-        return seed_all_to_all_4d(input_, world_size, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _SeedAllToAll4D.apply(grad_output, *ctx.args), None, None, None
-
-
 # ---- other baselines -------------------------------------------------------------------------------------
 
 def _funcol():
@@ -120,21 +85,6 @@ def _funcol_call(name: str, old_name: str):
     funcol = _funcol()
     function = getattr(funcol, name, None) or getattr(funcol, old_name)
     return lambda *args: funcol.wait_tensor(function(*args))
-
-
-def _ulysses_by_hand(x, world_size, scatter_dim, gather_dim, exchange):
-    """The usual hand-written Ulysses all-to-all (DeepSpeed-Ulysses / yunchang style): permute + contiguous
-    around a dim-0 all_to_all_single, `exchange(send) -> recv`."""
-    if (scatter_dim, gather_dim) == (2, 1):
-        bs, shard_seqlen, hn, hd = x.shape
-        send = x.reshape(bs, shard_seqlen, world_size, hn // world_size, hd).transpose(0, 2).contiguous()
-        recv = exchange(send)  # [W, shard_seqlen, bs, hn/W, hd]
-        recv = recv.reshape(world_size * shard_seqlen, bs, hn // world_size, hd)
-        return recv.transpose(0, 1).contiguous()
-    bs, seqlen, shard_hn, hd = x.shape
-    send = x.reshape(bs, world_size, seqlen // world_size, shard_hn, hd).transpose(0, 1).contiguous()
-    recv = exchange(send)  # [W, bs, seqlen/W, shard_hn, hd]
-    return recv.permute(1, 2, 0, 3, 4).reshape(bs, seqlen // world_size, world_size * shard_hn, hd).contiguous()
 
 
 def _nn_exchange(group):
@@ -238,8 +188,8 @@ def _ulysses_case(batch: int, dims: tuple[int, int], quick: bool = False) -> Non
         nn_exchange, funcol_exchange = _nn_exchange(ctx.group), _funcol_exchange(ctx.group)
         return {"commlib": lambda: commlib_torch.all_to_all_4d(x, *dims),
                 "seed (3 copies)": lambda: seed_all_to_all_4d(x, W, *dims),
-                "torch.distributed.nn": lambda: _ulysses_by_hand(x, W, *dims, nn_exchange),
-                "funcol": lambda: _ulysses_by_hand(x, W, *dims, funcol_exchange)}
+                "torch.distributed.nn": lambda: ulysses_by_hand(x, W, *dims, nn_exchange),
+                "funcol": lambda: ulysses_by_hand(x, W, *dims, funcol_exchange)}
 
 
 _ulysses_case(1, (2, 1), quick=True)
@@ -257,7 +207,7 @@ def _ulysses_backward(ctx, nbytes):
         commlib_torch.all_to_all_4d(x).backward(cotangent)
 
     def seed():
-        _SeedAllToAll4D.apply(x, ctx.world_size, 2, 1).backward(cotangent)
+        SeedAllToAll4D.apply(x, ctx.world_size, 2, 1).backward(cotangent)
 
     return {"commlib": commlib, "seed (3 copies)": seed}
 
@@ -305,6 +255,56 @@ def _inference_case(mode_name: str, mode) -> None:
 
 _inference_case("no_grad", torch.no_grad)
 _inference_case("inference_mode", torch.inference_mode)
+
+
+def _median_seconds(call: Callable[[], object], repeats: int, group) -> float:
+    for _ in range(max(2, repeats // 10)):
+        call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def checked_overhead(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                     repeats: int = 50) -> dict[str, float]:
+    """Median seconds per call on this rank (call it on every rank of `group`) of an all_reduce(sum) of `x`:
+
+    ``raw`` (``dist.all_reduce`` of a copy, as commlib's out-of-place op does), ``commlib`` (input
+    requiring grad: builds the graph), ``no_grad``, ``inference_mode``, ``constant`` (input not requiring
+    grad), ``checked`` (checked mode on, requiring grad) and ``fingerprint`` (the exchange alone).
+    Checked-mode overhead = checked - commlib, inference overhead = no_grad - raw.
+    """
+    from commlib import plans
+    from commlib_torch._checked import checked, exchange
+    from commlib_torch._walk import dtype_name
+
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    constant = x.detach()
+    plan = plans.all_reduce(tuple(x.shape), dist.get_world_size(group), dtype=dtype_name(x.dtype))
+
+    def raw():
+        dist.all_reduce(constant.clone(), group=group)
+
+    def in_mode(mode):
+        def call():
+            with mode():
+                commlib_torch.all_reduce(leaf, group=group)
+        return call
+
+    def with_check():
+        with checked():
+            commlib_torch.all_reduce(leaf, group=group)
+
+    calls = {"raw": raw, "commlib": lambda: commlib_torch.all_reduce(leaf, group=group),
+             "no_grad": in_mode(torch.no_grad), "inference_mode": in_mode(torch.inference_mode),
+             "constant": lambda: commlib_torch.all_reduce(constant, group=group), "checked": with_check,
+             "fingerprint": lambda: exchange(plan, constant, group)}
+    with checked(False):
+        return {name: _median_seconds(call, repeats, group) for name, call in calls.items()}
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m commlib_torch.bench_runner")
+    parser = argparse.ArgumentParser(prog="python -m commlib_torch.tools.bench_runner")
     parser.add_argument("out", type=Path, help="JSON file for the records")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
@@ -395,6 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from commlib_torch import bench_runner
+    from commlib_torch.tools import bench_runner
 
     sys.exit(bench_runner.main())

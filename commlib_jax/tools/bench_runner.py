@@ -1,10 +1,10 @@
-"""JAX side of `commlib bench`: ``python -m commlib_jax.bench_runner OUT.json --world-sizes 2 4 --sizes-mib 1 16
+"""JAX side of `commlib bench`: ``python -m commlib_jax.tools.bench_runner OUT.json --world-sizes 2 4 --sizes-mib 1 16
 --repeats 7 [--quick]``.
 
 Each case runs the commlib op and the bare `jax.lax` collective on the same per-device block inside
 ``jax.shard_map`` (check_vma=True) over W CPU devices, jitted: the forward, and the forward plus backward
 (``value_and_grad`` of ``sum(out * cotangent)``). Variants are timed in rotating order, each call until
-``block_until_ready``, in wall-clock and in CPU time (all threads); the driver (`commlib.bench`) takes
+``block_until_ready``, in wall-clock and in CPU time (all threads); the driver (`commlib.tools.bench`) takes
 medians. The forward values must agree.
 """
 
@@ -119,7 +119,7 @@ def _records(name: str, case: JaxCase, world_size: int, size: float, seconds: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m commlib_jax.bench_runner")
+    parser = argparse.ArgumentParser(prog="python -m commlib_jax.tools.bench_runner")
     parser.add_argument("out", type=Path, help="JSON file for the records")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])

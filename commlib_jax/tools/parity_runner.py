@@ -1,4 +1,4 @@
-"""JAX side of `commlib parity`: ``python -m commlib_jax.parity_runner IN_DIR OUT_DIR --world-size N``.
+"""JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``.
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
@@ -32,7 +32,7 @@ def _stacked(case, arrays, name):
 def _per_rank(case, axis_name):
     """This rank's output and loss for its slice of the stacked inputs (leading axis of size 1)."""
     import commlib_jax
-    from commlib import cases
+    from commlib.tools import cases
     from commlib_jax.attention import ulysses_attention
 
     def body(cotangent, *inputs):
@@ -103,7 +103,7 @@ def _unsharded(case, arrays):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m commlib_jax.parity_runner")
+    parser = argparse.ArgumentParser(prog="python -m commlib_jax.tools.parity_runner")
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.world_size)
-    from commlib import cases
+    from commlib.tools import cases
     from commlib.errors import CommError
-    from commlib.parity import Results
+    from commlib.tools.parity import Results
 
     results = Results("jax")
     for case, arrays in cases.read(args.in_dir):

@@ -1,0 +1,346 @@
+"""The plan builders: one function per public op, from what a frontend knows to a validated `Plan`.
+
+`commlib.plans.all_reduce(shape, world_size, op, ...)` is not the collective: it takes what a frontend knows
+at call (or trace) time -- this rank's input shape, its dtype name, the world size and the user's arguments
+-- and returns the `Plan` of that call on this rank, or raises `CommError` / `TypeError` before any
+communication. `commlib_torch.all_reduce` and `commlib_jax.all_reduce` call it and walk the plan;
+`commlib.reference.all_reduce` is the same op on W simulated numpy ranks. Both frontends therefore raise the
+same text for the same mistake.
+
+Shapes below: W = world_size; ``s`` = this rank's input shape.
+
+>>> plan = all_to_all_4d((2, 8, 12, 64), 4, scatter_dim=2, gather_dim=1)
+>>> plan.out_shape, plan.collective.value, plan.copies
+((2, 32, 3, 64), 'all_to_all', 2)
+"""
+
+from __future__ import annotations
+
+import operator
+
+from commlib.errors import comm_error, kind_error
+from commlib.layout import (
+    Collective,
+    Convention,
+    Plan,
+    all_gather_layout,
+    all_to_all_layout,
+    flat_layout,
+    reduce_scatter_layout,
+)
+from commlib.reduce_op import FLOAT_BITS, ReduceOp, is_floating, parse_reduce_op
+
+__all__ = [
+    "CONVENTIONS",
+    "OP_NAMES",
+    "ULYSSES_DIMS",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
+    "check_rank",
+]
+
+#: The values of the ``convention`` keyword (`Convention.REPLICATED_INPUT` is set by the ops, not passed).
+CONVENTIONS = (Convention.SUM.value, Convention.REPLICATED.value)
+#: Names of the public ops both frontends export.
+OP_NAMES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "broadcast",
+    "gather",
+    "scatter",
+    "permute",
+    "sum_grad",
+)
+#: Names of the four axes of `all_to_all_4d`.
+ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
+
+
+def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+    except TypeError:
+        raise kind_error(op_name, "shape must be a sequence of ints", shape=shape) from None
+    if any(size < 0 for size in dims):
+        raise comm_error(op_name, "shape sizes must be >= 0", shape=dims)
+    return dims
+
+
+def _check_world_size(op_name: str, world_size: object, received: dict) -> int:
+    size = _check_int(op_name, "world_size", world_size, received)
+    if size < 1:
+        raise comm_error(op_name, f"world_size ({size}) must be >= 1", **received)
+    return size
+
+
+def _check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
+    """Normalise a possibly negative dim into [0, ndim)."""
+    value = _check_int(op_name, name, dim, received)
+    if not -ndim <= value < ndim:
+        raise comm_error(op_name, f"{name} ({value}) must be in [{-ndim}, {ndim}) for ndim {ndim}", **received)
+    return value % ndim
+
+
+def _check_divisible(op_name: str, quantity: str, size: int, world_size: int, received: dict) -> None:
+    if size % world_size:
+        raise comm_error(op_name, f"{quantity} ({size}) must be divisible by world_size ({world_size})", **received)
+
+
+def _check_convention(op_name: str, convention: object, received: dict) -> Convention:
+    if convention not in CONVENTIONS:
+        message = f"convention ({convention!r}) must be one of {', '.join(CONVENTIONS)}"
+        raise comm_error(op_name, message, **received, convention=convention)
+    return Convention(convention)
+
+
+def _check_dtype(op_name: str, name: str, dtype: object, received: dict) -> str:
+    if not isinstance(dtype, str):
+        raise kind_error(op_name, f"{name} must be a dtype name string, not {type(dtype).__name__}", **received)
+    return dtype
+
+
+def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object,
+                     received: dict) -> str | None:
+    """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
+    if reduce_op is ReduceOp.AVG and not is_floating(dtype):
+        raise comm_error(op_name, f"op ('avg') needs a floating dtype, not {dtype}", **received, dtype=dtype)
+    if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
+        message = "op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all)"
+        raise comm_error(op_name, message, **received, dtype=dtype)
+    if reduce_op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT) and dtype.startswith("complex"):
+        raise comm_error(op_name, f"op ({reduce_op.value!r}) needs a real dtype, not {dtype}", **received, dtype=dtype)
+    if accum_dtype is None:
+        return None
+    accum = _check_dtype(op_name, "accum_dtype", accum_dtype, received)
+    received = {**received, "dtype": dtype, "accum_dtype": accum}
+    if not is_floating(accum) or not is_floating(dtype):
+        raise comm_error(op_name, f"accum_dtype ({accum}) and the input dtype ({dtype}) must be floating", **received)
+    if FLOAT_BITS[accum] < FLOAT_BITS[dtype]:
+        message = f"accum_dtype ({accum}, {FLOAT_BITS[accum]} bits) must be at least as wide as the input ({dtype})"
+        raise comm_error(op_name, message, **received)
+    return None if accum == dtype else accum
+
+
+def check_rank(op_name: str, name: str, rank: object, world_size: int, received: dict | None = None) -> int:
+    """A group-local rank argument (`src`, `dst`) in [0, world_size).
+
+    >>> check_rank("broadcast", "src", 4, 4)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: broadcast: src (4) must be in [0, 4) for world_size 4. Received: src=4
+    """
+    received = received if received is not None else {name: rank}
+    value = _check_int(op_name, name, rank, received)
+    if not 0 <= value < world_size:
+        message = f"{name} ({value}) must be in [0, {world_size}) for world_size {world_size}"
+        raise comm_error(op_name, message, **received)
+    return value
+
+
+def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((source, destination) for source, destination in perm)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise kind_error(op_name, "perm must be a sequence of (src, dst) pairs", **received) from None
+    for source, destination in pairs:
+        check_rank(op_name, "src", source, world_size, received)
+        check_rank(op_name, "dst", destination, world_size, received)
+    for role, index in (("source", 0), ("destination", 1)):
+        ranks = [pair[index] for pair in pairs]
+        repeated = sorted({rank for rank in ranks if ranks.count(rank) > 1})
+        if repeated:
+            message = f"perm repeats {role} rank {repeated[0]} ({ranks.count(repeated[0])} times)"
+            raise comm_error(op_name, message, **received)
+    return tuple((int(source), int(destination)) for source, destination in pairs)
+
+
+def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
+    """The checks every op makes first: (shape, world_size, dtype)."""
+    checked_shape = _check_shape(op_name, shape)
+    return (checked_shape, _check_world_size(op_name, world_size, received),
+            _check_dtype(op_name, "dtype", dtype, received))
+
+
+def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
+               op_name="all_reduce") -> Plan:
+    """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
+
+    >>> all_reduce((3,), 4, "avg").scale
+    0.25
+    """
+    received = dict(shape=tuple(shape), op=op)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
+    accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
+    return Plan(op_name=op_name, collective=Collective.ALL_REDUCE, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, reduce_op=reduce_op, scale=1.0 / world_size if reduce_op is ReduceOp.AVG else 1.0,
+                convention=_check_convention(op_name, convention, received), accum_dtype=accum,
+                **flat_layout(shape, in_place=True))
+
+
+def all_gather(shape, world_size, dim=-1, *, dtype="float32", convention="sum", op_name="all_gather") -> Plan:
+    """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
+
+    >>> all_gather((3, 5), 4, dim=0).out_shape
+    (12, 5)
+    """
+    received = dict(shape=tuple(shape), dim=dim)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    return Plan(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
+                dtype=dtype, convention=_check_convention(op_name, convention, received),
+                **all_gather_layout(shape, world_size, dim))
+
+
+def reduce_scatter(shape, world_size, dim=0, op="sum", *, dtype="float32", accum_dtype=None,
+                   op_name="reduce_scatter") -> Plan:
+    """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
+
+    >>> reduce_scatter((8, 3), 4).out_shape
+    (2, 3)
+    """
+    received = dict(shape=tuple(shape), dim=dim, op=op)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
+    accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
+    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    return Plan(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, in_shape=shape,
+                dims=(dim,), dtype=dtype, reduce_op=reduce_op,
+                scale=1.0 / world_size if reduce_op is ReduceOp.AVG else 1.0, accum_dtype=accum,
+                **reduce_scatter_layout(shape, world_size, dim))
+
+
+def all_to_all(shape, world_size, scatter_dim, gather_dim, *, dtype="float32", op_name="all_to_all",
+               dim_names=None) -> Plan:
+    """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
+
+    Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
+    source-rank order (``lax.all_to_all(..., tiled=True)`` semantics).
+
+    >>> all_to_all((8, 3), 4, scatter_dim=0, gather_dim=1).out_shape
+    (2, 12)
+    """
+    received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
+    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
+    if scatter_axis == gather_axis:
+        message = f"scatter_dim ({scatter_axis}) must differ from gather_dim ({gather_axis})"
+        raise comm_error(op_name, message, **received)
+    quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
+    _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
+    return Plan(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size, in_shape=shape,
+                dims=(scatter_axis, gather_axis), dtype=dtype,
+                **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
+
+
+def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="float32") -> Plan:
+    """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
+
+    ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
+
+    >>> all_to_all_4d((2, 8, 6, 64), 4)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: all_to_all_4d: heads (6) must be divisible by world_size (4). Received: shape=(2, 8, 6, 64), scatter_dim=2, gather_dim=1
+    """
+    op_name = "all_to_all_4d"
+    received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
+    dims = _check_shape(op_name, shape)
+    if len(dims) != 4:
+        raise comm_error(op_name, f"ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])", **received)
+    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, 4, received)
+    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, 4, received)
+    if (scatter_axis, gather_axis) not in ((2, 1), (1, 2)):
+        message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
+        raise comm_error(op_name, message, **received)
+    return all_to_all(dims, world_size, scatter_dim, gather_dim, dtype=dtype, op_name=op_name,
+                      dim_names=ULYSSES_DIMS)
+
+
+def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast") -> Plan:
+    """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
+
+    >>> broadcast((3,), 2, src=1).root
+    1
+    """
+    received = dict(shape=tuple(shape), src=src)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    root = check_rank(op_name, "src", src, world_size, received)
+    return Plan(op_name=op_name, collective=Collective.BROADCAST, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, root=root, **flat_layout(shape, in_place=True))
+
+
+def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather") -> Plan:
+    """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
+
+    >>> gather((2, 3), 4, dst=3).out_shape
+    (2, 12)
+    """
+    received = dict(shape=tuple(shape), dst=dst, dim=dim)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    root = check_rank(op_name, "dst", dst, world_size, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    return Plan(op_name=op_name, collective=Collective.GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
+                dtype=dtype, root=root, **all_gather_layout(shape, world_size, dim))
+
+
+def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatter") -> Plan:
+    """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
+
+    >>> scatter((8, 2), 4).out_shape
+    (2, 2)
+    """
+    received = dict(shape=tuple(shape), src=src, dim=dim)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    root = check_rank(op_name, "src", src, world_size, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    return Plan(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, in_shape=shape, dims=(dim,),
+                dtype=dtype, root=root, **reduce_scatter_layout(shape, world_size, dim))
+
+
+def permute(shape, world_size, perm, *, dtype="float32", op_name="permute") -> Plan:
+    """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
+    that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
+
+    >>> permute((3,), 4, [(0, 1), (1, 0)]).pairs
+    ((0, 1), (1, 0))
+    """
+    received = dict(shape=tuple(shape), perm=perm)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    pairs = _check_pairs(op_name, perm, world_size, received)
+    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, pairs=pairs, **flat_layout(shape, in_place=False))
+
+
+def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad") -> Plan:
+    """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
+    (Megatron's f).
+
+    >>> sum_grad((3,), 4).convention
+    'replicated_input'
+    """
+    received = dict(shape=tuple(shape))
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    return Plan(op_name=op_name, collective=Collective.IDENTITY, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, convention=Convention.REPLICATED_INPUT, **flat_layout(shape, in_place=False))
