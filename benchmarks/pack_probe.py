@@ -52,7 +52,7 @@ def host_seconds(fn, calls: int = 200) -> float:
 
 def _wide(x: torch.Tensor, out: torch.Tensor, dims: tuple[int, int, int], dtype: torch.dtype):
     """torch's copy_ over the rows viewed as wider words."""
-    rows, columns, size = dims
+    rows, columns, _size = dims
     source = x.view(-1).view(dtype).view(rows, columns, -1).permute(1, 0, 2)
     target = out.view(-1).view(dtype).view(columns, rows, -1)
     return lambda: target.copy_(source)

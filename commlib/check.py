@@ -52,8 +52,9 @@ FINGERPRINT_SIZE = 32
 assert _PAIRS + _PAIR_SLOTS <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
-_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *(convention.value for convention in Convention), *sorted(FLOAT_DTYPES), "complex64",
-                "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *(convention.value for convention in Convention),
+                *sorted(FLOAT_DTYPES), "complex64", "complex128", "int8", "int16", "int32", "int64", "uint8",
+                "uint16", "uint32", "uint64", "bool")
 
 
 def _code(name: str | None) -> int:
@@ -209,7 +210,7 @@ def compare(fingerprints: np.ndarray, rank: int) -> None:
         return
     own = decode(rows[rank]) if rows[rank, _VERSION] == _MAGIC else None
     strangers = [r for r in range(len(rows)) if rows[r, _VERSION] != _MAGIC]
-    op_name = own.op if own is not None else "checked mode"
+    op_name = own.op if own is not None and own.op is not None else "checked mode"
     if strangers:
         raise comm_error(op_name, f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
                                   f"every rank of the group, and every rank must call the same collectives",

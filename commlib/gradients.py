@@ -90,7 +90,7 @@ def vjp_plan(plan: Plan) -> Plan:
     >>> vjp_plan(plans.all_gather((3, 5), 4, dim=0, convention="replicated")).collective.value
     'slice'
     """
-    kind, convention = plan.collective, plan.convention
+    convention = plan.convention
     if plan.reduce_op is not None and plan.reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise NotImplementedError(f"{plan.op_name}: op {plan.reduce_op.value!r} is not linear: use gradients.vjp")
     if convention is Convention.REPLICATED:
@@ -111,7 +111,6 @@ def _replicated_dual(plan: Plan) -> Plan:
     if plan.collective is Collective.ALL_REDUCE:
         return _dual(plan, Collective.IDENTITY, reduce_op=None, accum_dtype=None, **local_layout(shape, shape))
     if plan.collective is Collective.ALL_GATHER:
-        (dim,) = plan.dims
         return _dual(plan, Collective.SLICE, **local_layout(shape, plan.in_shape))
     raise NotImplementedError(f"{plan.op_name}: no replicated rule for {plan.collective.value}")
 

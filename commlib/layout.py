@@ -193,7 +193,7 @@ def _identity(shape: Shape, always_copy: bool = False) -> Rearrange:
 
 def _split_front(shape: Shape, dim: int, world_size: int) -> Rearrange:
     """Split `dim` into (world_size, size / world_size) and move the world_size axis first."""
-    view = shape[:dim] + (world_size, shape[dim] // world_size) + shape[dim + 1 :]
+    view = (*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1:])
     return Rearrange(view=view, perm=(dim, *range(dim), *range(dim + 1, len(view))))
 
 
@@ -203,11 +203,11 @@ def _front_to(recv_shape: Shape, dim: int) -> Rearrange:
 
 
 def _chunk(shape: Shape, dim: int, world_size: int) -> Shape:
-    return shape[:dim] + (shape[dim] // world_size,) + shape[dim + 1 :]
+    return (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
 
 
 def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
-    return shape[:dim] + (shape[dim] * world_size,) + shape[dim + 1 :]
+    return (*shape[:dim], shape[dim] * world_size, *shape[dim + 1:])
 
 
 @functools.lru_cache(maxsize=4096)

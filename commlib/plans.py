@@ -69,7 +69,7 @@ ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
-    return operator.index(value)  # type: ignore[arg-type]
+    return operator.index(value)
 
 
 def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:

@@ -90,7 +90,8 @@ def _local(plan: Plan, sends: Arrays) -> Arrays:
 
 
 def _exchange(plan: Plan, sends: Arrays) -> Arrays:
-    W, root, kind = plan.world_size, plan.root, plan.collective
+    W, kind = plan.world_size, plan.collective
+    root = -1 if plan.root is None else plan.root
     if kind is Collective.ALL_TO_ALL:
         return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
     if kind in (Collective.ALL_GATHER, Collective.GATHER):

@@ -5,7 +5,8 @@ Never imports jax.
 """
 
 from commlib import CommError, CommFailure, CommTimeout, ReduceOp
-from commlib_torch._checked import checked, set_checked  # torch-only, so not in __all__
+from commlib_torch._checked import checked as checked  # torch-only, so not in __all__
+from commlib_torch._checked import set_checked as set_checked
 from commlib_torch.communicator import DeviceCommunicator
 from commlib_torch.functional import (
     all_gather,

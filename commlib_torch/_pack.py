@@ -10,9 +10,9 @@ copy on an H200. Measured there (benchmarks/pack_probe.py), for a 192 MiB bf16 p
 - torch's ``copy_`` of the same permutation over the rows viewed as int64 words: 1.11x.
 
 The host's time per pass, though, is ~10 us for a plain ``copy_`` and ~25 us more for the kernel's launch
-(plus a few us of views for either fast way). So `copy_into` takes the kernel for passes of `KERNEL_MIN_BYTES` or more (where
-device time dominates), the word copy from `WORDS_MIN_BYTES` (and when Triton is missing, or for good after
-the kernel's first failure, with one warning), and returns False -- the caller then runs torch's plain
+(plus a few us of views for either fast way). So `copy_into` takes the kernel for passes of `KERNEL_MIN_BYTES`
+or more (where device time dominates), the word copy from `WORDS_MIN_BYTES` (and when Triton is missing, or
+for good after the kernel's first failure, with one warning), and returns False -- the caller then runs torch's plain
 ``copy_`` -- for smaller passes, on the CPU (where neither helps), under ``torch.compile`` (Inductor fuses the
 permute itself), when the pass also casts, for a non-contiguous source, and when ``COMMLIB_PACK=eager``;
 ``COMMLIB_PACK=words`` skips the kernel.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from commlib import Collective, Plan, ReduceOp, Rearrange
+from commlib import Collective, Plan, Rearrange, ReduceOp
 from commlib.layout import permute_splits
 from commlib_torch import _pack
 

@@ -8,6 +8,8 @@ The frontends run through their parity runners' `run_case`, as `commlib parity` 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -33,10 +35,8 @@ def jax_cpu():
     """JAX on 4 CPU devices with float64 (as tests/jax/conftest.py sets it up); fails, not skips, without."""
     import jax
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the backend is already up (e.g. tests/jax ran first)
         jax.config.update("jax_num_cpu_devices", 4)
-    except RuntimeError:  # the backend is already up (e.g. tests/jax ran first with the same setting)
-        pass
     jax.config.update("jax_enable_x64", True)
     assert len(jax.devices("cpu")) >= max(bad_input.WORLD_SIZES), jax.devices("cpu")
     return jax
@@ -58,7 +58,7 @@ def test_spec(row):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_torch(row, pool):
-    from commlib_torch.tools.parity_runner import merge, run_case
+    from commlib_torch.tools.parity_jobs import merge, run_case
 
     arrays = _arrays(row)
     replies = pool(row.case.world_size).run(run_case, row.case, arrays, grad_mode=row.grad_mode,

@@ -86,3 +86,59 @@ def test_torch_frontend_exports_every_op():
     from commlib import OP_NAMES
 
     assert set(OP_NAMES) <= _op_names("commlib_torch")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports (at any depth of its code, lazy imports too).
+    ``from package import name`` counts as importing ``package.name`` when that is a module, else the package."""
+    import ast
+
+    paths = [path for package in ("commlib", "commlib_torch", "commlib_jax") for path in (ROOT / package).rglob("*.py")]
+    modules = {_module_name(path): path for path in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    edges.add(submodule if submodule in modules else node.module)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (a path that starts and ends at the same module), or None."""
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = "open"
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == "open":
+                return [*path[path.index(imported):], imported]
+            if imported not in state and (found := visit(imported, [*path, imported])):
+                return found
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module, [module])):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_back():
+    graph = _import_graph()
+    assert len(graph) > 30 and "commlib_torch.functional" in graph["commlib_torch"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

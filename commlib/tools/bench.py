@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "Row", "Target", "markdown", "plot", "rows", "run"]
 
@@ -133,7 +134,7 @@ def run(world_sizes=(2, 4), sizes_mib=(1, 4, 16, 64), repeats: int = 7, warmup: 
     runners' records with every round's seconds)."""
     options = ["--world-sizes", *map(str, world_sizes), "--sizes-mib", *map(str, sizes_mib),
                "--repeats", str(repeats), "--warmup", str(warmup), *(["--quick"] if quick else [])]
-    facts = {"date": datetime.date.today().isoformat(), "machine": _machine(), "load_before": _load(),
+    facts: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "load_before": _load(),
              "versions": {"python": sys.version.split()[0]}, "failures": {}, "records": []}
     start, result = time.perf_counter(), []
     with tempfile.TemporaryDirectory(prefix="commlib-bench-") as tmp:
@@ -169,8 +170,9 @@ def markdown(result: list[Row]) -> str:
     body = []
     for row in result:
         verdict = "" if row.target is None else f"<= {row.target:.2f} {'met' if row.met else 'MISSED'}"
+        spread = "-" if row.spread is None else f"{100 * row.spread:.0f}%"
         body.append([row.framework, row.case, row.world_size, f"{row.size_mib:g}", _number(row.subject_ms, 1),
-                     row.baseline, _number(row.baseline_ms, 1), _number(row.ratio), f"{100 * row.spread:.0f}%",
+                     row.baseline, _number(row.baseline_ms, 1), _number(row.ratio), spread,
                      _number(row.cpu_ratio), verdict])
     headers = ["framework", "case", "W", "MiB/rank", "commlib ms", "baseline", "baseline ms", "ratio", "spread",
                "cpu ratio", "target"]
@@ -187,7 +189,7 @@ def plot(result: list[Row], path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    main = {}  # (framework, case) -> its first baseline
+    main: dict[tuple[str, str], str] = {}  # (framework, case) -> its first baseline
     for row in result:
         main.setdefault((row.framework, row.case), row.baseline)
     frameworks = sorted({row.framework for row in result})

@@ -16,6 +16,7 @@ import json
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -213,7 +214,7 @@ def _key(*parts: object) -> str:
 def write(directory: Path, cases: Sequence[Case], seed: int) -> None:
     """Write ``cases.json`` and ``arrays.npz`` for the frontend runners."""
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {}
+    arrays: dict[str, Any] = {}
     for case in cases:
         for name, ranks in make_arrays(case, seed).items():
             arrays.update({_key(case.name, name, rank): value for rank, value in enumerate(ranks)})

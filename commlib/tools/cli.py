@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from commlib.tools import bench, parity
 
@@ -59,7 +60,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    settings = {**bench.QUICK} if args.quick else {**bench.FULL}
+    settings: dict[str, Any] = {**bench.QUICK} if args.quick else {**bench.FULL}
     settings.update({key: value for key in settings if (value := getattr(args, key)) is not None})
     rows, facts = bench.run(**settings, frameworks=args.frameworks, quick=args.quick, cases=args.cases,
                             timeout=args.timeout)

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from commlib.tools import cases
 from commlib.errors import CommError
+from commlib.tools import cases
 
 __all__ = ["Row", "Results", "check", "compare", "run"]
 
@@ -43,7 +44,7 @@ class Results:
 
     def __init__(self, framework: str) -> None:
         self.framework = framework
-        self.arrays: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, Any] = {}  # np.savez takes them as keywords
         self.errors: dict[str, str] = {}
         self.entries: list[tuple[str, str]] = []  # (case name, mode) in the order run
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CASES", "JaxCase", "main"]
+__all__ = ["JaxCase", "main"]
 
 _AXIS = "i"
 _HEADS, _HEAD_DIM = 8, 64

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.world_size)
-    from commlib.tools import cases
     from commlib.errors import CommError
+    from commlib.tools import cases
     from commlib.tools.parity import Results
 
     results = Results("jax")

@@ -7,114 +7,17 @@ unsharded on one process (mode "unsharded"); writes every rank's output and inpu
 from __future__ import annotations
 
 import argparse
-import contextlib
-import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import commlib_torch
 from commlib.tools import cases
-from commlib.errors import CommError
 from commlib.tools.parity import Results
-from commlib_torch.attention import attention, ulysses_attention
-from commlib_torch.tools.pool import WorkerError, WorkerPool
+from commlib_torch.tools.parity_jobs import run_table
+from commlib_torch.tools.pool import WorkerPool
 
-__all__ = ["failure_text", "main", "merge", "run_case", "run_table"]
-
-
-def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) -> torch.Tensor:
-    """The case's value as a tensor of its dtype; a non-contiguous transposed view when the case says so,
-    channels_last strides (4-D) when asked."""
-    if case.transposed and array.ndim >= 2:
-        return torch.from_numpy(np.swapaxes(array, 0, -1).copy()).to(getattr(torch, case.dtype)).transpose(0, -1)
-    tensor = torch.from_numpy(array.copy()).to(getattr(torch, case.dtype))
-    return tensor.contiguous(memory_format=torch.channels_last) if channels_last and tensor.ndim == 4 else tensor
-
-
-def _call(case: cases.Case, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    if case.op == cases.ATTENTION:
-        return ulysses_attention(inputs["q"], inputs["k"], inputs["v"])
-    return getattr(commlib_torch, case.op)(inputs["x"], **case.params)
-
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
-
-
-_GRAD_MODES = {"grad": contextlib.nullcontext, "constant": contextlib.nullcontext, "no_grad": torch.no_grad,
-               "inference_mode": torch.inference_mode}
-
-
-def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
-             channels_last: bool = False):
-    """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
-    the call is rejected. Outputs and gradients come back as float64 (integers as they are).
-
-    `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
-    require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
-    4-D inputs and cotangents get channels_last strides."""
-    inputs = {name: _tensor(arrays[name][context.rank], case, channels_last) for name in case.inputs}
-    for tensor in inputs.values():
-        tensor.requires_grad_(case.differentiable and grad_mode != "constant")
-    try:
-        with _GRAD_MODES[grad_mode]():
-            out = _call(case, inputs)
-    except (CommError, TypeError) as error:
-        return "error", f"{type(error).__name__}: {error}"
-    if not case.differentiable or grad_mode != "grad":
-        return "ok", _numpy(out), {}
-    (out * _tensor(arrays["cotangent"][context.rank], case, channels_last)).sum().backward()
-    return "ok", _numpy(out), {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
-
-
-def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:
-    """Attention on the full sequence in one process, split back into per-rank shards."""
-    W = case.world_size
-    full = {name: torch.from_numpy(np.concatenate(arrays[name], axis=1)).requires_grad_() for name in case.inputs}
-    out = attention(full["q"], full["k"], full["v"])
-    (out * torch.from_numpy(np.concatenate(arrays["cotangent"], axis=1))).sum().backward()
-    shards = lambda tensor: [_numpy(part) for part in tensor.chunk(W, dim=1)]  # noqa: E731
-    return shards(out), {name: shards(tensor.grad) for name, tensor in full.items()}
-
-
-def merge(case: cases.Case, per_rank: list) -> tuple[list | None, dict | None, str | None]:
-    """`run_case` replies of every rank -> (outputs, {input: gradients}, error text or None)."""
-    errors = sorted({reply[1] for reply in per_rank if reply[0] == "error"})
-    if errors:
-        return None, None, errors[0] if len(errors) == 1 else f"ranks disagree: {errors}"
-    gradients = {name: [reply[2][name] for reply in per_rank] for name in per_rank[0][2]}
-    return [reply[1] for reply in per_rank], gradients, None
-
-
-def _record(results: Results, case: cases.Case, per_rank: list) -> None:
-    outputs, gradients, error = merge(case, per_rank)
-    if error is not None:
-        results.fail(case, "gloo", error)
-    else:
-        results.add(case, "gloo", outputs, gradients)
-
-
-def failure_text(error: WorkerError) -> str:
-    """``"WorkerError: rank 1 died with exit code -9; rank 0 raised CommFailure: ..."``: the first line of
-    each failed rank's report, without the tracebacks."""
-    lines = re.findall(r"\brank \d+ (?:raised|died with|did not answer)[^\n]*", str(error))
-    return "WorkerError: " + "; ".join(lines or str(error).splitlines()[:1])
-
-
-def run_table(pool: WorkerPool, table, results: Results, job=run_case) -> None:
-    """Run each (case, arrays) of `table` on every rank of `pool` (`job`: a `run_case`-like job) into
-    `results`. A case whose ranks raised, died or hung becomes a failed row naming them (`failure_text`);
-    the pool starts fresh workers for the next case."""
-    for case, arrays in table:
-        try:
-            _record(results, case, pool.run(job, case, arrays))
-        except WorkerError as error:
-            results.fail(case, "gloo", failure_text(error))
-        if case.op == cases.ATTENTION:
-            results.add(case, "unsharded", *_unsharded(case, arrays))
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from commlib_torch.tools import parity_runner
-
-    sys.exit(parity_runner.main())
+    sys.exit(main())

@@ -3,8 +3,9 @@
 `WorkerPool(W)` starts W processes that each join one process group, then serve jobs: `pool.run(fn, *args)` calls
 `fn(WorkerContext, *args)` on every rank and returns the results in rank order. Workers come from a forkserver
 (preloaded with torch), so a parent that already imported torch or jax or started threads is safe, and a fresh
-set of gloo workers starts in a fraction of a second once the server runs. `fn` is pickled by reference: define it at module
-level in an importable module. As with "spawn", a script's `__main__` is re-imported in every worker: guard it.
+set of gloo workers starts in a fraction of a second once the server runs. `fn` is pickled by reference: define it
+at module level in an importable module. As with "spawn", a script's `__main__` is re-imported in every worker:
+guard it.
 
 Every failure raises `WorkerError`; only `close()` makes the pool unusable. The pool keeps its workers when every
 rank answered (some with an exception) and a barrier still passes. Otherwise it kills all workers and starts
@@ -16,6 +17,7 @@ entered), or failed the barrier (a gloo collective that timed out breaks the pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -27,7 +29,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,10 +149,8 @@ class WorkerPool:
 
     def _send(self, payload: bytes) -> None:
         for connection in self._connections:
-            try:
+            with contextlib.suppress(OSError):  # the worker is gone; _collect reports it
                 connection.send_bytes(payload)
-            except OSError:  # the worker is gone; _collect reports it
-                pass
 
     def _collect(self, timeout: float) -> tuple[list, dict[int, tuple[str, Any]], dict[int, int | None]]:
         """Gather one reply per rank within `timeout` seconds; kill all workers if any died or hung.

@@ -354,10 +354,10 @@ def test_double_backward_of_linear_ops(mode):
         case = cases.Case(f"double:{op}", op, 4, shape, "float64", kwargs, inputs=("x", "v"))
         arrays = cases.make_arrays(case, 0)
 
-        def per_rank(axis_name, op=op, kwargs=dict(kwargs)):
+        def per_rank(axis_name, op=op, kwargs=kwargs):
             def body(cotangent, x, v):
                 def local(x):
-                    return (getattr(commlib_jax, op)(x[0], axis_name, **kwargs) * cotangent[0]).sum()
+                    return (getattr(commlib_jax, op)(x[0], axis_name, **dict(kwargs)) * cotangent[0]).sum()
 
                 gx = jax.grad(local)(x)
                 return gx, (gx * v).sum()[None]
@@ -365,7 +365,9 @@ def test_double_backward_of_linear_ops(mode):
             return body
 
         function = programs.mapped(case, mode, per_rank)
-        penalty = lambda cotangent: function(cotangent, _stack(arrays["x"]), _stack(arrays["v"]))[1].sum()  # noqa: E731
+        def penalty(cotangent, function=function, arrays=arrays):
+            return function(cotangent, _stack(arrays["x"]), _stack(arrays["v"]))[1].sum()
+
         got = jax.jit(jax.grad(penalty))(_stack(arrays["cotangent"]))
         want = reference.run(gradients.vjp_plan(gradients.vjp_plan(case.plan())), arrays["v"])
         np.testing.assert_allclose(np.asarray(got), np.stack(want), rtol=1e-12, atol=1e-12, err_msg=op)

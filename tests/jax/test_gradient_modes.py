@@ -191,7 +191,7 @@ def _factor_cases():
 def test_factor(grad, pattern, op, factor):
     x = jnp.arange(1.0, W * N + 1)
     if factor is ValueError:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"out_specs is P\(\) which implies"):
             jax.jit(functools.partial(grad, _rank_loss(op, pattern)))(x)
         return
     expected = np.asarray(_torch_answer(op, pattern, x.reshape(W, N))).ravel()

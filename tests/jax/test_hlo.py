@@ -86,7 +86,7 @@ def _split(found: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
             {kind: n for kind, n in found.items() if kind in LAYOUT})
 
 
-@pytest.mark.parametrize("part", ("forward", "gradient"))
+@pytest.mark.parametrize("part", ["forward", "gradient"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_same_collectives_as_lax(name, mode, part):
@@ -99,7 +99,7 @@ def test_same_collectives_as_lax(name, mode, part):
         assert our_layout.get(kind, 0) <= bare_layout.get(kind, 0), (kind, our_layout, bare_layout)
 
 
-@pytest.mark.parametrize("part", ("forward", "gradient"))
+@pytest.mark.parametrize("part", ["forward", "gradient"])
 @pytest.mark.parametrize("name", sorted(ROOTED))
 def test_rooted_ops_run_one_collective(name, part):
     shape, ours, forward, gradient = ROOTED[name]

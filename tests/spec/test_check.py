@@ -107,7 +107,7 @@ def test_several_aspects_are_all_named():
 
 def test_long_shapes_and_perms_are_compared_in_full():
     base = tuple(range(1, 11))
-    rows = _rows((plans.all_reduce(base, 2), "float32", "forward"), (plans.all_reduce(base[:-1] + (11,), 2), "float32",
+    rows = _rows((plans.all_reduce(base, 2), "float32", "forward"), (plans.all_reduce((*base[:-1], 11), 2), "float32",
                                                                      "forward"))
     assert "ranks disagree on shape: rank 0 has (1, 2, 3, 4, 5, 6, 7, 8, ...) [10-d" in _message(rows)
     ring = [[rank, (rank + 1) % 6] for rank in range(6)]

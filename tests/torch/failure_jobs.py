@@ -16,7 +16,7 @@ import torch
 import commlib_torch
 from commlib import CommError
 from commlib_torch._checked import checked, is_checked, set_checked
-from commlib_torch.tools.parity_runner import run_case
+from commlib_torch.tools.parity_jobs import run_case
 
 ENABLERS = ("context", "set_checked", "env")
 
@@ -137,7 +137,7 @@ def autograd_state(ctx, mode: str, check: bool = False):
 
 
 def overhead(ctx, shape, repeats):
-    from commlib_torch.tools.bench_runner import checked_overhead as measure
+    from commlib_torch.tools.bench_cases import checked_overhead as measure
 
     return measure(torch.ones(shape), repeats=repeats)
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
-from commlib.tools import cases
 from commlib.errors import CommError
+from commlib.tools import cases
 from commlib_torch import DeviceCommunicator
-from commlib_torch.tools.parity_runner import _tensor, run_case
+from commlib_torch.tools.parity_jobs import _tensor, run_case
 from commlib_torch.tools.pool import WorkerContext
 
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}

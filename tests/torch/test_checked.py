@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from commlib.tools import cases
-from commlib_torch.tools.parity_runner import merge
+from commlib_torch.tools.parity_jobs import merge
 from tests.torch import failure_jobs
 
 pytestmark = pytest.mark.timeout(120)
@@ -123,7 +123,7 @@ def test_valid_calls_pass_unchanged_in_checked_mode(pool, world_size):
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "constant"])
 def test_no_autograd_state_outside_grad_mode(pool, mode, check):
     for per_op in pool(3).run(failure_jobs.autograd_state, mode, check):
-        assert per_op == {name: (False, False, 0) for name in per_op}, per_op
+        assert per_op == dict.fromkeys(per_op, (False, False, 0)), per_op
 
 
 def test_grad_mode_control_builds_the_graph(pool):

@@ -7,7 +7,7 @@ import torch
 
 from commlib import plans, reference
 from commlib.tools import cases, parity
-from commlib_torch.tools.parity_runner import merge
+from commlib_torch.tools.parity_jobs import merge
 from tests.torch import jobs
 
 GROUPS = {"world": None, "02": (0, 2), "123": (1, 2, 3)}

@@ -51,7 +51,7 @@ def test_accum_dtype_makes_bfloat16_sums_exact(pool, op):
     """W=4 bf16, each element 256 on one rank and 1 on the others: 260 exactly with float32 accumulation,
     forward and (all_reduce) backward, and returned in bfloat16."""
     replies = pool(4).run(jobs.bf16_sum, "float32", op)
-    for rank, (out, grad) in enumerate(replies):
+    for _rank, (out, grad) in enumerate(replies):
         assert out.tolist() == [260.0] * 4
         if op == "all_reduce":
             assert grad.tolist() == [260.0] * 4  # the cotangents, summed in float32

@@ -17,7 +17,7 @@ import commlib_torch.tools.pool as pool_module
 from commlib import CommFailure, CommTimeout
 from commlib.tools import cases, parity
 from commlib.tools.parity import Results
-from commlib_torch.tools.parity_runner import run_table
+from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerError, WorkerPool
 from tests.torch import failure_jobs, pool_jobs
 

@@ -6,7 +6,7 @@ output and input gradient is checked against the reference computed for that gro
 import pytest
 
 from commlib.tools import cases, parity
-from commlib_torch.tools.parity_runner import merge
+from commlib_torch.tools.parity_jobs import merge
 from tests.torch import jobs
 
 PARTITIONS = {
@@ -27,7 +27,8 @@ def group_cases(W: int) -> list[cases.Case]:
     the reductions in both conventions."""
     table = [case for case in cases.case_table(W) if case.op != cases.ATTENTION]
     last = W - 1
-    return table + [
+    return [
+        *table,
         _case("permute", W, (2, 3), perm=[[last, 0]]),
         _case("permute", W, (2, 3), perm=[[last, 0], [0, last]], transposed=True),
         _case("broadcast", W, (4,), src=last),

@@ -5,13 +5,12 @@ cotangents, negative dims, bfloat16 and the rejected calls, at world sizes 1-4; 
 shapes and dims in float64.
 """
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from commlib.tools import cases, parity
-from commlib_torch.tools.parity_runner import merge, run_case
+from commlib_torch.tools.parity_jobs import merge, run_case
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -25,7 +24,8 @@ def _check(pool, case: cases.Case, seed: int = 0) -> parity.Row:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_case_table(pool, world_size):
     failed = [row for row in (_check(pool, case) for case in cases.case_table(world_size)) if not row.passed]
-    assert not failed, "\n".join(f"{row.case}: out {row.out_error} grad {row.grad_error} {row.detail}" for row in failed)
+    report = "\n".join(f"{row.case}: out {row.out_error} grad {row.grad_error} {row.detail}" for row in failed)
+    assert not failed, report
 
 
 @st.composite

@@ -94,7 +94,7 @@ def test_kernel_matches_permute(shape, dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("tile_words", (64, 1024, 8192))
+@pytest.mark.parametrize("tile_words", [64, 1024, 8192])
 def test_kernel_tiles_and_long_rows(tile_words):
     """Rows longer than a tile (the batch > 1 unpack) and tiles of many rows give the same result."""
     for rows, columns, size in ((8, 2, 20_003), (300, 8, 384)):

@@ -62,8 +62,8 @@ def test_walk_follows_the_plan(pool, world_size, name):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("batch", (1, 2))
-@pytest.mark.parametrize("dims", ((2, 1), (1, 2)))
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dims", [(2, 1), (1, 2)])
 def test_ulysses_copies(pool, world_size, batch, dims):
     """Batch 1: exactly one copy per all_to_all_4d (the other side is a view); batch > 1: two. Same backward."""
     shape = _ulysses_shape(world_size, batch, dims)
@@ -80,7 +80,7 @@ def test_ulysses_copies(pool, world_size, batch, dims):
             assert result["out_in_collective"] == (dims == (2, 1))
 
 
-@pytest.mark.parametrize("op, shape, kwargs", [("all_gather", (3, 5), {"dim": 0}),
+@pytest.mark.parametrize(("op", "shape", "kwargs"), [("all_gather", (3, 5), {"dim": 0}),
                                               ("reduce_scatter", (4, 5), {"dim": 0})])
 def test_dim0_gather_scatter_copy_nothing(pool, op, shape, kwargs):
     """all_gather / reduce_scatter on dim 0: no pass before or after the collective, forward or backward."""

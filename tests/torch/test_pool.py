@@ -121,7 +121,7 @@ def test_dead_worker_is_reported_with_its_exit_code(fresh_pool, job, args, exit_
 
 def test_hung_worker_is_killed_after_the_timeout(fresh_pool):
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="rank 0 did not answer within 2.0 s") as info:
+    with pytest.raises(WorkerError, match=r"rank 0 did not answer within 2\.0 s") as info:
         fresh_pool.run(pool_jobs.sleep_on, 0, 120.0, timeout=2.0)
     assert time.monotonic() - start < 2.0 + 5.0
     assert info.value.ranks == (0,)

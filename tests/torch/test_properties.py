@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from commlib.tools import cases, parity
-from commlib_torch.tools.parity_runner import merge, run_case
+from commlib_torch.tools.parity_jobs import merge, run_case
 
 WORLD_SIZES = (1, 2, 3, 4)
 FLOATS = ("float64", "bfloat16")
