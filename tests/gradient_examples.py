@@ -1,5 +1,5 @@
 """The worked gradient examples of docs/gradients.md, shared by tests/torch/test_conventions.py and
-tests/jax/test_gradient_modes.py (plain Python data: neither framework is imported here).
+tests/jax/test_conventions.py (plain Python data: neither framework is imported here).
 
 Each example: rank r's loss is ``sum(cotangents[r] * op(xs[r], **kwargs))`` and the objective is the sum of
 the ranks' losses; `gradients[r]` is the gradient of xs[r] the op must give (W = len(xs)).

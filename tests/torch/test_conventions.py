@@ -1,5 +1,5 @@
 """docs/gradients.md, torch side: every worked example, the Megatron f/g MLP, data parallel and Ulysses,
-on real gloo process groups (jobs in tests/torch/convention_jobs.py). tests/jax/test_gradient_modes.py
+on real gloo process groups (jobs in tests/torch/convention_jobs.py). tests/jax/test_conventions.py
 computes the same examples with commlib_jax."""
 
 import numpy as np
