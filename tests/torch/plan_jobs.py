@@ -96,10 +96,12 @@ def record(ctx, op: str, shape: tuple[int, ...], kwargs: dict, *, grad: bool = T
     output / input gradient share storage with the input / cotangent or the collective's buffers."""
     torch.manual_seed(ctx.rank)
     x = torch.randn(shape, requires_grad=grad)
-    forward, backward = Trace(), Trace()
-    with _Recorder(forward) as forward_recorder:  # noqa: F841 -- kept alive until the storages are compared
+    forward, backward, saved = Trace(), Trace(), []
+    with _Recorder(forward) as forward_recorder, torch.autograd.graph.saved_tensors_hooks(  # noqa: F841
+            lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
         out = getattr(commlib_torch, op)(x, **kwargs)
     result = {"forward": forward, "out_is_input": _storage(out) == _storage(x),
+              "autograd_state": (out.grad_fn is not None, out.requires_grad, len(saved)),
               "out_in_collective": _storage(out) in forward.collective_storages,
               "input_in_collective": _storage(x) in forward.collective_storages}
     if grad:

@@ -94,3 +94,4 @@ def test_no_grad_input_copies_the_same(pool):
     shape = _ulysses_shape(2, 1, (2, 1))
     (result, _) = pool(2).run(plan_jobs.record, "all_to_all_4d", shape, {}, grad=False)
     assert result["forward"].passes("before") + result["forward"].passes("after") == 1
+    assert result["autograd_state"] == (False, False, 0)  # no grad_fn, no requires_grad, nothing saved

@@ -1,0 +1,152 @@
+"""Hypothesis strategies for every op's cases, shared by tests/torch/test_properties.py and
+tests/jax/test_properties.py (plain data: neither framework is imported here).
+
+`cases(op, space)` draws a `commlib.tools.cases.Case`: random shapes (size-1 dims, 0-d where the op allows), dims
+(negative too), rank arguments, both conventions, ties and zeros for the reductions ("small" draws), world sizes
+1-4. A `Space` says what a frontend's tests draw from: torch takes sizes up to 3, bfloat16 and transposed
+(non-contiguous) inputs; JAX keeps sizes in {1, 2} so that examples often lower to a program it already
+compiled (see tests/jax/programs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from commlib.tools.cases import Case
+
+__all__ = ["JAX", "OPS", "SEEDS", "TORCH", "Space", "cases"]
+
+SEEDS = st.integers(0, 2**16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What one frontend's property tests draw from."""
+
+    max_size: int  # each dim is drawn from 1..max_size (times W on a split dim)
+    dtypes: tuple[str, ...]  # floating dtypes of the inputs
+    transposed: bool  # also draw non-contiguous (transposed) inputs and cotangents
+    world_sizes: tuple[int, ...] = (1, 2, 3, 4)
+
+
+TORCH = Space(max_size=3, dtypes=("float64", "bfloat16"), transposed=True)
+JAX = Space(max_size=2, dtypes=("float64",), transposed=False)
+
+
+@st.composite
+def _setting(draw, space: Space, min_ndim: int = 0, max_ndim: int = 4, dtypes: tuple[str, ...] | None = None):
+    """(world_size, shape as a list to adjust a split dim, dtype, transposed)."""
+    world_size = draw(st.sampled_from(space.world_sizes))
+    shape = draw(st.lists(st.integers(1, space.max_size), min_size=min_ndim, max_size=max_ndim))
+    dtype = draw(st.sampled_from(dtypes or space.dtypes))
+    transposed = space.transposed and draw(st.booleans())
+    return world_size, shape, dtype, transposed
+
+
+def _dim(ndim: int):
+    return st.integers(-ndim, ndim - 1)
+
+
+def _case(op: str, setting: tuple, kwargs: list, draw: str = "normal") -> Case:
+    world_size, shape, dtype, transposed = setting
+    kwargs_tuple = tuple(kwargs)
+    name = f"prop:{op}{list(shape)}{dict(kwargs_tuple)},{dtype},{'T' if transposed else ''}{draw}"
+    return Case(name, op, world_size, tuple(shape), dtype, kwargs_tuple, transposed, draw=draw)
+
+
+@st.composite
+def _all_to_all(draw, space: Space):
+    """Distinct scatter and gather dims (equal ones are the case table's error row), either spelled negative."""
+    setting = draw(_setting(space, min_ndim=2))
+    world_size, shape = setting[0], setting[1]
+    ndim = len(shape)
+    scatter = draw(_dim(ndim))
+    gather = (scatter + draw(st.integers(1, ndim - 1))) % ndim - draw(st.sampled_from([0, ndim]))
+    shape[scatter] *= world_size
+    return _case("all_to_all", setting, [("scatter_dim", scatter), ("gather_dim", gather)])
+
+
+@st.composite
+def _all_gather(draw, space: Space):
+    setting = draw(_setting(space, min_ndim=1))
+    convention = draw(st.sampled_from(["sum", "replicated"]))
+    return _case("all_gather", setting, [("dim", draw(_dim(len(setting[1])))), ("convention", convention)])
+
+
+@st.composite
+def _reduce_scatter(draw, space: Space):
+    setting = draw(_setting(space, min_ndim=1))
+    dim = draw(_dim(len(setting[1])))
+    setting[1][dim] *= setting[0]
+    return _case("reduce_scatter", setting, [("dim", dim), ("op", draw(st.sampled_from(["sum", "avg"])))])
+
+
+@st.composite
+def _all_reduce(draw, space: Space):
+    """Every reduction in both conventions; "small" draws (integers in [-1, 2]) give ties and zeros;
+    bfloat16 sometimes accumulated in float32; int32 (forward only) for the reductions integers have."""
+    op = draw(st.sampled_from(["sum", "avg", "max", "min", "product"]))
+    integers = () if op == "avg" else ("int32",)
+    setting = draw(_setting(space, dtypes=(*space.dtypes, *integers)))
+    kwargs = [("op", op), ("convention", draw(st.sampled_from(["sum", "replicated"])))]
+    if setting[2] == "bfloat16" and draw(st.booleans()):
+        kwargs.append(("accum_dtype", "float32"))
+    return _case("all_reduce", setting, kwargs, draw(st.sampled_from(["normal", "small"])))
+
+
+@st.composite
+def _broadcast(draw, space: Space):
+    setting = draw(_setting(space))
+    return _case("broadcast", setting, [("src", draw(st.integers(0, setting[0] - 1)))])
+
+
+@st.composite
+def _gather(draw, space: Space):
+    setting = draw(_setting(space, min_ndim=1))
+    dst = draw(st.integers(0, setting[0] - 1))
+    return _case("gather", setting, [("dst", dst), ("dim", draw(_dim(len(setting[1]))))])
+
+
+@st.composite
+def _scatter(draw, space: Space):
+    setting = draw(_setting(space, min_ndim=1))
+    src, dim = draw(st.integers(0, setting[0] - 1)), draw(_dim(len(setting[1])))
+    setting[1][dim] *= setting[0]
+    return _case("scatter", setting, [("src", src), ("dim", dim)])
+
+
+@st.composite
+def _permute(draw, space: Space):
+    """A partial permutation: distinct sources, distinct destinations (a rank may send to itself)."""
+    setting = draw(_setting(space))
+    world_size = setting[0]
+    sources = draw(st.lists(st.integers(0, world_size - 1), unique=True, max_size=world_size))
+    destinations = draw(st.permutations(range(world_size)))[: len(sources)]
+    return _case("permute", setting, [("perm", tuple(zip(sources, destinations, strict=True)))])
+
+
+@st.composite
+def _sum_grad(draw, space: Space):
+    return _case("sum_grad", draw(_setting(space)), [])
+
+
+_STRATEGIES = {
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "broadcast": _broadcast,
+    "gather": _gather,
+    "scatter": _scatter,
+    "permute": _permute,
+    "sum_grad": _sum_grad,
+}
+#: The ops with a strategy (all_to_all_4d is all_to_all on 4 dims; its own rules are in the case table).
+OPS = tuple(_STRATEGIES)
+
+
+def cases(op: str, space: Space) -> st.SearchStrategy[Case]:
+    """Random valid cases of `op` drawn from `space`."""
+    return _STRATEGIES[op](space)
