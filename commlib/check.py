@@ -79,7 +79,13 @@ def _slots(values: Sequence[int], count: int) -> list[int]:
 
 def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases;
-    `dtype` the tensor's, which a backward's cotangent may change)."""
+    `dtype` the tensor's, which a backward's cotangent may change).
+
+    >>> from commlib import plans
+    >>> call = decode(fingerprint(plans.all_gather((2, 3), 4, dim=0), "bfloat16", "backward"))
+    >>> call.collective, call.shape, call.dtype, call.dims
+    ('all_gather backward', (2, 3), 'bfloat16', (0,))
+    """
     row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
     shape, pairs = plan.in_shape, plan.pairs
     dims = _slots(plan.dims, 2)
@@ -100,7 +106,7 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
 class Call:
     """A decoded fingerprint: what one rank was about to run. Fields print as they appear in messages."""
 
-    op: str | None
+    op_name: str | None
     phase: str
     world_size: int
     shape: tuple[int, ...] | str  # a str when over 8 dims (only the first 8 are known)
@@ -114,7 +120,7 @@ class Call:
 
     @property
     def collective(self) -> str:
-        return f"{self.op}" if self.phase == "forward" else f"{self.op} backward"
+        return f"{self.op_name}" if self.phase == "forward" else f"{self.op_name} backward"
 
 
 def _shape(row: np.ndarray) -> tuple[int, ...] | str:
@@ -139,7 +145,7 @@ def decode(row: np.ndarray) -> Call:
     dims = tuple(int(dim) for dim in row[[_DIM0, _DIM1]] if dim != _NONE)
     phase = int(row[_PHASE])
     return Call(
-        op=_name(int(row[_OP])),
+        op_name=_name(int(row[_OP])),
         phase=PHASES[phase] if 0 <= phase < len(PHASES) else f"<phase {phase}>",
         world_size=int(row[_WORLD]),
         shape=_shape(row),
@@ -186,16 +192,17 @@ def _differences(rows: np.ndarray, calls: list[Call]) -> list[str]:
     for label, slots, show in _ASPECTS:
         if len({tuple(row) for row in rows[:, slots].tolist()}) > 1:
             if label == "root":
-                label = "dst" if calls[0].op == "gather" else "src"
+                label = "dst" if calls[0].op_name == "gather" else "src"
             found.append(f"{label}: {_by_value([show(call) for call in calls], ('has', 'have'))}")
     return found or ["the call (their fingerprints differ)"]
 
 
 def _received(call: Call, rank: int) -> dict[str, object]:
     """This rank's own call, for the message's "Received:" part (defaults left out)."""
+    # keys are the user's keyword names: the reduction is `op` in every public signature
     received = dict(rank=rank, phase=call.phase, shape=call.shape, dtype=call.dtype, op=call.reduce_op,
                     dims=call.dims, convention=None if call.convention == "sum" else call.convention,
-                    root=call.root, accum_dtype=call.accum_dtype, perm=call.perm if call.op == "permute" else None)
+                    root=call.root, accum_dtype=call.accum_dtype, perm=call.perm if call.op_name == "permute" else None)
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 
@@ -204,13 +211,20 @@ def compare(fingerprints: np.ndarray, rank: int) -> None:
 
     Every rank gets the same array, so every rank raises; the message names the op (this rank's), each
     aspect the ranks disagree on with every rank's value, and ends with this rank's own call.
+
+    >>> from commlib import plans
+    >>> rows = np.stack([fingerprint(plans.all_reduce(shape, 2), "float32") for shape in [(3,), (4,)]])
+    >>> compare(rows, rank=0)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: all_reduce: ranks disagree on shape: rank 0 has (3,), rank 1 has (4,). Received: rank=0, phase='forward', shape=(3,), dtype='float32', op='sum'
     """
     rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
     if (rows == rows[0]).all():
         return
     own = decode(rows[rank]) if rows[rank, _VERSION] == _MAGIC else None
     strangers = [r for r in range(len(rows)) if rows[r, _VERSION] != _MAGIC]
-    op_name = own.op if own is not None and own.op is not None else "checked mode"
+    op_name = own.op_name if own is not None and own.op_name is not None else "checked mode"
     if strangers:
         raise comm_error(op_name, f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
                                   f"every rank of the group, and every rank must call the same collectives",

@@ -111,7 +111,13 @@ class Rearrange:
 
     @property
     def is_identity(self) -> bool:
-        """True when a contiguous source needs no pass: the permutation keeps memory order."""
+        """True when a contiguous source needs no pass: the permutation keeps memory order.
+
+        >>> Rearrange(view=(1, 4, 3), perm=(1, 0, 2)).is_identity  # moves only a size-1 axis
+        True
+        >>> Rearrange(view=(2, 4, 3), perm=(1, 0, 2)).is_identity
+        False
+        """
         moved = [axis for axis in self.perm if self.view[axis] != 1]
         return not self.always_copy and moved == sorted(moved)
 
@@ -120,6 +126,9 @@ class Rearrange:
 
         E.g. the Ulysses pack ``[B, S/W, W, H/W, D]`` by ``(2, 0, 1, 3, 4)`` merges to
         ``[B*S/W, W, H/W*D]`` by ``(1, 0, 2)``: a single batched transpose, the shape a pack kernel takes.
+
+        >>> Rearrange(view=(2, 8, 4, 3, 16), perm=(2, 0, 1, 3, 4)).merged()
+        ((16, 4, 48), (1, 0, 2))
         """
         order = [axis for axis in self.perm if self.view[axis] != 1]
         groups: list[list[int]] = []
@@ -179,7 +188,12 @@ class Plan:
 
     @property
     def copies(self) -> int:
-        """Local passes this plan makes on a contiguous input (0, 1 or 2)."""
+        """Local passes this plan makes on a contiguous input (0, 1 or 2).
+
+        >>> from commlib import plans
+        >>> [plans.all_to_all_4d((batch, 8, 12, 16), 4).copies for batch in (1, 2)]
+        [1, 2]
+        """
         return int(not self.pack.is_identity) + int(not self.unpack.is_identity)
 
     def replace(self, **changes: object) -> Plan:

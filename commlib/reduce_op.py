@@ -42,6 +42,13 @@ def parse_reduce_op(op: object, *, op_name: str, received: dict | None = None) -
     Raises:
         CommError: an unknown name (e.g. ``torch.distributed.ReduceOp.BAND``).
         TypeError: `op` is neither a string nor has a ``name``.
+
+    >>> parse_reduce_op("MAX", op_name="all_reduce")
+    'max'
+    >>> parse_reduce_op("band", op_name="all_reduce")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: all_reduce: op ('band') must be one of sum, avg, max, min, product. Received: op='band'
     """
     if isinstance(op, ReduceOp):
         return op

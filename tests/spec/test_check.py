@@ -42,7 +42,7 @@ def test_every_op_has_the_same_fingerprint_size_and_decodes(plan):
         row = check.fingerprint(plan, "float32", phase)
         assert row.shape == (check.FINGERPRINT_SIZE,) and row.dtype == np.int64
         call = check.decode(row)
-        assert (call.op, call.phase, call.world_size, call.dims, call.root) == (
+        assert (call.op_name, call.phase, call.world_size, call.dims, call.root) == (
             plan.op_name, phase, plan.world_size, plan.dims, plan.root)
         assert (call.reduce_op, call.convention, call.accum_dtype) == (plan.reduce_op, plan.convention,
                                                                       plan.accum_dtype)
