@@ -19,10 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from commlib.dtypes import KINDS
 from commlib.errors import comm_error
 from commlib.layout import Convention, Plan
 from commlib.plans import OP_NAMES
-from commlib.reduce_op import FLOAT_DTYPES, ReduceOp
+from commlib.reduce_op import ReduceOp
 
 __all__ = [
     "FINGERPRINT_SIZE",
@@ -52,9 +53,8 @@ FINGERPRINT_SIZE = 32
 assert _PAIRS + _PAIR_SLOTS <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
-_KNOWN_NAMES = (*OP_NAMES, *(op.value for op in ReduceOp), *(convention.value for convention in Convention),
-                *sorted(FLOAT_DTYPES), "complex64", "complex128", "int8", "int16", "int32", "int64", "uint8",
-                "uint16", "uint32", "uint64", "bool")
+_KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),
+                *(convention.value for convention in Convention), *KINDS)
 
 
 def _code(name: str | None) -> int:
@@ -177,23 +177,23 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def _by_value(values: list[str], verb: tuple[str, str]) -> str:
+def _by_value(values: list[str], verb: tuple[str, str], ranks: Sequence[int]) -> str:
     """``"ranks 0, 1, 3 have X, rank 2 has Y"``: ranks grouped by value, in order of first appearance."""
     groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
+    for rank, value in zip(ranks, values, strict=True):
         groups.setdefault(value, []).append(rank)
-    return ", ".join(f"{_ranks(ranks)} {verb[len(ranks) > 1]} {value}" for value, ranks in groups.items())
+    return ", ".join(f"{_ranks(members)} {verb[len(members) > 1]} {value}" for value, members in groups.items())
 
 
-def _differences(rows: np.ndarray, calls: list[Call]) -> list[str]:
+def _differences(rows: np.ndarray, calls: list[Call], ranks: Sequence[int]) -> list[str]:
     if len({call.collective for call in calls}) > 1:  # op or phase: the other aspects don't compare
-        return [f"the collective: {_by_value([call.collective for call in calls], ('runs', 'run'))}"]
+        return [f"the collective: {_by_value([call.collective for call in calls], ('runs', 'run'), ranks)}"]
     found = []
     for label, slots, show in _ASPECTS:
         if len({tuple(row) for row in rows[:, slots].tolist()}) > 1:
             if label == "root":
                 label = "dst" if calls[0].op_name == "gather" else "src"
-            found.append(f"{label}: {_by_value([show(call) for call in calls], ('has', 'have'))}")
+            found.append(f"{label}: {_by_value([show(call) for call in calls], ('has', 'have'), ranks)}")
     return found or ["the call (their fingerprints differ)"]
 
 
@@ -202,12 +202,14 @@ def _received(call: Call, rank: int) -> dict[str, object]:
     # keys are the user's keyword names: the reduction is `op` in every public signature
     received = dict(rank=rank, phase=call.phase, shape=call.shape, dtype=call.dtype, op=call.reduce_op,
                     dims=call.dims, convention=None if call.convention == "sum" else call.convention,
-                    root=call.root, accum_dtype=call.accum_dtype, perm=call.perm if call.op_name == "permute" else None)
+                    root=call.root, accum_dtype=call.accum_dtype,
+                    perm=call.perm if call.op_name in ("permute", "send/recv") else None)
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 
-def compare(fingerprints: np.ndarray, rank: int) -> None:
-    """Raise `CommError` if the rows of `fingerprints` (one per group rank, group-local order) differ.
+def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = None) -> None:
+    """Raise `CommError` if the rows of `fingerprints` differ: one per group rank in group-local order, or one
+    per rank of `ranks` (the two ends of a send/recv); `rank` is this rank's group-local rank.
 
     Every rank gets the same array, so every rank raises; the message names the op (this rank's), each
     aspect the ranks disagree on with every rank's value, and ends with this rank's own call.
@@ -222,8 +224,10 @@ def compare(fingerprints: np.ndarray, rank: int) -> None:
     rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
     if (rows == rows[0]).all():
         return
-    own = decode(rows[rank]) if rows[rank, _VERSION] == _MAGIC else None
-    strangers = [r for r in range(len(rows)) if rows[r, _VERSION] != _MAGIC]
+    ranks = list(range(len(rows))) if ranks is None else list(ranks)
+    index = ranks.index(rank)
+    own = decode(rows[index]) if rows[index, _VERSION] == _MAGIC else None
+    strangers = [ranks[r] for r in range(len(rows)) if rows[r, _VERSION] != _MAGIC]
     op_name = own.op_name if own is not None and own.op_name is not None else "checked mode"
     if strangers:
         raise comm_error(op_name, f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
@@ -232,5 +236,5 @@ def compare(fingerprints: np.ndarray, rank: int) -> None:
     calls = [decode(row) for row in rows]
     assert own is not None
     name = own.collective
-    message = "ranks disagree on " + "; on ".join(_differences(rows, calls))
+    message = "ranks disagree on " + "; on ".join(_differences(rows, calls, ranks))
     raise comm_error(name, message, **_received(own, rank))

@@ -36,6 +36,7 @@ import math
 from typing import Any, Protocol
 
 from commlib import plans
+from commlib.dtypes import has_nan
 from commlib.layout import (
     Collective,
     Convention,
@@ -46,7 +47,7 @@ from commlib.layout import (
     local_layout,
     reduce_scatter_layout,
 )
-from commlib.reduce_op import ReduceOp, is_floating
+from commlib.reduce_op import ReduceOp
 
 __all__ = ["Backend", "forward", "needs_output", "needs_primal", "vjp", "vjp_plan"]
 
@@ -166,10 +167,11 @@ def needs_output(plan: Plan) -> bool:
 
 
 def forward(backend: Backend, plan: Plan, x: Any) -> Any:
-    """The op's output on this rank: the plan walked, and for floating max/min the NaN rule (an extra
-    one-byte all_reduce(max) of the NaN mask: backends differ on NaN, numpy's maximum propagates it)."""
+    """The op's output on this rank: the plan walked, and for max/min of a dtype with NaN (floating, float8)
+    the NaN rule (an extra one-byte all_reduce(max) of the NaN mask: backends differ on NaN -- gloo keeps or
+    drops one depending on the rank holding it, XLA drops it -- while numpy's maximum propagates it)."""
     out = backend.collective(plan, x)
-    if plan.collective is not Collective.ALL_REDUCE or plan.reduce_op not in _EXTREMA or not is_floating(plan.dtype):
+    if plan.collective is not Collective.ALL_REDUCE or plan.reduce_op not in _EXTREMA or not has_nan(plan.dtype):
         return out
     mask = plans.all_reduce(plan.in_shape, plan.world_size, ReduceOp.MAX, dtype="uint8", op_name=plan.op_name)
     any_nan = backend.collective(mask, backend.astype(backend.isnan(x), "uint8"))

@@ -173,6 +173,8 @@ class Plan:
     accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
     root: int | None = None  # group-local src/dst rank of rooted ops
     pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
+    scale_first: bool = False  # multiply every rank's value by `scale` before the collective (half-precision avg)
+    carrier: str | None = None  # same-size dtype the backend carries `dtype`'s bits in (it lacks `dtype`)
 
     @property
     def is_trivial(self) -> bool:

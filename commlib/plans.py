@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import operator
 
-from commlib.errors import comm_error, kind_error
+from commlib.dtypes import carrier, kind
+from commlib.errors import CommError, comm_error, kind_error
 from commlib.layout import (
     Collective,
     Convention,
@@ -45,7 +46,17 @@ __all__ = [
     "permute",
     "sum_grad",
     "check_rank",
+    "point_to_point",
+    "not_a_member",
+    "wrong_type",
+    "unbound_axis",
+    "HALF_DTYPES",
 ]
+
+#: Dtypes whose sum overflows long before their average does (float16: 40000 + 40000): their avg scales each
+#: rank's value by 1/W before the sum (as NCCL's own ncclAvg does for floats), so an average that fits never
+#: overflows, in the forward and in the summed cotangent of its backward.
+HALF_DTYPES = frozenset({"float16", "bfloat16", "complex32"})
 
 #: The values of the ``convention`` keyword (`Convention.REPLICATED_INPUT` is set by the ops, not passed).
 CONVENTIONS = (Convention.SUM.value, Convention.REPLICATED.value)
@@ -118,8 +129,9 @@ def _check_dtype(op_name: str, name: str, dtype: object, received: dict) -> str:
 def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object,
                      received: dict) -> str | None:
     """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
-    if reduce_op is ReduceOp.AVG and not is_floating(dtype):
-        raise comm_error(op_name, f"op ('avg') needs a floating dtype, not {dtype}", **received, dtype=dtype)
+    if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `carrier` says
+        message = f"op ('avg') needs a floating or complex dtype, not {dtype}"
+        raise comm_error(op_name, message, **received, dtype=dtype)
     if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
         message = "op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all)"
         raise comm_error(op_name, message, **received, dtype=dtype)
@@ -135,6 +147,59 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
         message = f"accum_dtype ({accum}, {FLOAT_BITS[accum]} bits) must be at least as wide as the input ({dtype})"
         raise comm_error(op_name, message, **received)
     return None if accum == dtype else accum
+
+
+def _reduction_fields(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, carried, received: dict,
+                      world_size: int) -> dict:
+    """The Plan fields of a reduction's dtypes and scale: the accumulation dtype (the user's, or a wider
+    carrier), the same-size carrier, the scale (1/W for avg) and whether it applies before the sum."""
+    accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
+    view, cast = carrier(op_name, dtype, reduce_op, carried, received)
+    is_avg = reduce_op is ReduceOp.AVG
+    return dict(accum_dtype=cast or accum, carrier=view, scale=1.0 / world_size if is_avg else 1.0,
+                scale_first=is_avg and dtype in HALF_DTYPES)
+
+
+def _movement_fields(op_name: str, dtype: str, carried, received: dict) -> dict:
+    """The Plan field of data movement: the same-size dtype the backend carries `dtype`'s bits in, if any."""
+    view, _ = carrier(op_name, dtype, None, carried, received)
+    return dict(carrier=view)
+
+
+def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
+    """The error of a collective called on a rank outside its group (torch: the group's world size is -1 there).
+
+    >>> not_a_member("all_reduce", 2, [0, 1])
+    CommError('all_reduce: this rank (global rank 2) is not a member of the group (global ranks [0, 1]): only its members may call its collectives. Received: rank=2, group_ranks=[0, 1]')
+    """
+    ranks = [int(member) for member in group_ranks]
+    message = (f"this rank (global rank {rank}) is not a member of the group (global ranks {ranks}): only its "
+               f"members may call its collectives")
+    return comm_error(op_name, message, rank=rank, group_ranks=ranks)
+
+
+def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeError:
+    """The error of an op given something that is not the frontend's array type (a numpy array or a list given
+    to a torch op, a list given to a JAX op).
+
+    >>> wrong_type("all_reduce", "x", [1.0], "torch.Tensor")
+    TypeError("all_reduce: x must be a torch.Tensor, not list. Received: type='list'")
+    """
+    cls = type(value)
+    type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+    return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
+
+
+def unbound_axis(op_name: str, axis_name: object) -> CommError:
+    """The error of a JAX op whose axis name no enclosing ``jax.shard_map`` / ``jax.pmap`` binds (JAX's own is
+    ``NameError: unbound axis name``).
+
+    >>> unbound_axis("all_reduce", "i")
+    CommError("all_reduce: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
+    """
+    message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
+               f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
+    return comm_error(op_name, message, axis_name=axis_name)
 
 
 def check_rank(op_name: str, name: str, rank: object, world_size: int, received: dict | None = None) -> int:
@@ -178,7 +243,7 @@ def _common(op_name: str, shape: object, world_size: object, dtype: object, rece
 
 
 def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
-               op_name="all_reduce") -> Plan:
+               op_name="all_reduce", carried=None) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
     >>> all_reduce((3,), 4, "avg").scale
@@ -187,14 +252,14 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
     received = dict(shape=tuple(shape), op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
-    accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
+    fields = _reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
     return Plan(op_name=op_name, collective=Collective.ALL_REDUCE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, reduce_op=reduce_op, scale=1.0 / world_size if reduce_op is ReduceOp.AVG else 1.0,
-                convention=_check_convention(op_name, convention, received), accum_dtype=accum,
-                **flat_layout(shape, in_place=True))
+                dtype=dtype, reduce_op=reduce_op, convention=_check_convention(op_name, convention, received),
+                **fields, **flat_layout(shape, in_place=True))
 
 
-def all_gather(shape, world_size, dim=-1, *, dtype="float32", convention="sum", op_name="all_gather") -> Plan:
+def all_gather(shape, world_size, dim=-1, *, dtype="float32", convention="sum", op_name="all_gather",
+               carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
 
     >>> all_gather((3, 5), 4, dim=0).out_shape
@@ -205,11 +270,11 @@ def all_gather(shape, world_size, dim=-1, *, dtype="float32", convention="sum", 
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
     return Plan(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
                 dtype=dtype, convention=_check_convention(op_name, convention, received),
-                **all_gather_layout(shape, world_size, dim))
+                **_movement_fields(op_name, dtype, carried, received), **all_gather_layout(shape, world_size, dim))
 
 
 def reduce_scatter(shape, world_size, dim=0, op="sum", *, dtype="float32", accum_dtype=None,
-                   op_name="reduce_scatter") -> Plan:
+                   op_name="reduce_scatter", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
     >>> reduce_scatter((8, 3), 4).out_shape
@@ -221,16 +286,14 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, dtype="float32", accum
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
+    fields = _reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     return Plan(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, in_shape=shape,
-                dims=(dim,), dtype=dtype, reduce_op=reduce_op,
-                scale=1.0 / world_size if reduce_op is ReduceOp.AVG else 1.0, accum_dtype=accum,
-                **reduce_scatter_layout(shape, world_size, dim))
+                dims=(dim,), dtype=dtype, reduce_op=reduce_op, **fields, **reduce_scatter_layout(shape, world_size, dim))
 
 
 def all_to_all(shape, world_size, scatter_dim, gather_dim, *, dtype="float32", op_name="all_to_all",
-               dim_names=None) -> Plan:
+               dim_names=None, carried=None) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
@@ -249,11 +312,11 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, dtype="float32", o
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
     _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
     return Plan(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size, in_shape=shape,
-                dims=(scatter_axis, gather_axis), dtype=dtype,
+                dims=(scatter_axis, gather_axis), dtype=dtype, **_movement_fields(op_name, dtype, carried, received),
                 **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
 
 
-def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="float32") -> Plan:
+def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="float32", carried=None) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
     ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
@@ -274,10 +337,10 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="floa
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
     return all_to_all(dims, world_size, scatter_dim, gather_dim, dtype=dtype, op_name=op_name,
-                      dim_names=ULYSSES_DIMS)
+                      dim_names=ULYSSES_DIMS, carried=carried)
 
 
-def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast") -> Plan:
+def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
     >>> broadcast((3,), 2, src=1).root
@@ -287,10 +350,11 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast")
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
     return Plan(op_name=op_name, collective=Collective.BROADCAST, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, root=root, **flat_layout(shape, in_place=True))
+                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
+                **flat_layout(shape, in_place=True))
 
 
-def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather") -> Plan:
+def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
 
     >>> gather((2, 3), 4, dst=3).out_shape
@@ -301,10 +365,11 @@ def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather
     root = check_rank(op_name, "dst", dst, world_size, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
     return Plan(op_name=op_name, collective=Collective.GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, root=root, **all_gather_layout(shape, world_size, dim))
+                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
+                **all_gather_layout(shape, world_size, dim))
 
 
-def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatter") -> Plan:
+def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatter", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
 
     >>> scatter((8, 2), 4).out_shape
@@ -316,10 +381,11 @@ def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatte
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     return Plan(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, root=root, **reduce_scatter_layout(shape, world_size, dim))
+                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
+                **reduce_scatter_layout(shape, world_size, dim))
 
 
-def permute(shape, world_size, perm, *, dtype="float32", op_name="permute") -> Plan:
+def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carried=None) -> Plan:
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
 
@@ -330,10 +396,11 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute") -> P
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     pairs = _check_pairs(op_name, perm, world_size, received)
     return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, pairs=pairs, **flat_layout(shape, in_place=False))
+                dtype=dtype, pairs=pairs, **_movement_fields(op_name, dtype, carried, received),
+                **flat_layout(shape, in_place=False))
 
 
-def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad") -> Plan:
+def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=None) -> Plan:
     """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
     (Megatron's f).
 
@@ -344,3 +411,23 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad") -> Plan:
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     return Plan(op_name=op_name, collective=Collective.IDENTITY, world_size=world_size, in_shape=shape, dims=(),
                 dtype=dtype, convention=Convention.REPLICATED_INPUT, **flat_layout(shape, in_place=False))
+
+
+def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", carried=None) -> Plan:
+    """One transfer of ``s`` from rank `src` to rank `dst` (`DeviceCommunicator.send` / `recv`, each end naming
+    the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
+    compares them.
+
+    >>> point_to_point((3,), 2, 0, 1, op_name="recv").pairs
+    ((0, 1),)
+    """
+    received = dict(shape=tuple(shape), src=src, dst=dst)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    source = check_rank(op_name, "src", src, world_size, received)
+    destination = check_rank(op_name, "dst", dst, world_size, received)
+    if source == destination:
+        raise comm_error(op_name, f"dst ({destination}) must differ from src ({source}): a rank cannot send to itself",
+                         **received)
+    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, pairs=((source, destination),), **_movement_fields(op_name, dtype, carried, received),
+                **flat_layout(shape, in_place=False))

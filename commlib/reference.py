@@ -52,9 +52,12 @@ def _rearrange(x: np.ndarray, step: Rearrange, shape: tuple[int, ...]) -> np.nda
 
 
 def _wide(x: np.ndarray) -> np.ndarray:
-    """float64 for floats, int64 for integers, bool as is: the exact arithmetic of the reference."""
+    """float64 for floats, complex128 for complex, int64 for integers, bool as is: the exact arithmetic of the
+    reference."""
     if x.dtype.kind == "f" or x.dtype.kind == "V" or str(x.dtype) == "bfloat16":
         return x.astype(np.float64)
+    if x.dtype.kind == "c":
+        return x.astype(np.complex128)
     if x.dtype.kind in "iu":
         return x.astype(np.int64)
     return x
@@ -70,9 +73,12 @@ _REDUCE = {
 
 
 def _collective(plan: Plan, sends: Arrays) -> Arrays:
-    """The dim-0 collective (or local step) on every rank, then the plan's scale, as the frontends apply it."""
+    """The dim-0 collective (or local step) on every rank, with the plan's scale before it (`scale_first`) or
+    after it, as the frontends apply it."""
+    if plan.scale_first and plan.scale != 1.0:
+        sends = [send * plan.scale for send in sends]
     recvs = _local(plan, sends) if plan.collective.is_local else _exchange(plan, sends)
-    return recvs if plan.scale == 1.0 else [recv * plan.scale for recv in recvs]
+    return recvs if plan.scale == 1.0 or plan.scale_first else [recv * plan.scale for recv in recvs]
 
 
 def _local(plan: Plan, sends: Arrays) -> Arrays:

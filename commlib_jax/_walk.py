@@ -96,7 +96,10 @@ def _ppermute(plan: Plan, axes: tuple, x):
 def run(plan: Plan, axes: tuple, x):
     """This rank's output of `plan` for input `x`, typed varying over `axes`, in x's dtype."""
     buffer = x if plan.accum_dtype is None else x.astype(plan.accum_dtype)
+    scale = jnp.asarray(plan.scale, buffer.dtype)
+    if plan.scale_first and plan.scale != 1.0:  # half-precision avg: scale before the sum, which could overflow
+        buffer = buffer * scale
     out = _collective(plan, axes, buffer)
-    if plan.scale != 1.0:
-        out = out * jnp.asarray(plan.scale, out.dtype)
+    if plan.scale != 1.0 and not plan.scale_first:
+        out = out * scale
     return to_varying(out.astype(x.dtype), axes)

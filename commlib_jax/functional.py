@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from commlib import gradients, plans
@@ -96,8 +97,15 @@ def _apply(plan: Plan, axes: tuple, x):
     return x if plan.is_trivial else _collective(plan, axes, to_varying(x, axes))
 
 
-def _world_size(axes: tuple) -> int:
-    return lax.axis_size(axis_arg(axes))
+def _world_size(op_name: str, x, axes: tuple) -> int:
+    """The size of `axes`, after the spec's checks of what only JAX can see: `x` an array, and `axes` bound
+    by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``)."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+    try:
+        return lax.axis_size(axis_arg(axes))
+    except NameError:
+        raise plans.unbound_axis(op_name, axis_arg(axes)) from None
 
 
 def _accum(accum_dtype) -> str | None:
@@ -125,7 +133,8 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
     axes = axes_of(axis_name)
-    plan = plans.all_reduce(x.shape, _world_size(axes), op, dtype=dtype_name(x.dtype), convention=convention,
+    size = _world_size("all_reduce", x, axes)
+    plan = plans.all_reduce(x.shape, size, op, dtype=dtype_name(x.dtype), convention=convention,
                             accum_dtype=_accum(accum_dtype))
     return _apply(plan, axes, x)
 
@@ -141,7 +150,8 @@ def all_gather(x, axis_name, dim=-1, *, convention="sum"):
         CommError: `dim` out of range, unknown convention.
     """
     axes = axes_of(axis_name)
-    plan = plans.all_gather(x.shape, _world_size(axes), dim, dtype=dtype_name(x.dtype), convention=convention)
+    size = _world_size("all_gather", x, axes)
+    plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention)
     return _apply(plan, axes, x)
 
 
@@ -156,7 +166,8 @@ def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None):
         CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
     """
     axes = axes_of(axis_name)
-    plan = plans.reduce_scatter(x.shape, _world_size(axes), dim, op, dtype=dtype_name(x.dtype),
+    size = _world_size("reduce_scatter", x, axes)
+    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype_name(x.dtype),
                                 accum_dtype=_accum(accum_dtype))
     return _apply(plan, axes, x)
 
@@ -172,7 +183,8 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim):
         CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
     """
     axes = axes_of(axis_name)
-    plan = plans.all_to_all(x.shape, _world_size(axes), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    size = _world_size("all_to_all", x, axes)
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
     return _apply(plan, axes, x)
 
 
@@ -187,7 +199,8 @@ def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1):
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
     """
     axes = axes_of(axis_name)
-    plan = plans.all_to_all_4d(x.shape, _world_size(axes), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    size = _world_size("all_to_all_4d", x, axes)
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
     return _apply(plan, axes, x)
 
 
@@ -199,7 +212,8 @@ def broadcast(x, axis_name, src=0):
         CommError: `src` not in [0, W).
     """
     axes = axes_of(axis_name)
-    return _apply(plans.broadcast(x.shape, _world_size(axes), src, dtype=dtype_name(x.dtype)), axes, x)
+    size = _world_size("broadcast", x, axes)
+    return _apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def gather(x, axis_name, dst=0, dim=-1):
@@ -211,7 +225,8 @@ def gather(x, axis_name, dst=0, dim=-1):
         CommError: `dst` not in [0, W), `dim` out of range.
     """
     axes = axes_of(axis_name)
-    return _apply(plans.gather(x.shape, _world_size(axes), dst, dim, dtype=dtype_name(x.dtype)), axes, x)
+    size = _world_size("gather", x, axes)
+    return _apply(plans.gather(x.shape, size, dst, dim, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def scatter(x, axis_name, src=0, dim=0):
@@ -223,7 +238,8 @@ def scatter(x, axis_name, src=0, dim=0):
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
     """
     axes = axes_of(axis_name)
-    return _apply(plans.scatter(x.shape, _world_size(axes), src, dim, dtype=dtype_name(x.dtype)), axes, x)
+    size = _world_size("scatter", x, axes)
+    return _apply(plans.scatter(x.shape, size, src, dim, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def permute(x, axis_name, perm):
@@ -235,11 +251,13 @@ def permute(x, axis_name, perm):
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
     axes = axes_of(axis_name)
-    return _apply(plans.permute(x.shape, _world_size(axes), perm, dtype=dtype_name(x.dtype)), axes, x)
+    size = _world_size("permute", x, axes)
+    return _apply(plans.permute(x.shape, size, perm, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def sum_grad(x, axis_name):
     """Identity forward; backward all_reduce(sum) of the cotangent over `axis_name` (a mesh axis name or a
     tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``."""
     axes = axes_of(axis_name)
-    return _apply(plans.sum_grad(x.shape, _world_size(axes), dtype=dtype_name(x.dtype)), axes, x)
+    size = _world_size("sum_grad", x, axes)
+    return _apply(plans.sum_grad(x.shape, size, dtype=dtype_name(x.dtype)), axes, x)

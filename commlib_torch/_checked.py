@@ -24,7 +24,7 @@ from commlib import check
 from commlib.layout import Plan
 from commlib_torch._walk import all_gather_single, dtype_name
 
-__all__ = ["ENV_VARIABLE", "checked", "exchange", "is_checked", "set_checked"]
+__all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_pair", "is_checked", "set_checked"]
 
 ENV_VARIABLE = "COMMLIB_CHECK"
 _override: bool | None = None  # set_checked / checked(); None: follow the environment variable
@@ -61,3 +61,20 @@ def exchange(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | None, 
     everyone = torch.empty((plan.world_size, check.FINGERPRINT_SIZE), dtype=torch.int64, device=tensor.device)
     all_gather_single(everyone.view(-1), mine, group=group)
     check.compare(everyone.cpu().numpy(), dist.get_rank(group))
+
+
+def exchange_pair(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Checked mode for one send/recv: the two ends (`plan.pairs`, group-local) swap fingerprints of the transfer
+    each expects (the sender's tensor, the receiver's size and dtype) and both raise the spec's `CommError` if
+    they differ. The fingerprints travel by send/recv themselves, sender first."""
+    ((source, destination),) = plan.pairs
+    rank = dist.get_rank(group)
+    mine = torch.from_numpy(check.fingerprint(plan.replace(op_name="send/recv"), dtype_name(tensor.dtype)))
+    mine, theirs = mine.to(tensor.device), torch.empty(check.FINGERPRINT_SIZE, dtype=torch.int64, device=tensor.device)
+    peer = destination if rank == source else source
+    peer_global = peer if group is None else dist.get_global_rank(group, peer)
+    steps = [lambda: dist.send(mine, peer_global, group), lambda: dist.recv(theirs, peer_global, group)]
+    for step in steps if rank == source else reversed(steps):
+        step()
+    rows = torch.stack([mine, theirs] if rank == source else [theirs, mine]).cpu().numpy()
+    check.compare(rows, rank, ranks=(source, destination))

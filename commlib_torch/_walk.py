@@ -122,18 +122,35 @@ def _local(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     return out if plan.scale == 1.0 else out * plan.scale
 
 
+def _scaled(send: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`send` times `scale` before the collective (`Plan.scale_first`): in place when the pack pass made a fresh
+    buffer, else a scaled copy (the pack was a view of the caller's `x`)."""
+    if send.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return send * scale
+    return send.mul_(scale)
+
+
 def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Output of `plan` on this rank for input `x` (any strides), in x's dtype."""
+    """Output of `plan` on this rank for input `x` (any strides), in x's dtype. A dtype the backend lacks
+    travels as the plan's same-size `carrier` (a bit view) or its wider `accum_dtype` (a cast)."""
+    if plan.carrier is not None:
+        return _run(plan, x.view(getattr(torch, plan.carrier)), group).view(x.dtype)
+    return _run(plan, x, group)
+
+
+def _run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     if plan.collective.is_local:
         return _local(plan, x, group)
     rank = dist.get_rank(group)
     buffer_dtype = torch_dtype(plan.accum_dtype, x.dtype)
     empty = lambda shape: torch.empty(shape, dtype=buffer_dtype, device=x.device)  # noqa: E731
     send = None if _receives_only(plan, rank) else rearrange(x, plan.pack, plan.send_shape, buffer_dtype)
+    if send is not None and plan.scale_first and plan.scale != 1.0:
+        send = _scaled(send, x, plan.scale)
     recv = _collective(plan, send, group, rank, empty)
     del send  # dead once sent: the unpack's output can take its memory (peak = send + recv, not + output)
     if recv is None:
         return torch.zeros(plan.out_shape, dtype=x.dtype, device=x.device)
-    if plan.scale != 1.0:
+    if plan.scale != 1.0 and not plan.scale_first:
         recv.mul_(plan.scale)
     return rearrange(recv, plan.unpack, plan.out_shape, x.dtype)

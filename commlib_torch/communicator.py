@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 
 from commlib import plans
+from commlib.layout import Plan
 from commlib_torch import functional
-from commlib_torch._walk import global_rank
+from commlib_torch._checked import exchange_pair, is_checked
+from commlib_torch._groups import carried, check_tensor, world_size
+from commlib_torch._walk import dtype_name, global_rank
 
 __all__ = ["DeviceCommunicator"]
 
@@ -84,18 +87,37 @@ class DeviceCommunicator:
         return functional.gather_to_root(input_, dst, dim, self.device_group)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
-        """Send `tensor` to group-local rank `dst` (default: the next rank)."""
-        dst = (self.rank + 1) % self.world_size if dst is None else dst
-        peer = plans.check_rank("send", "dst", dst, self.world_size)
-        dist.send(tensor.contiguous(), global_rank(self.device_group, peer), self.device_group)
+        """Send `tensor` to group-local rank `dst` (default: the next rank). In checked mode the receiver's size
+        and dtype are compared with the tensor's first (both ends raise the same CommError if they differ)."""
+        tensor = check_tensor("send", tensor, "tensor")
+        size = world_size("send", self.device_group)
+        dst = (self.rank + 1) % size if dst is None else dst
+        plan = plans.point_to_point(tensor.shape, size, self.rank, dst, dtype=dtype_name(tensor.dtype),
+                                    op_name="send", carried=carried(self.device_group, tensor))
+        self._transfer(plan, tensor.contiguous(), dst)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
-        """Receive a tensor of `size` and `dtype` from group-local rank `src` (default: the previous rank)."""
-        src = (self.rank - 1) % self.world_size if src is None else src
-        peer = plans.check_rank("recv", "src", src, self.world_size)
-        tensor = torch.empty(size, dtype=dtype, device=self.device)
-        dist.recv(tensor, global_rank(self.device_group, peer), self.device_group)
+        """Receive a tensor of `size` (an int or a shape) and `dtype` from group-local rank `src` (default: the
+        previous rank). Checked mode as in `send`."""
+        if not isinstance(dtype, torch.dtype):
+            raise plans.wrong_type("recv", "dtype", dtype, "torch.dtype")
+        world = world_size("recv", self.device_group)
+        src = (self.rank - 1) % world if src is None else src
+        shape = (size,) if isinstance(size, int) else tuple(size)
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        plan = plans.point_to_point(shape, world, src, self.rank, dtype=dtype_name(dtype), op_name="recv",
+                                    carried=carried(self.device_group, tensor))
+        self._transfer(plan, tensor, src)
         return tensor
+
+    def _transfer(self, plan: Plan, tensor: torch.Tensor, peer: int) -> None:
+        """send (this rank is the plan's source) or recv into `tensor`, as the plan's carrier if it has one."""
+        group = self.device_group
+        if is_checked():
+            exchange_pair(plan, tensor, group)
+        wire = tensor if plan.carrier is None else tensor.view(getattr(torch, plan.carrier))
+        transfer = dist.send if plan.pairs[0][0] == self.rank else dist.recv
+        transfer(wire, global_rank(group, peer), group)
 
     def destroy(self) -> None:
         """Nothing to release: the groups belong to the caller."""

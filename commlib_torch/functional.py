@@ -23,6 +23,7 @@ from commlib import gradients, plans
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
+from commlib_torch._groups import carried, check_tensor, world_size
 from commlib_torch._walk import dtype_name, run
 
 __all__ = [
@@ -116,8 +117,11 @@ def _apply(plan: Plan, x: torch.Tensor, group: Group, origin: Origin | None = No
     return _Op.apply(x, plan, group, origin or (plan, "forward"))
 
 
-def _world_size(group: Group) -> int:
-    return dist.get_world_size(group)
+def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, int, dict]:
+    """`x` checked to be a tensor, the group's world size (this rank checked to be a member) and the plan
+    builder's dtype keywords: x's dtype name and the dtypes the group's backend carries."""
+    tensor = check_tensor(op_name, x)
+    return tensor, world_size(op_name, group), dict(dtype=dtype_name(tensor.dtype), carried=carried(group, tensor))
 
 
 def _accum(accum_dtype) -> str | None:
@@ -144,8 +148,8 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    plan = plans.all_reduce(x.shape, _world_size(group), op, dtype=dtype_name(x.dtype), convention=convention,
-                            accum_dtype=_accum(accum_dtype))
+    x, size, dtypes = _operand("all_reduce", x, group)
+    plan = plans.all_reduce(x.shape, size, op, **dtypes, convention=convention, accum_dtype=_accum(accum_dtype))
     return _apply(plan, x, group)
 
 
@@ -159,7 +163,8 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
     Raises:
         CommError: `dim` out of range, unknown convention.
     """
-    plan = plans.all_gather(x.shape, _world_size(group), dim, dtype=dtype_name(x.dtype), convention=convention)
+    x, size, dtypes = _operand("all_gather", x, group)
+    plan = plans.all_gather(x.shape, size, dim, **dtypes, convention=convention)
     return _apply(plan, x, group)
 
 
@@ -173,8 +178,8 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
     Raises:
         CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
     """
-    plan = plans.reduce_scatter(x.shape, _world_size(group), dim, op, dtype=dtype_name(x.dtype),
-                                accum_dtype=_accum(accum_dtype))
+    x, size, dtypes = _operand("reduce_scatter", x, group)
+    plan = plans.reduce_scatter(x.shape, size, dim, op, **dtypes, accum_dtype=_accum(accum_dtype))
     return _apply(plan, x, group)
 
 
@@ -189,7 +194,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
     Raises:
         CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
     """
-    plan = plans.all_to_all(x.shape, _world_size(group), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    x, size, dtypes = _operand("all_to_all", x, group)
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes)
     return _apply(plan, x, group)
 
 
@@ -202,7 +208,8 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
     """
-    plan = plans.all_to_all_4d(x.shape, _world_size(group), scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    x, size, dtypes = _operand("all_to_all_4d", x, group)
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, **dtypes)
     return _apply(plan, x, group)
 
 
@@ -214,7 +221,8 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     Raises:
         CommError: `src` not in [0, W).
     """
-    return _apply(plans.broadcast(x.shape, _world_size(group), src, dtype=dtype_name(x.dtype)), x, group)
+    x, size, dtypes = _operand("broadcast", x, group)
+    return _apply(plans.broadcast(x.shape, size, src, **dtypes), x, group)
 
 
 def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None) -> torch.Tensor:
@@ -226,7 +234,8 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None) ->
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range.
     """
-    return _apply(plans.gather(x.shape, _world_size(group), dst, dim, dtype=dtype_name(x.dtype)), x, group)
+    x, size, dtypes = _operand("gather", x, group)
+    return _apply(plans.gather(x.shape, size, dst, dim, **dtypes), x, group)
 
 
 def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None) -> torch.Tensor:
@@ -238,7 +247,8 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None) ->
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
     """
-    return _apply(plans.scatter(x.shape, _world_size(group), src, dim, dtype=dtype_name(x.dtype)), x, group)
+    x, size, dtypes = _operand("scatter", x, group)
+    return _apply(plans.scatter(x.shape, size, src, dim, **dtypes), x, group)
 
 
 def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
@@ -250,7 +260,8 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    return _apply(plans.permute(x.shape, _world_size(group), perm, dtype=dtype_name(x.dtype)), x, group)
+    x, size, dtypes = _operand("permute", x, group)
+    return _apply(plans.permute(x.shape, size, perm, **dtypes), x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -260,12 +271,17 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
     """
-    return _apply(plans.sum_grad(x.shape, _world_size(group), dtype=dtype_name(x.dtype)), x, group)
+    x, size, dtypes = _operand("sum_grad", x, group)
+    return _apply(plans.sum_grad(x.shape, size, **dtypes), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    plan = plans.gather(x.shape, _world_size(group), dst, dim, dtype=dtype_name(x.dtype))
+    x, size, dtypes = _operand("gather", x, group)
+    plan = plans.gather(x.shape, size, dst, dim, **dtypes)
     with torch.no_grad():
-        out = x.detach().clone(memory_format=torch.contiguous_format) if plan.is_trivial else run(plan, x, group)
+        if plan.is_trivial:
+            out = x.detach().clone(memory_format=torch.contiguous_format)
+        else:  # checked mode's exchange and the failure translation, as every collective
+            out = _boundary(plan, (plan, "forward"), group, x, lambda: run(plan, x, group))
     return out if dist.get_rank(group) == plan.root else None

@@ -89,9 +89,9 @@ def _errors(W: int) -> list[Row]:
         _row("reduce_scatter", W, (2 * W,), op="max", error="CommError: reduce_scatter: op ('max') must be one of "
              "sum, avg"),
         _row("all_reduce", W, (3,), op="avg", dtype="int32",
-             error="CommError: all_reduce: op ('avg') needs a floating dtype, not int32"),
+             error="CommError: all_reduce: op ('avg') needs a floating or complex dtype, not int32"),
         _row("reduce_scatter", W, (2 * W,), op="avg", dtype="int32",
-             error="CommError: reduce_scatter: op ('avg') needs a floating dtype, not int32"),
+             error="CommError: reduce_scatter: op ('avg') needs a floating or complex dtype, not int32"),
         _row("all_reduce", W, (3,), accum_dtype="int32",
              error="CommError: all_reduce: accum_dtype (int32) and the input dtype (float32) must be floating"),
         _row("all_reduce", W, (3,), dtype="int32", accum_dtype="float32",

@@ -133,12 +133,13 @@ EXACT = [
     (
         "avg-on-int32",
         lambda: plans.all_reduce((4, 8), 2, "avg", dtype="int32"),
-        "all_reduce: op ('avg') needs a floating dtype, not int32. Received: shape=(4, 8), op='avg', dtype='int32'",
+        "all_reduce: op ('avg') needs a floating or complex dtype, not int32. "
+        "Received: shape=(4, 8), op='avg', dtype='int32'",
     ),
     (
         "reduce_scatter-avg-on-int32",
         lambda: plans.reduce_scatter((4, 8), 2, 0, "avg", dtype="int32"),
-        "reduce_scatter: op ('avg') needs a floating dtype, not int32. "
+        "reduce_scatter: op ('avg') needs a floating or complex dtype, not int32. "
         "Received: shape=(4, 8), dim=0, op='avg', dtype='int32'",
     ),
     (

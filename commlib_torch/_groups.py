@@ -1,0 +1,52 @@
+"""What only the torch frontend can see about a call, handed to the spec: whether the operand is a tensor,
+whether this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the
+carrier or refuses). The messages are the spec's (`commlib.plans.wrong_type`, `not_a_member`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib import plans
+
+__all__ = ["CARRIED", "carried", "check_tensor", "world_size"]
+
+_GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+                   "complex32", "complex64", "complex128"})  # measured on torch 2.13: the rest is "Invalid scalar type"
+#: dtypes each c10d backend carries, by backend name. NCCL: ProcessGroupNCCL's ncclDataType map (float8 as
+#: bytes, or as NCCL's own float8 where it has them; complex as its real view, as everywhere in c10d).
+CARRIED = {
+    "gloo": _GLOO,
+    "nccl": _GLOO | {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"},
+}
+_EVERYWHERE = frozenset.intersection(*CARRIED.values())
+
+
+def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:
+    """`x` itself if it is a tensor; else the spec's TypeError naming the op and the type received."""
+    if not isinstance(x, torch.Tensor):
+        raise plans.wrong_type(op_name, name, x, "torch.Tensor")
+    return x
+
+
+def world_size(op_name: str, group: dist.ProcessGroup | None) -> int:
+    """The group's size; the spec's CommError on a rank outside the group (where torch answers -1)."""
+    size = dist.get_world_size(group)
+    if size < 0:
+        raise plans.not_a_member(op_name, dist.get_rank(), dist.get_process_group_ranks(group))
+    return size
+
+
+def _backend_name(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that carries tensors on `device` ("cpu:gloo,cuda:nccl" configurations name one per device)."""
+    config = dist.get_backend_config(group)
+    by_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return by_device.get(device.type, str(dist.get_backend(group)))
+
+
+def carried(group: dist.ProcessGroup | None, x: torch.Tensor) -> frozenset[str] | None:
+    """The dtypes the backend carrying `x` carries (None: every dtype, or a backend commlib does not know)."""
+    if str(x.dtype).removeprefix("torch.") in _EVERYWHERE:  # the common case asks the group nothing
+        return None
+    return CARRIED.get(_backend_name(group, x.device))
