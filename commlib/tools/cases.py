@@ -44,7 +44,9 @@ class Case:
     kwargs: tuple[tuple[str, object], ...] = ()  # keyword arguments of the op, JSON-able
     transposed: bool = False  # the frontend feeds inputs and cotangents as non-contiguous transposed views
     inputs: tuple[str, ...] = ("x",)  # names of the inputs
-    draw: str = "normal"  # "normal", or "small" (integers in [-1, 2]: ties and zeros for max/min/product)
+    draw: str = "normal"  # "normal"; "small" (integers in [-1, 2]: ties and zeros for max/min/product); "nan"
+    # (small, a third of them NaN); "large" (inputs and cotangents in [0.6, 0.9] x the dtype's largest value: their
+    # sum over ranks overflows the dtype, their average does not)
 
     @property
     def differentiable(self) -> bool:
@@ -70,7 +72,7 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
     transposed = kwargs.pop("transposed", False)
     inputs = kwargs.pop("inputs", ("x",))
     draw = kwargs.pop("draw", "normal")
-    tag += "~" if draw == "small" else ""
+    tag += {"small": "~", "nan": "~nan", "large": "~large"}.get(draw, "")
     args = ",".join(f"{key}={value}" for key, value in kwargs.items())
     layout = ",T" if transposed else ""
     name = f"{op_name}{tag}[{'x'.join(map(str, shape))},{dtype}{layout}{',' + args if args else ''}]"
@@ -113,6 +115,13 @@ def case_table(world_size: int) -> list[Case]:
         _case("all_reduce", W, (3, 4), op="max", transposed=True),
         _case("all_reduce", W, (2, 3), op="product", dtype="int32"),
         _case("all_reduce", W, (5,), op="max", dtype="int32"),
+        # NaN under max/min: NaN wherever any rank holds one (numpy's maximum), its gradient to the NaN holders
+        _case("all_reduce", W, (3, 4), op="max", draw="nan"),
+        _case("all_reduce", W, (2, 5), op="min", convention="replicated", draw="nan"),
+        # half-precision averages whose sum overflows: the average (and its backward's) fits
+        _case("all_reduce", W, (2, 3), op="avg", dtype="float16", draw="large"),
+        _case("reduce_scatter", W, (2 * W, 3), op="avg", dtype="float16", draw="large"),
+        _case("all_reduce", W, (3, 2), op="avg", dtype="bfloat16", draw="large", transposed=True),
         _case("broadcast", W, (2, 3), src=W - 1),
         _case("broadcast", W, (3, 4), transposed=True),
         _case("gather", W, (2, 3), dst=W - 1, dim=-1),
@@ -148,10 +157,19 @@ def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype("float32" if dtype == "bfloat16" else dtype)
 
 
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028e38, "float64": 1.7976e308}
+
+
 def _draw(rng: np.random.Generator, shape: Sequence[int], dtype: str, draw: str = "normal") -> np.ndarray:
-    if draw == "small" or not is_floating(dtype):
-        return rng.integers(-1, 3, size=shape).astype(storage_dtype(dtype))
-    values = rng.standard_normal(shape).astype(storage_dtype(dtype))
+    if draw in ("small", "nan") or not is_floating(dtype):
+        values = rng.integers(-1, 3, size=shape).astype(storage_dtype(dtype))
+        if draw == "nan":
+            values[rng.random(shape) < 1 / 3] = np.nan
+        return values
+    if draw == "large":
+        values = (rng.uniform(0.6, 0.9, size=shape) * _LARGEST[dtype]).astype(storage_dtype(dtype))
+    else:
+        values = rng.standard_normal(shape).astype(storage_dtype(dtype))
     if dtype == "bfloat16":  # round to the bfloat16 grid: keep the top 16 bits of each float32
         values = np.asarray((values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32))  # 0-d: not a scalar
     return values
@@ -168,7 +186,8 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
         return arrays
     if not case.differentiable:
         return arrays
-    arrays["cotangent"] = [_draw(rng, out_shape, case.dtype) for _ in range(W)]
+    cotangent_draw = "large" if case.draw == "large" else "normal"  # large: the backward's sum overflows too
+    arrays["cotangent"] = [_draw(rng, out_shape, case.dtype, cotangent_draw) for _ in range(W)]
     return arrays
 
 

@@ -70,12 +70,19 @@ class Results:
 
 
 def _max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """Max abs error over ranks relative to max(1, max |reference|); a NaN must be where the reference has one
+    (anything else there, or a NaN elsewhere, is an infinite error)."""
     worst = 0.0
     for mine, theirs in zip(got, want, strict=True):
         if mine.shape != theirs.shape:
             return float("inf")
-        scale = max(1.0, float(np.max(np.abs(theirs), initial=0.0)))
-        worst = max(worst, float(np.max(np.abs(mine.astype(np.float64) - theirs), initial=0.0)) / scale)
+        exact = np.complex128 if np.iscomplexobj(mine) or np.iscomplexobj(theirs) else np.float64
+        mine, theirs = np.asarray(mine, dtype=exact), np.asarray(theirs, dtype=exact)
+        if not np.array_equal(np.isnan(mine), np.isnan(theirs)):
+            return float("inf")
+        scale = max(1.0, float(np.max(np.abs(theirs), initial=0.0, where=~np.isnan(theirs))))
+        difference = np.where((mine == theirs) | np.isnan(theirs), 0.0, np.abs(mine - theirs))
+        worst = max(worst, float(np.max(difference, initial=0.0)) / scale)
     return worst
 
 
