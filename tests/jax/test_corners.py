@@ -1,0 +1,113 @@
+"""Issue 11's corners on simulated CPU devices (shard_map with check_vma, and pmap): NaN under max/min,
+half-precision averages whose sum overflows, complex avg, the spec's float8 rules, int16, and the errors of an
+op called outside shard_map/pmap (or over an axis no map binds) or given a list."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commlib_jax
+from commlib import CommError, plans, reference
+
+NAN = np.nan
+MODES = ("shard_map", "pmap")
+
+
+def _mapped(body, world_size: int, mode: str):
+    """`body(x) -> out` on each rank's row of a stacked [W, ...] array, rank outputs stacked again."""
+    if mode == "pmap":
+        return jax.pmap(body, axis_name="i")
+    mesh = Mesh(np.array(jax.devices()[:world_size]), ("i",))
+    return jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+
+
+def _value_and_grad(body, xs, cotangents, mode):
+    """Every rank's output and input gradient (each rank's cotangent its own: convention "sum")."""
+    out, vjp = jax.vjp(_mapped(body, len(xs), mode), jnp.asarray(np.stack(xs)))
+    (grad,) = vjp(jnp.asarray(np.stack(cotangents), dtype=out.dtype))
+    return np.asarray(out), np.asarray(grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize(("convention", "factor"), [("sum", 2.0), ("replicated", 1.0)])
+def test_nan_under_max_and_min(mode, op, convention, factor):
+    """[nan, 5] and [5, nan] -> [nan, nan] on every rank (numpy's maximum); the gradient goes to the NaN holder."""
+    xs = [np.array([NAN, 5.0, 1.0]), np.array([5.0, NAN, 2.0 if op == "max" else 0.0])]
+    body = lambda x: commlib_jax.all_reduce(x, "i", op, convention=convention)  # noqa: E731
+    out, grad = _value_and_grad(body, xs, [np.ones(3)] * 2, mode)
+    np.testing.assert_array_equal(out[:, :2], [[NAN, NAN]] * 2)
+    np.testing.assert_array_equal(out[:, 2], [2.0 if op == "max" else 0.0] * 2)
+    np.testing.assert_array_equal(grad, factor * np.array([[1, 0, 0], [0, 1, 1]]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("dtype", "value"), [("float16", 40000.0), ("bfloat16", 3.0e38)])
+@pytest.mark.parametrize("op_name", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_half_precision_avg_whose_sum_overflows(mode, dtype, value, op_name, world_size):
+    """`value` on every rank: the average is `value`; all_reduce's backward (cotangents `value`) too,
+    reduce_scatter's (a gather) `value` / W."""
+    shape = (2 * world_size,) if op_name == "reduce_scatter" else (2,)
+    xs = [np.full(shape, value, dtype=np.float32)] * world_size
+    body = lambda x: getattr(commlib_jax, op_name)(x.astype(dtype), "i", op="avg")  # noqa: E731
+    out_shape = (2,)
+    out, grad = _value_and_grad(body, xs, [np.full(out_shape, value, dtype=np.float32)] * world_size, mode)
+    expected = float(jnp.asarray(value, dtype))
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=4e-3)
+    expected_grad = expected if op_name == "all_reduce" else expected / world_size
+    np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, rtol=4e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op_name", ["all_reduce", "reduce_scatter"])
+def test_complex_avg_forward_and_gradient(mode, op_name):
+    rng = np.random.default_rng(3)
+    draw = lambda n: rng.standard_normal(n) + 1j * rng.standard_normal(n)  # noqa: E731
+    xs, cotangents = [draw(4) for _ in range(2)], [draw(4 if op_name == "all_reduce" else 2) for _ in range(2)]
+    out, grad = _value_and_grad(lambda x: getattr(commlib_jax, op_name)(x, "i", op="avg"), xs, cotangents, mode)
+    plan = getattr(plans, op_name)((4,), 2, op="avg", dtype="complex128")
+    np.testing.assert_allclose(out, np.stack(reference.forward(plan, xs)), rtol=1e-12)
+    np.testing.assert_allclose(grad, np.stack(reference.vjp(plan, xs, cotangents)), rtol=1e-12)
+
+
+def test_int16_and_float8_follow_the_spec():
+    gathered = _mapped(lambda x: commlib_jax.all_gather(x, "i", 0), 2, "shard_map")(
+        jnp.asarray([[1], [2]], dtype=jnp.int16))
+    assert gathered.dtype == jnp.int16
+    np.testing.assert_array_equal(np.asarray(gathered), [[1, 2], [1, 2]])
+    x = jnp.asarray([[1.5, NAN, -2.0], [2.5, 1.0, -3.0]], dtype=jnp.float8_e4m3fn)
+    out = _mapped(lambda x: commlib_jax.all_reduce(x, "i", "max"), 2, "shard_map")(x)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [[2.5, NAN, -2.0]] * 2)
+    with pytest.raises(CommError, match=r"all_reduce: op \('sum'\) on float8_e4m3fn is not supported: its rounding"):
+        _mapped(lambda x: commlib_jax.all_reduce(x, "i"), 2, "shard_map")(x)
+
+
+CALLS = {  # op -> its arguments after (x, axis_name)
+    "all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
+    "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (),
+}
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_an_op_outside_shard_map_or_pmap(op):
+    message = (f"{op}: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
+               f"with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
+    with pytest.raises(CommError) as raised:
+        getattr(commlib_jax, op)(jnp.ones((2, 2)), "i", *CALLS[op])
+    assert str(raised.value) == message
+    with pytest.raises(CommError) as raised:  # inside a map, over an axis it does not bind
+        _mapped(lambda x: getattr(commlib_jax, op)(x, ("i", "j"), *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2, 2)))
+    assert str(raised.value).startswith(f"{op}: axis_name (('i', 'j')) is not bound here")
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_an_op_given_a_list(op):
+    with pytest.raises(TypeError) as raised:
+        _mapped(lambda x: getattr(commlib_jax, op)([[1.0, 2.0]], "i", *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2)))
+    assert str(raised.value) == f"{op}: x must be a jax.Array or numpy.ndarray, not list. Received: type='list'"

@@ -1,0 +1,145 @@
+"""Pool jobs of tests/torch/test_corners.py (module level: workers import them by name). Jobs that expect an
+error return its "Type: message" text, so the test sees every rank's outcome."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import commlib_torch
+from commlib_torch import DeviceCommunicator
+
+NAN = float("nan")
+
+
+def _text(call) -> object:
+    try:
+        return call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.complex128 if tensor.is_complex() else torch.float64).numpy()
+
+
+def nan_extremum(ctx, op: str, convention: str):
+    """Issue 11's example (W=2: rank 0 [nan, 5], rank 1 [5, nan]) plus a third element with a plain extremum on
+    rank 1; cotangent ones. (output, input gradient)."""
+    values = [[NAN, 5.0, 1.0], [5.0, NAN, 2.0 if op == "max" else 0.0]][ctx.rank]
+    x = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    out = commlib_torch.all_reduce(x, op, convention=convention)
+    out.backward(torch.ones(3, dtype=torch.float64))
+    return _numpy(out), _numpy(x.grad)
+
+
+def half_avg(ctx, dtype: str, op_name: str, value: float):
+    """`value` on every rank in `dtype`, avg forward and backward with cotangent `value` on every rank."""
+    W = ctx.world_size
+    shape = (2 * W,) if op_name == "reduce_scatter" else (2,)
+    x = torch.full(shape, value, dtype=getattr(torch, dtype), requires_grad=True)
+    out = commlib_torch.all_reduce(x, "avg") if op_name == "all_reduce" else commlib_torch.reduce_scatter(x, 0, "avg")
+    out.backward(torch.full_like(out, value))
+    return _numpy(out), _numpy(x.grad)
+
+
+def _bytes(rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Seeded random bytes viewed as `dtype` (`shape` with the last dim in elements)."""
+    generator = torch.Generator().manual_seed(rank)
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype)
+
+
+def moved(ctx, dtype: str):
+    """Every data-movement op (and send/recv, DeviceCommunicator.gather) on random bytes viewed as `dtype`:
+    {op: output bytes} (or the error text)."""
+    W, rank, kind = ctx.world_size, ctx.rank, getattr(torch, dtype)
+    x = _bytes(rank, (2 * W, 2 * W), kind)
+    comm = DeviceCommunicator(dist.group.WORLD)
+    calls = {
+        "all_gather": lambda: commlib_torch.all_gather(x, 0),
+        "all_gather_last": lambda: commlib_torch.all_gather(x, -1),
+        "broadcast": lambda: commlib_torch.broadcast(x, W - 1),
+        "gather": lambda: commlib_torch.gather(x, W - 1, 0),
+        "scatter": lambda: commlib_torch.scatter(x, W - 1, -1),
+        "all_to_all": lambda: commlib_torch.all_to_all(x, 0, 1),
+        "all_to_all_4d": lambda: commlib_torch.all_to_all_4d(x.reshape(1, 2 * W, W, 2), 2, 1),
+        "permute": lambda: commlib_torch.permute(x, [(r, (r + 1) % W) for r in range(W)]),
+        "transposed": lambda: commlib_torch.all_gather(x.t(), 0),
+        "seed_gather": lambda: comm.gather(x, 0, 0),
+    }
+    out = {}
+    for name, call in calls.items():
+        result = _text(call)
+        moved_bytes = isinstance(result, torch.Tensor)
+        out[name] = result.contiguous().view(torch.uint8).numpy() if moved_bytes else result
+    received = [None, None]
+    sends = [lambda: comm.send(x, (rank + 1) % W), lambda: received.__setitem__(0, comm.recv(x.shape, kind))]
+    for step in sends if rank == 0 else reversed(sends):
+        step()
+    out["send_recv"] = received[0].view(torch.uint8).numpy()
+    return out
+
+
+def reduced(ctx, dtype: str, op: str, values):
+    """all_reduce(x, op) and reduce_scatter (sum) of rank r's `values[r]` in `dtype`: (all_reduce, reduce_scatter)
+    outputs as numpy arrays of `dtype`, or the error text."""
+    x = torch.from_numpy(np.array(values[ctx.rank], dtype=dtype)) if "int" in dtype else \
+        torch.tensor(values[ctx.rank]).to(getattr(torch, dtype))
+    numpy = (lambda t: t.numpy()) if "int" in dtype else (lambda t: t.float().numpy())
+    results = []
+    for call in (lambda: commlib_torch.all_reduce(x, op),
+                 lambda: commlib_torch.reduce_scatter(x.repeat(ctx.world_size), 0, "sum")):
+        result = _text(call)
+        results.append(result if isinstance(result, str) else numpy(result))
+    return results
+
+
+def outside_the_group(ctx):
+    """Rank 1 of a W=3 world calls every op (and every DeviceCommunicator method) on the group {0, 2}: the error
+    texts. Ranks 0 and 2 run nothing (a communicating call on rank 1 would hang)."""
+    group = dist.new_group([0, 2])
+    if ctx.rank != 1:
+        return None
+    x = torch.ones(2, 2)
+    comm = DeviceCommunicator(group)
+    calls = {**_every_op(lambda op: lambda: getattr(commlib_torch, op[0])(x, *op[1], group=group)),
+             **{f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(x, *args))
+                for name, args in _METHODS.items()},
+             "comm.send": lambda: comm.send(x, 0), "comm.recv": lambda: comm.recv((2,), torch.float32, 0)}
+    return {name: _text(call) for name, call in calls.items()}
+
+
+_OPS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
+        "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": ()}
+_METHODS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4D": (),
+            "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": ()}
+
+
+def _every_op(make):
+    return {op: make((op, args)) for op, args in _OPS.items()}
+
+
+def not_a_tensor(ctx, kind: str):
+    """Every op and DeviceCommunicator method given a numpy array or a list: the error texts."""
+    value = np.ones((2, 2)) if kind == "numpy" else [[1.0, 1.0], [1.0, 1.0]]
+    comm = DeviceCommunicator(dist.group.WORLD)
+    calls = {**{op: (lambda op=op, args=args: getattr(commlib_torch, op)(value, *args)) for op, args in _OPS.items()},
+             **{f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(value, *args))
+                for name, args in _METHODS.items()},
+             "comm.send": lambda: comm.send(value, 0), "comm.recv": lambda: comm.recv((2,), np.dtype("float32"), 0)}
+    return {name: _text(call) for name, call in calls.items()}
+
+
+def complex_avg(ctx, dtype: str, xs, cotangents):
+    """all_reduce(x, "avg") and reduce_scatter(x, 0, "avg") of complex `xs[rank]`, backward with
+    `cotangents[rank]`: [(output, input gradient)] per op."""
+    results = []
+    for op in (lambda t: commlib_torch.all_reduce(t, "avg"), lambda t: commlib_torch.reduce_scatter(t, 0, "avg")):
+        x = torch.tensor(xs[ctx.rank], dtype=getattr(torch, dtype), requires_grad=True)
+        out = op(x)
+        cotangent = torch.tensor(cotangents[ctx.rank], dtype=out.dtype)[: out.shape[0]]
+        out.backward(cotangent)
+        results.append((_numpy(out), _numpy(x.grad)))
+    return results
