@@ -4,7 +4,8 @@ In checked mode (``COMMLIB_CHECK=1``, `set_checked`, or ``with checked():``) eve
 backward and higher derivatives -- first all-gathers a fixed-size int64 fingerprint of its call over the same
 group (on the input's device; `commlib.check` encodes and compares), so a rank that disagrees on op, shape,
 dtype, dims, reduce op, convention, root, perm or accum_dtype makes every rank raise the same
-`commlib.CommError` before the real collective runs.
+`commlib.CommError` before the real collective runs. `DeviceCommunicator.gather` is checked the same way, and
+`DeviceCommunicator.send` / `recv` swap fingerprints between the two ends (`exchange_pair`).
 
 It costs one small all_gather (plus, on CUDA, one device-to-host copy) per collective. It is eager-only:
 under ``torch.compile`` the ops run unchecked. Ranks must all be in checked mode or all out of it (the

@@ -186,3 +186,46 @@ def kill_rank_in_case(ctx, case, arrays):
     if case.name.startswith("kill-rank-") and ctx.rank == int(case.name.removeprefix("kill-rank-")):
         os.kill(os.getpid(), signal.SIGKILL)
     return run_case(ctx, case, arrays)
+
+
+# --- checked mode beyond the functional ops: the seed's gather, send/recv, double backward ------------------
+
+
+def _outcome(call):
+    try:
+        with checked():
+            return "ok", call()
+    except (CommError, TypeError) as error:
+        return "error", type(error).__name__, str(error)
+
+
+def seed_gather_checked(ctx, shapes):
+    """`DeviceCommunicator.gather` of a tensor of `shapes[rank]` to rank 0, in checked mode."""
+    comm = commlib_torch.DeviceCommunicator(torch.distributed.group.WORLD)
+    x = _input(shapes[ctx.rank], rank=ctx.rank)
+    return _outcome(lambda: comm.gather(x.detach(), 0, 0))
+
+
+def send_recv_checked(ctx, sent, expected):
+    """Rank 0 sends a tensor of `sent` = (shape, dtype) to rank 1, which receives `expected` = (size, dtype)."""
+    comm = commlib_torch.DeviceCommunicator(torch.distributed.group.WORLD)
+    if ctx.rank == 0:
+        return _outcome(lambda: comm.send(_input(sent[0], sent[1]).detach(), 1))
+    if ctx.rank == 1:
+        return _outcome(lambda: comm.recv(expected[0], getattr(torch, expected[1]), 0).numpy())
+    return None
+
+
+def double_backward_disagrees(ctx, shapes):
+    """Every rank runs all_reduce on x1 (`shapes[0]`) and x2 (`shapes[1]`) and takes both first derivatives
+    with create_graph (the same collectives everywhere); then rank 0 differentiates the first again and the
+    others the second: the double backward's collectives differ in shape."""
+    x1, x2 = _input(shapes[0], "float64", ctx.rank), _input(shapes[1], "float64", ctx.rank)
+
+    def call():
+        (g1,) = torch.autograd.grad((commlib_torch.all_reduce(x1, "max") ** 2).sum(), x1, create_graph=True)
+        (g2,) = torch.autograd.grad((commlib_torch.all_reduce(x2) ** 2).sum(), x2, create_graph=True)
+        ((g1 if ctx.rank == 0 else g2) ** 2).sum().backward()
+        return "finished"
+
+    return _outcome(call)

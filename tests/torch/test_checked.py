@@ -136,3 +136,43 @@ def test_overhead_reports_every_variant(pool):
     for timings in pool(2).run(failure_jobs.overhead, (64,), 5):
         assert set(timings) == {"raw", "commlib", "no_grad", "inference_mode", "constant", "checked", "fingerprint"}
         assert all(0.0 < seconds < 5.0 for seconds in timings.values()), timings
+
+
+def test_seed_gather_is_checked(pool):
+    replies = pool(3).run(failure_jobs.seed_gather_checked, [(2, 3), (2, 3), (2, 4)])
+    messages = _errors(replies)
+    assert _same_body(messages) == "ranks disagree on shape: ranks 0, 1 have (2, 3), rank 2 has (2, 4)"
+    assert messages[0].startswith("gather: ranks disagree on shape")
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected", "body"),
+    [
+        (((3,), "float32"), ((4,), "float32"), "ranks disagree on shape: rank 0 has (3,), rank 1 has (4,)"),
+        (((2, 3), "float32"), ((2, 3), "float64"), "ranks disagree on dtype: rank 0 has float32, rank 1 has float64"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_send_recv_are_checked(pool, sent, expected, body):
+    replies = pool(3).run(failure_jobs.send_recv_checked, sent, expected)
+    messages = _errors(replies[:2])
+    assert replies[2] is None
+    assert _same_body(messages) == body
+    assert messages[0].startswith(f"send/recv: {body}. Received: rank=0, phase='forward', shape={sent[0]}")
+    assert messages[1].startswith(f"send/recv: {body}. Received: rank=1, phase='forward', shape={expected[0]}")
+
+
+def test_send_recv_that_agree_pass_checked(pool):
+    replies = pool(2).run(failure_jobs.send_recv_checked, ((2, 3), "int16"), ((2, 3), "int16"))
+    assert replies[0] == ("ok", None)
+    assert replies[1][0] == "ok" and replies[1][1].tolist() == failure_jobs._input((2, 3), "int16").tolist()
+
+
+def test_double_backward_collectives_are_checked(pool):
+    """The collectives of a backward are `_Op`s, so a second backward exchanges fingerprints too."""
+    messages = _errors(pool(3).run(failure_jobs.double_backward_disagrees, [(3,), (4,)]))
+    assert _same_body(messages) == "ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have (4,)"
+    for rank, message in enumerate(messages):
+        shape = (3,) if rank == 0 else (4,)
+        assert message.startswith(f"all_reduce backward: ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have "
+                                  f"(4,). Received: rank={rank}, phase='backward', shape={shape}")
