@@ -11,6 +11,9 @@ are indices along it. Where the op is the identity (world size 1) it returns its
 Gradients follow ``convention="sum"`` -- rank r's loss is its own and the objective is their sum, as in
 torch.distributed -- in every mode: outputs and cotangents are typed varying (see `commlib_jax._vma`).
 ``convention="replicated"`` is accepted where the op has it; see docs/gradients.md.
+
+Every op raises ``TypeError`` when `x` is not an array (a list) and `CommError` when `axis_name` is not bound
+by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``), at trace time.
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
         x: this rank's block; floating (differentiable), integer or bool (forward only).
         axis_name: a mesh axis name of the enclosing ``shard_map`` / ``pmap``, or a tuple of them (ranks
             row-major in the order given).
-        op: "sum" | "avg" (= sum / W) | "max" | "min" | "product" (or a `commlib.ReduceOp`). A NaN on any
-            rank makes max/min NaN (as numpy).
+        op: "sum" | "avg" (= sum / W; float16/bfloat16 scale by 1/W before the sum, so an average whose sum
+            overflows does not) | "max" | "min" | "product" (or a `commlib.ReduceOp`). A NaN on any rank
+            makes max/min NaN (as numpy).
         convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
         accum_dtype: e.g. ``jnp.float32`` for bf16 input: reduce in that dtype, return x's dtype.
 

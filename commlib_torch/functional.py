@@ -10,6 +10,11 @@ identity (world size 1) it returns its input itself, with no communication.
 group; W is its size and every rank argument (`src`, `dst`, `perm`) is a group-local rank in [0, W).
 Gradients follow ``convention="sum"`` (each rank's loss is its own, the objective is their sum) unless
 ``convention="replicated"`` is given where the op accepts it; see docs/gradients.md.
+
+Every op raises ``TypeError`` when `x` is not a tensor and `CommError` on a rank outside `group`, both before
+any communication. A dtype the group's backend lacks (gloo: int16, uint16/32/64, float8, ...) travels in a
+carrier the spec picks (`commlib.dtypes.carrier`: a same-size bit view for data movement, a wider integer
+for integer reductions) or is refused with a `CommError` where no carrier is exact (docs/ops.md).
 """
 
 from __future__ import annotations
@@ -133,7 +138,8 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
 
     Args:
         x: any shape and strides; floating (differentiable), integer or bool (forward only).
-        op: "sum" | "avg" (= sum / W) | "max" | "min" | "product"; a `commlib.ReduceOp` or
+        op: "sum" | "avg" (= sum / W; float16/bfloat16 scale by 1/W before the sum, so an average whose
+            sum overflows does not) | "max" | "min" | "product"; a `commlib.ReduceOp` or
             `torch.distributed.ReduceOp` works too. A NaN on any rank makes max/min NaN (as numpy).
         group: the process group (None: WORLD).
         convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
