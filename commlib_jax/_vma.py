@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-__all__ = ["axes_of", "axis_arg", "mesh_order", "to_varying", "varying_axes"]
+__all__ = ["axes_of", "axis_arg", "checked_axes", "mesh_order", "shared_axes", "to_varying", "varying_axes"]
 
 
 def axes_of(axis_name) -> tuple:
@@ -53,3 +53,18 @@ def to_varying(x, axes: tuple):
     have, manual = varying_axes(x), _manual_axes()
     missing = tuple(axis for axis in axes if axis in manual and axis not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def checked_axes(axes: tuple) -> tuple:
+    """The axes among `axes` whose varying types JAX checks: manual axes of a ``shard_map(check_vma=True)``
+    (none under check_vma=False, pmap and vmap, where every value is per rank). ``lax.axis_index`` is typed
+    varying exactly where types are checked; the probe is dead code that jit removes."""
+    manual = _manual_axes()
+    return tuple(axis for axis in axes if axis in manual and axis in varying_axes(lax.axis_index(axis)))
+
+
+def shared_axes(x, axes: tuple) -> tuple:
+    """The checked axes among `axes` (of more than one rank) over which `x` is typed invariant: one value
+    shared by those ranks, whose gradient JAX itself sums over them."""
+    have = varying_axes(x)
+    return tuple(axis for axis in checked_axes(axes) if axis not in have and lax.axis_size(axis) > 1)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from commlib import gradients, plans
+from commlib import gradients, plans, training
 from commlib.layout import Plan
-from commlib_jax._vma import axes_of, axis_arg, to_varying
+from commlib_jax._vma import axes_of, axis_arg, shared_axes, to_varying
 from commlib_jax._walk import dtype_name, rank, run
 
 __all__ = [
@@ -261,7 +261,19 @@ def permute(x, axis_name, perm):
 
 def sum_grad(x, axis_name):
     """Identity forward; backward all_reduce(sum) of the cotangent over `axis_name` (a mesh axis name or a
-    tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``."""
+    tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``.
+
+    `x` is each rank's own copy (as in torch). Under ``shard_map(check_vma=True)`` an `x` typed invariant over
+    an axis of `axis_name` is one value shared by its ranks, whose gradient JAX's transpose already sums over
+    them; f would sum it again, so that is refused (see docs/training.md).
+
+    Raises:
+        CommError: `x` invariant over an axis of `axis_name` with more than one rank, under check_vma=True.
+    """
     axes = axes_of(axis_name)
     size = _world_size("sum_grad", x, axes)
-    return _apply(plans.sum_grad(x.shape, size, dtype=dtype_name(x.dtype)), axes, x)
+    plan = plans.sum_grad(x.shape, size, dtype=dtype_name(x.dtype))
+    shared = shared_axes(x, axes)
+    if shared:
+        raise training.shared_input_error("sum_grad", x.shape, axis_name, shared, lax.axis_size(axis_arg(shared)))
+    return _apply(plan, axes, x)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commlib_jax as cj
-from commlib import workloads
+from commlib import CommError, workloads
 from commlib_jax.attention import ulysses_attention
 from tests.gradient_examples import EXAMPLES
 
@@ -260,19 +260,26 @@ def test_megatron_mlp(where, check_vma, g_convention, factor):
         np.testing.assert_allclose(value, factor * expected, rtol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize(("variant", "dx_factor"), [("lax", 1), ("commlib g", 1), ("commlib f and g", W)])
-def test_megatron_mlp_shared_input(variant, dx_factor):
+@pytest.mark.parametrize(("variant", "check_vma", "dx_factor"), [
+    ("lax", True, 1), ("commlib g", True, 1), ("commlib f and g", True, CommError), ("commlib f and g", False, W)])
+def test_megatron_mlp_shared_input(variant, check_vma, dx_factor):
     """x given once with in_specs=P(): JAX's transpose of the shared input already sums dx over ranks. So
     lax.pcast(to="varying") as f and lax.psum as g (check_vma=True, loss out_specs=P()), or commlib's g alone,
-    give the unsharded gradients; adding sum_grad sums dx twice (W times). dA, dB are exact in all three."""
+    give the unsharded gradients. Adding sum_grad would sum dx twice: under check_vma=True, where x is typed
+    invariant, sum_grad refuses it; under check_vma=False nothing can see it and dx is W times too large.
+    dA, dB are exact."""
     (x, A, B), (dx, dA, dB) = _mlp_problem()
     if variant == "lax":
         f, g = (lambda x: lax.pcast(x, AXIS, to="varying")), (lambda z: lax.psum(z, AXIS))
         grad = jax.grad(_shard_map(lambda *a: _mlp(*a, f, g), True, (P(), *PARAMS), P()), argnums=(0, 1, 2))
     else:
         f = F if variant == "commlib f and g" else (lambda x: x)
-        per_rank = _shard_map(lambda *a: _mlp(*a, f, G)[None], True, (P(), *PARAMS), P(AXIS))
+        per_rank = _shard_map(lambda *a: _mlp(*a, f, G)[None], check_vma, (P(), *PARAMS), P(AXIS))
         grad = jax.grad(lambda *a: per_rank(*a).sum(), argnums=(0, 1, 2))
+    if dx_factor is CommError:
+        with pytest.raises(CommError, match="sum_grad: x is one value shared by the 4 ranks of"):
+            jax.jit(grad)(x, A, B)
+        return
     got = jax.jit(grad)(x, A, B)
     for name, value, expected in zip(("dx", "dA", "dB"), got, (dx_factor * dx, dA, dB), strict=True):
         np.testing.assert_allclose(value, expected, rtol=1e-12, err_msg=name)
