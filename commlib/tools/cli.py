@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commlib.tools import bench, parity
+from commlib.tools import bench, parity, train_parity
 
 __all__ = ["main"]
 
@@ -49,11 +49,16 @@ def _print_table(rows: list[parity.Row]) -> None:
 
 def _parity(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    rows = parity.run(args.world_size, seed=args.seed, frameworks=args.frameworks, timeout=args.timeout)
+    rows = []
+    options = dict(seed=args.seed, frameworks=args.frameworks, timeout=args.timeout)
+    if args.workload in ("ops", "all"):
+        rows += parity.run(args.world_size, **options)
+    if args.workload in ("train", "all"):
+        rows += train_parity.run(args.world_size, **options)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
-    print(f"\nworld_size={args.world_size} seed={args.seed}: {len(rows) - failed} passed, {failed} failed "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(f"\nworld_size={args.world_size} seed={args.seed} workload={args.workload}: {len(rows) - failed} passed, "
+          f"{failed} failed in {time.perf_counter() - start:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
     return 0 if rows and not failed else 1
@@ -108,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS))
+    check.add_argument("--workload", choices=("ops", "train", "all"), default="ops",
+                       help="ops: the case table; train: the training block on every SP x TP mesh; all: both")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
     _add_bench(commands)

@@ -21,7 +21,7 @@ import numpy as np
 from commlib.errors import CommError
 from commlib.tools import cases
 
-__all__ = ["Row", "Results", "check", "compare", "run"]
+__all__ = ["Row", "Results", "check", "compare", "run", "run_runner"]
 
 FRAMEWORKS = ("torch", "jax")
 
@@ -135,17 +135,25 @@ def compare(table, framework: str, result_dir: Path) -> list[Row]:
     return rows
 
 
-def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float) -> list[Row]:
+def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float,
+               extra: tuple[str, ...] = ()) -> Row | None:
+    """Run ``python -m commlib_<framework>.tools.parity_runner IN OUT --world-size N [extra]``; None when it
+    exited 0, else the failed "(runner)" row (timeout or exit status with the end of its output)."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
-    command += ["--world-size", str(world_size)]
+    command += ["--world-size", str(world_size), *extra]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return [Row("(runner)", framework, "-", None, None, False, f"timed out after {timeout:.0f} s")]
+        return Row("(runner)", framework, "-", None, None, False, f"timed out after {timeout:.0f} s")
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
-        return [Row("(runner)", framework, "-", None, None, False, f"exit {done.returncode}: " + " | ".join(tail))]
-    return compare(cases.read(in_dir), framework, out_dir)
+        return Row("(runner)", framework, "-", None, None, False, f"exit {done.returncode}: " + " | ".join(tail))
+    return None
+
+
+def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float) -> list[Row]:
+    failed = run_runner(framework, in_dir, out_dir, world_size, timeout)
+    return [failed] if failed else compare(cases.read(in_dir), framework, out_dir)
 
 
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:

@@ -1,4 +1,5 @@
-"""JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``.
+"""JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``
+(``--workload train``: the training block instead, `commlib_jax.tools.train_parity`).
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
@@ -102,16 +103,33 @@ def _unsharded(case, arrays):
     return split(attention(full["q"], full["k"], full["v"])), dict(zip("qkv", map(split, grads), strict=True))
 
 
+def _train(args) -> int:
+    """The train workload (``--workload train``, float64): `commlib_jax.tools.train_parity.record`."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from commlib.tools.train_parity import TrainResults
+    from commlib_jax.tools import train_parity
+
+    results = TrainResults("jax")
+    train_parity.record(args.in_dir, results)
+    results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m commlib_jax.tools.parity_runner")
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--workload", choices=("ops", "train"), default="ops")
     args = parser.parse_args(argv)
 
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.world_size)
+    if args.workload == "train":
+        return _train(args)
     from commlib.errors import CommError
     from commlib.tools import cases
     from commlib.tools.parity import Results

@@ -1,7 +1,8 @@
 """Torch side of `commlib parity`: ``python -m commlib_torch.tools.parity_runner IN_DIR OUT_DIR --world-size N``.
 
 Runs every case of the table on N gloo worker processes (mode "gloo"), and the attention cases also
-unsharded on one process (mode "unsharded"); writes every rank's output and input gradients.
+unsharded on one process (mode "unsharded"); writes every rank's output and input gradients. With
+``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from commlib.tools import cases
 from commlib.tools.parity import Results
+from commlib.tools.train_parity import TrainResults
+from commlib_torch.tools import train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
@@ -25,11 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--workload", choices=("ops", "train"), default="ops")
     args = parser.parse_args(argv)
+    versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if args.workload == "train":
+        train_results = TrainResults("torch")
+        with WorkerPool(args.world_size) as pool:
+            train_parity.record(pool, args.in_dir, train_results)
+        train_results.save(args.out_dir, versions)
+        return 0
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
         run_table(pool, cases.read(args.in_dir), results)
-    results.save(args.out_dir, {"torch": torch.__version__, "python": sys.version.split()[0]})
+    results.save(args.out_dir, versions)
     return 0
 
 
