@@ -1,0 +1,66 @@
+"""The training examples launched the way users launch them, as CI runs them: ``torchrun --standalone
+--nproc-per-node 4 examples/train_torch.py`` and two ``python examples/train_jax.py --num-processes 2
+--process-id i --coordinator 127.0.0.1:PORT`` (jax.distributed, 2 CPU devices each). Each example trains the
+block over SP 2 x TP 2 for 20 steps and exits non-zero unless every step matches the unsharded model."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+LIMIT = 240  # seconds per launch
+
+
+def _environment() -> dict[str, str]:
+    """The test's environment without the JAX tests' device settings (the example chooses its devices)."""
+    return {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _torchrun() -> list[str]:
+    """The torchrun of this interpreter's environment (its console script, else the module it runs)."""
+    script = Path(sys.executable).with_name("torchrun")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _assert_trained(output: str, passes: int) -> None:
+    steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", output, re.MULTILINE)
+    assert [int(step) for step, _, _ in steps] == list(range(1, STEPS + 1)), output
+    assert all(loss == unsharded for _, loss, unsharded in steps), output  # equal to the 12 digits printed
+    assert len(re.findall(r"^PASS: .*sp=2 tp=2, 20 steps", output, re.MULTILINE)) == passes, output
+
+
+def test_torch_example_with_torchrun_standalone():
+    command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/train_torch.py"]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
+                          stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _assert_trained(done.stdout, passes=1)
+
+
+def test_jax_example_with_two_processes():
+    port = _free_port()
+    commands = [[sys.executable, "examples/train_jax.py", "--num-processes", "2", "--process-id", str(process),
+                 "--coordinator", f"127.0.0.1:{port}"] for process in (0, 1)]
+    launched = [subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True) for command in commands]
+    try:
+        outputs = [process.communicate(timeout=LIMIT)[0] for process in launched]
+    finally:
+        for process in launched:
+            process.kill()
+    for process, output in zip(launched, outputs, strict=True):
+        assert process.returncode == 0, output
+    _assert_trained(outputs[0], passes=1)
+    assert re.search(r"^PASS: process 1 of 2, sp=2 tp=2, 20 steps", outputs[1], re.MULTILINE), outputs[1]
