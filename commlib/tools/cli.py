@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from commlib.tools import bench, parity, train_parity
 
 __all__ = ["main"]
+
+WIDTH = 120  # columns of the printed parity table
 
 
 def _positive(text: str) -> int:
@@ -35,16 +38,39 @@ def _format_error(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
+def _mode(mode: str) -> str:
+    """The mode as the table shows it: ``shard_map[check_vma=True] -> check_vma=True`` (the other modes as named)."""
+    return mode[len("shard_map["):-1] if mode.startswith("shard_map[") else mode
+
+
 def _print_table(rows: list[parity.Row]) -> None:
+    """The rows at most `WIDTH` columns wide: long case names wrap inside their column, and each failed row's
+    detail follows the table, wrapped."""
+    import tabulate as tabulate_module
     from tabulate import tabulate
 
-    body = [
-        [row.case, row.framework, row.mode, _format_error(row.out_error), _format_error(row.grad_error),
-         "pass" if row.passed else "FAIL", row.detail]
-        for row in rows
-    ]
-    headers = ["case", "framework", "mode", "max err out", "max err grad", "result", "detail"]
-    print(tabulate(body, headers=headers, tablefmt="github"))
+    body = [[row.case, row.framework, _mode(row.mode), _format_error(row.out_error), _format_error(row.grad_error),
+             "pass" if row.passed else "FAIL"] for row in rows]
+    headers = ["case", "framework", "mode", "err out", "err grad", "result"]
+
+    def render(case_width: int) -> str:
+        widths = [case_width] + [None] * (len(headers) - 1)
+        padding, tabulate_module.MIN_PADDING = tabulate_module.MIN_PADDING, 0  # columns as wide as their text
+        try:
+            return tabulate(body, headers=headers, tablefmt="simple", maxcolwidths=widths, disable_numparse=True)
+        finally:
+            tabulate_module.MIN_PADDING = padding
+
+    table = render(WIDTH)
+    excess = max(map(len, table.splitlines()), default=0) - WIDTH
+    if excess > 0:  # narrow the case column by that much (tabulate wraps its cells)
+        longest = max(len(cells[0]) for cells in [headers, *body])
+        table = render(max(16, longest - excess))
+    print(table)
+    for row in rows:
+        if row.detail:
+            text = f"{row.case} / {row.framework} / {row.mode}: {row.detail}"
+            print(textwrap.fill(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
 
 
 def _parity(args: argparse.Namespace) -> int:

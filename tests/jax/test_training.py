@@ -165,6 +165,26 @@ def test_no_f_and_g_sum_averaged_over_tp(mode, no_f_and_g_sum):
     _assert_factors(averaged, 1, 1)
 
 
+@pytest.fixture
+def without_the_check(monkeypatch):
+    """sum_grad without its shared-input check, to show what the refused settings would give."""
+    from commlib_jax import functional
+
+    monkeypatch.setattr(functional, "shared_axes", lambda x, axes: ())
+
+
+@pytest.mark.usefixtures("without_the_check")
+def test_what_the_refused_settings_would_give():
+    """check_vma=True, SP 2 x TP 2, without the refusal: f sums a gradient JAX already summed over TP, so the
+    replicated parameters get TP times theirs, and the psum over SP doubles what JAX summed over SP already."""
+    mode = "shard_map[check_vma=True]"
+    _assert_factors(_gathered(_inside(mode, psum=True)(PARAMS, X, TARGET), 2), 4, 2)  # row 2
+    _assert_factors(_gathered(_inside(mode, psum=False)(PARAMS, X, TARGET), 2), 2, 1)  # row 3
+    summed, averaged = _outside(mode)(PARAMS, X, TARGET)
+    _assert_factors(summed, 2, 1)  # row 4
+    _assert_factors(averaged, 1, 0.5)  # row 5
+
+
 # --- the refusal itself --------------------------------------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 the numpy block's hand-written gradients against finite differences, the mesh and shard bookkeeping, the JAX
 helper's reduction rule, and a comparison that fails on a wrong gradient, a wrong loss or a failed run."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -29,7 +31,7 @@ def test_reference_gradient_matches_finite_differences(name):
 def test_reference_loss_is_a_mean_over_tokens_and_training_lowers_it():
     trajectory = train_parity.reference(CONFIG, PARAMS, X, TARGET, steps=CONFIG.steps)
     losses = [loss for loss, _ in trajectory]
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False))
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses))
     zero_output = {**PARAMS, "wo": np.zeros_like(PARAMS["wo"]), "w_out": np.zeros_like(PARAMS["w_out"])}
     loss, _ = training.loss_and_grads(CONFIG, zero_output, X, TARGET)  # the block is the identity: z = x
     np.testing.assert_allclose(loss, 0.5 * np.sum((X - TARGET) ** 2) / CONFIG.tokens, rtol=1e-14)

@@ -1,0 +1,55 @@
+"""`commlib parity`'s table and its --workload choice, with the runs replaced by given rows."""
+
+import pytest
+
+from commlib.tools import cli, parity, train_parity
+
+LONG = "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3,scatter_sizes=(3, 3, 2, 2),gather_sizes=(1, 1)]"
+ROWS = [
+    parity.Row("all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3]", "jax", "shard_map[check_vma=False]",
+               1e-3, 2e-3, True),
+    parity.Row(LONG, "torch", "gloo", 1e-3, 2e-3, True),
+    parity.Row("permute!repeat[3,float32]", "torch vs jax", "shard_map[2x2 mesh]", None, None, False,
+               "expected " + "'CommError: permute: a long message' " * 8),
+]
+
+
+def test_table_is_at_most_120_columns_with_failures_below(capsys):
+    cli._print_table(ROWS)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= cli.WIDTH == 120
+    assert lines[0].split() == ["case", "framework", "mode", "err", "out", "err", "grad", "result"]
+    assert lines[2].split()[1:] == ["jax", "check_vma=False", "1.00e-03", "2.00e-03", "pass"]
+    wrapped = "".join(line[:62] for line in lines[3:5]).replace(" ", "")  # the long name wraps in its column
+    assert wrapped == LONG.replace(" ", "")
+    assert lines[3].split()[1:] == ["torch", "gloo", "1.00e-03", "2.00e-03", "pass"]
+    assert lines[5].split()[-1] == "FAIL"
+    detail = lines[6:]  # after the table: each failed row's detail, wrapped and indented
+    assert detail[0].startswith("permute!repeat[3,float32] / torch vs jax / shard_map[2x2 mesh]: expected ")
+    assert len(detail) > 1 and all(line.startswith("    ") for line in detail[1:])
+    assert " ".join(detail).count("'CommError: permute: a long message'") == 8
+
+
+@pytest.mark.parametrize(("workload", "expected"), [("ops", ["ops"]), ("train", ["train"]), ("all", ["ops", "train"])])
+def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected):
+    ran = []
+
+    def fake(name, passed):
+        def run(world_size, **options):
+            ran.append(name)
+            return [parity.Row(f"{name}-case", "torch", "gloo", 0.0, 0.0, passed)]
+        return run
+
+    monkeypatch.setattr(parity, "run", fake("ops", True))
+    monkeypatch.setattr(train_parity, "run", fake("train", workload != "all"))
+    status = cli.main(["parity", "--world-size", "2", "--workload", workload])
+    assert ran == expected
+    out = capsys.readouterr().out
+    assert f"world_size=2 seed=0 workload={workload}: " in out
+    assert status == (1 if workload == "all" else 0)  # "all": the train row failed
+
+
+def test_workload_is_checked_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["parity", "--workload", "bench"])
+    assert "invalid choice: 'bench'" in capsys.readouterr().err
