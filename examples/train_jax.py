@@ -27,7 +27,7 @@ import numpy as np
 TOLERANCE = 1e-10
 
 
-def parse() -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", type=int, help="sequence-parallel size (default: devices / tp)")
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 if the device count is even, else 1)")
@@ -35,7 +35,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--coordinator", default="127.0.0.1:29600", help="host:port of process 0")
     parser.add_argument("--local-devices", type=int, help="CPU devices per process (default: 4 / processes)")
-    return parser.parse_args()
+    return parser
 
 
 def start(args: argparse.Namespace) -> None:
@@ -54,17 +54,21 @@ def relative(array, want: np.ndarray) -> float:
 
 
 def main() -> int:
-    args = parse()
+    arguments = parser()
+    args = arguments.parse_args()
     start(args)
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from commlib import training
+    from commlib import CommError, training
     from commlib_jax.tools.train_block import block_loss, parameter_specs
     from commlib_jax.training import value_and_grad
 
     world_size = jax.device_count()
-    sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+    try:
+        sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+    except CommError as error:
+        arguments.error(str(error))
     mesh = Mesh(np.array(jax.devices()).reshape(sp, tp), ("sp", "tp"))
     config = training.BlockConfig.for_world_size(world_size)
     specs, sequence = parameter_specs("tp"), P(None, "sp")

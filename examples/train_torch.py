@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commlib import training
+from commlib import CommError, training
 from commlib_torch.tools.train_block import block_loss
 
 TOLERANCE = 1e-10
@@ -55,7 +55,10 @@ def main() -> int:
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 if the world size is even, else 1)")
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"])
-    sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+    try:
+        sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+    except CommError as error:
+        parser.error(str(error))
     torch.set_default_dtype(torch.float64)
 
     mesh = init_device_mesh("cpu", (sp, tp), mesh_dim_names=("sp", "tp"))  # gloo process groups

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,8 @@ def _mode(mode: str) -> str:
 
 
 def _print_table(rows: list[parity.Row]) -> None:
-    """The rows at most `WIDTH` columns wide: long case names wrap inside their column, and each failed row's
-    detail follows the table, wrapped."""
+    """The rows at most `WIDTH` columns wide (long case names wrap inside their column), then each failed row's
+    detail on a line of its own."""
     import tabulate as tabulate_module
     from tabulate import tabulate
 
@@ -68,9 +67,8 @@ def _print_table(rows: list[parity.Row]) -> None:
         table = render(max(16, longest - excess))
     print(table)
     for row in rows:
-        if row.detail:
-            text = f"{row.case} / {row.framework} / {row.mode}: {row.detail}"
-            print(textwrap.fill(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False))
+        if row.detail:  # one line each, unwrapped, so an error's text can be searched for
+            print(f"{row.case} / {row.framework} / {row.mode}: {row.detail}")
 
 
 def _parity(args: argparse.Namespace) -> int:
