@@ -22,8 +22,8 @@ from commlib import training
 from commlib.errors import CommError
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 
-__all__ = ["STEPS", "TOLERANCE", "UNSHARDED", "History", "TrainResults", "compare", "cross", "read", "reference",
-           "run", "unshard_gradients", "write"]
+__all__ = ["STEPS", "TOLERANCE", "UNSHARDED", "History", "TrainResults", "check", "compare", "cross", "expected",
+           "read", "reference", "run", "unshard_gradients", "write"]
 
 STEPS = 3  # SGD steps per run: losses and gradients of steps 2.. depend on the framework's own updates
 TOLERANCE = 1e-10  # float64, relative
@@ -126,12 +126,12 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want), initial=0.0) / max(np.max(np.abs(want), initial=0.0), 1e-300))
 
 
-def _errors(history: History, expected: History) -> tuple[float, float, str]:
+def _errors(history: History, want: History) -> tuple[float, float, str]:
     """(max loss error, max gradient error, where the gradient error is largest) over steps and ranks."""
-    if len(history) != len(expected):
-        return float("inf"), float("inf"), f"{len(history)} steps, expected {len(expected)}"
+    if len(history) != len(want):
+        return float("inf"), float("inf"), f"{len(history)} steps, expected {len(want)}"
     loss_error, grad_error, worst = 0.0, 0.0, ""
-    for step, ((losses, grads), (want_losses, want_grads)) in enumerate(zip(history, expected, strict=True)):
+    for step, ((losses, grads), (want_losses, want_grads)) in enumerate(zip(history, want, strict=True)):
         loss_error = max(loss_error, _relative(losses, want_losses))
         for name in training.TP_DIM:
             error = _relative(grads[name], want_grads[name])
@@ -140,19 +140,20 @@ def _errors(history: History, expected: History) -> tuple[float, float, str]:
     return loss_error, grad_error, worst
 
 
-def _expected(trajectory, mesh: tuple[int, int] | None) -> History:
+def expected(trajectory, mesh: tuple[int, int] | None) -> History:
     """The reference as every rank of `mesh` should hold it: the total loss, its TP block of each gradient."""
     sp, tp = mesh or (1, 1)
-    expected = []
+    history = []
     for loss, grads in trajectory:
         ranks = {name: np.stack([np.stack([training.shard_parameter(name, value, tp, t) for t in range(tp)])] * sp)
                  for name, value in grads.items()}
-        expected.append((np.full((sp, tp), loss), ranks))
-    return expected
+        history.append((np.full((sp, tp), loss), ranks))
+    return history
 
 
-def _row(case: str, framework: str, mode: str, history: History, expected: History) -> Row:
-    loss_error, grad_error, worst = _errors(history, expected)
+def check(case: str, framework: str, mode: str, history: History, want: History) -> Row:
+    """The row of one run: its history against `want`, both losses and gradients within `TOLERANCE`."""
+    loss_error, grad_error, worst = _errors(history, want)
     passed = loss_error <= TOLERANCE and grad_error <= TOLERANCE
     return Row(case, framework, mode, loss_error, grad_error, passed, "" if passed else worst)
 
@@ -168,7 +169,7 @@ def compare(framework: str, result_dir: Path, trajectory) -> list[Row]:
             rows.append(Row(case, framework, entry["mode"], None, None, False, entry["error"]))
         else:
             history = histories[f"{entry['mode']}|{case}"]
-            rows.append(_row(case, framework, entry["mode"], history, _expected(trajectory, mesh)))
+            rows.append(check(case, framework, entry["mode"], history, expected(trajectory, mesh)))
     return rows
 
 
@@ -181,7 +182,7 @@ def cross(torch_dir: Path, jax_dir: Path) -> list[Row]:
         mode, case = key.split("|")
         torch_key = f"{UNSHARDED if mode == UNSHARDED else 'gloo'}|{case}"
         if torch_key in torch_runs:
-            rows.append(_row(case, "torch vs jax", mode, torch_runs[torch_key], history))
+            rows.append(check(case, "torch vs jax", mode, torch_runs[torch_key], history))
     return rows
 
 

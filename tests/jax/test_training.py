@@ -73,8 +73,8 @@ def test_value_and_grad_gives_the_unsharded_gradients(mode):
     and its gradient block the unsharded gradient's, over 2 SGD steps against the numpy reference (float64)."""
     mesh = sp, tp = (2, 2)
     history = train_parity.run(CONFIG, PARAMS, X, TARGET, mode, sp, tp, steps=2)
-    expected = spec_parity._expected(spec_parity.reference(CONFIG, PARAMS, X, TARGET, 2), mesh)
-    row = spec_parity._row("train", "jax", mode, history, expected)
+    expected = spec_parity.expected(spec_parity.reference(CONFIG, PARAMS, X, TARGET, 2), mesh)
+    row = spec_parity.check("train", "jax", mode, history, expected)
     assert row.passed, row
     np.testing.assert_allclose(history[0][0], LOSS, rtol=1e-12)
     _assert_factors(_gathered(history[0][1], tp), 1, 1)

@@ -95,7 +95,7 @@ TRAJECTORY = train_parity.reference(CONFIG, PARAMS, X, TARGET, steps=2)
 
 def _history(mesh, scale_grad=None, scale_loss=1.0):
     """The reference as the ranks of `mesh` hold it; `scale_grad` = (name, sp, tp, factor) spoils one rank."""
-    history = train_parity._expected(TRAJECTORY, mesh)
+    history = train_parity.expected(TRAJECTORY, mesh)
     losses, grads = history[-1]
     history[-1] = (losses * scale_loss, {name: value.copy() for name, value in grads.items()})
     if scale_grad:
@@ -131,7 +131,7 @@ def test_cross_compares_torch_with_every_jax_mode(tmp_path):
 
 
 def test_unshard_gradients_takes_the_tp_blocks_of_sp_rank_0():
-    _, grads = train_parity._expected(TRAJECTORY, (2, 2))[0]
+    _, grads = train_parity.expected(TRAJECTORY, (2, 2))[0]
     full = train_parity.unshard_gradients(grads, 2)
     for name, value in TRAJECTORY[0][1].items():
         np.testing.assert_array_equal(full[name], value)

@@ -19,11 +19,11 @@ def test_every_mesh_trains_as_the_unsharded_block(pool, mesh):
     replies = pool(4).run(torch_train.run_mesh, CONFIG, PARAMS, X, TARGET, *mesh)
     assert sorted(coordinate for coordinate, _ in replies) == [(s, t) for s in range(mesh[0]) for t in range(mesh[1])]
     history = torch_train._stacked(replies, *mesh)
-    row = train_parity._row("train", "torch", "gloo", history, train_parity._expected(TRAJECTORY, mesh))
+    row = train_parity.check("train", "torch", "gloo", history, train_parity.expected(TRAJECTORY, mesh))
     assert row.passed, row
 
 
 def test_the_unsharded_block_is_the_reference():
     history = torch_train._unsharded(CONFIG, PARAMS, X, TARGET)
-    row = train_parity._row("train", "torch", "unsharded", history, train_parity._expected(TRAJECTORY, None))
+    row = train_parity.check("train", "torch", "unsharded", history, train_parity.expected(TRAJECTORY, None))
     assert row.passed, row
