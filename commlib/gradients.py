@@ -11,11 +11,12 @@ all_reduce sum/avg, convention "sum"       all_reduce(sum), the same scale (1/W 
 all_reduce sum/avg, "replicated"           identity times the scale (the cotangent is already the total)
 all_gather, "sum" / "replicated"           reduce_scatter(sum) / this rank's block (`SLICE`)
 reduce_scatter                             all_gather, the same scale
-all_to_all (scatter_dim a, gather_dim b)   all_to_all (scatter_dim b, gather_dim a)
-broadcast / reduce (root r)                reduce(sum) / broadcast (root r)
+all_to_all (scatter_dim a, gather_dim b)   all_to_all (scatter_dim b, gather_dim a); a == b: itself
+broadcast / reduce sum/avg (root r)        reduce(sum) / broadcast, the same scale (root r)
 gather / scatter (root r)                  scatter / gather (root r)
 permute (pairs)                            permute (pairs inverted)
 sum_grad (identity, replicated input)      all_reduce(sum)
+shard (slice, replicated input)            all_gather, times the plan's grad_scale (1/W with scale_grad)
 local identity / slice / pad               identity / pad / slice (their transposes)
 =========================================  ==============================================================
 
@@ -103,7 +104,8 @@ def vjp_plan(plan: Plan) -> Plan:
 
 def _dual(plan: Plan, collective: Collective, **changes: object) -> Plan:
     """`plan`'s dual: input shape = `plan`'s output shape, convention "sum" (a plain linear map)."""
-    return plan.replace(collective=collective, in_shape=plan.out_shape, convention=Convention.SUM, **changes)
+    return plan.replace(collective=collective, in_shape=plan.out_shape, convention=Convention.SUM, grad_scale=1.0,
+                        **changes)
 
 
 def _replicated_dual(plan: Plan) -> Plan:
@@ -121,9 +123,10 @@ def _replicated_input_dual(plan: Plan) -> Plan:
     shape = plan.out_shape
     if plan.collective is Collective.IDENTITY:
         return _dual(plan, Collective.ALL_REDUCE, reduce_op=ReduceOp.SUM, **flat_layout(shape, in_place=True))
-    if plan.collective is Collective.SLICE:
+    if plan.collective is Collective.SLICE:  # shard: the sum over ranks of each rank's padded block
         (dim,) = plan.dims
-        return _dual(plan, Collective.ALL_GATHER, **all_gather_layout(shape, plan.world_size, dim))
+        return _dual(plan, Collective.ALL_GATHER, scale=plan.scale * plan.grad_scale,
+                     **all_gather_layout(shape, plan.world_size, dim))
     raise NotImplementedError(f"{plan.op_name}: no replicated-input rule for {plan.collective.value}")
 
 

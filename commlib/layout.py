@@ -169,6 +169,7 @@ class Plan:
     dtype: str = "float32"  # the input's dtype name ("bfloat16", "int32", ...)
     reduce_op: ReduceOp | None = None  # for reductions, else None
     scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
+    grad_scale: float = 1.0  # an extra factor of the VJP only, not of this plan (1/W for shard's scale_grad)
     convention: Convention = Convention.SUM  # how the gradient counts the ranks
     accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
     root: int | None = None  # group-local src/dst rank of rooted ops
@@ -179,7 +180,7 @@ class Plan:
     @property
     def is_trivial(self) -> bool:
         """True when the op is the identity on every rank (world size 1, and a permute that keeps rank 0)."""
-        if self.scale != 1.0:
+        if self.scale != 1.0 or self.grad_scale != 1.0:
             return False
         return self.world_size == 1 and (self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
 
@@ -228,7 +229,20 @@ def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
 
 @functools.lru_cache(maxsize=4096)
 def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_dim: int) -> dict:
-    """Fields of the all-to-all plan for valid, normalised arguments (see module docstring)."""
+    """Fields of the all-to-all plan for valid, normalised arguments (see module docstring).
+
+    ``scatter_dim == gather_dim = d`` (torch's ``all_to_all_single``, lax's split == concat) is the same
+    geometry: the pack moves block s of d to the front, the unpack puts the block received from rank r back
+    at position r of d, and the shape is unchanged. On d = 0 both passes keep memory order, so there is no
+    local pass at all; on another d, one before and one after (none where the dims before d are all 1).
+
+    >>> layout = all_to_all_layout((8, 3), 4, 0, 0)
+    >>> layout["pack"].is_identity, layout["unpack"].is_identity, layout["out_shape"]
+    (True, True, (8, 3))
+    >>> layout = all_to_all_layout((3, 8), 4, 1, 1)
+    >>> layout["pack"].is_identity, layout["unpack"].is_identity, layout["out_shape"]
+    (False, False, (3, 8))
+    """
     chunk = _chunk(shape, scatter_dim, world_size)
     recv = (world_size, *chunk)
     return dict(

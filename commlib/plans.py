@@ -27,6 +27,7 @@ from commlib.layout import (
     all_gather_layout,
     all_to_all_layout,
     flat_layout,
+    local_layout,
     reduce_scatter_layout,
 )
 from commlib.reduce_op import FLOAT_BITS, ReduceOp, is_floating, parse_reduce_op
@@ -45,6 +46,8 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
     "check_rank",
     "point_to_point",
     "not_a_member",
@@ -72,6 +75,8 @@ OP_NAMES = (
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 )
 #: Names of the four axes of `all_to_all_4d`.
 ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
@@ -297,18 +302,20 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, dtype="float32", o
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
-    source-rank order (``lax.all_to_all(..., tiled=True)`` semantics).
+    source-rank order (``lax.all_to_all(..., tiled=True)`` semantics). With ``scatter_dim == gather_dim``
+    the shape is unchanged: block s of rank r's dim goes to rank s, at position r (torch's
+    ``all_to_all_single``, lax's ``split_axis == concat_axis``).
 
     >>> all_to_all((8, 3), 4, scatter_dim=0, gather_dim=1).out_shape
     (2, 12)
+    >>> plan = all_to_all((8, 3), 4, scatter_dim=0, gather_dim=-2)
+    >>> plan.out_shape, plan.copies
+    ((8, 3), 0)
     """
     received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
     gather_axis = _check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
-    if scatter_axis == gather_axis:
-        message = f"scatter_dim ({scatter_axis}) must differ from gather_dim ({gather_axis})"
-        raise comm_error(op_name, message, **received)
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
     _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
     return Plan(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size, in_shape=shape,
@@ -431,3 +438,47 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
     return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
                 dtype=dtype, pairs=((source, destination),), **_movement_fields(op_name, dtype, carried, received),
                 **flat_layout(shape, in_place=False))
+
+
+def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", carried=None) -> Plan:
+    """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
+    FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
+    replicated input -- divided by W when `scale_grad`.
+
+    >>> plan = shard((2, 8), 4, scale_grad=True)
+    >>> plan.out_shape, plan.collective.value, plan.convention, plan.grad_scale
+    ((2, 2), 'slice', 'replicated_input', 0.25)
+    """
+    received = dict(shape=tuple(shape), dim=dim)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    if not isinstance(scale_grad, bool):
+        raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
+    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
+    return Plan(op_name=op_name, collective=Collective.SLICE, world_size=world_size, in_shape=shape, dims=(dim,),
+                dtype=dtype, convention=Convention.REPLICATED_INPUT, grad_scale=1.0 / world_size if scale_grad else 1.0,
+                **_movement_fields(op_name, dtype, carried, received), **local_layout(shape, chunk))
+
+
+def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", carried=None) -> Plan:
+    """``s -> s``: rank `dst` gets the reduction over ranks (avg = sum / W), the other ranks zeros. op in
+    {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
+
+    >>> plan = reduce((3,), 4, dst=2, op="avg")
+    >>> plan.root, plan.scale
+    (2, 0.25)
+    >>> reduce((3,), 4, op="max")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: reduce: op ('max') must be one of sum, avg. Received: shape=(3,), dst=0, op='max'
+    """
+    received = dict(shape=tuple(shape), dst=dst, op=op)
+    shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
+    root = check_rank(op_name, "dst", dst, world_size, received)
+    reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
+    fields = _reduction_fields(op_name, reduce_op, dtype, None, carried, received, world_size)
+    return Plan(op_name=op_name, collective=Collective.REDUCE, world_size=world_size, in_shape=shape, dims=(),
+                dtype=dtype, reduce_op=reduce_op, root=root, **fields, **flat_layout(shape, in_place=True))

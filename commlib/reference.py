@@ -42,6 +42,8 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 ]
 
 Arrays = list[np.ndarray]
@@ -245,3 +247,23 @@ def permute(xs, perm) -> Arrays:
 def sum_grad(xs) -> Arrays:
     """Reference `sum_grad`: the identity (its VJP sums the cotangents over ranks)."""
     return run(plans.sum_grad(_shape_of(xs), len(xs), dtype=_dtype_of(xs)), xs)
+
+
+def shard(xs, dim=-1, *, scale_grad=False) -> Arrays:
+    """Reference `shard`: rank r keeps block r of its (replicated) input along `dim`; ``shape[dim] /= W``.
+
+    >>> import numpy as np
+    >>> shard([np.arange(4.0)] * 2)
+    [array([0., 1.]), array([2., 3.])]
+    """
+    return run(plans.shard(_shape_of(xs), len(xs), dim, scale_grad=scale_grad, dtype=_dtype_of(xs)), xs)
+
+
+def reduce(xs, dst=0, op="sum") -> Arrays:
+    """Reference `reduce`: the reduction over ranks on `dst`, zeros elsewhere.
+
+    >>> import numpy as np
+    >>> reduce([np.array([1.0]), np.array([5.0])], dst=1)
+    [array([0.]), array([6.])]
+    """
+    return run(plans.reduce(_shape_of(xs), len(xs), dst, op, dtype=_dtype_of(xs)), xs)

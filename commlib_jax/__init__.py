@@ -14,8 +14,10 @@ from commlib_jax.functional import (
     broadcast,
     gather,
     permute,
+    reduce,
     reduce_scatter,
     scatter,
+    shard,
     sum_grad,
 )
 
@@ -33,4 +35,6 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 ]

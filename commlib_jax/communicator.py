@@ -69,6 +69,15 @@ class Communicator:
         """See `commlib_jax.sum_grad`."""
         return functional.sum_grad(input_, self.axis_name)
 
+    def slice(self, input_, dim: int = -1, *, scale_grad: bool = False):
+        """This rank's block of the replicated `input_` along `dim` (FastVideo's ``slice``); see
+        `commlib_jax.shard`."""
+        return functional.shard(input_, self.axis_name, dim, scale_grad=scale_grad)
+
+    def reduce(self, input_, dst: int = 0, op=ReduceOp.SUM):
+        """The reduction on rank `dst`, zeros elsewhere; see `commlib_jax.reduce`."""
+        return functional.reduce(input_, self.axis_name, dst, op)
+
     def send(self, tensor, dst=None):
         """Not available in SPMD: every rank runs the same program. Use `permute`."""
         raise NotImplementedError("Communicator.send: SPMD has no one-sided send; use permute(x, [(src, dst)])")

@@ -41,6 +41,8 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 ]
 
 class _Backend:
@@ -180,11 +182,12 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim):
     """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
     received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
     ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
+    ``scatter_dim == gather_dim`` keeps the shape: block s of rank r's dim goes to rank s, at position r.
 
-    Gradient: all_to_all of the cotangent with the dims swapped.
+    Gradient: all_to_all of the cotangent with the dims swapped (for equal dims: the same op).
 
     Raises:
-        CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
+        CommError: dims out of range, ``shape[scatter_dim]`` not divisible by W.
     """
     axes = axes_of(axis_name)
     size = _world_size("all_to_all", x, axes)
@@ -277,3 +280,34 @@ def sum_grad(x, axis_name):
     if shared:
         raise training.shared_input_error("sum_grad", x.shape, axis_name, shared, lax.axis_size(axis_arg(shared)))
     return _apply(plan, axes, x)
+
+
+def shard(x, axis_name, dim=-1, *, scale_grad=False):
+    """Rank r of `axis_name` (a mesh axis name or a tuple of them) keeps block r of its replicated `x` along
+    `dim`: ``shape[dim] /= W`` (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication
+    forward (Megatron's split, FastVideo's ``slice``).
+
+    Gradient: all_gather of the cotangents along `dim` -- every rank gets the gradient of the one replicated
+    input -- divided by W when `scale_grad`. The conjugate of ``all_gather(..., convention="replicated")``.
+
+    Raises:
+        CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
+    """
+    axes = axes_of(axis_name)
+    size = _world_size("shard", x, axes)
+    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype_name(x.dtype))
+    return _apply(plan, axes, x)
+
+
+def reduce(x, axis_name, dst=0, op="sum"):
+    """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets the reduction of every rank's `x`;
+    the other ranks get zeros. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W).
+
+    Gradient: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
+
+    Raises:
+        CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+    """
+    axes = axes_of(axis_name)
+    size = _world_size("reduce", x, axes)
+    return _apply(plans.reduce(x.shape, size, dst, op, dtype=dtype_name(x.dtype)), axes, x)

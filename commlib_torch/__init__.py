@@ -16,8 +16,10 @@ from commlib_torch.functional import (
     broadcast,
     gather,
     permute,
+    reduce,
     reduce_scatter,
     scatter,
+    shard,
     sum_grad,
 )
 
@@ -37,4 +39,6 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 ]

@@ -114,8 +114,8 @@ def _local(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
         return x if plan.scale == 1.0 else x * plan.scale
     (dim,) = plan.dims
     rank, block = dist.get_rank(group), plan.recv_shape[dim] if kind is Collective.SLICE else x.shape[dim]
-    if kind is Collective.SLICE:
-        out = x.narrow(dim, rank * block, block)
+    if kind is Collective.SLICE:  # a copy, not a view: the output may be modified in place, and a gradient
+        out = x.narrow(dim, rank * block, block).clone(memory_format=torch.contiguous_format)  # frees the rest
     else:
         out = x.new_zeros(plan.out_shape)
         out.narrow(dim, rank * block, block).copy_(x)

@@ -79,6 +79,15 @@ class DeviceCommunicator:
         """Identity forward, all_reduce(sum) backward; see `commlib_torch.sum_grad`."""
         return functional.sum_grad(input_, self.device_group)
 
+    def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool = False) -> torch.Tensor:
+        """This rank's block of the replicated `input_` along `dim`; backward all_gathers the gradients (/ W
+        with `scale_grad`): FastVideo's ``slice`` (``GroupCoordinator.shard``); see `commlib_torch.shard`."""
+        return functional.shard(input_, dim, self.device_group, scale_grad=scale_grad)
+
+    def reduce(self, input_: torch.Tensor, dst: int = 0, op="sum") -> torch.Tensor:
+        """Differentiable reduce to group-local `dst` (zeros elsewhere); see `commlib_torch.reduce`."""
+        return functional.reduce(input_, dst, op, self.device_group)
+
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenation of every rank's input along `dim` on group-local rank `dst`; None elsewhere.
 

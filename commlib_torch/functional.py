@@ -42,6 +42,8 @@ __all__ = [
     "scatter",
     "permute",
     "sum_grad",
+    "shard",
+    "reduce",
 ]
 
 Group = dist.ProcessGroup | None
@@ -192,13 +194,15 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None) -> torch.Tensor:
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
-    x's dtype (``lax.all_to_all(..., tiled=True)``).
+    x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
+    of rank r's dim goes to rank s, at position r (``dist.all_to_all_single`` on that dim).
 
-    One local pass before and one after the collective at most, none where the layout allows a view.
-    Gradient: all_to_all of the cotangent with the dims swapped.
+    One local pass before and one after the collective at most, none where the layout allows a view (none
+    at all for ``scatter_dim == gather_dim == 0``). Gradient: all_to_all of the cotangent with the dims
+    swapped (for equal dims: the same op).
 
     Raises:
-        CommError: dims out of range or equal, ``shape[scatter_dim]`` not divisible by W.
+        CommError: dims out of range, ``shape[scatter_dim]`` not divisible by W.
     """
     x, size, dtypes = _operand("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes)
@@ -279,6 +283,37 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """
     x, size, dtypes = _operand("sum_grad", x, group)
     return _apply(plans.sum_grad(x.shape, size, **dtypes), x, group)
+
+
+def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
+    """Rank r of `group` (None: WORLD) keeps block r of its replicated `x` along `dim`: ``shape[dim] /= W``
+    (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication forward (Megatron's split,
+    FastVideo's ``slice``).
+
+    Gradient: all_gather of the cotangents along `dim` -- every rank gets the gradient of the one
+    replicated input -- divided by W when `scale_grad`. The conjugate of
+    ``all_gather(..., convention="replicated")``.
+
+    Raises:
+        CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
+    """
+    x, size, dtypes = _operand("shard", x, group)
+    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, **dtypes)
+    return _apply(plan, x, group)
+
+
+def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torch.Tensor:
+    """Group rank `dst` gets the reduction of every rank's `x` over `group` (None: WORLD); the other ranks get
+    zeros, so every rank can run backward. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W;
+    a string, `commlib.ReduceOp` or `torch.distributed.ReduceOp`).
+
+    Gradient: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
+
+    Raises:
+        CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+    """
+    x, size, dtypes = _operand("reduce", x, group)
+    return _apply(plans.reduce(x.shape, size, dst, op, **dtypes), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.Tensor | None:
