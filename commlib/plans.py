@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from commlib.dtypes import carrier, kind
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.layout import (
@@ -452,7 +454,7 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    if not isinstance(scale_grad, bool):
+    if not isinstance(scale_grad, (bool, np.bool_)):
         raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])

@@ -64,16 +64,10 @@ EXACT = [
         "Received: shape=(2, 8, 6, 64), scatter_dim=3, gather_dim=0",
     ),
     (
-        "all_to_all-same-dim",
-        lambda: plans.all_to_all(SHAPE, 2, 1, 1),
-        "all_to_all: scatter_dim (1) must differ from gather_dim (1). "
-        "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=1",
-    ),
-    (
-        "all_to_all-same-dim-after-normalising",
-        lambda: plans.all_to_all(SHAPE, 2, 1, -3),
-        "all_to_all: scatter_dim (1) must differ from gather_dim (1). "
-        "Received: shape=(2, 8, 6, 64), scatter_dim=1, gather_dim=-3",
+        "all_to_all-same-dim-not-divisible",
+        lambda: plans.all_to_all((2, 6), 4, 1, -1),
+        "all_to_all: size of scatter_dim 1 (6) must be divisible by world_size (4). "
+        "Received: shape=(2, 6), scatter_dim=1, gather_dim=-1",
     ),
     (
         "all_to_all-scatter-out-of-range",
@@ -143,6 +137,32 @@ EXACT = [
         "Received: shape=(4, 8), dim=0, op='avg', dtype='int32'",
     ),
     (
+        "shard-not-divisible",
+        lambda: plans.shard((3, 10), 4),
+        "shard: size of dim 1 (10) must be divisible by world_size (4). Received: shape=(3, 10), dim=-1",
+    ),
+    (
+        "shard-dim-out-of-range",
+        lambda: plans.shard((3, 8), 2, dim=2),
+        "shard: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(3, 8), dim=2",
+    ),
+    (
+        "reduce-op-not-sum-or-avg",
+        lambda: plans.reduce((3,), 4, 1, "product"),
+        "reduce: op ('product') must be one of sum, avg. Received: shape=(3,), dst=1, op='product'",
+    ),
+    (
+        "reduce-dst-out-of-range",
+        lambda: plans.reduce((3,), 4, 4),
+        "reduce: dst (4) must be in [0, 4) for world_size 4. Received: shape=(3,), dst=4, op='sum'",
+    ),
+    (
+        "reduce-avg-on-int32",
+        lambda: plans.reduce((3,), 2, 0, "avg", dtype="int32"),
+        "reduce: op ('avg') needs a floating or complex dtype, not int32. "
+        "Received: shape=(3,), dst=0, op='avg', dtype='int32'",
+    ),
+    (
         "world_size-0",
         lambda: plans.all_reduce((4, 8), 0),
         "all_reduce: world_size (0) must be >= 1. Received: shape=(4, 8), op='sum'",
@@ -178,7 +198,9 @@ FORMAT = [
     ("all_to_all_4d", lambda: plans.all_to_all_4d((2, 8, 6, 64), 4), (6, 4)),
     ("all_to_all_4d", lambda: plans.all_to_all_4d((1, 7, 4, 8), 2, 1, 2), (7, 2)),
     ("all_to_all_4d", lambda: plans.all_to_all_4d((2, 8, 6, 64, 1), 2), (5,)),
-    ("all_to_all", lambda: plans.all_to_all((4, 4), 2, 0, -2), (0, 0)),
+    ("all_to_all", lambda: plans.all_to_all((4, 5), 2, 1, -1), (5, 2)),
+    ("shard", lambda: plans.shard((4, 6), 4, 1), (6, 4)),
+    ("reduce", lambda: plans.reduce((4,), 2, dst=-1), (-1,)),
     ("all_to_all", lambda: plans.all_to_all((4, 4), 2, 0, 2), (2,)),
     ("all_to_all", lambda: plans.all_to_all((4, 4), 2, -3, 1), (-3,)),
     ("all_to_all", lambda: plans.all_to_all((4, 6), 4, 1, 0), (6, 4)),
@@ -241,6 +263,24 @@ def test_dim_of_the_wrong_kind_is_a_type_error(dim):
     _raises(TypeError, lambda: plans.all_to_all((4, 8), 2, dim, 0))
     _raises(TypeError, lambda: plans.all_to_all((4, 8), 2, 0, dim))
     _raises(TypeError, lambda: plans.all_to_all_4d(SHAPE, 2, dim, 1))
+
+
+@pytest.mark.parametrize("scale_grad", [1, 0, None, "yes", 1.0])
+def test_scale_grad_of_the_wrong_kind_is_a_type_error(scale_grad):
+    message = _raises(TypeError, lambda: plans.shard((2, 8), 2, scale_grad=scale_grad))
+    kind = type(scale_grad).__name__
+    assert message == f"shard: scale_grad must be a bool, not {kind}. Received: shape=(2, 8), dim=-1"
+
+
+def test_numpy_bools_are_bools():
+    assert plans.shard((2, 8), 2, scale_grad=np.bool_(True)).grad_scale == 0.5
+    assert plans.shard((2, 8), 2, scale_grad=np.bool_(False)).grad_scale == 1.0
+
+
+def test_equal_scatter_and_gather_dims_are_valid():
+    """torch's all_to_all_single / lax's split_axis == concat_axis: the shape is unchanged (it was an error)."""
+    assert plans.all_to_all(SHAPE, 2, 1, -3).out_shape == SHAPE
+    assert plans.all_to_all((8, 3), 4, 0, 0).dims == (0, 0)
 
 
 def test_numpy_integers_are_ints():

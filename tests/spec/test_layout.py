@@ -135,6 +135,27 @@ def test_last_dim_gather_and_scatter_copy_once():
     assert plans.reduce_scatter((1, 8), W, -1).copies == 0
 
 
+@pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
+def test_all_to_all_on_dim_0_alone_is_zero_copy(shape):
+    """scatter_dim == gather_dim == 0 (torch's all_to_all_single): the buffer is sent and received as it is."""
+    plan = plans.all_to_all(shape, W, 0, 0)
+    assert plan.copies == 0 and plan.out_shape == shape
+
+
+def test_all_to_all_on_another_dim_alone_copies_once_per_side():
+    assert plans.all_to_all((3, 8, 2), W, 1, 1).copies == 2  # pack and unpack each move the rank axis
+    assert plans.all_to_all((1, 8, 2), W, 1, -2).copies == 0  # nothing in front of the dim but size 1
+
+
+def test_shard_is_one_local_step_and_reduce_copies_into_a_fresh_buffer():
+    """shard moves no data between ranks: no pack or unpack pass, the slice is the step itself; reduce, like
+    all_reduce, reduces in place, so its one pass is the copy into a fresh buffer."""
+    plan = plans.shard((3, 8), W, -1)
+    assert plan.collective.is_local and plan.copies == 0 and plan.out_shape == (3, 2)
+    plan = plans.reduce((3, 8), W)
+    assert plan.pack.always_copy and plan.copies == 1
+
+
 def test_all_reduce_copies_into_a_fresh_buffer():
     plan = plans.all_reduce((3, 5), W)
     assert plan.pack.always_copy

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commlib import CommError, ReduceOp, gradients, plans, reference
+from commlib import ReduceOp, gradients, plans, reference
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -179,7 +179,7 @@ def all_to_all_cases(draw, min_ndim=2, max_ndim=4):
     ndim = draw(st.integers(min_ndim, max_ndim))
     shape = draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim))
     scatter = draw(st.integers(0, ndim - 1))
-    gather = draw(st.integers(0, ndim - 1).filter(lambda dim: dim != scatter))
+    gather = draw(st.integers(0, ndim - 1))  # equal dims too: torch's all_to_all_single
     shape[scatter] *= world_size
     scatter_dim = scatter - ndim if draw(st.booleans()) else scatter
     gather_dim = gather - ndim if draw(st.booleans()) else gather
@@ -200,9 +200,57 @@ def test_all_to_all_round_trip(case):
     _assert_ranks_equal(reference.all_to_all(there, gather_dim, scatter_dim), xs)
 
 
-def test_all_to_all_needs_two_dims():
-    with pytest.raises(CommError):
-        reference.all_to_all(_distinct((4,), 2), 0, 0)
+def test_all_to_all_on_one_dim_is_all_to_all_single():
+    """Block s of rank r's dim goes to rank s, at position r; with W = 2 on [a, b] it swaps b of rank 0 and a
+    of rank 1; its own inverse."""
+    xs = [np.array([1.0, 2.0]), np.array([10.0, 20.0])]
+    _assert_ranks_equal(reference.all_to_all(xs, 0, 0), [np.array([1.0, 10.0]), np.array([2.0, 20.0])])
+    xs = _distinct((2, 3 * 4), 4)
+    _assert_ranks_equal(reference.all_to_all(reference.all_to_all(xs, 1, -1), -1, 1), xs)
+
+
+def naive_shard(xs, dim):
+    return [np.split(x, len(xs), axis=dim)[rank] for rank, x in enumerate(xs)]
+
+
+def naive_reduce(xs, dst, op):
+    total = naive_all_reduce(xs, op)[0]
+    return [total if rank == dst else np.zeros_like(total) for rank in range(len(xs))]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_shard(world_size, dim):
+    xs = [_distinct((2 * world_size, 3 * world_size), 1)[0]] * world_size  # replicated
+    _assert_ranks_equal(reference.shard(xs, dim), naive_shard(xs, dim))
+
+
+def test_shard_worked_example():
+    """W=4, every rank holding arange(8), cotangent (r+1)*[1, 10] on rank r: rank r gets [2r, 2r+1]; every rank's
+    gradient is [1, 10, 2, 20, 3, 30, 4, 40] (a quarter of that with scale_grad)."""
+    xs = [np.arange(8.0)] * 4
+    cotangents = [(rank + 1) * np.array([1.0, 10.0]) for rank in range(4)]
+    _assert_ranks_equal(reference.shard(xs), [np.array([2.0 * rank, 2.0 * rank + 1]) for rank in range(4)])
+    want = np.array([1.0, 10.0, 2.0, 20.0, 3.0, 30.0, 4.0, 40.0])
+    for scale_grad, factor in ((False, 1.0), (True, 0.25)):
+        plan = plans.shard((8,), 4, scale_grad=scale_grad, dtype="float64")
+        _assert_ranks_equal(reference.vjp(plan, xs, cotangents), [want * factor] * 4)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce(world_size, op):
+    xs = _integers((2, 3), world_size)
+    for dst in range(world_size):
+        _assert_ranks_equal(reference.reduce(xs, dst, op), naive_reduce(xs, dst, op))
+
+
+def test_reduce_vjp_broadcasts_the_cotangent_of_dst():
+    xs = _integers((2,), 3)
+    cotangents = [np.array([1.0, 2.0]), np.array([4.0, 8.0]), np.array([16.0, 32.0])]
+    for op, factor in (("sum", 1.0), ("avg", 1 / 3)):
+        plan = plans.reduce((2,), 3, dst=1, op=op, dtype="float64")
+        _assert_ranks_equal(reference.vjp(plan, xs, cotangents), [np.array([4.0, 8.0]) * factor] * 3)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -275,6 +323,12 @@ def _linear_plans():
         for dim in (0, 1, -1):
             cases.append((f"all_gather-d{dim}-W{world_size}", plans.all_gather((2, 3), world_size, dim)))
         cases.append((f"all_to_all-W{world_size}", plans.all_to_all((2, 3, 2 * world_size), world_size, 2, 0)))
+        for dim in (0, 2):
+            cases.append((f"all_to_all-same-d{dim}-W{world_size}",
+                          plans.all_to_all((2 * world_size, 3, 2 * world_size), world_size, dim, dim)))
+        for op in ("sum", "avg"):
+            cases.append((f"reduce-{op}-W{world_size}",
+                          plans.reduce((2, 3), world_size, world_size - 1, op, dtype="float64")))
         for batch in (1, 2):
             cases.append((
                 f"ulysses-B{batch}-W{world_size}", plans.all_to_all_4d((batch, 2, 2 * world_size, 3), world_size, 2, 1)
@@ -349,6 +403,9 @@ FD_PLANS = [
     ("all_to_all", plans.all_to_all((2, 4, 3), 2, 1, 2)),
     ("all_to_all_4d", plans.all_to_all_4d((2, 1, 4, 2), 2, 2, 1)),
     ("all_to_all_4d-reverse", plans.all_to_all_4d((1, 4, 1, 2), 2, 1, 2)),
+    ("all_to_all-same-dim", plans.all_to_all((2, 6), 3, 1, 1)),
+    ("reduce-sum", plans.reduce((2, 2), 3, 2, "sum", dtype="float64")),
+    ("reduce-avg", plans.reduce((2, 2), 3, 0, "avg", dtype="float64")),
 ]
 
 
@@ -391,6 +448,24 @@ def test_vjp_replicated_convention_matches_finite_differences(make_plan, world_s
 
     grads = reference.vjp(plan, xs, [cotangent] * world_size)
     _assert_grads_close(grads, _finite_difference(loss, xs))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("scale_grad", [False, True])
+def test_vjp_of_shard_is_the_gradient_of_the_replicated_input(world_size, dim, scale_grad):
+    """One input x shared by every rank, rank r's output block r of it, the objective sum_r <y_r, c_r>: the
+    gradient of x (every rank's, identical) is the all_gather of the cotangents (/ W with scale_grad)."""
+    plan = plans.shard((2 * world_size, 3 * world_size), world_size, dim, scale_grad=scale_grad, dtype="float64")
+    (x,) = _normal([plan.in_shape], seed=5)
+    cotangents = _normal([plan.out_shape] * world_size, seed=6)
+
+    def loss(inputs):
+        return _inner(reference.run(plan, [inputs[0]] * world_size), cotangents)
+
+    (want,) = _finite_difference(loss, [x])
+    _assert_grads_close(reference.vjp(plan, [x] * world_size, cotangents), [want / (world_size if scale_grad else 1)]
+                        * world_size)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
