@@ -7,10 +7,11 @@ under ``torch.no_grad()`` or ``torch.inference_mode()``; JAX runs those forward-
 of the text every side must raise (``"CommError: ..."`` / ``"TypeError: ..."``), or None: then every side
 must give the reference value (and, in grad mode, the reference gradient).
 
-Covered: non-divisible split dims, all_to_all_4d's ndim and dim pairs, scatter_dim == gather_dim, dims
-out of range, unknown and dtype-forbidden reduce ops, bad accum_dtype and convention, src/dst/perm out of
-range or repeated, wrong argument kinds, zero-size dims, non-contiguous and channels_last inputs, inputs
-that don't require grad, no_grad and inference_mode, world size 1, and float64/float16/bfloat16/int32.
+Covered: non-divisible split dims, all_to_all_4d's ndim and dim pairs, dims out of range, unknown and
+dtype-forbidden reduce ops (reduce and reduce_scatter take sum and avg only), bad accum_dtype and convention,
+src/dst/perm out of range or repeated, wrong argument kinds (shard's scale_grad), zero-size dims (all_to_all
+on one dim too), non-contiguous and channels_last inputs, inputs that don't require grad, no_grad and
+inference_mode, world size 1, and float64/float16/bfloat16/int32.
 """
 
 from __future__ import annotations
@@ -74,8 +75,14 @@ def _errors(W: int) -> list[Row]:
         _row("all_to_all_4d", W, (1, 2, W, 2, 1), error="CommError: all_to_all_4d: ndim (5) must be 4"),
         _row("all_to_all_4d", W, (2, 4, 2 * W, 2), scatter_dim=0, gather_dim=3,
              error="CommError: all_to_all_4d: (scatter_dim, gather_dim) (0, 3) must be (2, 1) or (1, 2)"),
-        _row("all_to_all", W, (2 * W, 3), scatter_dim=0, gather_dim=-2,
-             error="CommError: all_to_all: scatter_dim (0) must differ from gather_dim (0)"),
+        _row("shard", W, (3, odd), error=f"CommError: shard: size of dim 1 ({odd}) must be divisible by world_size "
+             f"({W})"),
+        _row("shard", W, (2 * W,), dim=1, error="CommError: shard: dim (1) must be in [-1, 1) for ndim 1"),
+        _row("shard", W, (2 * W,), scale_grad=1, error="TypeError: shard: scale_grad must be a bool, not int"),
+        _row("reduce", W, (3,), op="max", error="CommError: reduce: op ('max') must be one of sum, avg"),
+        _row("reduce", W, (3,), dst=W, error=f"CommError: reduce: dst ({W}) must be in [0, {W})"),
+        _row("reduce", W, (3,), op="avg", dtype="int32",
+             error="CommError: reduce: op ('avg') needs a floating dtype, not int32"),
         _row("all_gather", W, (3, 4), dim=2, error="CommError: all_gather: dim (2) must be in [-2, 2) for ndim 2"),
         _row("reduce_scatter", W, (2 * W, 3), dim=-3, error="CommError: reduce_scatter: dim (-3) must be in [-2, 2)"),
         _row("gather", W, (3,), dim=1, error="CommError: gather: dim (1) must be in [-1, 1) for ndim 1"),
@@ -136,6 +143,10 @@ def _zero_size(W: int) -> list[Row]:
         _row("scatter", W, (2 * W, 0), src=W - 1),
         _row("permute", W, (0, 3), perm=ring),
         _row("sum_grad", W, (0,)),
+        _row("all_to_all", W, (2 * W, 0), scatter_dim=0, gather_dim=0),
+        _row("shard", W, (0, 2 * W)),
+        _row("shard", W, (2 * W, 0), dim=0, scale_grad=True),
+        _row("reduce", W, (0, 3), dst=W - 1),
     ]
 
 
@@ -158,6 +169,9 @@ def _layouts(W: int) -> list[Row]:
         _row("all_to_all", W, (3, 2 * W, 2), scatter_dim=1, gather_dim=0, layout="transposed"),
         _row("reduce_scatter", W, (3, 2 * W), dim=-1, op="avg", layout="transposed"),
         _row("scatter", W, (2 * W, 3), src=W - 1, dim=0, layout="transposed"),
+        _row("all_to_all", W, (2, 3, 2 * W, 4), scatter_dim=2, gather_dim=-2, layout="channels_last"),
+        _row("shard", W, (2, 3, 2 * W, 4), dim=2, scale_grad=True, layout="channels_last"),
+        _row("reduce", W, (2, 3, 2, 4), dst=W - 1, op="avg", layout="channels_last"),
     ]
 
 
@@ -177,6 +191,8 @@ def _grad_modes(W: int) -> list[Row]:
             _row("scatter", W, (2 * W,), src=W - 1, grad_mode=mode),
             _row("permute", W, (2, 3), perm=ring, grad_mode=mode),
             _row("sum_grad", W, (2, 3), grad_mode=mode),
+            _row("shard", W, (2, 3 * W), grad_mode=mode),
+            _row("reduce", W, (2, 3), dst=W - 1, grad_mode=mode),
         ]
     return rows
 
@@ -195,6 +211,8 @@ def _dtypes(W: int) -> list[Row]:
             _row("gather", W, (2, 2), dim=0, dtype=dtype),
             _row("scatter", W, (2 * W, 2), dtype=dtype),
             _row("permute", W, (2, 3), perm=[[W - 1, 0]], dtype=dtype),
+            _row("shard", W, (2, 2 * W), dtype=dtype),
+            _row("reduce", W, (2, 3), dst=W - 1, dtype=dtype),
         ]
     rows += [
         _row("all_reduce", W, (3, 4), op="avg", dtype="float16"),
@@ -223,8 +241,10 @@ def _world_size_one() -> list[Row]:
         _row("sum_grad", 1, (0, 3)),
         _row("broadcast", 1, (3,), src=1, error="CommError: broadcast: src (1) must be in [0, 1) for world_size 1"),
         _row("permute", 1, (3,), perm=[[0, 1]], error="CommError: permute: dst (1) must be in [0, 1)"),
-        _row("all_to_all", 1, (3, 4), scatter_dim=1, gather_dim=-1,
-             error="CommError: all_to_all: scatter_dim (1) must differ from gather_dim (1)"),
+        _row("all_to_all", 1, (3, 4), scatter_dim=1, gather_dim=-1),
+        _row("shard", 1, (3, 4), dim=0, scale_grad=True),
+        _row("reduce", 1, (2, 3), op="avg"),
+        _row("reduce", 1, (3,), dst=1, error="CommError: reduce: dst (1) must be in [0, 1) for world_size 1"),
         _row("all_reduce", 1, (3,), op="avg", dtype="int32",
              error="CommError: all_reduce: op ('avg') needs a floating"),
     ]

@@ -86,8 +86,9 @@ def _attention_shape(world_size: int, batch: int, seq: int, heads: int, head_dim
 
 
 def case_table(world_size: int) -> list[Case]:
-    """Every op, both conventions, odd shapes (batch > 1, size-1 dims, non-contiguous, negative dims,
-    bfloat16), the Ulysses attention layer, and invalid calls whose error text must match."""
+    """Every op, both conventions (and shard's scale_grad), odd shapes (batch > 1, size-1 dims,
+    non-contiguous, negative dims, bfloat16), all_to_all on one dim, the Ulysses attention layer, and invalid
+    calls whose error text must match."""
     W = world_size
     qkv = ("q", "k", "v")
     return [
@@ -132,12 +133,21 @@ def case_table(world_size: int) -> list[Case]:
         _case("permute", W, (3, 2), perm=[[0, W - 1]], transposed=True),
         _case("sum_grad", W, (2, 3)),
         _case("sum_grad", W, (3, 4), transposed=True),
+        _case("all_to_all", W, (2 * W, 3), scatter_dim=0, gather_dim=-2),
+        _case("all_to_all", W, (3, 2 * W, 2), scatter_dim=-2, gather_dim=1, transposed=True, dtype="bfloat16"),
+        _case("shard", W, (3, 2 * W)),
+        _case("shard", W, (2 * W, 3, 2), dim=0, scale_grad=True, transposed=True),
+        _case("shard", W, (2, 2 * W, 1), dim=-2, scale_grad=True, dtype="bfloat16"),
+        _case("reduce", W, (2, 3)),
+        _case("reduce", W, (3, 4), dst=W - 1, op="avg", transposed=True),
+        _case("reduce", W, (4, 2), dst=W - 1, dtype="bfloat16"),
         _case(ATTENTION, W, _attention_shape(W, 2, 64, 8, 16), inputs=qkv),
         _case(ATTENTION, W, _attention_shape(W, 1, 48, 4, 8), inputs=qkv),
         # invalid calls: every side must raise the spec's text (only where the call is invalid at this W)
         _case("all_to_all_4d", W, (2, 8, 2 * W + 1, 4), "!heads"),
         _case("all_to_all_4d", W, (2, 8, 2 * W), "!ndim"),
-        _case("all_to_all", W, (2 * W, 3), "!same", scatter_dim=0, gather_dim=-2),
+        _case("shard", W, (3, 2 * W + 1), "!split"),
+        _case("reduce", W, (3,), "!max", op="max"),
         _case("all_gather", W, (3, 5), "!range", dim=2),
         _case("all_reduce", W, (3,), "!op", op="band"),
         _case("reduce_scatter", W, (2 * W + 1, 3), "!split"),

@@ -174,7 +174,7 @@ def test_grad_of_an_integer_input_is_jax_own_error():
 
 # --- Communicator --------------------------------------------------------------------------------------------
 
-METHODS = {"all_to_all_4d": "all_to_all_4D"}  # the seed's spelling; every other method is the op's name
+METHODS = {"all_to_all_4d": "all_to_all_4D", "shard": "slice"}  # the seed's and FastVideo's spellings
 
 
 def _one_case_per_op(world_size: int) -> list[cases.Case]:

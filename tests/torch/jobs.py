@@ -22,8 +22,8 @@ from commlib_torch.tools.pool import WorkerContext
 
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
-#: Communicator method of each public op whose name differs (the seed's spelling).
-METHODS = {"all_to_all_4d": "all_to_all_4D"}
+#: Communicator method of each public op whose name differs (the seed's and FastVideo's spellings).
+METHODS = {"all_to_all_4d": "all_to_all_4D", "shard": "slice"}
 
 
 def group_of(members, tag: str = "") -> dist.ProcessGroup | None:
