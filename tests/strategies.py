@@ -2,7 +2,7 @@
 tests/jax/test_properties.py (plain data: neither framework is imported here).
 
 `cases(op, space)` draws a `commlib.tools.cases.Case`: random shapes (size-1 dims, 0-d where the op allows), dims
-(negative too), rank arguments, both conventions, ties and zeros for the reductions ("small" draws), world sizes
+(negative too, all_to_all's equal too), rank arguments, shard's scale_grad, both conventions, ties and zeros for the reductions ("small" draws), world sizes
 1-4. A `Space` says what a frontend's tests draw from: torch takes sizes up to 3, bfloat16 and transposed
 (non-contiguous) inputs; JAX keeps sizes in {1, 2} so that examples often lower to a program it already
 compiled (see tests/jax/programs.py).
@@ -58,12 +58,13 @@ def _case(op: str, setting: tuple, kwargs: list, draw: str = "normal") -> Case:
 
 @st.composite
 def _all_to_all(draw, space: Space):
-    """Distinct scatter and gather dims (equal ones are the case table's error row), either spelled negative."""
-    setting = draw(_setting(space, min_ndim=2))
+    """Any scatter and gather dims (equal ones: torch's all_to_all_single, lax's split == concat), either spelled
+    negative."""
+    setting = draw(_setting(space, min_ndim=1))
     world_size, shape = setting[0], setting[1]
     ndim = len(shape)
     scatter = draw(_dim(ndim))
-    gather = (scatter + draw(st.integers(1, ndim - 1))) % ndim - draw(st.sampled_from([0, ndim]))
+    gather = (scatter + draw(st.integers(0, ndim - 1))) % ndim - draw(st.sampled_from([0, ndim]))
     shape[scatter] *= world_size
     return _case("all_to_all", setting, [("scatter_dim", scatter), ("gather_dim", gather)])
 
@@ -132,6 +133,21 @@ def _sum_grad(draw, space: Space):
     return _case("sum_grad", draw(_setting(space)), [])
 
 
+@st.composite
+def _shard(draw, space: Space):
+    setting = draw(_setting(space, min_ndim=1))
+    dim = draw(_dim(len(setting[1])))
+    setting[1][dim] *= setting[0]
+    return _case("shard", setting, [("dim", dim), ("scale_grad", draw(st.booleans()))])
+
+
+@st.composite
+def _reduce(draw, space: Space):
+    setting = draw(_setting(space))
+    dst, op = draw(st.integers(0, setting[0] - 1)), draw(st.sampled_from(["sum", "avg"]))
+    return _case("reduce", setting, [("dst", dst), ("op", op)])
+
+
 _STRATEGIES = {
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,
@@ -142,6 +158,8 @@ _STRATEGIES = {
     "scatter": _scatter,
     "permute": _permute,
     "sum_grad": _sum_grad,
+    "shard": _shard,
+    "reduce": _reduce,
 }
 #: The ops with a strategy (all_to_all_4d is all_to_all on 4 dims; its own rules are in the case table).
 OPS = tuple(_STRATEGIES)

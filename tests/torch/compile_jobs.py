@@ -1,6 +1,6 @@
 """Pool jobs for test_compile.py: each op eager and under torch.compile(fullgraph=True).
 
-The rooted ops (broadcast, gather, scatter) are left out: c10d's rooted collectives are not traceable by
+The rooted ops (broadcast, gather, scatter, reduce) are left out: c10d's rooted collectives are not traceable by
 Dynamo, and rank-dependent rewrites of them hang under AOTAutograd (see docs/plans.md).
 """
 
@@ -19,6 +19,8 @@ OPS = {
     "permute": lambda x: cl.permute(x, [(0, 1), (1, 0)]),
     "permute_partial": lambda x: cl.permute(x, [(0, 1)]),
     "all_reduce_product": lambda x: cl.all_reduce(x, "product"),
+    "all_to_all_single": lambda x: cl.all_to_all(x, 2, 2),
+    "shard": lambda x: cl.shard(x, 2, scale_grad=True),
 }
 
 

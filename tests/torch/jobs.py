@@ -237,6 +237,44 @@ def integer_forward(ctx: WorkerContext, op: str, dtype: str):
     return out.tolist(), str(out.dtype), out.requires_grad, errors
 
 
+def shard_example(ctx: WorkerContext, scale_grad: bool, via_communicator: bool):
+    """Issue 14's example: every rank holds arange(8), rank r's cotangent is (r+1)*[1, 10]. (output, gradient)."""
+    x = torch.arange(8, dtype=torch.float64, requires_grad=True)
+    if via_communicator:  # FastVideo's GroupCoordinator.shard -> communicator.slice(input_, dim, scale_grad=...)
+        out = DeviceCommunicator(dist.group.WORLD).slice(x, -1, scale_grad=scale_grad)
+    else:
+        out = commlib_torch.shard(x, scale_grad=scale_grad)
+    (out * (ctx.rank + 1) * torch.tensor([1.0, 10.0], dtype=torch.float64)).sum().backward()
+    return out.tolist(), x.grad.tolist()
+
+
+def reduce_example(ctx: WorkerContext, dst: int, op: str):
+    """Rank r holds [r+1, 10(r+1)] and cotangent (r+1)*[1, 1]: (output, gradient)."""
+    x = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1)], dtype=torch.float64, requires_grad=True)
+    out = commlib_torch.reduce(x, dst, op)
+    (out * (ctx.rank + 1.0)).sum().backward()
+    return out.tolist(), x.grad.tolist()
+
+
+def all_to_all_single_example(ctx: WorkerContext, dim: int):
+    """all_to_all(x, dim, dim) against torch's own all_to_all_single (on `dim` moved to the front), forward and
+    backward (the same op on the cotangent): (commlib output, torch's, commlib gradient, torch's)."""
+    W = ctx.world_size
+    x = (torch.arange(2 * W * 3, dtype=torch.float64).reshape(3, 2 * W) + 100 * ctx.rank).movedim(1, dim)
+    cotangent = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def single(tensor):
+        front = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty_like(front)
+        dist.all_to_all_single(out, front)
+        return out.movedim(0, dim)
+
+    leaf = x.clone().requires_grad_()
+    out = commlib_torch.all_to_all(leaf, dim, dim)
+    (out * cotangent).sum().backward()
+    return _numpy(out), _numpy(single(x)), _numpy(leaf.grad), _numpy(single(cotangent))
+
+
 def _every_op(W: int, x: torch.Tensor) -> dict:
     """Each public op (and the reductions) on `x` of shape [2W, 3]."""
     ops = {f"all_reduce_{op}": (lambda op=op: commlib_torch.all_reduce(x, op))
@@ -252,6 +290,9 @@ def _every_op(W: int, x: torch.Tensor) -> dict:
         "scatter": lambda: commlib_torch.scatter(x, W - 1, 0),
         "permute": lambda: commlib_torch.permute(x, [(r, (r + 1) % W) for r in range(W)]),
         "sum_grad": lambda: commlib_torch.sum_grad(x),
+        "all_to_all_single": lambda: commlib_torch.all_to_all(x, 0, 0),
+        "shard": lambda: commlib_torch.shard(x, 0, scale_grad=True),
+        "reduce": lambda: commlib_torch.reduce(x, W - 1, "avg"),
     }
 
 

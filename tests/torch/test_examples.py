@@ -84,6 +84,35 @@ def test_integer_and_bool_tensors_forward_only(pool, op, dtype):
         assert "does not require grad and does not have a grad_fn" in backward_error
 
 
+@pytest.mark.parametrize("via_communicator", [False, True], ids=["shard", "DeviceCommunicator.slice"])
+@pytest.mark.parametrize(("scale_grad", "factor"), [(False, 1.0), (True, 0.25)])
+def test_shard_example(pool, scale_grad, factor, via_communicator):
+    """Issue 14: W=4, every rank holding arange(8), cotangent (r+1)*[1, 10] on rank r: rank r gets [2r, 2r+1];
+    every rank's gradient is [1, 10, 2, 20, 3, 30, 4, 40] (a quarter of that with scale_grad)."""
+    replies = pool(4).run(jobs.shard_example, scale_grad, via_communicator)
+    assert [out for out, _ in replies] == [[2.0 * rank, 2.0 * rank + 1] for rank in range(4)]
+    want = [factor * value for value in (1, 10, 2, 20, 3, 30, 4, 40)]
+    assert [grad for _, grad in replies] == [want] * 4
+    print(f"shard example (torch, scale_grad={scale_grad}):", replies)
+
+
+@pytest.mark.parametrize(("op", "factor"), [("sum", 1.0), ("avg", 0.25)])
+def test_reduce_example(pool, op, factor):
+    """W=4, rank r holding [r+1, 10(r+1)], cotangent (r+1): dst=2 gets the sum [10, 100] (/ 4 for avg), the
+    others zeros; every rank's gradient is dst's cotangent, [3, 3] (/ 4 for avg)."""
+    replies = pool(4).run(jobs.reduce_example, 2, op)
+    assert [out for out, _ in replies] == [[0.0, 0.0]] * 2 + [[10.0 * factor, 100.0 * factor]] + [[0.0, 0.0]]
+    assert [grad for _, grad in replies] == [[3.0 * factor] * 2] * 4
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_all_to_all_on_one_dim_is_all_to_all_single(pool, world_size, dim):
+    for out, want, grad, want_grad in pool(world_size).run(jobs.all_to_all_single_example, dim):
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(grad, want_grad)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", ["no_grad", "constant"])
 def test_no_autograd_state_without_grad(pool, world_size, mode):
@@ -106,6 +135,9 @@ LINEAR = [
     ("scatter", (4, 3), (("src", 2), ("dim", 0))),
     ("permute", (3,), (("perm", ((0, 2), (2, 3), (3, 0))),)),
     ("sum_grad", (2, 2), ()),
+    ("all_to_all", (3, 8), (("scatter_dim", 1), ("gather_dim", 1))),
+    ("shard", (2, 8), (("dim", -1), ("scale_grad", True))),
+    ("reduce", (3, 2), (("dst", 1), ("op", "avg"))),
 ]
 
 
