@@ -85,6 +85,67 @@ def test_two_conventions(convention, gradient, mode):
     assert [grad.tolist() for grad in grads["x"]] == [[gradient], [gradient]]
 
 
+# --- issue 14: shard, reduce, all_to_all on one dim ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("scale_grad", "factor"), [(False, 1.0), (True, 0.25)])
+@pytest.mark.parametrize("via_communicator", [False, True], ids=["shard", "Communicator.slice"])
+def test_shard_example(scale_grad, factor, via_communicator, mode):
+    """W=4, every rank holding arange(8), cotangent (r+1)*[1, 10] on rank r: rank r gets [2r, 2r+1]; every rank's
+    gradient is [1, 10, 2, 20, 3, 30, 4, 40] (a quarter of that with scale_grad)."""
+    case = cases.Case(f"example:shard,{scale_grad}", "shard", 4, (8,), "float32", (("scale_grad", scale_grad),))
+    arrays = {"x": _ranks([np.arange(8)] * 4), "cotangent": _ranks([(r + 1) * np.array([1, 10]) for r in range(4)])}
+
+    def per_rank(axis_name):
+        def body(cotangent, x):
+            out = Communicator(axis_name).slice(x[0], -1, scale_grad=scale_grad)
+            return out[None], (out * cotangent[0]).sum()[None]
+
+        return body
+
+    function = programs.mapped(case, mode, per_rank if via_communicator else None)
+    outputs, grads = _run_and_check(case, arrays, function, mode)
+    assert [out.tolist() for out in outputs] == [[2.0 * rank, 2.0 * rank + 1] for rank in range(4)]
+    assert [grad.tolist() for grad in grads["x"]] == [[factor * v for v in (1, 10, 2, 20, 3, 30, 4, 40)]] * 4
+    print(f"shard example (jax {mode}, scale_grad={scale_grad}):", [out.tolist() for out in outputs],
+          grads["x"][0].tolist())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("op", "factor"), [("sum", 1.0), ("avg", 0.25)])
+def test_reduce_example(op, factor, mode):
+    """W=4, rank r holding [r+1, 10(r+1)], cotangent (r+1): dst=2 gets [10, 100] (/ 4 for avg), the others
+    zeros; every rank's gradient is dst's cotangent, [3, 3] (/ 4 for avg)."""
+    case = cases.Case(f"example:reduce,{op}", "reduce", 4, (2,), "float32", (("dst", 2), ("op", op)))
+    arrays = {"x": _ranks([[r + 1, 10 * (r + 1)] for r in range(4)]),
+              "cotangent": _ranks([[r + 1] * 2 for r in range(4)])}
+    outputs, grads = _run_and_check(case, arrays, programs.mapped(case, mode), mode)
+    assert [out.tolist() for out in outputs] == [[0.0, 0.0]] * 2 + [[10.0 * factor, 100.0 * factor]] + [[0.0, 0.0]]
+    assert [grad.tolist() for grad in grads["x"]] == [[3.0 * factor] * 2] * 4
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_all_to_all_on_one_dim_is_lax_all_to_all_with_split_equal_to_concat(dim):
+    """Values and gradients equal lax's own ``all_to_all(split_axis=dim, concat_axis=dim, tiled=True)``."""
+    case = cases.Case(f"example:all_to_all,{dim}", "all_to_all", 4, (8, 8), "float64",
+                      (("scatter_dim", dim), ("gather_dim", dim)))
+    arrays = cases.make_arrays(case, 3)
+
+    def lax_body(axis_name):
+        def body(cotangent, x):
+            out = jax.lax.all_to_all(x[0], axis_name, dim, dim, tiled=True)
+            return out[None], (out * cotangent[0]).sum()[None]
+
+        return body
+
+    mode = "shard_map[check_vma=True]"
+    ours = _run_and_check(case, arrays, programs.mapped(case, mode), mode)
+    theirs = programs.run(case, arrays, programs.mapped(case, mode, lax_body))
+    np.testing.assert_array_equal(np.stack(ours[0]), np.stack(theirs[0]))
+    np.testing.assert_array_equal(np.stack(ours[1]["x"]), np.stack(theirs[1]["x"]))
+
+
 # --- accum_dtype ------------------------------------------------------------------------------------------
 
 
@@ -343,6 +404,9 @@ LINEAR = [  # (op, one rank's shape, keyword arguments) at W = 4
     ("scatter", (4, 3), (("src", 2), ("dim", 0))),
     ("permute", (3,), (("perm", ((0, 2), (2, 3), (3, 0))),)),
     ("sum_grad", (2, 2), ()),
+    ("all_to_all", (3, 8), (("scatter_dim", 1), ("gather_dim", 1))),
+    ("shard", (2, 8), (("dim", -1), ("scale_grad", True))),
+    ("reduce", (3, 2), (("dst", 1), ("op", "avg"))),
 ]
 
 
