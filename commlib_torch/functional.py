@@ -195,11 +195,10 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
     x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
-    of rank r's dim goes to rank s, at position r (``dist.all_to_all_single`` on that dim).
+    of rank r's dim goes to rank s, at position r (``dist.all_to_all_single`` on that dim; no local pass on 0).
 
-    One local pass before and one after the collective at most, none where the layout allows a view (none
-    at all for ``scatter_dim == gather_dim == 0``). Gradient: all_to_all of the cotangent with the dims
-    swapped (for equal dims: the same op).
+    One local pass before and one after the collective at most, none where the layout allows a view.
+    Gradient: all_to_all of the cotangent with the dims swapped (for equal dims: the same op).
 
     Raises:
         CommError: dims out of range, ``shape[scatter_dim]`` not divisible by W.
@@ -288,10 +287,8 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
     """Rank r of `group` (None: WORLD) keeps block r of its replicated `x` along `dim`: ``shape[dim] /= W``
     (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication forward (Megatron's split,
-    FastVideo's ``slice``).
-
-    Gradient: all_gather of the cotangents along `dim` -- every rank gets the gradient of the one
-    replicated input -- divided by W when `scale_grad`. The conjugate of
+    FastVideo's ``slice``); a fresh tensor. Gradient: all_gather of the cotangents along `dim` (every rank
+    gets the gradient of the one replicated x), / W when `scale_grad`; the conjugate of
     ``all_gather(..., convention="replicated")``.
 
     Raises:
