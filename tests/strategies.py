@@ -2,10 +2,10 @@
 tests/jax/test_properties.py (plain data: neither framework is imported here).
 
 `cases(op, space)` draws a `commlib.tools.cases.Case`: random shapes (size-1 dims, 0-d where the op allows), dims
-(negative too, all_to_all's equal too), rank arguments, shard's scale_grad, both conventions, ties and zeros for the reductions ("small" draws), world sizes
-1-4. A `Space` says what a frontend's tests draw from: torch takes sizes up to 3, bfloat16 and transposed
-(non-contiguous) inputs; JAX keeps sizes in {1, 2} so that examples often lower to a program it already
-compiled (see tests/jax/programs.py).
+(negative too, all_to_all's equal too), rank arguments, both conventions and shard's scale_grad, ties and zeros
+for the reductions ("small" draws), world sizes 1-4. A `Space` says what a frontend's tests draw from: torch
+takes sizes up to 3, bfloat16 and transposed (non-contiguous) inputs; JAX keeps sizes in {1, 2} so that examples
+often lower to a program it already compiled (see tests/jax/programs.py).
 """
 
 from __future__ import annotations
