@@ -47,7 +47,7 @@ class Collective(str, enum.Enum):
     The local steps move no data between ranks: `IDENTITY` (with the plan's scale: a multiply), `SLICE`
     (rank r keeps block r of `dims[0]`) and `PAD` (rank r's input becomes block r of zeros along
     `dims[0]`, the transpose of `SLICE`). They are what the gradient rules of `commlib.gradients` are made of
-    besides the collectives, so every backward is a plan the frontends walk.
+    besides the collectives, so every backward is a plan the frontends walk; `SLICE` is also `shard`'s forward.
     """
 
     ALL_REDUCE = "all_reduce"

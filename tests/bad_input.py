@@ -211,9 +211,10 @@ def _dtypes(W: int) -> list[Row]:
             _row("gather", W, (2, 2), dim=0, dtype=dtype),
             _row("scatter", W, (2 * W, 2), dtype=dtype),
             _row("permute", W, (2, 3), perm=[[W - 1, 0]], dtype=dtype),
-            _row("shard", W, (2, 2 * W), dtype=dtype),
             _row("reduce", W, (2, 3), dst=W - 1, dtype=dtype),
         ]
+        if dtype in ("bfloat16", "int32"):  # shard: a local forward, and its backward is the all_gather above
+            rows.append(_row("shard", W, (2, 2 * W), dtype=dtype))
     rows += [
         _row("all_reduce", W, (3, 4), op="avg", dtype="float16"),
         _row("all_reduce", W, (3, 4), dtype="float16", accum_dtype="float32"),
