@@ -82,7 +82,7 @@ def _errors(W: int) -> list[Row]:
         _row("reduce", W, (3,), op="max", error="CommError: reduce: op ('max') must be one of sum, avg"),
         _row("reduce", W, (3,), dst=W, error=f"CommError: reduce: dst ({W}) must be in [0, {W})"),
         _row("reduce", W, (3,), op="avg", dtype="int32",
-             error="CommError: reduce: op ('avg') needs a floating dtype, not int32"),
+             error="CommError: reduce: op ('avg') needs a floating or complex dtype, not int32"),
         _row("all_gather", W, (3, 4), dim=2, error="CommError: all_gather: dim (2) must be in [-2, 2) for ndim 2"),
         _row("reduce_scatter", W, (2 * W, 3), dim=-3, error="CommError: reduce_scatter: dim (-3) must be in [-2, 2)"),
         _row("gather", W, (3,), dim=1, error="CommError: gather: dim (1) must be in [-1, 1) for ndim 1"),

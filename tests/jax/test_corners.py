@@ -90,7 +90,8 @@ def test_int16_and_float8_follow_the_spec():
 
 CALLS = {  # op -> its arguments after (x, axis_name)
     "all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
-    "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (),
+    "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "shard": (0,),
+    "reduce": (0,),
 }
 
 

@@ -66,6 +66,8 @@ def moved(ctx, dtype: str):
         "all_to_all": lambda: commlib_torch.all_to_all(x, 0, 1),
         "all_to_all_4d": lambda: commlib_torch.all_to_all_4d(x.reshape(1, 2 * W, W, 2), 2, 1),
         "permute": lambda: commlib_torch.permute(x, [(r, (r + 1) % W) for r in range(W)]),
+        "all_to_all_single": lambda: commlib_torch.all_to_all(x, 0, 0),
+        "shard": lambda: commlib_torch.shard(x, -1),
         "transposed": lambda: commlib_torch.all_gather(x.t(), 0),
         "seed_gather": lambda: comm.gather(x, 0, 0),
     }
@@ -112,9 +114,11 @@ def outside_the_group(ctx):
 
 
 _OPS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
-        "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": ()}
+        "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "shard": (0,),
+        "reduce": (0,)}
 _METHODS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4D": (),
-            "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": ()}
+            "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "slice": (0,),
+            "reduce": (0,)}
 
 
 def _every_op(make):

@@ -55,6 +55,8 @@ def test_every_dtype_gloo_lacks_moves_exactly(pool, dtype):
         "all_to_all": reference.all_to_all(inputs, 0, 1),
         "all_to_all_4d": reference.all_to_all_4d([x.reshape(1, 2 * W, W, -1) for x in inputs], 2, 1),
         "permute": reference.permute(inputs, [(r, (r + 1) % W) for r in range(W)]),
+        "all_to_all_single": reference.all_to_all(inputs, 0, 0),
+        "shard": reference.shard(inputs, -1),  # block r of the elements is block r of their bytes
         "transposed": reference.all_gather([x.reshape(2 * W, 2 * W, -1).transpose(1, 0, 2).reshape(2 * W, -1)
                                             for x in inputs], 0),
         "seed_gather": [reference.gather(inputs, 0, 0)[0], None],
@@ -113,9 +115,9 @@ def test_float8_max_min_exact_and_sum_refused(pool, dtype):
 
 def test_a_rank_outside_the_group(pool):
     errors = pool(3).run(corner_jobs.outside_the_group)[1]
-    assert len(errors) == 22
+    assert len(errors) == 26
     for name, text in errors.items():
-        op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d")
+        op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d").replace("slice", "shard")
         assert text == (f"CommError: {op}: this rank (global rank 1) is not a member of the group (global ranks "
                         f"[0, 2]): only its members may call its collectives. Received: rank=1, group_ranks=[0, 2]")
 
@@ -123,9 +125,9 @@ def test_a_rank_outside_the_group(pool):
 @pytest.mark.parametrize(("kind", "type_name"), [("numpy", "numpy.ndarray"), ("list", "list")])
 def test_not_a_tensor(pool, kind, type_name):
     for errors in pool(2).run(corner_jobs.not_a_tensor, kind):
-        assert len(errors) == 22
+        assert len(errors) == 26
         for name, text in errors.items():
-            op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d")
+            op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d").replace("slice", "shard")
             if name == "comm.recv":
                 assert text == ("TypeError: recv: dtype must be a torch.dtype, not numpy.Float32DType. "
                                 "Received: type='numpy.Float32DType'")
