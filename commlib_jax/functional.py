@@ -301,7 +301,8 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
 
 def reduce(x, axis_name, dst=0, op="sum"):
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets the reduction of every rank's `x`;
-    the other ranks get zeros. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W).
+    the other ranks get zeros. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W, half
+    precision scaled before the sum as in `all_reduce`).
 
     Gradient: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 

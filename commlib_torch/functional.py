@@ -301,8 +301,8 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
 
 def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torch.Tensor:
     """Group rank `dst` gets the reduction of every rank's `x` over `group` (None: WORLD); the other ranks get
-    zeros, so every rank can run backward. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W;
-    a string, `commlib.ReduceOp` or `torch.distributed.ReduceOp`).
+    zeros, so every rank can run backward. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W,
+    half precision scaled before the sum as in `all_reduce`; a string, `commlib.ReduceOp` or its torch twin).
 
     Gradient: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 
