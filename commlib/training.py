@@ -235,12 +235,15 @@ def reduction_axes(name: str, data_axes: tuple[str, ...], sharded_axes: tuple[st
 
 def shared_input_error(op_name: str, shape: tuple[int, ...], axis_name: object, shared: tuple[str, ...],
                        copies: int):
-    """`CommError` for Megatron's f (`sum_grad`) on an input JAX types as one value shared by the ranks of
-    `shared` (invariant under shard_map(check_vma=True)): JAX's own transpose of that sharing already sums the
-    gradient over those ranks, so f would sum it again -- `copies` times the gradient."""
+    """`CommError` for Megatron's f (`sum_grad`) or split (`shard`) on an input JAX types as one value shared by
+    the ranks of `shared` (invariant under shard_map(check_vma=True)): JAX's own transpose of that sharing
+    already sums the gradient over those ranks, so the op's backward would sum it again -- `copies` times the
+    gradient."""
+    instead = (f"slice the shared x with lax.dynamic_slice_in_dim at lax.axis_index({axis_name!r}), whose "
+               f"gradient JAX sums once" if op_name == "shard" else f"use lax.pcast(x, {shared!r}, to='varying') as f")
     return comm_error(
         op_name, f"x is one value shared by the {copies} ranks of {shared} (typed invariant under "
         f"check_vma=True), and JAX already sums a shared value's gradient over them, so {op_name} would sum it "
         f"again ({copies} times the gradient). Take the gradient with commlib_jax.training.value_and_grad, "
-        f"which gives every rank its own copy of the parameters as torch does, or use "
-        f"lax.pcast(x, {shared!r}, to='varying') as f", shape=tuple(shape), axis_name=axis_name)
+        f"which gives every rank its own copy of the parameters as torch does, or {instead}",
+        shape=tuple(shape), axis_name=axis_name)

@@ -290,12 +290,19 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
     Gradient: all_gather of the cotangents along `dim` -- every rank gets the gradient of the one replicated
     input -- divided by W when `scale_grad`. The conjugate of ``all_gather(..., convention="replicated")``.
 
+    `x` is each rank's own copy (as in torch); an `x` typed invariant under ``shard_map(check_vma=True)`` is
+    refused as in `sum_grad` (JAX already sums its gradient over the ranks).
+
     Raises:
-        CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
+        CommError: `dim` out of range, ``shape[dim]`` not divisible by W, `x` invariant over an axis of
+            `axis_name` under check_vma=True. TypeError: `scale_grad` not a bool.
     """
     axes = axes_of(axis_name)
     size = _world_size("shard", x, axes)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype_name(x.dtype))
+    shared = shared_axes(x, axes)
+    if shared:
+        raise training.shared_input_error("shard", x.shape, axis_name, shared, lax.axis_size(axis_arg(shared)))
     return _apply(plan, axes, x)
 
 

@@ -112,6 +112,37 @@ def test_shard_example(scale_grad, factor, via_communicator, mode):
           grads["x"][0].tolist())
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_of_one_shared_value(check_vma):
+    """x given with ``in_specs=P()`` is one value shared by the ranks, and JAX sums its gradient over them itself:
+    under check_vma=True shard refuses it (its all_gather would make that 4 times the gradient); under
+    check_vma=False nothing tells a shared value from per-rank copies and the gradient is 4 times the example's.
+    The slice the message suggests gives the example's gradient in both."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("i",))
+    cotangents = jnp.stack([(r + 1) * jnp.array([1.0, 10.0]) for r in range(4)])
+    want = np.array([1.0, 10.0, 2.0, 20.0, 3.0, 30.0, 4.0, 40.0])
+
+    def gradient(split):
+        body = lambda ct, x: (split(x) * ct[0]).sum()[None]  # noqa: E731
+        P = jax.sharding.PartitionSpec
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"), check_vma=check_vma)
+        return np.asarray(jax.grad(lambda x: mapped(cotangents, x).sum())(jnp.arange(8.0)))
+
+    sliced = gradient(lambda x: jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("i") * 2, 2))
+    np.testing.assert_array_equal(sliced, want)
+    if not check_vma:
+        np.testing.assert_array_equal(gradient(lambda x: commlib_jax.shard(x, "i")), 4 * want)
+        return
+    with pytest.raises(commlib_jax.CommError) as raised:
+        gradient(lambda x: commlib_jax.shard(x, "i"))
+    assert str(raised.value) == (
+        "shard: x is one value shared by the 4 ranks of ('i',) (typed invariant under check_vma=True), and JAX "
+        "already sums a shared value's gradient over them, so shard would sum it again (4 times the gradient). "
+        "Take the gradient with commlib_jax.training.value_and_grad, which gives every rank its own copy of the "
+        "parameters as torch does, or slice the shared x with lax.dynamic_slice_in_dim at lax.axis_index('i'), "
+        "whose gradient JAX sums once. Received: shape=(8,), axis_name='i'")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("op", "factor"), [("sum", 1.0), ("avg", 0.25)])
 def test_reduce_example(op, factor, mode):
