@@ -3,6 +3,7 @@
 - `commlib.plans`: one plan builder per public op (validation, shapes, the layout plan) -- what both
   frontends call first;
 - `commlib.layout`: `Plan`, `Rearrange`, the `Collective` and `Convention` enums, and the pack/unpack plans;
+- `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
@@ -16,6 +17,7 @@ from commlib.errors import CommError, CommFailure, CommTimeout
 from commlib.layout import Collective, Convention, Plan, Rearrange
 from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
+from commlib.uneven import split_sizes
 
 __all__ = [
     "CommError",
@@ -28,5 +30,6 @@ __all__ = [
     "Rearrange",
     "CONVENTIONS",
     "OP_NAMES",
+    "split_sizes",
 ]
 __version__ = "0.1.0"

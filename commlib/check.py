@@ -1,11 +1,14 @@
 """Checked mode, the spec side (numpy + stdlib only).
 
 Before each collective every rank encodes its call -- op, forward/backward, shape, dtype,
-dims, reduce op, convention, root, perm, accum_dtype -- into a fixed-size int64 `fingerprint` (the same
+dims, reduce op, convention, root, perm, accum_dtype, uneven sizes -- into a fixed-size int64 `fingerprint` (the same
 size for every op, so the exchange itself cannot mismatch), the frontend all-gathers them over the group,
 and `compare` raises the same `CommError` on every rank if any rank differs::
 
     all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has (2, 8, 12, 4). Received: ...
+
+With uneven sizes held exactly (torch), ranks' shapes differ by design: the fingerprint holds the shape every
+rank agrees on (`Plan.shared_in_shape`, the sharded dim at its largest size) and the sizes themselves.
 
 The frontend sends `fingerprint` and calls `compare`; what a failed collective becomes is
 `commlib.failures`.
@@ -39,6 +42,7 @@ PHASES = ("forward", "backward")
 _MAGIC = 0x636F6D6C_0001  # "coml", format 1: tells a fingerprint from other int64 data
 _SHAPE_SLOTS = 8  # sizes stored exactly up to this ndim (a hash of the whole shape always)
 _PAIR_SLOTS = 4  # permute pairs stored exactly up to this many (a hash of all of them always)
+_SIZE_SLOTS = 8  # uneven sizes stored exactly up to this world size (a hash of all of them always)
 _NONE = -1
 
 # Slot layout of a fingerprint (int64 each).
@@ -48,9 +52,11 @@ _SHAPE_HASH = _SHAPE + _SHAPE_SLOTS
 _DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH = range(_SHAPE_HASH + 1,
                                                                                          _SHAPE_HASH + 10)
 _PAIRS = _PAIR_HASH + 1
+_SCATTER_SIZES = _PAIRS + _PAIR_SLOTS  # hash, then the first _SIZE_SLOTS sizes
+_GATHER_SIZES = _SCATTER_SIZES + 1 + _SIZE_SLOTS
 #: Number of int64 values every rank sends, whatever the op.
-FINGERPRINT_SIZE = 32
-assert _PAIRS + _PAIR_SLOTS <= FINGERPRINT_SIZE
+FINGERPRINT_SIZE = 48
+assert _GATHER_SIZES + 1 + _SIZE_SLOTS <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
 _KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),
@@ -77,6 +83,11 @@ def _slots(values: Sequence[int], count: int) -> list[int]:
     return [*values[:count], *[_NONE] * (count - len(values[:count]))]
 
 
+def _sizes_slots(sizes: tuple[int, ...] | None) -> list[int]:
+    """The hash of uneven sizes (-1: even), then the first `_SIZE_SLOTS` of them."""
+    return [_NONE, *[_NONE] * _SIZE_SLOTS] if sizes is None else [_hash(sizes), *_slots(sizes, _SIZE_SLOTS)]
+
+
 def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases;
     `dtype` the tensor's, which a backward's cotangent may change).
@@ -87,7 +98,7 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     ('all_gather backward', (2, 3), 'bfloat16', (0,))
     """
     row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
-    shape, pairs = plan.in_shape, plan.pairs
+    shape, pairs = plan.shared_in_shape, plan.pairs
     dims = _slots(plan.dims, 2)
     row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op_name), PHASES.index(phase), plan.world_size,
                                                    len(shape)]
@@ -99,6 +110,8 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     ]
     row[_PAIRS:_PAIRS + _PAIR_SLOTS] = _slots([(source << 32) | destination for source, destination in pairs],
                                               _PAIR_SLOTS)
+    row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(plan.scatter_sizes)
+    row[_GATHER_SIZES:_GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(plan.gather_sizes)
     return row
 
 
@@ -117,6 +130,8 @@ class Call:
     root: int | None
     accum_dtype: str | None
     perm: tuple[tuple[int, int], ...] | str  # a str when over 4 pairs (only the first 4 are known)
+    scatter_sizes: tuple[int, ...] | str | None = None  # uneven sizes; a str when over 8 ranks
+    gather_sizes: tuple[int, ...] | str | None = None
 
     @property
     def collective(self) -> str:
@@ -140,6 +155,15 @@ def _perm(row: np.ndarray) -> tuple[tuple[int, int], ...] | str:
     return f"({text}, ...) [{count} pairs, hash {int(row[_PAIR_HASH]):08x}]"
 
 
+def _sizes(row: np.ndarray, slot: int, world_size: int) -> tuple[int, ...] | str | None:
+    if row[slot] == _NONE:
+        return None
+    sizes = tuple(int(size) for size in row[slot + 1:slot + 1 + min(world_size, _SIZE_SLOTS)])
+    if world_size <= _SIZE_SLOTS:
+        return sizes
+    return f"({', '.join(map(str, sizes))}, ...) [{world_size} sizes, hash {int(row[slot]):08x}]"
+
+
 def decode(row: np.ndarray) -> Call:
     """The `Call` a fingerprint describes (shapes over 8 dims and perms over 4 pairs are shown in part)."""
     dims = tuple(int(dim) for dim in row[[_DIM0, _DIM1]] if dim != _NONE)
@@ -156,6 +180,8 @@ def decode(row: np.ndarray) -> Call:
         root=None if row[_ROOT] == _NONE else int(row[_ROOT]),
         accum_dtype=_name(int(row[_ACCUM])),
         perm=_perm(row),
+        scatter_sizes=_sizes(row, _SCATTER_SIZES, int(row[_WORLD])),
+        gather_sizes=_sizes(row, _GATHER_SIZES, int(row[_WORLD])),
     )
 
 
@@ -170,6 +196,8 @@ _ASPECTS = (
     ("root", [_ROOT], lambda call: str(call.root)),
     ("accum_dtype", [_ACCUM], lambda call: str(call.accum_dtype)),
     ("perm", [_PAIR_COUNT, _PAIR_HASH, *range(_PAIRS, _PAIRS + _PAIR_SLOTS)], lambda call: str(call.perm)),
+    ("scatter_sizes", list(range(_SCATTER_SIZES, _GATHER_SIZES)), lambda call: str(call.scatter_sizes)),
+    ("gather_sizes", list(range(_GATHER_SIZES, _GATHER_SIZES + 1 + _SIZE_SLOTS)), lambda call: str(call.gather_sizes)),
 )
 
 
@@ -203,7 +231,8 @@ def _received(call: Call, rank: int) -> dict[str, object]:
     received = dict(rank=rank, phase=call.phase, shape=call.shape, dtype=call.dtype, op=call.reduce_op,
                     dims=call.dims, convention=None if call.convention == "sum" else call.convention,
                     root=call.root, accum_dtype=call.accum_dtype,
-                    perm=call.perm if call.op_name in ("permute", "send/recv") else None)
+                    perm=call.perm if call.op_name in ("permute", "send/recv") else None,
+                    scatter_sizes=call.scatter_sizes, gather_sizes=call.gather_sizes)
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 

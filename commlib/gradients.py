@@ -20,6 +20,10 @@ shard (slice, replicated input)            all_gather, times the plan's grad_sca
 local identity / slice / pad               identity / pad / slice (their transposes)
 =========================================  ==============================================================
 
+Uneven sizes (`commlib.uneven`) keep the table: the dual of an uneven op is the dual op with the sizes
+swapped (scatter_sizes <-> gather_sizes) in the same layout, e.g. all_gather(sizes) -> reduce_scatter(sizes)
+and all_to_all(scatter_sizes=s, gather_sizes=g) -> all_to_all(scatter_sizes=g, gather_sizes=s), dims swapped.
+
 Non-linear reductions (all_reduce max, min, product) need the primal, so their rules are short programs
 over the `Backend` operations each frontend provides (array-api-compat style: one implementation, bound
 per library): `forward` and `vjp` below. Let ``g`` be the incoming cotangent -- the sum of every rank's
@@ -36,7 +40,7 @@ import functools
 import math
 from typing import Any, Protocol
 
-from commlib import plans
+from commlib import plans, uneven
 from commlib.dtypes import has_nan
 from commlib.layout import (
     Collective,
@@ -114,6 +118,8 @@ def _replicated_dual(plan: Plan) -> Plan:
     if plan.collective is Collective.ALL_REDUCE:
         return _dual(plan, Collective.IDENTITY, reduce_op=None, accum_dtype=None, **local_layout(shape, shape))
     if plan.collective is Collective.ALL_GATHER:
+        if plan.is_uneven:
+            return _uneven_dual(plan, Collective.SLICE)
         return _dual(plan, Collective.SLICE, **local_layout(shape, plan.in_shape))
     raise NotImplementedError(f"{plan.op_name}: no replicated rule for {plan.collective.value}")
 
@@ -130,9 +136,28 @@ def _replicated_input_dual(plan: Plan) -> Plan:
     raise NotImplementedError(f"{plan.op_name}: no replicated-input rule for {plan.collective.value}")
 
 
+_UNEVEN_DUALS = {
+    Collective.ALL_GATHER: Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
+    Collective.GATHER: Collective.SCATTER, Collective.SCATTER: Collective.GATHER,
+    Collective.ALL_TO_ALL: Collective.ALL_TO_ALL, Collective.SLICE: Collective.PAD, Collective.PAD: Collective.SLICE,
+}
+
+
+def _uneven_dual(plan: Plan, kind: Collective) -> Plan:
+    """The uneven `kind` that transposes `plan`: sizes swapped, dims reversed, the same layout and rank."""
+    dims, scatter_sizes, gather_sizes = plan.dims[::-1], plan.gather_sizes, plan.scatter_sizes
+    reduce_op = ReduceOp.SUM if kind is Collective.REDUCE_SCATTER else None
+    fields = uneven.layout(kind, plan.out_shape, plan.world_size, dims, scatter_sizes, gather_sizes, plan.rank,
+                           plan.root)
+    return _dual(plan, kind, dims=dims, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, reduce_op=reduce_op,
+                 **fields)
+
+
 def _transpose(plan: Plan) -> Plan:
     """The exact transpose of the collective over all ranks (convention "sum")."""
     W, shape, kind = plan.world_size, plan.out_shape, plan.collective
+    if plan.is_uneven:
+        return _uneven_dual(plan, _UNEVEN_DUALS[kind])
     if kind is Collective.ALL_REDUCE:
         return _dual(plan, kind, reduce_op=ReduceOp.SUM, **flat_layout(shape, in_place=True))
     if kind in (Collective.ALL_GATHER, Collective.GATHER):

@@ -13,6 +13,10 @@ gather_dim=b``::
            pack: move the W axis first -> send [W, *chunk],   chunk = s[:a] + (n,) + s[a+1:]
     all_to_all_single          -> recv [W, *chunk]   (recv[i] = rank i's chunk for this rank)
            unpack: move the W axis in front of b, merge (W, s[b]) -> output, shape[a] /= W, shape[b] *= W
+
+Uneven sizes (`commlib.uneven`) add two kinds of local pass: `Blocks` (the exact layout: W slices of different
+sizes into or out of one flat buffer, around an all_to_all_v) and `Take` (the padded layout: a static index map
+around the even collective on padded shapes).
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import enum
 import functools
 import math
 
+import numpy as np
+
 from commlib.reduce_op import ReduceOp
 
 __all__ = [
     "Collective",
     "Convention",
     "Rearrange",
+    "Blocks",
+    "Take",
     "Plan",
     "all_to_all_layout",
     "all_gather_layout",
@@ -36,6 +44,8 @@ __all__ = [
     "local_layout",
     "permute_splits",
     "reorder_pairs",
+    "offsets",
+    "resized",
 ]
 
 Shape = tuple[int, ...]
@@ -148,6 +158,176 @@ def _ones_between(view: Shape, left: int, right: int) -> int:
     return sum(1 for axis in range(left + 1, right) if view[axis] == 1)
 
 
+def offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each rank's rows start in the whole dim: running sums of `sizes`.
+
+    >>> offsets((2, 2, 1, 1))
+    (0, 2, 4, 5)
+    """
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return tuple(starts)
+
+
+def resized(shape: Shape, dim: int, size: int) -> Shape:
+    """`shape` with ``shape[dim] = size``."""
+    return (*shape[:dim], size, *shape[dim + 1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One local pass of the exact layout, between a tensor of `shape` and a flat buffer of blocks: block j is
+    rows ``[starts[j], starts[j] + sizes[j])`` of `dim`, laid out contiguously after block j - 1.
+
+    As a pack, the blocks are copied out of the input (block j goes to rank j); as an unpack, block i (from
+    rank i) is written into the output at its rows, zeros where no block lands, or, with `reduce`, the blocks
+    (each the whole output) are summed. W narrow copies into one buffer are one pass.
+    """
+
+    shape: Shape  # the tensor's shape: the input of a pack, the output of an unpack
+    dim: int  # the dim the blocks slice
+    starts: tuple[int, ...]  # first row of each block along `dim`
+    sizes: tuple[int, ...]  # rows of each block (0: an empty block)
+    reduce: bool = False  # unpack only: sum the blocks instead of placing them
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Elements of each block: the split sizes of ``all_to_all_single``."""
+        row = math.prod(self.shape[:self.dim]) * math.prod(self.shape[self.dim + 1:])
+        return tuple(size * row for size in self.sizes)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the flat buffer."""
+        return sum(self.counts)
+
+    def block_shape(self, index: int) -> Shape:
+        return resized(self.shape, self.dim, self.sizes[index])
+
+    def pieces(self) -> tuple[tuple[int, int, int, int, Shape], ...]:
+        """``(start, rows, buffer offset, elements, block shape)`` of each non-empty block, in buffer order."""
+        result, offset = [], 0
+        for index, (start, size, count) in enumerate(zip(self.starts, self.sizes, self.counts, strict=True)):
+            if count:
+                result.append((start, size, offset, count, self.block_shape(index)))
+            offset += count
+        return tuple(result)
+
+    @property
+    def covers(self) -> bool:
+        """True when the blocks tile the whole dim (an unpack then writes every element: no zero fill)."""
+        if self.reduce:
+            return True
+        spans = sorted((start, size) for start, size in zip(self.starts, self.sizes, strict=True) if size)
+        end = 0
+        for start, size in spans:
+            if start != end:
+                return False
+            end += size
+        return end == self.shape[self.dim]
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the buffer is the tensor's own memory (contiguous): no pass, a view.
+
+        That is the case when the non-empty blocks, in buffer order, tile the dim from row 0 and either one of
+        them is the whole tensor or every dim before `dim` has size 1 (each block is then one memory range).
+        """
+        if self.reduce or self.numel != math.prod(self.shape):
+            return False
+        pieces = self.pieces()
+        if not pieces:
+            return True
+        end = 0
+        for start, size, *_ in pieces:
+            if start != end:
+                return False
+            end += size
+        return end == self.shape[self.dim] and (len(pieces) == 1 or math.prod(self.shape[:self.dim]) == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Take:
+    """A static index map along `dim` of the padded layout: ``out[..., i, ...] = x[..., index[i], ...]``, and
+    zero where ``index[i] == source_size`` (one past the end: ``jnp.take(..., mode="fill")``).
+
+    Kinds, for `sizes` of the sharded dim (M = max(sizes), N = sum(sizes)):
+
+    - "pad": the whole dim (N rows) -> W blocks of M rows, block r = rank r's rows, then zeros;
+    - "unpad": W blocks of M rows -> the whole dim (N rows): the inverse of "pad";
+    - "slice" (per rank): the whole dim -> this rank's M rows (its own, then zeros);
+    - "place" (per rank): this rank's M rows -> the whole dim, its rows in place, zeros elsewhere.
+    """
+
+    dim: int
+    kind: str  # "pad", "unpad", "slice" or "place"
+    sizes: tuple[int, ...]
+
+    @property
+    def per_rank(self) -> bool:
+        """True when the map depends on the rank ("slice", "place"): index it with the rank, see `table`."""
+        return self.kind in ("slice", "place")
+
+    @property
+    def source_size(self) -> int:
+        """Rows of `dim` before the map (also the index that means zero)."""
+        most = max(self.sizes, default=0)
+        return {"unpad": len(self.sizes) * most, "place": most}.get(self.kind, sum(self.sizes))
+
+    def index(self, rank: int | None = None) -> np.ndarray:
+        """The map as an int array (read-only); `rank` is needed for the per-rank kinds."""
+        if self.per_rank and rank is None:
+            raise ValueError(f"Take {self.kind!r} is per rank: give the rank")
+        return _index(self.kind, self.sizes, rank if self.per_rank else None)
+
+    def table(self) -> np.ndarray:
+        """``[W, rows]``: row r is rank r's map (the same row W times for a shared map)."""
+        return np.stack([self.index(rank) for rank in range(len(self.sizes))])
+
+    def runs(self) -> tuple[tuple[int | None, int], ...]:
+        """A shared map as ``(source start, rows)`` runs in output order, None for rows of zeros: the output is
+        their concatenation (static slices, which a compiler fuses into one pass).
+
+        >>> Take(0, "pad", (2, 0, 3)).runs()
+        ((0, 2), (None, 4), (2, 3))
+        """
+        if self.per_rank:
+            raise ValueError(f"Take {self.kind!r} is per rank: it has no shared runs")
+        runs: list[tuple[int | None, int]] = []
+        for source in self.index().tolist():
+            start = None if source == self.source_size else source
+            if runs and (runs[-1][0] is None if start is None else runs[-1][0] == start - runs[-1][1]):
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((start, 1))
+        return tuple(runs)
+
+
+@functools.lru_cache(maxsize=512)
+def _index(kind: str, sizes: tuple[int, ...], rank: int | None) -> np.ndarray:
+    world_size, most, total, starts = len(sizes), max(sizes, default=0), sum(sizes), offsets(sizes)
+    size_of, start_of = np.asarray(sizes, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    if kind == "pad":
+        block, row = np.divmod(np.arange(world_size * most), max(most, 1))
+        index = np.where(row < size_of[block], start_of[block] + row, total)
+    elif kind == "unpad":
+        blocks = [block * most + np.arange(size) for block, size in enumerate(sizes)]
+        index = np.concatenate([np.zeros(0, np.int64), *blocks])
+    elif kind == "slice":
+        row = np.arange(most)
+        index = np.where(row < sizes[rank], starts[rank] + row, total)  # type: ignore[index]
+    elif kind == "place":
+        row = np.arange(total) - starts[rank]  # type: ignore[index]
+        index = np.where((row >= 0) & (row < sizes[rank]), row, most)  # type: ignore[index]
+    else:
+        raise ValueError(f"unknown Take kind {kind!r}")
+    index = index.astype(np.int64)
+    index.flags.writeable = False
+    return index
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A validated collective on one rank: pack, the dim-0 collective (or a local step), unpack.
@@ -162,10 +342,10 @@ class Plan:
     in_shape: Shape  # this rank's input
     out_shape: Shape  # this rank's output
     dims: tuple[int, ...]  # normalised dims: (scatter_dim, gather_dim), (dim,) or ()
-    pack: Rearrange  # input -> contiguous send buffer of `send_shape`
+    pack: Rearrange | Blocks  # input -> contiguous send buffer of `send_shape` (Blocks: the exact layout)
     send_shape: Shape
     recv_shape: Shape  # what the collective returns on this rank
-    unpack: Rearrange  # recv buffer -> output of `out_shape`
+    unpack: Rearrange | Blocks  # recv buffer -> output of `out_shape`
     dtype: str = "float32"  # the input's dtype name ("bfloat16", "int32", ...)
     reduce_op: ReduceOp | None = None  # for reductions, else None
     scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
@@ -176,6 +356,13 @@ class Plan:
     pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
     scale_first: bool = False  # multiply every rank's value by `scale` before the collective (half-precision avg)
     carrier: str | None = None  # same-size dtype the backend carries `dtype`'s bits in (it lacks `dtype`)
+    # Uneven sizes (`commlib.uneven`): None = the even rule. The scattered dim is whole on input, rank r keeps
+    # scatter_sizes[r] rows of it; the gathered dim has gather_sizes[r] rows on rank r's input, whole on output.
+    scatter_sizes: tuple[int, ...] | None = None
+    gather_sizes: tuple[int, ...] | None = None
+    rank: int | None = None  # uneven: the rank this plan is for (exact layout, torch); None: the padded layout
+    before: Take | None = None  # padded layout: the static index map before the collective, or None
+    after: Take | None = None  # padded layout: the static index map after the collective, or None
 
     @property
     def is_trivial(self) -> bool:
@@ -185,9 +372,28 @@ class Plan:
         return self.world_size == 1 and (self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
 
     @property
+    def is_uneven(self) -> bool:
+        """True for uneven sizes (see `commlib.uneven`): the walk is the exact or the padded layout's."""
+        return self.scatter_sizes is not None or self.gather_sizes is not None
+
+    @property
+    def is_exact(self) -> bool:
+        """True for uneven sizes held exactly (torch): pack and unpack are `Blocks`, the wire an all_to_all_v."""
+        return self.is_uneven and self.rank is not None
+
+    @property
+    def shared_in_shape(self) -> Shape:
+        """The input shape every rank agrees on: `in_shape`, its gathered dim at ``max(gather_sizes)`` in the
+        exact layout (the padded layout's shape; checked mode compares it)."""
+        if self.rank is None or self.gather_sizes is None:
+            return self.in_shape
+        dim = self.dims[-1]
+        return (*self.in_shape[:dim], max(self.gather_sizes), *self.in_shape[dim + 1:])
+
+    @property
     def is_empty(self) -> bool:
         """True when the input (hence the output, on every rank) has a zero-size dim: no data moves."""
-        return 0 in self.in_shape
+        return 0 in self.shared_in_shape
 
     @property
     def copies(self) -> int:

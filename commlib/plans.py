@@ -20,6 +20,7 @@ import operator
 
 import numpy as np
 
+from commlib import uneven
 from commlib.dtypes import carrier, kind
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.layout import (
@@ -242,6 +243,18 @@ def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) ->
     return tuple((int(source), int(destination)) for source, destination in pairs)
 
 
+def _uneven(fields: dict, shape: tuple[int, ...], rank: object, received: dict, *, scatter: uneven.Sizes | None = None,
+            gather: uneven.Sizes | None = None) -> Plan | None:
+    """The uneven plan of a call with sizes (`commlib.uneven.plan`), None where they are all equal: exact on
+    `rank`, padded where `rank` is None."""
+    op_name, world_size = fields["op_name"], fields["world_size"]
+    arguments = {key: value for key, value in received.items() if key != "shape"}  # the same on every rank
+    arguments.update({sizes.keyword: sizes.shown for sizes in (scatter, gather) if sizes is not None})
+    if rank is not None:
+        rank = check_rank(op_name, "rank", rank, world_size, {**arguments, "rank": rank})
+    return uneven.plan(fields, shape, scatter=scatter, gather=gather, rank=rank, received=arguments)
+
+
 def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
     """The checks every op makes first: (shape, world_size, dtype)."""
     checked_shape = _check_shape(op_name, shape)
@@ -265,26 +278,40 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
                 **fields, **flat_layout(shape, in_place=True))
 
 
-def all_gather(shape, world_size, dim=-1, *, dtype="float32", convention="sum", op_name="all_gather",
-               carried=None) -> Plan:
+def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float32", convention="sum",
+               op_name="all_gather", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
+
+    `sizes` (uneven, see `commlib.uneven`): rank r contributes ``sizes[r]`` rows, ``s[dim] = sum(sizes)`` on
+    output; its input has ``sizes[rank]`` rows (exact layout, `rank` given) or ``max(sizes)`` (padded, None).
 
     >>> all_gather((3, 5), 4, dim=0).out_shape
     (12, 5)
+    >>> all_gather((3, 5), 4, dim=0, sizes=(3, 3, 2, 0), rank=0).out_shape
+    (8, 5)
     """
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    return Plan(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, convention=_check_convention(op_name, convention, received),
-                **_movement_fields(op_name, dtype, carried, received), **all_gather_layout(shape, world_size, dim))
+    fields = dict(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
+                  convention=_check_convention(op_name, convention, received),
+                  **_movement_fields(op_name, dtype, carried, received))
+    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
+                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
+        return plan
+    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
 
 
-def reduce_scatter(shape, world_size, dim=0, op="sum", *, dtype="float32", accum_dtype=None,
+def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None, dtype="float32", accum_dtype=None,
                    op_name="reduce_scatter", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
+    `sizes` (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) = s[dim]``), exactly (`rank` given) or
+    padded to ``max(sizes)`` with zeros (`rank` None).
+
     >>> reduce_scatter((8, 3), 4).out_shape
+    (2, 3)
+    >>> reduce_scatter((7, 3), 4, sizes=(2, 2, 2, 1)).out_shape  # padded
     (2, 3)
     """
     received = dict(shape=tuple(shape), dim=dim, op=op)
@@ -293,42 +320,64 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, dtype="float32", accum
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    fields = _reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
+    fields = dict(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, dims=(dim,),
+                  dtype=dtype, reduce_op=reduce_op,
+                  **_reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size))
+    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
+                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
+        return plan
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, in_shape=shape,
-                dims=(dim,), dtype=dtype, reduce_op=reduce_op, **fields, **reduce_scatter_layout(shape, world_size, dim))
+    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
 
 
-def all_to_all(shape, world_size, scatter_dim, gather_dim, *, dtype="float32", op_name="all_to_all",
-               dim_names=None, carried=None) -> Plan:
+def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, rank=None,
+               dtype="float32", op_name="all_to_all", dim_names=None, carried=None) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
     source-rank order (``lax.all_to_all(..., tiled=True)`` semantics). With ``scatter_dim == gather_dim``
     the shape is unchanged: block s of rank r's dim goes to rank s, at position r (torch's
-    ``all_to_all_single``, lax's ``split_axis == concat_axis``).
+    ``all_to_all_single``, lax's ``split_axis == concat_axis``). Uneven (distinct dims only): rank r receives
+    ``scatter_sizes[r]`` rows of `scatter_dim` and contributes ``gather_sizes[r]`` rows of `gather_dim`
+    (exact layout with `rank`, padded to the largest without; see `commlib.uneven`).
 
     >>> all_to_all((8, 3), 4, scatter_dim=0, gather_dim=1).out_shape
     (2, 12)
     >>> plan = all_to_all((8, 3), 4, scatter_dim=0, gather_dim=-2)
     >>> plan.out_shape, plan.copies
     ((8, 3), 0)
+    >>> all_to_all((7, 1), 4, 0, 1, scatter_sizes=(2, 2, 2, 1), gather_sizes=(3, 3, 3, 1), rank=3).out_shape
+    (1, 10)
     """
     received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
     gather_axis = _check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
+    if scatter_axis == gather_axis and (scatter_sizes is not None or gather_sizes is not None):
+        message = f"scatter_dim ({scatter_axis}) must differ from gather_dim ({gather_axis}) with uneven sizes"
+        raise comm_error(op_name, message, **received)
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
-    _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
-    return Plan(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size, in_shape=shape,
-                dims=(scatter_axis, gather_axis), dtype=dtype, **_movement_fields(op_name, dtype, carried, received),
-                **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
+    if scatter_sizes is None:
+        _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
+    fields = dict(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size,
+                  dims=(scatter_axis, gather_axis), dtype=dtype, **_movement_fields(op_name, dtype, carried, received))
+    if scatter_sizes is not None or gather_sizes is not None:
+        gathered = dim_names[gather_axis] if dim_names else f"size of gather_dim {gather_axis}"
+        plan = _uneven(fields, shape, rank, received,
+                       scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
+                       gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
+        if plan is not None:
+            return plan
+    return Plan(**fields, in_shape=shape, **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
 
 
-def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="float32", carried=None) -> Plan:
+def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, rank=None,
+                  dtype="float32", carried=None) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
     ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
+    Uneven (any S, any H): ``[B, S_r, H, D] -> [B, S, H_r, D]`` with ``gather_sizes = (S_0, ...)`` and
+    ``scatter_sizes = (H_0, ...)`` (e.g. `commlib.split_sizes`), as in `all_to_all`.
 
     >>> all_to_all_4d((2, 8, 6, 64), 4)
     Traceback (most recent call last):
@@ -345,8 +394,8 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, dtype="floa
     if (scatter_axis, gather_axis) not in ((2, 1), (1, 2)):
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
-    return all_to_all(dims, world_size, scatter_dim, gather_dim, dtype=dtype, op_name=op_name,
-                      dim_names=ULYSSES_DIMS, carried=carried)
+    return all_to_all(dims, world_size, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
+                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, carried=carried)
 
 
 def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
@@ -363,8 +412,10 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast",
                 **flat_layout(shape, in_place=True))
 
 
-def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather", carried=None) -> Plan:
+def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather",
+           carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
+    `sizes` (uneven): as in `all_gather`.
 
     >>> gather((2, 3), 4, dst=3).out_shape
     (2, 12)
@@ -373,13 +424,18 @@ def gather(shape, world_size, dst=0, dim=-1, *, dtype="float32", op_name="gather
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "dst", dst, world_size, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    return Plan(op_name=op_name, collective=Collective.GATHER, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
-                **all_gather_layout(shape, world_size, dim))
+    fields = dict(op_name=op_name, collective=Collective.GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
+                  root=root, **_movement_fields(op_name, dtype, carried, received))
+    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
+                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
+        return plan
+    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
 
 
-def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatter", carried=None) -> Plan:
+def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter",
+            carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
+    `sizes` (uneven): as in `reduce_scatter`.
 
     >>> scatter((8, 2), 4).out_shape
     (2, 2)
@@ -388,10 +444,13 @@ def scatter(shape, world_size, src=0, dim=0, *, dtype="float32", op_name="scatte
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    fields = dict(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, dims=(dim,), dtype=dtype,
+                  root=root, **_movement_fields(op_name, dtype, carried, received))
+    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
+                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
+        return plan
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
-                **reduce_scatter_layout(shape, world_size, dim))
+    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
 
 
 def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carried=None) -> Plan:

@@ -6,6 +6,10 @@ frontend walks (pack, dim-0 collective or local step, unpack) and the same rules
 for max/min/product, so the plans and the rules are tested with the reference. Reductions run in float64
 (int64 for integers): the reference is the exact value the frontends are compared against.
 
+Uneven sizes (`commlib.uneven`) run in either layout: exact (rank r's array has ``sizes[r]`` rows: the plan of any
+rank, the others' plans follow from it) or padded (every rank ``max(sizes)`` rows, the `Take` maps around the
+even collective); the public functions take ``padded=True`` for the second.
+
 `vjp(plan, xs, cotangents)` follows the plan's convention: under "sum" rank r's loss is L_r(y_r) and the
 gradient of x_r is d(sum_r L_r)/dx_r given the per-rank cotangents dL_r/dy_r.
 
@@ -24,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from commlib import gradients, plans
-from commlib.layout import Collective, Plan, Rearrange
+from commlib import gradients, plans, uneven
+from commlib.layout import Blocks, Collective, Plan, Rearrange, Take, resized
 from commlib.reduce_op import ReduceOp
 
 __all__ = [
@@ -126,13 +130,93 @@ def _exchange(plan: Plan, sends: Arrays) -> Arrays:
     raise NotImplementedError(kind)
 
 
+def _take(x: np.ndarray, step: Take | None, rank: int) -> np.ndarray:
+    """The padded layout's index map: rows of `x` along ``step.dim``, zero where the index is one past the end."""
+    if step is None:
+        return x
+    zero = np.zeros(resized(x.shape, step.dim, 1), dtype=x.dtype)
+    return np.take(np.concatenate([x, zero], axis=step.dim), step.index(rank), axis=step.dim)
+
+
+def _pack_blocks(x: np.ndarray, step: Blocks) -> np.ndarray:
+    """The exact layout's pack: the blocks of `x`, flat, one after another."""
+    parts = [np.take(x, range(start, start + size), axis=step.dim).reshape(-1)
+             for start, size in zip(step.starts, step.sizes, strict=True)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=x.dtype)
+
+
+def _unpack_blocks(buffer: np.ndarray, step: Blocks) -> np.ndarray:
+    """The exact layout's unpack: each block in place (zeros elsewhere), or their sum with `step.reduce`."""
+    out = np.zeros(step.shape, dtype=buffer.dtype)
+    for start, size, offset, count, shape in step.pieces():
+        block = buffer[offset:offset + count].reshape(shape)
+        if step.reduce:
+            out += block
+        else:
+            index = [slice(None)] * len(step.shape)
+            index[step.dim] = slice(start, start + size)
+            out[tuple(index)] = block
+    return out
+
+
+def _pack(x: np.ndarray, plan: Plan) -> np.ndarray:
+    """The plan's pack pass: a `Rearrange` into the send buffer, or the exact layout's `Blocks`."""
+    if isinstance(plan.pack, Blocks):
+        return _pack_blocks(x, plan.pack)
+    return _rearrange(x, plan.pack, plan.send_shape)
+
+
+def _unpack(recv: np.ndarray, plan: Plan, shape: tuple[int, ...]) -> np.ndarray:
+    """The plan's unpack pass into an output of `shape`."""
+    if isinstance(plan.unpack, Blocks):
+        return _unpack_blocks(recv, plan.unpack)
+    return _rearrange(recv, plan.unpack, shape)
+
+
+def _counts(step: Rearrange | Blocks) -> tuple[int, ...]:
+    assert isinstance(step, Blocks), step
+    return step.counts
+
+
+def _exchange_blocks(plans_: list[Plan], sends: Arrays) -> Arrays:
+    """all_to_all_v of flat buffers: rank r receives block r of every rank's buffer, in rank order."""
+    blocks = [np.split(send, np.cumsum(_counts(plan.pack))[:-1]) for plan, send in zip(plans_, sends, strict=True)]
+    recvs = []
+    for rank, plan in enumerate(plans_):
+        parts = [blocks[source][rank] for source in range(len(plans_))]
+        assert [part.size for part in parts] == list(_counts(plan.unpack)), (rank, plan)
+        recvs.append(np.concatenate(parts))
+    return recvs
+
+
+def _run_uneven(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
+    """Both layouts of uneven sizes: exact (every rank's own plan, blocks and an all_to_all_v) or padded."""
+    W, local = plan.world_size, plan.collective.is_local
+    xs = [_wide(np.asarray(x)) for x in xs]
+    if plan.is_exact:
+        ranks = [uneven.for_rank(plan, rank) for rank in range(W)]
+        for rank, (x, mine) in enumerate(zip(xs, ranks, strict=True)):
+            if x.shape != mine.in_shape:
+                raise ValueError(f"{plan.op_name}: rank {rank}'s input {x.shape} is not {mine.in_shape}")
+        sends = [_pack(x, mine) for x, mine in zip(xs, ranks, strict=True)]
+        recvs = sends if local else _exchange_blocks(ranks, sends)
+        outs = [_unpack(recv, mine, mine.out_shape) for recv, mine in zip(recvs, ranks, strict=True)]
+        return outs if plan.scale == 1.0 else [out * plan.scale for out in outs]
+    wire = plan.out_shape if plan.after is None else resized(plan.out_shape, plan.after.dim, plan.after.source_size)
+    sends = [_pack(_take(x, plan.before, rank), plan) for rank, x in enumerate(xs)]
+    recvs = [send * plan.scale for send in sends] if local else _collective(plan, sends)
+    return [_take(_unpack(recv, plan, wire), plan.after, rank) for rank, recv in enumerate(recvs)]
+
+
 def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
     """Walk `plan` on every rank's input; returns every rank's output (float64 / int64)."""
     if len(xs) != plan.world_size:
         raise ValueError(f"{plan.op_name}: reference got {len(xs)} ranks for world_size {plan.world_size}")
-    sends = [_rearrange(_wide(np.asarray(x)), plan.pack, plan.send_shape) for x in xs]
+    if plan.is_uneven:
+        return _run_uneven(plan, xs)
+    sends = [_pack(_wide(np.asarray(x)), plan) for x in xs]
     recvs = _collective(plan, sends)
-    return [_rearrange(recv, plan.unpack, plan.out_shape) for recv in recvs]
+    return [_unpack(recv, plan, plan.out_shape) for recv in recvs]
 
 
 class _Ranks:
@@ -204,24 +288,37 @@ def all_reduce(xs, op="sum", *, convention="sum", accum_dtype=None) -> Arrays:
     return forward(plan, xs)
 
 
-def all_gather(xs, dim=-1, *, convention="sum") -> Arrays:
-    """Reference `all_gather`: ``shape[dim] *= W``."""
-    return run(plans.all_gather(_shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs)), xs)
+def _rank(padded: bool) -> int | None:
+    """The rank the reference builds its plan for: rank 0's exact plan (the others follow), or None (padded)."""
+    return None if padded else 0
 
 
-def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None) -> Arrays:
-    """Reference `reduce_scatter`: ``shape[dim] /= W``."""
-    return run(plans.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype), xs)
+def all_gather(xs, dim=-1, *, convention="sum", sizes=None, padded=False) -> Arrays:
+    """Reference `all_gather`: ``shape[dim] *= W`` (``sum(sizes)``, exact or `padded` layout)."""
+    plan = plans.all_gather(_shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs), sizes=sizes,
+                            rank=_rank(padded))
+    return run(plan, xs)
 
 
-def all_to_all(xs, scatter_dim, gather_dim) -> Arrays:
-    """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``."""
-    return run(plans.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs)), xs)
+def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None, sizes=None, padded=False) -> Arrays:
+    """Reference `reduce_scatter`: ``shape[dim] /= W`` (rank r: ``sizes[r]`` rows, exact or `padded`)."""
+    plan = plans.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype,
+                                sizes=sizes, rank=_rank(padded))
+    return run(plan, xs)
 
 
-def all_to_all_4d(xs, scatter_dim=2, gather_dim=1) -> Arrays:
+def all_to_all(xs, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
+    """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W`` (uneven: as the sizes say)."""
+    plan = plans.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs),
+                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=_rank(padded))
+    return run(plan, xs)
+
+
+def all_to_all_4d(xs, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
     """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
-    return run(plans.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs)), xs)
+    plan = plans.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs),
+                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=_rank(padded))
+    return run(plan, xs)
 
 
 def broadcast(xs, src=0) -> Arrays:
@@ -229,14 +326,15 @@ def broadcast(xs, src=0) -> Arrays:
     return run(plans.broadcast(_shape_of(xs), len(xs), src, dtype=_dtype_of(xs)), xs)
 
 
-def gather(xs, dst=0, dim=-1) -> Arrays:
+def gather(xs, dst=0, dim=-1, *, sizes=None, padded=False) -> Arrays:
     """Reference `gather`: the concatenation along `dim` on `dst`, zeros elsewhere."""
-    return run(plans.gather(_shape_of(xs), len(xs), dst, dim, dtype=_dtype_of(xs)), xs)
+    return run(plans.gather(_shape_of(xs), len(xs), dst, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)), xs)
 
 
-def scatter(xs, src=0, dim=0) -> Arrays:
+def scatter(xs, src=0, dim=0, *, sizes=None, padded=False) -> Arrays:
     """Reference `scatter`: rank r gets block r of rank `src`'s input along `dim`."""
-    return run(plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs)), xs)
+    return run(plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)),
+               xs)
 
 
 def permute(xs, perm) -> Arrays:

@@ -6,6 +6,10 @@ tests/jax/test_properties.py (plain data: neither framework is imported here).
 for the reductions ("small" draws), world sizes 1-4. A `Space` says what a frontend's tests draw from: torch
 takes sizes up to 3, bfloat16 and transposed (non-contiguous) inputs; JAX keeps sizes in {1, 2} so that examples
 often lower to a program it already compiled (see tests/jax/programs.py).
+
+`uneven_calls()` draws calls with uneven sizes (zeros included) for every op that takes them, as (op, world size,
+padded input shape, keywords), for the spec, torch and JAX tests of uneven sizes; `uneven_case` makes the `Case`
+(stored in the padded layout; torch's parity job cuts each rank's rows).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from hypothesis import strategies as st
 
 from commlib.tools.cases import Case
 
-__all__ = ["JAX", "OPS", "SEEDS", "TORCH", "Space", "cases"]
+__all__ = ["JAX", "OPS", "SEEDS", "TORCH", "UNEVEN_OPS", "Space", "cases", "uneven_calls", "uneven_case"]
 
 SEEDS = st.integers(0, 2**16)
 
@@ -169,3 +173,53 @@ OPS = tuple(_STRATEGIES)
 def cases(op: str, space: Space) -> st.SearchStrategy[Case]:
     """Random valid cases of `op` drawn from `space`."""
     return _STRATEGIES[op](space)
+
+
+# ---- uneven sizes ------------------------------------------------------------------------------------------
+
+UNEVEN_OPS = ("all_gather", "gather", "reduce_scatter", "scatter", "all_to_all", "all_to_all_4d")
+_UNEVEN_SIZES = st.integers(0, 3)
+
+
+def _uneven_sizes(draw, world_size: int) -> tuple[int, ...]:
+    return tuple(draw(st.lists(_UNEVEN_SIZES, min_size=world_size, max_size=world_size)))
+
+
+@st.composite
+def uneven_calls(draw, ops=UNEVEN_OPS, world_sizes=(1, 2, 3, 4)):
+    """(op, world_size, padded input shape, kwargs): random dims (negative too) and uneven sizes with zeros."""
+    op, W = draw(st.sampled_from(ops)), draw(st.sampled_from(world_sizes))
+    ndim = 4 if op == "all_to_all_4d" else draw(st.integers(2 if op == "all_to_all" else 1, 3))
+    shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    sizes, kwargs = _uneven_sizes(draw, W), {}
+    if op == "all_to_all_4d":
+        scatter, gather = draw(st.sampled_from([(2, 1), (1, 2)]))
+        kwargs.update(scatter_dim=scatter, gather_dim=gather)
+    elif op == "all_to_all":
+        scatter = draw(st.integers(0, ndim - 1))
+        gather = (scatter + draw(st.integers(1, ndim - 1))) % ndim
+        kwargs.update(scatter_dim=scatter - draw(st.sampled_from([0, ndim])), gather_dim=gather)
+    else:
+        kwargs["dim"] = draw(st.integers(-ndim, ndim - 1))
+    if op in ("all_to_all", "all_to_all_4d"):
+        other = _uneven_sizes(draw, W)
+        kwargs.update(scatter_sizes=sizes, gather_sizes=other)
+        shape[kwargs["scatter_dim"]], shape[kwargs["gather_dim"]] = sum(sizes), max(other)
+    elif op in ("all_gather", "gather"):
+        kwargs["sizes"], shape[kwargs["dim"]] = sizes, max(sizes)
+    else:
+        kwargs["sizes"], shape[kwargs["dim"]] = sizes, sum(sizes)
+    if op in ("gather", "scatter"):
+        kwargs["dst" if op == "gather" else "src"] = draw(st.integers(0, W - 1))
+    if op == "reduce_scatter":
+        kwargs["op"] = draw(st.sampled_from(["sum", "avg"]))
+    if op == "all_gather":
+        kwargs["convention"] = draw(st.sampled_from(["sum", "replicated"]))
+    return op, W, tuple(shape), kwargs
+
+
+def uneven_case(call, dtype: str = "float64", transposed: bool = False) -> Case:
+    """The `Case` of a drawn call (padded layout)."""
+    op, W, shape, kwargs = call
+    name = f"uneven:{op}{list(shape)}{kwargs},{dtype}{',T' if transposed else ''}"
+    return Case(name, op, W, shape, dtype, tuple(kwargs.items()), transposed)

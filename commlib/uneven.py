@@ -1,0 +1,298 @@
+"""Uneven sizes: any sequence length and head count at any world size, in the two layouts both frontends walk.
+
+Two lists describe an uneven call (W = world_size; either may be None = the even rule):
+
+- ``scatter_sizes``: the scattered dim is whole on input; rank r keeps ``scatter_sizes[r]`` rows of it
+  (rows ``[offset_r, offset_r + scatter_sizes[r])``, offsets = running sums): reduce_scatter, scatter and the
+  scatter side of all_to_all (the user's keyword is ``sizes`` where the op has one dim).
+- ``gather_sizes``: rank r contributes ``gather_sizes[r]`` rows of the gathered dim, whole on output (rank
+  order): all_gather, gather and the gather side of all_to_all.
+
+The two layouts of a sharded dim (a full dim is exact in both):
+
+- **exact** (torch, a plan for one `rank`): rank r's tensor has exactly ``sizes[r]`` rows. Pack and unpack are
+  `Blocks` (W slices of the tensor laid out one after another in a flat buffer: one pass each, or a view) and
+  every collective is one ``all_to_all_single`` with the split sizes `Blocks.counts` gives (no padding on the
+  wire); the reduce of reduce_scatter is the unpack's sum of the W received blocks.
+- **padded** (JAX: SPMD, one shape on every device; a plan for every rank, ``rank=None``): a sharded dim has
+  ``max(sizes)`` rows on every rank. Input rows past ``sizes[r]`` are ignored (their gradient is exactly 0)
+  and output rows past it are zeros. The collective is the even one on padded shapes, with a static index map
+  (`Take`) before it (whole dim -> W blocks of ``max`` rows) and after it (W padded blocks -> whole dim).
+
+`layout` gives a plan's fields in either layout, `for_rank` / `padded` convert a plan between them (the
+reference simulates both), `rows` says which rows of a padded array are valid on a rank.
+
+>>> split_sizes(63, 4)
+(16, 16, 16, 15)
+>>> from commlib import plans
+>>> plan = plans.all_to_all_4d((2, 16, 6, 3), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=split_sizes(63, 4))
+>>> plan.out_shape, plan.before.kind, plan.after.kind  # padded: [B, 16, H, D] -> [B, 63, 2, D]
+((2, 63, 2, 3), 'pad', 'unpad')
+>>> exact = for_rank(plan, 3)  # torch on rank 3: [B, 15, H, D] -> [B, 63, 1, D]
+>>> exact.in_shape, exact.out_shape, exact.pack.counts, exact.unpack.counts
+((2, 15, 6, 3), (2, 63, 1, 3), (180, 180, 90, 90), (96, 96, 96, 90))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+from commlib.errors import comm_error, kind_error
+from commlib.layout import (
+    Blocks,
+    Collective,
+    Plan,
+    Shape,
+    Take,
+    all_gather_layout,
+    all_to_all_layout,
+    local_layout,
+    offsets,
+    reduce_scatter_layout,
+    resized,
+)
+
+__all__ = [
+    "for_rank",
+    "layout",
+    "padded",
+    "plan",
+    "rows",
+    "sent_elements",
+    "split_sizes",
+]
+
+_GATHERING = (Collective.ALL_GATHER, Collective.GATHER)
+_SCATTERING = (Collective.REDUCE_SCATTER, Collective.SCATTER)
+
+
+def split_sizes(n: int, world_size: int) -> tuple[int, ...]:
+    """The balanced split of `n` rows over `world_size` ranks: the first ``n % world_size`` ranks get one row
+    more (``numpy.array_split``'s rule). The default way to shard an uneven dim.
+
+    >>> split_sizes(6, 4), split_sizes(3, 4)
+    ((2, 2, 1, 1), (1, 1, 1, 0))
+    """
+    n, world_size = operator.index(n), operator.index(world_size)
+    if n < 0 or world_size < 1:
+        raise comm_error("split_sizes", f"n ({n}) must be >= 0 and world_size ({world_size}) >= 1",
+                         n=n, world_size=world_size)
+    base, extra = divmod(n, world_size)
+    return tuple(base + (rank < extra) for rank in range(world_size))
+
+
+def _take(dim: int, kind: str, sizes: tuple[int, ...]) -> Take | None:
+    """The map, or None where it is the identity (a shared map over equal sizes)."""
+    return None if kind in ("pad", "unpad") and len(set(sizes)) <= 1 else Take(dim, kind, sizes)
+
+
+def _one_hot(world_size: int, index: int, value: int) -> tuple[int, ...]:
+    return tuple(value if rank == index else 0 for rank in range(world_size))
+
+
+def _exact(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter, gather, rank: int,
+           root: int | None) -> dict:
+    """Fields of the exact layout on `rank` (`shape`: this rank's input)."""
+    none = (0,) * world_size
+    if kind is Collective.ALL_TO_ALL:
+        scatter_dim, gather_dim = dims
+        out = resized(resized(shape, scatter_dim, scatter[rank]), gather_dim, sum(gather))
+        pack = Blocks(shape, scatter_dim, offsets(scatter), scatter)
+        unpack = Blocks(out, gather_dim, offsets(gather), gather)
+    elif kind in _GATHERING:
+        (dim,) = dims
+        out = resized(shape, dim, sum(gather))
+        everyone = kind is Collective.ALL_GATHER
+        sends = (gather[rank],) * world_size if everyone else _one_hot(world_size, root, gather[rank])  # type: ignore[arg-type]
+        pack = Blocks(shape, dim, none, sends)
+        unpack = Blocks(out, dim, offsets(gather), gather if everyone or rank == root else none)
+    elif kind in _SCATTERING:
+        (dim,) = dims
+        out = resized(shape, dim, scatter[rank])
+        if kind is Collective.REDUCE_SCATTER:
+            pack = Blocks(shape, dim, offsets(scatter), scatter)
+            unpack = Blocks(out, dim, none, (scatter[rank],) * world_size, reduce=True)
+        else:
+            pack = Blocks(shape, dim, offsets(scatter), scatter if rank == root else none)
+            unpack = Blocks(out, dim, none, _one_hot(world_size, root, scatter[rank]))  # type: ignore[arg-type]
+    elif kind is Collective.SLICE:  # keep this rank's rows of the whole dim
+        (dim,) = dims
+        out, rows = resized(shape, dim, scatter[rank]), (scatter[rank],)
+        pack, unpack = Blocks(shape, dim, (offsets(scatter)[rank],), rows), Blocks(out, dim, (0,), rows)
+    elif kind is Collective.PAD:  # this rank's rows in place in the whole dim, zeros elsewhere
+        (dim,) = dims
+        out, rows = resized(shape, dim, sum(gather)), (gather[rank],)
+        pack, unpack = Blocks(shape, dim, (0,), rows), Blocks(out, dim, (offsets(gather)[rank],), rows)
+    else:
+        raise NotImplementedError(f"no uneven layout for {kind.value}")
+    return dict(pack=pack, send_shape=(pack.numel,), recv_shape=(unpack.numel,), unpack=unpack, out_shape=out,
+                before=None, after=None)
+
+
+def _padded(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter, gather) -> dict:
+    """Fields of the padded layout (`shape`: every rank's input): the even layout on the padded shapes between
+    the `Take` maps."""
+    W = world_size
+    if kind is Collective.ALL_TO_ALL:
+        scatter_dim, gather_dim = dims
+        fields = all_to_all_layout(resized(shape, scatter_dim, W * max(scatter)), W, scatter_dim, gather_dim)
+        before, after = _take(scatter_dim, "pad", scatter), _take(gather_dim, "unpad", gather)
+        out = resized(fields["out_shape"], gather_dim, sum(gather))
+    elif kind in _GATHERING:
+        (dim,) = dims
+        fields, before, after = all_gather_layout(shape, W, dim), None, _take(dim, "unpad", gather)
+        out = resized(shape, dim, sum(gather))
+    elif kind in _SCATTERING:
+        (dim,) = dims
+        fields = reduce_scatter_layout(resized(shape, dim, W * max(scatter)), W, dim)
+        before, after, out = _take(dim, "pad", scatter), None, fields["out_shape"]
+    elif kind in (Collective.SLICE, Collective.PAD):
+        (dim,) = dims
+        out = resized(shape, dim, max(scatter) if kind is Collective.SLICE else sum(gather))
+        fields = local_layout(out, out)
+        before, after = Take(dim, "slice", scatter) if kind is Collective.SLICE else Take(dim, "place", gather), None
+    else:
+        raise NotImplementedError(f"no uneven layout for {kind.value}")
+    return {**fields, "out_shape": out, "before": before, "after": after}
+
+
+def layout(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter_sizes, gather_sizes,
+           rank: int | None = None, root: int | None = None) -> dict:
+    """The layout fields of an uneven plan (pack, send_shape, recv_shape, unpack, out_shape, before, after) for
+    valid, normalised arguments: exact on `rank`, padded when `rank` is None. `shape` is the input's."""
+    if rank is None:
+        return _padded(kind, shape, world_size, dims, scatter_sizes, gather_sizes)
+    return _exact(kind, shape, world_size, dims, scatter_sizes, gather_sizes, rank, root)
+
+
+def for_rank(plan: Plan, rank: int) -> Plan:
+    """`plan` (exact on any rank, or padded) as the exact plan of `rank`: the plan torch builds there (an even
+    plan is the same on every rank)."""
+    if not plan.is_uneven:
+        return plan
+    shape = plan.shared_in_shape
+    if plan.gather_sizes is not None:
+        shape = resized(shape, plan.dims[-1], plan.gather_sizes[rank])
+    return plan.replace(rank=rank, in_shape=shape, **layout(plan.collective, shape, plan.world_size, plan.dims,
+                                                            plan.scatter_sizes, plan.gather_sizes, rank, plan.root))
+
+
+def padded(plan: Plan) -> Plan:
+    """`plan` in the padded layout: the plan JAX builds (an even plan is its own)."""
+    if not plan.is_uneven:
+        return plan
+    shape = plan.shared_in_shape
+    return plan.replace(rank=None, in_shape=shape, **layout(plan.collective, shape, plan.world_size, plan.dims,
+                                                            plan.scatter_sizes, plan.gather_sizes))
+
+
+def rows(plan: Plan, rank: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """``(input, output)``: ``(dim, rows)`` of the sharded dim rank `rank` holds exactly (the valid rows of
+    the padded layout), or None where that side has no sharded dim.
+
+    >>> from commlib import plans
+    >>> rows(plans.all_to_all((6, 4), 4, 0, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(4, 4, 3, 0)), 2)
+    ((1, 3), (0, 1))
+    """
+    before = None if plan.gather_sizes is None else (plan.dims[-1], plan.gather_sizes[rank])
+    after = None if plan.scatter_sizes is None else (plan.dims[0], plan.scatter_sizes[rank])
+    return before, after
+
+
+def sent_elements(plan: Plan, rank: int) -> int:
+    """Elements rank `rank` sends to the other ranks in a pairwise exchange (what the wire carries from it):
+    the exact layout's split sizes, or the even collective on the (padded) shapes.
+
+    >>> from commlib import plans
+    >>> sent_elements(plans.all_to_all_4d((1, 4, 8, 2), 4), 0)  # 3 of the 4 blocks of 16
+    48
+    """
+    if plan.is_exact:
+        pack = (plan if plan.rank == rank else for_rank(plan, rank)).pack
+        assert isinstance(pack, Blocks), pack
+        return pack.numel - (pack.counts[rank] if len(pack.counts) == plan.world_size else 0)
+    W, sent = plan.world_size, math.prod(plan.send_shape)
+    if plan.collective is Collective.ALL_GATHER:
+        return (W - 1) * sent
+    if plan.collective in (Collective.ALL_TO_ALL, Collective.REDUCE_SCATTER):
+        return sent * (W - 1) // W
+    raise NotImplementedError(f"sent_elements: {plan.collective.value}")
+
+
+# ---- validation and the plan builder ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """One sizes argument of a public op, as the user gave it."""
+
+    keyword: str  # "sizes", "scatter_sizes" or "gather_sizes": the name in messages
+    value: object
+    quantity: str  # the sharded dim in messages: "size of dim 0", "heads", ...
+
+    @property
+    def shown(self) -> object:
+        """The value as messages show it: a tuple of ints where it is one."""
+        try:
+            return tuple(operator.index(value) for value in self.value)  # type: ignore[attr-defined]
+        except TypeError:
+            return self.value
+
+
+def _checked(op_name: str, sizes: Sizes, world_size: int, received: dict) -> tuple[int, ...]:
+    try:
+        if any(isinstance(value, bool) for value in sizes.value):  # type: ignore[attr-defined]
+            raise TypeError
+        values = tuple(operator.index(value) for value in sizes.value)  # type: ignore[attr-defined]
+    except TypeError:
+        raise kind_error(op_name, f"{sizes.keyword} must be a sequence of ints", **received) from None
+    if len(values) != world_size:
+        raise comm_error(op_name, f"len({sizes.keyword}) ({len(values)}) must equal world_size ({world_size})",
+                         **received)
+    for index, value in enumerate(values):
+        if value < 0:
+            raise comm_error(op_name, f"{sizes.keyword}[{index}] ({value}) must be >= 0", **received)
+    return values
+
+
+def plan(fields: dict, shape: Shape, *, scatter: Sizes | None = None, gather: Sizes | None = None,
+         rank: int | None = None, received: dict) -> Plan | None:
+    """The uneven plan of a validated call (`fields`: the Plan's other fields, `dims` normalised, the scattered
+    dim first and the gathered dim last), or None when the sizes are all equal (the even plan is the same op).
+
+    `rank` (checked by the caller): this rank, for the exact layout; None for the padded one. Raises `CommError`
+    / ``TypeError`` before any communication: sizes not ints, not W of them, negative, a scattered dim whose
+    size is not ``sum(sizes)``, a gathered dim whose size is not ``sizes[rank]`` (exact layout) or
+    ``max(sizes)`` (padded layout). `received` holds the op's arguments other than the shape (the same on
+    every rank in both layouts, the sizes as `Sizes.shown` included).
+    """
+    op_name, world_size, dims = fields["op_name"], fields["world_size"], fields["dims"]
+    given = [sizes for sizes in (scatter, gather) if sizes is not None]
+    values = {sizes.keyword: _checked(op_name, sizes, world_size, received) for sizes in given}
+    scatter_sizes = gather_sizes = None
+    if scatter is not None:
+        scatter_sizes = values[scatter.keyword]
+        total = shape[dims[0]]
+        if sum(scatter_sizes) != total:
+            whole = f"the {scatter.quantity}" if scatter.quantity.startswith("size of") else scatter.quantity
+            message = f"sum({scatter.keyword}) ({sum(scatter_sizes)}) must equal {whole} ({total})"
+            raise comm_error(op_name, message, **received)
+    if gather is not None:
+        gather_sizes = values[gather.keyword]
+        have = shape[dims[-1]]
+        if rank is None:
+            want, which = max(gather_sizes), f"max({gather.keyword}) ({max(gather_sizes)}) in the padded layout"
+        else:
+            want, which = gather_sizes[rank], f"{gather.keyword}[{rank}] ({gather_sizes[rank]}) on rank {rank}"
+        if have != want:
+            raise comm_error(op_name, f"{gather.quantity} ({have}) must equal {which}", shape=shape, **received)
+    if all(len(set(sizes)) <= 1 for sizes in (scatter_sizes, gather_sizes) if sizes is not None):
+        return None
+    kind, dims = fields["collective"], tuple(dims)
+    if kind is Collective.ALL_TO_ALL:  # the side left None is even: make it explicit
+        scatter_sizes = scatter_sizes or (shape[dims[0]] // world_size,) * world_size
+        gather_sizes = gather_sizes or (shape[dims[1]],) * world_size
+    return Plan(**fields, in_shape=shape, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=rank,
+                **layout(kind, shape, world_size, dims, scatter_sizes, gather_sizes, rank, fields.get("root")))
