@@ -3,6 +3,10 @@
 Rooted ops are written with masks so every rank runs the same program: broadcast = psum of the source's
 value, scatter = psum_scatter of it, gather = all_gather kept on the destination, reduce = psum kept on it;
 zeros elsewhere. The local steps of gradient plans (identity, slice, pad) move no data between ranks.
+
+Uneven sizes are held padded (`commlib.uneven`): every device's sharded dim has the largest size; the plan's
+static index maps (`commlib.layout.Take`) run before and after the even collective on the padded shapes, as one
+``jnp.take`` each (rows that map nowhere become zeros); an uneven local step is its map alone.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commlib import Collective, Plan, ReduceOp
-from commlib.layout import reorder_pairs
+from commlib.layout import Take, reorder_pairs
 from commlib_jax._vma import axis_arg, mesh_order, to_varying
 
 __all__ = ["dtype_name", "run", "rank"]
@@ -93,13 +97,29 @@ def _ppermute(plan: Plan, axes: tuple, x):
     return lax.ppermute(x, axis_arg(order), perm=pairs)
 
 
+def _take(step: Take | None, axes: tuple, x):
+    """The padded layout's static index map along ``step.dim`` (zeros where it maps nowhere): a shared map as
+    the concatenation of its runs (static slices and zeros: one fused pass), a per-rank map as a gather of
+    this rank's row of the table."""
+    if step is None:
+        return x
+    if step.per_rank:
+        index = jnp.asarray(step.table())[rank(axes)]
+        return jnp.take(x, index, axis=step.dim, mode="fill", fill_value=0)
+    zeros = lambda rows: jnp.zeros((*x.shape[:step.dim], rows, *x.shape[step.dim + 1:]), x.dtype)  # noqa: E731
+    parts = [zeros(rows) if start is None else lax.slice_in_dim(x, start, start + rows, axis=step.dim)
+             for start, rows in step.runs()]
+    return jnp.concatenate(parts, axis=step.dim) if parts else zeros(0)
+
+
 def run(plan: Plan, axes: tuple, x):
     """This rank's output of `plan` for input `x`, typed varying over `axes`, in x's dtype."""
-    buffer = x if plan.accum_dtype is None else x.astype(plan.accum_dtype)
+    buffer = _take(plan.before, axes, x if plan.accum_dtype is None else x.astype(plan.accum_dtype))
     scale = jnp.asarray(plan.scale, buffer.dtype)
     if plan.scale_first and plan.scale != 1.0:  # half-precision avg: scale before the sum, which could overflow
         buffer = buffer * scale
-    out = _collective(plan, axes, buffer)
+    uneven_local = plan.is_uneven and plan.collective.is_local  # the map was the step
+    out = _take(plan.after, axes, buffer if uneven_local else _collective(plan, axes, buffer))
     if plan.scale != 1.0 and not plan.scale_first:
         out = out * scale
     return to_varying(out.astype(x.dtype), axes)

@@ -33,21 +33,24 @@ class Communicator:
         op = ReduceOp.SUM if op is None else op
         return functional.all_reduce(input_, self.axis_name, op, convention=convention, accum_dtype=accum_dtype)
 
-    def all_gather(self, input_, dim: int = -1, *, convention="sum"):
+    def all_gather(self, input_, dim: int = -1, *, convention="sum", sizes=None):
         """See `commlib_jax.all_gather`."""
-        return functional.all_gather(input_, self.axis_name, dim, convention=convention)
+        return functional.all_gather(input_, self.axis_name, dim, convention=convention, sizes=sizes)
 
-    def reduce_scatter(self, input_, dim: int = 0, op=ReduceOp.SUM, *, accum_dtype=None):
+    def reduce_scatter(self, input_, dim: int = 0, op=ReduceOp.SUM, *, accum_dtype=None, sizes=None):
         """See `commlib_jax.reduce_scatter`."""
-        return functional.reduce_scatter(input_, self.axis_name, dim, op, accum_dtype=accum_dtype)
+        return functional.reduce_scatter(input_, self.axis_name, dim, op, accum_dtype=accum_dtype, sizes=sizes)
 
-    def all_to_all(self, input_, scatter_dim: int, gather_dim: int):
+    def all_to_all(self, input_, scatter_dim: int, gather_dim: int, *, scatter_sizes=None, gather_sizes=None):
         """See `commlib_jax.all_to_all`."""
-        return functional.all_to_all(input_, self.axis_name, scatter_dim, gather_dim)
+        return functional.all_to_all(input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes,
+                                     gather_sizes=gather_sizes)
 
-    def all_to_all_4D(self, input_, scatter_dim: int = 2, gather_dim: int = 1):
+    def all_to_all_4D(self, input_, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes=None,
+                      gather_sizes=None):
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_jax.all_to_all_4d`."""
-        return functional.all_to_all_4d(input_, self.axis_name, scatter_dim, gather_dim)
+        return functional.all_to_all_4d(input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes,
+                                        gather_sizes=gather_sizes)
 
     def broadcast(self, input_, src: int = 0):
         """See `commlib_jax.broadcast`."""
@@ -57,9 +60,9 @@ class Communicator:
         """The concatenation along `dim` on rank `dst`, zeros elsewhere; see `commlib_jax.gather`."""
         return functional.gather(input_, self.axis_name, dst, dim)
 
-    def scatter(self, input_, src: int = 0, dim: int = 0):
+    def scatter(self, input_, src: int = 0, dim: int = 0, *, sizes=None):
         """See `commlib_jax.scatter`."""
-        return functional.scatter(input_, self.axis_name, src, dim)
+        return functional.scatter(input_, self.axis_name, src, dim, sizes=sizes)
 
     def permute(self, input_, perm):
         """See `commlib_jax.permute`."""

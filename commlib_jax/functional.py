@@ -14,6 +14,10 @@ torch.distributed -- in every mode: outputs and cotangents are typed varying (se
 
 Every op raises ``TypeError`` when `x` is not an array (a list) and `CommError` when `axis_name` is not bound
 by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``), at trace time.
+
+Uneven sizes (``sizes=``, ``scatter_sizes=``, ``gather_sizes=``; `commlib.split_sizes` gives the balanced
+split) are held padded, one shape on every device: a sharded dim has ``max(sizes)`` rows; rows past
+``sizes[rank]`` are ignored on input (their gradient is exactly 0) and zeros on output (`commlib.uneven`).
 """
 
 from __future__ import annotations
@@ -145,69 +149,84 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
     return _apply(plan, axes, x)
 
 
-def all_gather(x, axis_name, dim=-1, *, convention="sum"):
+def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
     """Concatenate every rank's `x` along `dim` in rank order over `axis_name` (a mesh axis name or a tuple
     of them): ``shape[dim] *= W``, x's dtype.
 
-    Same value as ``lax.all_gather(x, axis_name, axis=dim, tiled=True)``. Gradient: "sum" -> reduce_scatter
-    (sum) of the cotangent; "replicated" -> this rank's block of it.
+    `sizes` (uneven): rank r contributes the first ``sizes[r]`` of its ``max(sizes)`` rows; the output has
+    ``sum(sizes)``. Same value as ``lax.all_gather(x, axis_name, axis=dim, tiled=True)``. Gradient: "sum" ->
+    reduce_scatter (sum) of the cotangent; "replicated" -> this rank's block of it.
 
     Raises:
-        CommError: `dim` out of range, unknown convention.
+        CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
+            ``x.shape[dim] != max(sizes)``.
     """
     axes = axes_of(axis_name)
     size = _world_size("all_gather", x, axes)
-    plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention)
+    plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention,
+                            sizes=sizes)
     return _apply(plan, axes, x)
 
 
-def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None):
+def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=None):
     """Reduce over `axis_name` (a mesh axis name or a tuple of them) and keep block `rank` of `dim`:
-    ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`).
+    ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes`
+    (uneven): rank r keeps ``sizes[r]`` rows (``sum(sizes) == shape[dim]``), padded to ``max(sizes)`` with zeros.
 
     Same value as ``lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`` (/ W for avg).
     Gradient: all_gather of the cotangent (/ W for avg).
 
     Raises:
-        CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
+        CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
+            integers.
     """
     axes = axes_of(axis_name)
     size = _world_size("reduce_scatter", x, axes)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype_name(x.dtype),
-                                accum_dtype=_accum(accum_dtype))
+                                accum_dtype=_accum(accum_dtype), sizes=sizes)
     return _apply(plan, axes, x)
 
 
-def all_to_all(x, axis_name, scatter_dim, gather_dim):
+def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None):
     """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
     received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
     ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
     ``scatter_dim == gather_dim`` keeps the shape: block s of rank r's dim goes to rank s, at position r.
 
-    Gradient: all_to_all of the cotangent with the dims swapped (for equal dims: the same op).
+    Uneven (distinct dims): rank r receives ``scatter_sizes[r]`` rows of `scatter_dim` (output padded to the
+    largest) and contributes the first ``gather_sizes[r]`` of its ``max(gather_sizes)`` rows of `gather_dim`
+    (output ``sum(gather_sizes)``). Gradient: all_to_all of the cotangent with the dims (and the sizes)
+    swapped (for equal dims: the same op).
 
     Raises:
-        CommError: dims out of range, ``shape[scatter_dim]`` not divisible by W.
+        CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
+            scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != max(gather_sizes)``, sizes not W
+            ints >= 0.
     """
     axes = axes_of(axis_name)
     size = _world_size("all_to_all", x, axes)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
+                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
     return _apply(plan, axes, x)
 
 
-def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1):
+def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None):
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `axis_name` (a mesh axis name or a tuple
     of them), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
+    Uneven (any S, any H), padded: ``(2, 1)`` is ``[B, max S_r, H, D] -> [B, S, max H_r, D]`` with
+    ``gather_sizes=(S_0, ...)``, ``scatter_sizes=(H_0, ...)``; ``(1, 2)`` the reverse with the two swapped.
     Gradient: the other direction.
 
     Raises:
-        CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
+        CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
+            ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``max(gather_sizes)``.
     """
     axes = axes_of(axis_name)
     size = _world_size("all_to_all_4d", x, axes)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype))
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
+                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
     return _apply(plan, axes, x)
 
 
@@ -223,30 +242,33 @@ def broadcast(x, axis_name, src=0):
     return _apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
 
 
-def gather(x, axis_name, dst=0, dim=-1):
+def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets every rank's `x` concatenated
-    along `dim` (``shape[dim] *= W``); other ranks get zeros of that shape. x's dtype. Gradient: scatter of
-    `dst`'s cotangent.
+    along `dim` (``shape[dim] *= W``); other ranks get zeros of that shape. x's dtype. `sizes` (uneven): as in
+    `all_gather`. Gradient: scatter of `dst`'s cotangent.
 
     Raises:
-        CommError: `dst` not in [0, W), `dim` out of range.
+        CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
     axes = axes_of(axis_name)
     size = _world_size("gather", x, axes)
-    return _apply(plans.gather(x.shape, size, dst, dim, dtype=dtype_name(x.dtype)), axes, x)
+    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype_name(x.dtype), sizes=sizes)
+    return _apply(plan, axes, x)
 
 
-def scatter(x, axis_name, src=0, dim=0):
+def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
     """Rank r of `axis_name` (a mesh axis name or a tuple of them) gets block r of rank `src`'s `x` along
-    `dim` (``shape[dim] /= W``); the other ranks' `x` is not read. x's dtype. Gradient: gather of the
-    cotangents to `src`.
+    `dim` (``shape[dim] /= W``); the other ranks' `x` is not read. x's dtype. `sizes` (uneven): rank r gets
+    ``sizes[r]`` rows, padded to ``max(sizes)`` with zeros. Gradient: gather of the cotangents to `src`.
 
     Raises:
-        CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
+        CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
+            ``sum(sizes)``.
     """
     axes = axes_of(axis_name)
     size = _world_size("scatter", x, axes)
-    return _apply(plans.scatter(x.shape, size, src, dim, dtype=dtype_name(x.dtype)), axes, x)
+    plan = plans.scatter(x.shape, size, src, dim, dtype=dtype_name(x.dtype), sizes=sizes)
+    return _apply(plan, axes, x)
 
 
 def permute(x, axis_name, perm):

@@ -56,6 +56,21 @@ ROOTED = {
 
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap")
 
+SEQ, HEADS = (16, 16, 16, 15), (2, 2, 1, 1)  # S = 63, H = 6
+#: name -> (shape, commlib op with uneven sizes (padded layout), shape on the padded size, the even lax op there).
+UNEVEN = {
+    "all_to_all_4d (2, 1)": ((2, 16, 6, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 2, 1, scatter_sizes=HEADS,
+                                                                                 gather_sizes=SEQ),
+                             (2, 16, 8, 16), lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True)),
+    "all_to_all_4d (1, 2)": ((2, 63, 2, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 1, 2, scatter_sizes=SEQ,
+                                                                                 gather_sizes=HEADS),
+                             (2, 64, 2, 16), lambda x: lax.all_to_all(x, AXIS, 1, 2, tiled=True)),
+    "all_gather": ((16, 8), lambda x: commlib_jax.all_gather(x, AXIS, 0, sizes=SEQ),
+                   (16, 8), lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)),
+    "reduce_scatter": ((8, 63), lambda x: commlib_jax.reduce_scatter(x, AXIS, 1, sizes=SEQ),
+                       (8, 64), lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)),
+}
+
 
 def _mapped(body, mode: str):
     """`body` on each rank's block of a [W, *shape] array, in `mode`."""
@@ -95,6 +110,18 @@ def test_same_collectives_as_lax(name, mode, part):
     bare_collectives, bare_layout = _split(counts(bare, shape, mode, part))
     assert our_collectives == bare_collectives
     assert sum(our_collectives.values()) == 1  # one collective per op and per gradient: nothing extra
+    for kind in LAYOUT:
+        assert our_layout.get(kind, 0) <= bare_layout.get(kind, 0), (kind, our_layout, bare_layout)
+
+
+@pytest.mark.parametrize("part", ["forward", "gradient"])
+@pytest.mark.parametrize("name", sorted(UNEVEN))
+def test_uneven_sizes_run_the_even_collective_on_the_padded_size(name, part):
+    """The padded layout's index maps fuse into the passes around the collective: no copy or transpose more."""
+    shape, ours, padded_shape, bare = UNEVEN[name]
+    our_collectives, our_layout = _split(counts(ours, shape, "shard_map[check_vma=True]", part))
+    bare_collectives, bare_layout = _split(counts(bare, padded_shape, "shard_map[check_vma=True]", part))
+    assert our_collectives == bare_collectives and sum(our_collectives.values()) == 1
     for kind in LAYOUT:
         assert our_layout.get(kind, 0) <= bare_layout.get(kind, 0), (kind, our_layout, bare_layout)
 
