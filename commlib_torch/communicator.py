@@ -47,29 +47,33 @@ class DeviceCommunicator:
         op = "sum" if op is None else op
         return functional.all_reduce(input_, op, self.device_group, convention=convention, accum_dtype=accum_dtype)
 
-    def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum") -> torch.Tensor:
+    def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum", sizes=None) -> torch.Tensor:
         """Differentiable all_gather along `dim`; see `commlib_torch.all_gather`."""
-        return functional.all_gather(input_, dim, self.device_group, convention=convention)
+        return functional.all_gather(input_, dim, self.device_group, convention=convention, sizes=sizes)
 
-    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op="sum", *, accum_dtype=None):
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op="sum", *, accum_dtype=None, sizes=None):
         """Differentiable reduce_scatter along `dim`; see `commlib_torch.reduce_scatter`."""
-        return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype)
+        return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype, sizes=sizes)
 
-    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *, scatter_sizes=None,
+                   gather_sizes=None) -> torch.Tensor:
         """Differentiable all_to_all; see `commlib_torch.all_to_all`."""
-        return functional.all_to_all(input_, scatter_dim, gather_dim, self.device_group)
+        return functional.all_to_all(input_, scatter_dim, gather_dim, self.device_group, scatter_sizes=scatter_sizes,
+                                     gather_sizes=gather_sizes)
 
-    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1) -> torch.Tensor:
+    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes=None,
+                      gather_sizes=None) -> torch.Tensor:
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_torch.all_to_all_4d`."""
-        return functional.all_to_all_4d(input_, scatter_dim, gather_dim, self.device_group)
+        return functional.all_to_all_4d(input_, scatter_dim, gather_dim, self.device_group,
+                                        scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Differentiable broadcast from group-local `src`; see `commlib_torch.broadcast`."""
         return functional.broadcast(input_, src, self.device_group)
 
-    def scatter(self, input_: torch.Tensor, src: int = 0, dim: int = 0) -> torch.Tensor:
+    def scatter(self, input_: torch.Tensor, src: int = 0, dim: int = 0, *, sizes=None) -> torch.Tensor:
         """Differentiable scatter from group-local `src`; see `commlib_torch.scatter`."""
-        return functional.scatter(input_, src, dim, self.device_group)
+        return functional.scatter(input_, src, dim, self.device_group, sizes=sizes)
 
     def permute(self, input_: torch.Tensor, perm) -> torch.Tensor:
         """Differentiable (src, dst) permutation; see `commlib_torch.permute`."""

@@ -15,6 +15,10 @@ Every op raises ``TypeError`` when `x` is not a tensor and `CommError` on a rank
 any communication. A dtype the group's backend lacks (gloo: int16, uint16/32/64, float8, ...) travels in a
 carrier the spec picks (`commlib.dtypes.carrier`: a same-size bit view for data movement, a wider integer
 for integer reductions) or is refused with a `CommError` where no carrier is exact (docs/ops.md).
+
+Uneven sizes (``sizes=``, ``scatter_sizes=``, ``gather_sizes=``; `commlib.split_sizes` gives the balanced
+split) are held exactly: rank r's tensor has ``sizes[r]`` rows along the sharded dim, and nothing is padded on
+the wire (`commlib.uneven`).
 """
 
 from __future__ import annotations
@@ -131,6 +135,11 @@ def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, int, 
     return tensor, world_size(op_name, group), dict(dtype=dtype_name(tensor.dtype), carried=carried(group, tensor))
 
 
+def _rank(group: Group, *sizes) -> int | None:
+    """This rank where uneven sizes are given (their exact layout is this rank's), else None."""
+    return None if all(size is None for size in sizes) else dist.get_rank(group)
+
+
 def _accum(accum_dtype) -> str | None:
     return None if accum_dtype is None else dtype_name(accum_dtype)
 
@@ -161,64 +170,87 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
     return _apply(plan, x, group)
 
 
-def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, convention="sum") -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, convention="sum", sizes=None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``, x's dtype.
 
-    `group`: the process group (None: WORLD). Gradient: "sum" -> reduce_scatter(sum) of the cotangent along
-    `dim`; "replicated" -> this rank's block of the cotangent (Megatron's gather). Identity:
-    ``reduce_scatter(all_gather(x)) == W * x``.
+    `group`: the process group (None: WORLD). `sizes` (uneven): W ints, rank r's `x` has ``sizes[r]`` rows
+    along `dim`, the output ``sum(sizes)``. Gradient: "sum" -> reduce_scatter(sum) of the cotangent along
+    `dim` (with the same `sizes`); "replicated" -> this rank's block of the cotangent (Megatron's gather).
+    Identity: ``reduce_scatter(all_gather(x)) == W * x``.
 
     Raises:
-        CommError: `dim` out of range, unknown convention.
+        CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
+            ``x.shape[dim] != sizes[rank]``.
     """
     x, size, dtypes = _operand("all_gather", x, group)
-    plan = plans.all_gather(x.shape, size, dim, **dtypes, convention=convention)
+    plan = plans.all_gather(x.shape, size, dim, **dtypes, convention=convention,
+                            sizes=sizes, rank=_rank(group, sizes))
     return _apply(plan, x, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None,
+                   sizes=None) -> torch.Tensor:
     """Reduce over the ranks of `group` (None: WORLD) and keep block `rank` of `dim`: ``shape[dim] /= W``;
-    op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`).
+    op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes` (uneven): rank r keeps
+    ``sizes[r]`` rows (``sum(sizes) == shape[dim]``); the reduction runs as one all_to_all_single and a sum.
 
     Same value as ``all_reduce(x, op).chunk(W, dim)[rank]``. Gradient: all_gather of the cotangent along
-    `dim` (divided by W for avg).
+    `dim` (divided by W for avg; with the same `sizes`).
 
     Raises:
-        CommError: ``shape[dim]`` not divisible by W, op not sum/avg, avg on integers.
+        CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
+            integers, `sizes` not W ints >= 0.
     """
     x, size, dtypes = _operand("reduce_scatter", x, group)
-    plan = plans.reduce_scatter(x.shape, size, dim, op, **dtypes, accum_dtype=_accum(accum_dtype))
+    plan = plans.reduce_scatter(x.shape, size, dim, op, **dtypes,
+                                accum_dtype=_accum(accum_dtype), sizes=sizes, rank=_rank(group, sizes))
     return _apply(plan, x, group)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None, *, scatter_sizes=None,
+               gather_sizes=None) -> torch.Tensor:
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
     x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
     of rank r's dim goes to rank s, at position r (``dist.all_to_all_single`` on that dim; no local pass on 0).
 
+    Uneven: rank r receives ``scatter_sizes[r]`` rows of `scatter_dim` (``sum == shape[scatter_dim]``) and
+    contributes ``gather_sizes[r]`` rows of `gather_dim` (x has ``gather_sizes[rank]``); the output has
+    ``scatter_sizes[rank]`` and ``sum(gather_sizes)`` rows. One all_to_all_single with split sizes.
+
     One local pass before and one after the collective at most, none where the layout allows a view.
-    Gradient: all_to_all of the cotangent with the dims swapped (for equal dims: the same op).
+    Gradient: all_to_all of the cotangent with the dims (and the sizes) swapped (for equal dims: the same op).
 
     Raises:
-        CommError: dims out of range, ``shape[scatter_dim]`` not divisible by W.
+        CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
+            scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
+            W ints >= 0.
     """
     x, size, dtypes = _operand("all_to_all", x, group)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes)
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes,
+                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
+                            rank=_rank(group, scatter_sizes, gather_sizes))
     return _apply(plan, x, group)
 
 
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None) -> torch.Tensor:
+def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None, *,
+                  scatter_sizes=None, gather_sizes=None) -> torch.Tensor:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `group` (None: WORLD), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
-    Gradient: the other direction. At batch 1 one of the two local passes is a view.
+    Uneven (any S, any H): ``(2, 1)`` is ``[B, S_r, H, D] -> [B, S, H_r, D]`` with
+    ``gather_sizes=(S_0, ..., S_{W-1})``, ``scatter_sizes=(H_0, ...)`` (e.g. ``commlib.split_sizes(S, W)``);
+    ``(1, 2)`` the reverse with the two swapped. Gradient: the other direction. At batch 1 one of the two local
+    passes is a view.
 
     Raises:
-        CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W.
+        CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
+            ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
     """
     x, size, dtypes = _operand("all_to_all_4d", x, group)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, **dtypes)
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, **dtypes,
+                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
+                               rank=_rank(group, scatter_sizes, gather_sizes))
     return _apply(plan, x, group)
 
 
@@ -234,30 +266,37 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     return _apply(plans.broadcast(x.shape, size, src, **dtypes), x, group)
 
 
-def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None) -> torch.Tensor:
+def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *, sizes=None) -> torch.Tensor:
     """Group rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks
-    of `group` (None: WORLD) get zeros of that shape, so every rank can run backward. x's dtype.
+    of `group` (None: WORLD) get zeros of that shape, so every rank can run backward. x's dtype. `sizes`
+    (uneven): as in `all_gather` (one all_to_all_single to `dst`).
 
     Gradient: scatter of `dst`'s cotangent.
 
     Raises:
-        CommError: `dst` not in [0, W), `dim` out of range.
+        CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
     x, size, dtypes = _operand("gather", x, group)
-    return _apply(plans.gather(x.shape, size, dst, dim, **dtypes), x, group)
+    plan = plans.gather(x.shape, size, dst, dim, **dtypes, sizes=sizes,
+                        rank=_rank(group, sizes))
+    return _apply(plan, x, group)
 
 
-def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None) -> torch.Tensor:
+def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *, sizes=None) -> torch.Tensor:
     """Rank r of `group` (None: WORLD) gets block r of group rank `src`'s `x` along `dim`
-    (``shape[dim] /= W``); the other ranks' `x` is not read (its gradient is zero). x's dtype.
+    (``shape[dim] /= W``); the other ranks' `x` is not read (its gradient is zero). x's dtype. `sizes`
+    (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) == shape[dim]``).
 
     Gradient: gather of the cotangents to `src`.
 
     Raises:
-        CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W.
+        CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
+            ``sum(sizes)``.
     """
     x, size, dtypes = _operand("scatter", x, group)
-    return _apply(plans.scatter(x.shape, size, src, dim, **dtypes), x, group)
+    plan = plans.scatter(x.shape, size, src, dim, **dtypes, sizes=sizes,
+                         rank=_rank(group, sizes))
+    return _apply(plan, x, group)
 
 
 def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:

@@ -7,6 +7,11 @@ runners read the same files (`write` / `read`), so the three sides see identical
 
 bfloat16 values are drawn on the bfloat16 grid and stored as float32, so every side starts from the same
 numbers without a bfloat16 type in numpy.
+
+Uneven cases (``sizes`` / ``scatter_sizes`` / ``gather_sizes`` in the keywords) are stored in the padded layout
+(the JAX one: `shape` has the largest size, the rows past a rank's size hold random values that must be ignored)
+and compared there; torch, which holds them exactly, cuts its arrays with `exact_arrays` and pads its results
+back with zeros with `padded_result`, so every side is compared on the valid rows.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from commlib import plans, reference, workloads
+from commlib import plans, reference, uneven, workloads
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
+from commlib.uneven import split_sizes
 
-__all__ = ["Case", "case_table", "make_arrays", "expected", "write", "read", "storage_dtype", "tolerance"]
+__all__ = ["Case", "case_table", "make_arrays", "expected", "write", "read", "storage_dtype", "tolerance",
+           "exact_arrays", "padded_result"]
 
 ATTENTION = "ulysses_attention"
 
@@ -83,6 +90,32 @@ def _attention_shape(world_size: int, batch: int, seq: int, heads: int, head_dim
     seq = seq if seq % world_size == 0 else seq * world_size
     heads = heads if heads % world_size == 0 else heads * world_size
     return (batch, seq // world_size, heads, head_dim)
+
+
+def _uneven_cases(W: int) -> list[Case]:
+    """Uneven sizes in both Ulysses directions and every op that takes them, zero-size ranks included; at W = 4
+    the first row is issue 9's handed case (S = 63, H = 6: seq 16, 16, 16, 15 and heads 2, 2, 1, 1)."""
+    S, H = 16 * W - 1, W + 2
+    seq, heads = split_sizes(S, W), split_sizes(H, W)
+    zeroed = (0, *split_sizes(2 * W - 1, W - 1)) if W > 1 else (3,)  # rank 0 holds nothing
+    return [
+        _case("all_to_all_4d", W, (2, max(seq), H, 3), scatter_sizes=heads, gather_sizes=seq),
+        _case("all_to_all_4d", W, (2, S, max(heads), 3), scatter_dim=1, gather_dim=2, scatter_sizes=seq,
+              gather_sizes=heads),
+        _case("all_to_all_4d", W, (1, max(zeroed), H, 2), scatter_sizes=heads, gather_sizes=zeroed, transposed=True),
+        _case("all_to_all", W, (sum(zeroed), 3, 2), scatter_dim=0, gather_dim=-1, scatter_sizes=zeroed,
+              gather_sizes=split_sizes(W + 1, W), dtype="bfloat16"),
+        _case("all_gather", W, (max(seq), 3), dim=0, sizes=seq),
+        _case("all_gather", W, (2, max(zeroed)), dim=-1, sizes=zeroed, convention="replicated", transposed=True),
+        _case("reduce_scatter", W, (2, S, 3), dim=1, sizes=seq),
+        _case("reduce_scatter", W, (sum(zeroed), 4), op="avg", sizes=zeroed, dtype="bfloat16", accum_dtype="float32"),
+        _case("gather", W, (max(zeroed), 2), dst=W - 1, dim=0, sizes=zeroed),
+        _case("scatter", W, (2, S), src=W - 1, dim=-1, sizes=seq),
+        # invalid: the same text on every side and every rank
+        _case("all_to_all_4d", W, (2, max(seq), H, 3), "!sizes", scatter_sizes=(*heads, 1), gather_sizes=seq),
+        _case("reduce_scatter", W, (S + 1, 3), "!sum", sizes=seq),
+        _case("all_gather", W, (3, 2), "!negative", sizes=(-1, *[3] * (W - 1))),
+    ]
 
 
 def case_table(world_size: int) -> list[Case]:
@@ -157,6 +190,7 @@ def case_table(world_size: int) -> list[Case]:
         _case("gather", W, (3,), "!dst", dst=-1),
         _case("scatter", W, (2 * W + 1,), "!split"),
         _case("permute", W, (3,), "!repeat", perm=[[0, 0], [W - 1, 0]]),
+        *_uneven_cases(W),
     ]
 
 
@@ -199,6 +233,53 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     cotangent_draw = "large" if case.draw == "large" else "normal"  # large: the backward's sum overflows too
     arrays["cotangent"] = [_draw(rng, out_shape, case.dtype, cotangent_draw) for _ in range(W)]
     return arrays
+
+
+_SIZES = ("sizes", "scatter_sizes", "gather_sizes")
+
+
+def _uneven_plan(case: Case):
+    """The case's (padded) plan when it has uneven sizes and the spec takes it, else None."""
+    if case.op == ATTENTION or all(case.params.get(key) is None for key in _SIZES):
+        return None
+    try:
+        plan = case.plan()
+    except (CommError, TypeError):
+        return None
+    return plan if plan.is_uneven else None
+
+
+def _cut(array: np.ndarray, cut) -> np.ndarray:
+    return array if cut is None else np.take(array, range(cut[1]), axis=cut[0])
+
+
+def _pad(array: np.ndarray, cut, size: int) -> np.ndarray:
+    if cut is None:
+        return array
+    dim, rows = cut
+    widths = [(0, 0)] * array.ndim
+    widths[dim] = (0, size - rows)
+    return np.pad(array, widths)
+
+
+def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
+    """Rank `rank`'s arrays as torch holds them: a sharded dim cut to the rank's size (inputs on the gathered
+    dim, the cotangent on the scattered one); as stored where the case is even or invalid."""
+    plan = _uneven_plan(case)
+    cuts = uneven.rows(plan, rank) if plan is not None else (None, None)
+    return {name: _cut(ranks[rank], cuts[1] if name == "cotangent" else cuts[0]) for name, ranks in arrays.items()}
+
+
+def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) -> tuple[np.ndarray, dict]:
+    """An exact result of rank `rank` (torch) in the case's padded layout: zeros past the rank's rows."""
+    plan = _uneven_plan(case)
+    if plan is None:
+        return output, gradients
+    before, after = uneven.rows(plan, rank)
+    out_size = 0 if after is None else plan.out_shape[after[0]]
+    in_size = 0 if before is None else plan.in_shape[before[0]]
+    padded = {name: _pad(gradient, before, in_size) for name, gradient in gradients.items()}
+    return _pad(output, after, out_size), padded
 
 
 def error_text(case: Case) -> str | None:

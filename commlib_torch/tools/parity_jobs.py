@@ -50,8 +50,10 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
 
     `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
     require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
-    4-D inputs and cotangents get channels_last strides."""
-    inputs = {name: _tensor(arrays[name][context.rank], case, channels_last) for name in case.inputs}
+    4-D inputs and cotangents get channels_last strides. Uneven sizes: this rank's rows only (the exact
+    layout), results padded back to the case's layout (`commlib.tools.cases.exact_arrays`, `padded_result`)."""
+    mine = cases.exact_arrays(case, arrays, context.rank)
+    inputs = {name: _tensor(mine[name], case, channels_last) for name in case.inputs}
     for tensor in inputs.values():
         tensor.requires_grad_(case.differentiable and grad_mode != "constant")
     try:
@@ -60,9 +62,10 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
     if not case.differentiable or grad_mode != "grad":
-        return "ok", _numpy(out), {}
-    (out * _tensor(arrays["cotangent"][context.rank], case, channels_last)).sum().backward()
-    return "ok", _numpy(out), {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
+        return "ok", *cases.padded_result(case, context.rank, _numpy(out), {})
+    (out * _tensor(mine["cotangent"], case, channels_last)).sum().backward()
+    gradients = {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
+    return "ok", *cases.padded_result(case, context.rank, _numpy(out), gradients)
 
 
 def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:

@@ -21,6 +21,9 @@ OPS = {
     "all_reduce_product": lambda x: cl.all_reduce(x, "product"),
     "all_to_all_single": lambda x: cl.all_to_all(x, 2, 2),
     "shard": lambda x: cl.shard(x, 2, scale_grad=True),
+    # uneven sizes (exact layout): heads 8 -> 5 and 3; all_gather's all_to_all_single form (eager: pairwise)
+    "uneven": lambda x: cl.reduce_scatter(cl.all_gather(cl.all_to_all_4d(x, 2, 1, scatter_sizes=(5, 3)), 2,
+                                                        sizes=(5, 3)), 1, sizes=(3, 5)),
 }
 
 
