@@ -11,13 +11,17 @@ Covered: non-divisible split dims, all_to_all_4d's ndim and dim pairs, dims out 
 dtype-forbidden reduce ops (reduce and reduce_scatter take sum and avg only), bad accum_dtype and convention,
 src/dst/perm out of range or repeated, wrong argument kinds (shard's scale_grad), zero-size dims (all_to_all
 on one dim too), non-contiguous and channels_last inputs, inputs that don't require grad, no_grad and
-inference_mode, world size 1, and float64/float16/bfloat16/int32.
+inference_mode, world size 1, and float64/float16/bfloat16/int32; uneven sizes: wrong length, negative, a sum
+that is not the whole dim, wrong kinds, equal dims (the same text in both layouts), and zero-size ranks in
+every layout and grad mode. (A sharded dim that is not the rank's size, or the largest, is each layout's own
+text: tests/torch and tests/jax test_uneven.py.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from commlib import split_sizes
 from commlib.tools.cases import Case
 
 __all__ = ["LAYOUTS", "GRAD_MODES", "WORLD_SIZES", "Row", "table"]
@@ -224,6 +228,38 @@ def _dtypes(W: int) -> list[Row]:
     return rows
 
 
+def _uneven(W: int) -> list[Row]:
+    """Uneven sizes (stored padded: torch cuts each rank's rows): errors every side and rank shares, and
+    valid calls with a zero-size rank in every layout, grad mode and dtype class."""
+    zeroed, odd = (0, *split_sizes(2 * W - 1, W - 1)), split_sizes(2 * W + 1, W)
+    return [
+        _row("all_gather", W, (3, 2), dim=0, sizes=(3,) * (W + 1),
+             error=f"CommError: all_gather: len(sizes) ({W + 1}) must equal world_size ({W}). Received: dim=0, sizes="),
+        _row("reduce_scatter", W, (2 * W, 3), sizes=(-1, *[2] * (W - 1)),
+             error="CommError: reduce_scatter: sizes[0] (-1) must be >= 0. Received: dim=0, op='sum', sizes=(-1, "),
+        _row("scatter", W, (2 * W + 2, 2), sizes=odd, error=f"CommError: scatter: sum(sizes) ({2 * W + 1}) must equal "
+             f"the size of dim 0 ({2 * W + 2})"),
+        _row("all_to_all_4d", W, (1, 3, W + 2, 2), scatter_sizes=(W + 1, *[0] * (W - 1)), gather_sizes=zeroed,
+             error=f"CommError: all_to_all_4d: sum(scatter_sizes) ({W + 1}) must equal heads ({W + 2})"),
+        _row("gather", W, (3,), sizes="3", error="TypeError: gather: sizes must be a sequence of ints"),
+        _row("all_to_all", W, (2 * W, 3), scatter_dim=0, gather_dim=-2, scatter_sizes=split_sizes(2 * W, W),
+             error="CommError: all_to_all: scatter_dim (0) must differ from gather_dim (0) with uneven sizes"),
+        _row("all_to_all", W, (2, 3), scatter_dim=0, gather_dim=1, scatter_sizes=(1.0, 1.0),
+             error="TypeError: all_to_all: scatter_sizes must be a sequence of ints"),
+        _row("all_to_all_4d", W, (2, 3, W + 2, 3), scatter_sizes=split_sizes(W + 2, W), gather_sizes=zeroed,
+             layout="channels_last"),
+        _row("all_to_all_4d", W, (2, 2 * W + 1, 3, 2), scatter_dim=1, gather_dim=2, scatter_sizes=odd,
+             gather_sizes=(3, *[0] * (W - 1)), layout="transposed"),
+        _row("all_gather", W, (3, 2), dim=0, sizes=zeroed, grad_mode="no_grad"),
+        _row("all_gather", W, (2, 3), dim=-1, sizes=zeroed, convention="replicated", grad_mode="constant"),
+        _row("reduce_scatter", W, (2, 2 * W + 1), dim=1, sizes=odd, op="avg", grad_mode="inference_mode"),
+        _row("gather", W, (3, 2, 2), dst=W - 1, dim=0, sizes=zeroed, layout="channels_last"),
+        _row("scatter", W, (2 * W + 1, 2), src=W - 1, sizes=odd, dtype="float64"),
+        _row("all_to_all", W, (2 * W + 1, 3), scatter_dim=0, gather_dim=1, scatter_sizes=odd, gather_sizes=zeroed,
+             dtype="int32"),
+    ]
+
+
 def _world_size_one() -> list[Row]:
     """World size 1: every op returns its input (no communication); invalid calls are still invalid."""
     return [
@@ -256,7 +292,7 @@ def table(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Row]:
     rows = _world_size_one() if 1 in world_sizes else []
     for W in world_sizes:
         if W > 1:
-            rows += _errors(W) + _zero_size(W) + _layouts(W) + _grad_modes(W) + _dtypes(W)
+            rows += _errors(W) + _zero_size(W) + _layouts(W) + _grad_modes(W) + _dtypes(W) + _uneven(W)
     names = [row.name for row in rows]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     assert not duplicates, duplicates
