@@ -22,7 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "Row", "Target", "markdown", "plot", "rows", "run"]
+from commlib import split_sizes, uneven
+from commlib.layout import Plan
+
+__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "Row", "Target", "markdown", "plot", "rows", "run",
+           "uneven_ulysses", "wire_bytes"]
 
 FRAMEWORKS = ("torch", "jax")
 #: `commlib bench` settings; --quick takes QUICK (only the cases marked quick), explicit options win.
@@ -74,6 +78,8 @@ class Row:
     ratio: float | None  # subject / baseline, median wall-clock times
     spread: float | None  # larger interquartile range of the two wall-clock times, relative to its median
     cpu_ratio: float | None = None  # subject / baseline, median CPU times (all threads, all ranks)
+    subject_wire_mib: float | None = None  # bytes all ranks send to other ranks per call (the spec's count), MiB
+    baseline_wire_mib: float | None = None
     target: float | None = None
     met: bool | None = None
     detail: str = ""
@@ -102,11 +108,33 @@ def rows(records: list[dict], targets=TARGETS) -> list[Row]:
             cpu = record.get("cpu_seconds")
             if cpu:
                 row.cpu_ratio = statistics.median(cpu[subject]) / statistics.median(cpu[baseline])
+            wire = record.get("wire_bytes") or {}
+            if subject in wire and baseline in wire:
+                row.subject_wire_mib, row.baseline_wire_mib = wire[subject] / 2**20, wire[baseline] / 2**20
             for target in targets:
                 if target.applies(row):
                     row.target, row.met = target.limit, row.ratio <= target.limit
             result.append(row)
     return result
+
+
+#: The uneven Ulysses bench: [1, S_r, H, 64] float32 with S = W * n - 1 rows, H = 2W - 2 heads (6 at W = 4),
+#: against the even all-to-all on the padded size [1, n, 2W, 64] (n rows and 2 heads per rank).
+UNEVEN_HEAD_DIM = 64
+
+
+def uneven_ulysses(world_size: int, nbytes: int) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """``(seq sizes, head sizes, padded rows per rank, padded heads)`` of the uneven Ulysses bench at about
+    `nbytes` per rank (padded, float32)."""
+    heads = split_sizes(max(1, 2 * world_size - 2), world_size)
+    padded_heads = max(heads) * world_size
+    rows = max(2, nbytes // 4 // (padded_heads * UNEVEN_HEAD_DIM))
+    return split_sizes(world_size * rows - 1, world_size), heads, rows, padded_heads
+
+
+def wire_bytes(plan: Plan, itemsize: int = 4) -> int:
+    """Bytes all ranks together send to other ranks in one call of `plan` (`commlib.uneven.sent_elements`)."""
+    return itemsize * sum(uneven.sent_elements(plan, rank) for rank in range(plan.world_size))
 
 
 def _run_framework(framework: str, out: Path, options: list[str], timeout: float) -> tuple[list[dict], dict, str]:
@@ -171,11 +199,13 @@ def markdown(result: list[Row]) -> str:
     for row in result:
         verdict = "" if row.target is None else f"<= {row.target:.2f} {'met' if row.met else 'MISSED'}"
         spread = "-" if row.spread is None else f"{100 * row.spread:.0f}%"
+        wire = "-" if row.subject_wire_mib is None else (
+            f"{row.subject_wire_mib:.2f} / {_number(row.baseline_wire_mib)}")
         body.append([row.framework, row.case, row.world_size, f"{row.size_mib:g}", _number(row.subject_ms, 1),
                      row.baseline, _number(row.baseline_ms, 1), _number(row.ratio), spread,
-                     _number(row.cpu_ratio), verdict])
+                     _number(row.cpu_ratio), wire, verdict])
     headers = ["framework", "case", "W", "MiB/rank", "commlib ms", "baseline", "baseline ms", "ratio", "spread",
-               "cpu ratio", "target"]
+               "cpu ratio", "wire MiB (commlib / baseline)", "target"]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 

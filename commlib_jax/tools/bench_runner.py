@@ -5,7 +5,9 @@ Each case runs the commlib op and the bare `jax.lax` collective on the same per-
 ``jax.shard_map`` (check_vma=True) over W CPU devices, jitted: the forward, and the forward plus backward
 (``value_and_grad`` of ``sum(out * cotangent)``). Variants are timed in rotating order, each call until
 ``block_until_ready``, in wall-clock and in CPU time (all threads); the driver (`commlib.tools.bench`) takes
-medians. The forward values must agree.
+medians. The forward values must agree, except where the bare op runs on another shape: the uneven Ulysses
+case (padded layout, `commlib.tools.bench.uneven_ulysses`) against the even ``lax.all_to_all`` on the padded
+size, with the bytes each sends from the spec's plans.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class JaxCase:
     ours: Callable  # (x, axis_name) -> out, x this device's block
     bare: Callable
     quick: bool = False
+    bare_shape: Callable[[int, int], tuple[int, ...]] | None = None  # the bare op's block, where it differs
+    wire: Callable[[int, int], dict[str, int]] | None = None  # (W, bytes per device) -> bytes sent per variant
+    baseline: str = "jax.lax"  # the bare op's name in the rows (the JAX target applies to "jax.lax" only)
 
 
 def _flat(world_size: int, numel: int) -> tuple[int, ...]:
@@ -46,6 +51,44 @@ def _ulysses(batch: int) -> Callable[[int, int], tuple[int, ...]]:
         return (batch, seq, _HEADS, _HEAD_DIM)
 
     return shape
+
+
+_PADDED_LAX = "jax.lax even on the padded size"
+
+
+def _uneven_shape(padded: bool) -> Callable[[int, int], tuple[int, ...]]:
+    """The uneven Ulysses block [1, n, H, 64] (padded rows, all heads), or the even one on the padded size."""
+
+    def shape(world_size: int, numel: int) -> tuple[int, ...]:
+        from commlib.tools.bench import UNEVEN_HEAD_DIM, uneven_ulysses
+
+        _, heads, rows, padded_heads = uneven_ulysses(world_size, 4 * numel)
+        return (1, rows, padded_heads if padded else sum(heads), UNEVEN_HEAD_DIM)
+
+    return shape
+
+
+def _uneven_ours(x, axis_name):
+    """The padded layout's uneven all-to-all: sizes from the block (S = W n - 1 rows, the block's H heads)."""
+    from jax import lax
+
+    import commlib_jax as cl
+    from commlib import split_sizes
+
+    W = lax.axis_size(axis_name)
+    return cl.all_to_all_4d(x, axis_name, 2, 1, scatter_sizes=split_sizes(x.shape[2], W),
+                            gather_sizes=split_sizes(W * x.shape[1] - 1, W))
+
+
+def _uneven_wire(world_size: int, nbytes: int) -> dict[str, int]:
+    from commlib import plans
+    from commlib.tools.bench import UNEVEN_HEAD_DIM, uneven_ulysses, wire_bytes
+
+    seq, heads, rows, padded_heads = uneven_ulysses(world_size, nbytes)
+    ours = plans.all_to_all_4d((1, rows, sum(heads), UNEVEN_HEAD_DIM), world_size, scatter_sizes=heads,
+                               gather_sizes=seq)
+    even = plans.all_to_all_4d((1, rows, padded_heads, UNEVEN_HEAD_DIM), world_size)
+    return {"commlib": wire_bytes(ours), _PADDED_LAX: wire_bytes(even)}
 
 
 def _cases() -> dict[str, JaxCase]:
@@ -64,6 +107,10 @@ def _cases() -> dict[str, JaxCase]:
                                             lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True), quick=True),
         "all_to_all_4d (2, 1) B=2": JaxCase(_ulysses(2), lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
                                             lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True)),
+        "all_to_all_4d (2, 1) B=1 uneven": JaxCase(_uneven_shape(False), _uneven_ours,
+                                                   lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True),
+                                                   bare_shape=_uneven_shape(True), wire=_uneven_wire,
+                                                   baseline=_PADDED_LAX),
     }
 
 
@@ -88,14 +135,20 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup:
     import jax
     import jax.numpy as jnp
 
-    shape = case.shape(world_size, nbytes // 4)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((world_size * shape[0], *shape[1:]), dtype=np.float32))
     functions = _functions(case, world_size)
-    out_shape = jax.eval_shape(functions["commlib fwd"], x, x).shape
-    cotangent = jnp.asarray(rng.standard_normal(out_shape, dtype=np.float32))
-    forward = {name: np.asarray(fn(x, cotangent)) for name, fn in functions.items() if name.endswith("fwd")}
-    if not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
+
+    def arrays(label: str, shape: tuple[int, ...]):
+        x = jnp.asarray(rng.standard_normal((world_size * shape[0], *shape[1:]), dtype=np.float32))
+        out_shape = jax.eval_shape(functions[f"{label} fwd"], x, x).shape
+        return x, jnp.asarray(rng.standard_normal(out_shape, dtype=np.float32))
+
+    shape = case.shape(world_size, nbytes // 4)
+    inputs = {"commlib": arrays("commlib", shape)}
+    inputs["lax"] = inputs["commlib"] if case.bare_shape is None else arrays("lax", case.bare_shape(world_size,
+                                                                                                  nbytes // 4))
+    forward = {name: np.asarray(fn(*inputs[name.split()[0]])) for name, fn in functions.items() if name.endswith("fwd")}
+    if case.bare_shape is None and not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
         raise AssertionError(f"commlib and lax disagree at world size {world_size}, shape {shape}")
     names = list(functions)
     seconds, cpu_seconds = {name: [] for name in functions}, {name: [] for name in functions}
@@ -103,7 +156,7 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup:
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
             start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(functions[name](x, cotangent))
+            jax.block_until_ready(functions[name](*inputs[name.split()[0]]))
             if index >= warmup:
                 seconds[name].append(time.perf_counter() - start)
                 cpu_seconds[name].append(time.process_time() - start_cpu)
@@ -111,10 +164,12 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup:
 
 
 def _records(name: str, case: JaxCase, world_size: int, size: float, seconds: dict) -> list[dict]:
+    wire, bare = case.wire(world_size, int(size * 2**20)) if case.wire else None, case.baseline
     return [{"framework": "jax", "case": f"{name} {part}", "world_size": world_size, "size_mib": size,
-             "subject": "commlib", "baselines": ["jax.lax"],
-             "seconds": {"commlib": seconds["wall"][f"commlib {part}"], "jax.lax": seconds["wall"][f"lax {part}"]},
-             "cpu_seconds": {"commlib": seconds["cpu"][f"commlib {part}"], "jax.lax": seconds["cpu"][f"lax {part}"]}}
+             "subject": "commlib", "baselines": [bare],
+             "seconds": {"commlib": seconds["wall"][f"commlib {part}"], bare: seconds["wall"][f"lax {part}"]},
+             "cpu_seconds": {"commlib": seconds["cpu"][f"commlib {part}"], bare: seconds["cpu"][f"lax {part}"]},
+             "wire_bytes": wire}
             for part in ("fwd", "fwd+bwd")]
 
 

@@ -52,16 +52,19 @@ class BenchCase:
     baselines: tuple[str, ...]  # variants `subject` is compared with: ratio = subject / baseline
     subject: str = "commlib"  # the variant under test
     quick: bool = False  # part of `commlib bench --quick`
+    wire: Callable[[int, int], dict[str, int]] | None = None  # (W, bytes per rank) -> bytes on the wire per variant
 
 
 CASES: dict[str, BenchCase] = {}
 
 
-def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib", quick: bool = False):
-    """Register a builder ``(ctx, bytes per rank) -> {variant name: call}`` as the bench case `name`."""
+def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib", quick: bool = False,
+               wire: Callable[[int, int], dict[str, int]] | None = None):
+    """Register a builder ``(ctx, bytes per rank) -> {variant name: call}`` as the bench case `name`; `wire`
+    gives the bytes each variant sends, where the case reports them."""
 
     def register(build):
-        CASES[name] = BenchCase(name, build, tuple(baselines), subject, quick)
+        CASES[name] = BenchCase(name, build, tuple(baselines), subject, quick, wire)
         return build
 
     return register

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from commlib_torch.tools import bench_uneven  # noqa: F401  (registers the uneven cases)
 from commlib_torch.tools.bench_cases import CASES, time_case
 from commlib_torch.tools.pool import WorkerContext, WorkerPool
 
@@ -38,9 +39,10 @@ def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int,
                 variants = per_rank[0][0]["wall"]
                 slowest = {v: [max(rank[i]["wall"][v] for rank in per_rank) for i in range(repeats)] for v in variants}
                 work = {v: [sum(rank[i]["cpu"][v] for rank in per_rank) for i in range(repeats)] for v in variants}
+                wire = case.wire(world_size, nbytes) if case.wire else None
                 records.append({"framework": "torch", "case": name, "world_size": world_size, "size_mib": size,
                                 "subject": case.subject, "baselines": list(case.baselines), "seconds": slowest,
-                                "cpu_seconds": work})
+                                "cpu_seconds": work, "wire_bytes": wire})
     return records
 
 
