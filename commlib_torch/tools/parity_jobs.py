@@ -29,10 +29,10 @@ def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) ->
     return tensor.contiguous(memory_format=torch.channels_last) if channels_last and tensor.ndim == 4 else tensor
 
 
-def _call(case: cases.Case, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _call(case: cases.Case, inputs: dict[str, torch.Tensor], group=None) -> torch.Tensor:
     if case.op == cases.ATTENTION:
         return ulysses_attention(inputs["q"], inputs["k"], inputs["v"])
-    return getattr(commlib_torch, case.op)(inputs["x"], **case.params)
+    return getattr(commlib_torch, case.op)(inputs["x"], **case.params, **({} if group is None else {"group": group}))
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -44,21 +44,23 @@ _GRAD_MODES = {"grad": contextlib.nullcontext, "constant": contextlib.nullcontex
 
 
 def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
-             channels_last: bool = False):
+             channels_last: bool = False, group=None):
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are).
 
     `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
     require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
-    4-D inputs and cotangents get channels_last strides. Uneven sizes: this rank's rows only (the exact
-    layout), results padded back to the case's layout (`commlib.tools.cases.exact_arrays`, `padded_result`)."""
+    4-D inputs and cotangents get channels_last strides. `group`: the process group the op runs over (None:
+    the op's default, WORLD; `context.rank` is then the rank in it). Uneven sizes: this rank's rows only (the
+    exact layout), results padded back to the case's layout (`commlib.tools.cases.exact_arrays`,
+    `padded_result`)."""
     mine = cases.exact_arrays(case, arrays, context.rank)
     inputs = {name: _tensor(mine[name], case, channels_last) for name in case.inputs}
     for tensor in inputs.values():
         tensor.requires_grad_(case.differentiable and grad_mode != "constant")
     try:
         with _GRAD_MODES[grad_mode]():
-            out = _call(case, inputs)
+            out = _call(case, inputs, group)
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
     if not case.differentiable or grad_mode != "grad":

@@ -7,8 +7,6 @@ the world), and cached per worker process by their member ranks.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -56,8 +54,7 @@ def run_case_in_groups(ctx: WorkerContext, partition, case: cases.Case, arrays_p
     if found is None:
         return ("idle",)
     index, local, group = found
-    grouped = dataclasses.replace(case, kwargs=(*case.kwargs, ("group", group)))
-    return run_case(WorkerContext(local, case.world_size, group), grouped, arrays_per_group[index])
+    return run_case(WorkerContext(local, case.world_size, group), case, arrays_per_group[index], group=group)
 
 
 # --- DeviceCommunicator -------------------------------------------------------------------------------------
@@ -81,16 +78,17 @@ def run_method(ctx: WorkerContext, members, case: cases.Case, arrays, positional
     comm, rank = _communicator(ctx, members)
     if comm is None:
         return ("idle",)
-    x = _tensor(arrays["x"][rank], case).requires_grad_(case.differentiable)
+    mine = cases.exact_arrays(case, arrays, rank)  # uneven sizes: this rank's rows
+    x = _tensor(mine["x"], case).requires_grad_(case.differentiable)
     try:
         method = getattr(comm, METHODS.get(case.op, case.op))
         out = method(x, *case.params.values()) if positional else method(x, **case.params)
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
     if not case.differentiable:
-        return "ok", _numpy(out), {}
-    (out * _tensor(arrays["cotangent"][rank], case)).sum().backward()
-    return "ok", _numpy(out), {"x": _numpy(x.grad)}
+        return "ok", *cases.padded_result(case, rank, _numpy(out), {})
+    (out * _tensor(mine["cotangent"], case)).sum().backward()
+    return "ok", *cases.padded_result(case, rank, _numpy(out), {"x": _numpy(x.grad)})
 
 
 def communicator_attributes(ctx: WorkerContext, members, unique_name: str):
