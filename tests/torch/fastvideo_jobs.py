@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.errors import CommError
+from commlib.tools import cases
 from commlib_torch import DeviceCommunicator
 from commlib_torch.tools.parity_jobs import _tensor
 from commlib_torch.tools.pool import WorkerContext
@@ -128,14 +129,15 @@ def inherited_methods(ctx: WorkerContext, style: str, members, table):
         return None
     rank, replies = comm.rank_in_group, []
     for case, arrays in table:
-        x = _tensor(arrays["x"][rank], case).requires_grad_()
+        mine = cases.exact_arrays(case, arrays, rank)  # uneven sizes: this rank's rows
+        x = _tensor(mine["x"], case).requires_grad_()
         try:
             out = getattr(comm, METHODS.get(case.op, case.op))(x, **case.params)
         except (CommError, TypeError) as error:
             replies.append(("error", f"{type(error).__name__}: {error}"))
             continue
-        (out * _tensor(arrays["cotangent"][rank], case)).sum().backward()
-        replies.append(("ok", _numpy(out), {"x": _numpy(x.grad)}))
+        (out * _tensor(mine["cotangent"], case)).sum().backward()
+        replies.append(("ok", *cases.padded_result(case, rank, _numpy(out), {"x": _numpy(x.grad)})))
     return replies, list(comm.calls)
 
 
