@@ -56,6 +56,7 @@ __all__ = [
     "not_a_member",
     "wrong_type",
     "unbound_axis",
+    "mesh_dim",
     "HALF_DTYPES",
 ]
 
@@ -208,6 +209,40 @@ def unbound_axis(op_name: str, axis_name: object) -> CommError:
     message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
                f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
     return comm_error(op_name, message, axis_name=axis_name)
+
+
+def mesh_dim(op_name: str, mesh_shape, dim_names, dim: object = None) -> int:
+    """The dim of a device mesh a collective runs over (torch: ``group=mesh`` or ``group=(mesh, dim)``): `dim`, a
+    dim name or an index, found in the mesh's `dim_names`; without one the mesh must be 1-D.
+
+    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"), "tp")
+    1
+    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: all_reduce: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name one of ('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')
+    """
+    shape, names = tuple(int(size) for size in mesh_shape), None if dim_names is None else tuple(dim_names)
+    received: dict[str, object] = dict(mesh_shape=shape, mesh_dim_names=names)
+    if dim is None:
+        if len(shape) != 1:
+            how = f"(mesh, name) with name one of {names}" if names else (
+                f"(mesh, index) with index in [0, {len(shape)}) (the mesh has no dim names)")
+            raise comm_error(op_name, f"mesh ndim ({len(shape)}) must be 1 when group is a mesh without a dim: pass "
+                             f"{how}", **received)
+        return 0
+    received["dim"] = dim
+    if isinstance(dim, str):
+        if not names:
+            raise comm_error(op_name, f"mesh dim ({dim!r}) must be an index in [0, {len(shape)}): the mesh has no "
+                             "dim names", **received)
+        if dim not in names:
+            raise comm_error(op_name, f"mesh dim ({dim!r}) must be one of the mesh's dim names {names}", **received)
+        return names.index(dim)
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise kind_error(op_name, f"mesh dim must be a dim name (str) or an index (int), not {type(dim).__name__}",
+                         **received)
+    return _check_dim(op_name, "mesh dim", dim, len(shape), received)
 
 
 def check_rank(op_name: str, name: str, rank: object, world_size: int, received: dict | None = None) -> int:

@@ -1,16 +1,22 @@
-"""What only the torch frontend can see about a call, handed to the spec: whether the operand is a tensor,
-whether this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the
-carrier or refuses). The messages are the spec's (`commlib.plans.wrong_type`, `not_a_member`).
+"""What only the torch frontend can see about a call, handed to the spec: which process group a ``group=``
+argument names (a ProcessGroup, None, a DeviceMesh or ``(mesh, dim)``), whether the operand is a tensor, whether
+this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the carrier or
+refuses). The messages are the spec's (`commlib.plans.mesh_dim`, `wrong_type`, `not_a_member`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from commlib import plans
 
-__all__ = ["CARRIED", "carried", "check_tensor", "world_size"]
+__all__ = ["CARRIED", "Group", "carried", "check_tensor", "resolve_group", "world_size"]
+
+#: What ``group=`` takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of its dims (a dim
+#: name such as "tp", or an index).
+Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | None
 
 _GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
                    "complex32", "complex64", "complex128"})  # measured on torch 2.13: the rest is "Invalid scalar type"
@@ -21,6 +27,19 @@ CARRIED = {
     "nccl": _GLOO | {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"},
 }
 _EVERYWHERE = frozenset.intersection(*CARRIED.values())
+
+
+def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
+    """The process group `group` names: a ProcessGroup or None as it is; a 1-D DeviceMesh's group; for
+    ``(mesh, dim)`` the group of that mesh dim (``mesh.get_group(dim)``: the ranks that differ only along it).
+    The spec's CommError for a mesh that is not 1-D given without a dim or an unknown dim, its TypeError for
+    anything else."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
+    if not isinstance(mesh, DeviceMesh):
+        raise plans.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
+    return mesh.get_group(plans.mesh_dim(op_name, tuple(mesh.shape), mesh.mesh_dim_names, dim))
 
 
 def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from commlib_torch._groups import Group, resolve_group
 from commlib_torch.functional import all_to_all_4d
 
 __all__ = ["attention", "ulysses_attention"]
@@ -17,12 +18,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs: ``[B, S/W, H, D] x3 -> [B, S/W, H, D]``.
 
     Each input goes ``[B, S/W, H, D] -> [B, S, H/W, D]`` (`all_to_all_4d` (2, 1)), attention runs on H/W
     heads over all S positions, and the output returns by the (1, 2) all-to-all. Equal to `attention` on the
-    inputs concatenated along seq, sharded the same way; gradients flow through both all-to-alls.
+    inputs concatenated along seq, sharded the same way; gradients flow through both all-to-alls. `group`: the
+    process group (None: WORLD), a 1-D DeviceMesh or ``(mesh, dim_name)``.
     """
+    group = resolve_group("ulysses_attention", group)
     full = [all_to_all_4d(t, 2, 1, group) for t in (q, k, v)]
     return all_to_all_4d(attention(*full), 1, 2, group)

@@ -14,7 +14,7 @@ from commlib import plans
 from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
-from commlib_torch._groups import carried, check_tensor, world_size
+from commlib_torch._groups import carried, check_tensor, resolve_group, world_size
 from commlib_torch._walk import dtype_name, global_rank
 
 __all__ = ["DeviceCommunicator"]
@@ -24,20 +24,26 @@ class DeviceCommunicator:
     """Collectives bound to one group, with autograd support.
 
     Args:
-        cpu_group: a process group (gloo) over the participating ranks.
+        cpu_group: a process group (gloo) over the participating ranks, or a 1-D DeviceMesh, or
+            ``(mesh, dim_name)`` (the group of that mesh dim).
         device: where `recv` allocates; defaults to CPU.
-        device_group: the group used for communication (e.g. NCCL); defaults to `cpu_group`.
+        device_group: the group used for communication (e.g. NCCL), the same kinds; defaults to `cpu_group`.
         unique_name: a label, kept for compatibility.
+
+    Raises:
+        CommError: a mesh that is not 1-D given without a dim name, or a dim name the mesh lacks.
+        TypeError: a group of another kind.
     """
 
     def __init__(self, cpu_group, device: torch.device | None = None, device_group=None, unique_name: str = ""):
         self.device = device or torch.device("cpu")
-        self.cpu_group = cpu_group
-        self.device_group = device_group if device_group is not None else cpu_group
+        self.cpu_group = resolve_group("DeviceCommunicator", cpu_group)
+        self.device_group = self.cpu_group if device_group is None else resolve_group("DeviceCommunicator",
+                                                                                       device_group)
         self.unique_name = unique_name
-        self.rank = dist.get_rank(cpu_group)
-        self.world_size = dist.get_world_size(cpu_group)
-        self.ranks = dist.get_process_group_ranks(cpu_group)
+        self.rank = dist.get_rank(self.cpu_group)
+        self.world_size = dist.get_world_size(self.cpu_group)
+        self.ranks = dist.get_process_group_ranks(self.cpu_group)
         self.global_rank = dist.get_rank()
         self.global_world_size = dist.get_world_size()
         self.rank_in_group = self.rank

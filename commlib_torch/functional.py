@@ -7,14 +7,18 @@ collectives that are `_Op`s again, so every higher derivative follows the same r
 identity (world size 1) it returns its input itself, with no communication.
 
 ``group``: the `torch.distributed.ProcessGroup` the collective runs over, ``None`` for the default (WORLD)
-group; W is its size and every rank argument (`src`, `dst`, `perm`) is a group-local rank in [0, W).
+group, a 1-D `DeviceMesh`, or ``(mesh, dim)`` with `dim` one of the mesh's dim names (or an index): the group of
+that mesh dim, as ``init_device_mesh("cpu", (sp, tp), mesh_dim_names=("sp", "tp"))`` builds them (a mesh that
+is not 1-D needs the dim: `CommError`). W is the group's size and every rank argument (`src`, `dst`, `perm`) is
+a group-local rank in [0, W).
 Gradients follow ``convention="sum"`` (each rank's loss is its own, the objective is their sum) unless
 ``convention="replicated"`` is given where the op accepts it; see docs/gradients.md.
 
-Every op raises ``TypeError`` when `x` is not a tensor and `CommError` on a rank outside `group`, both before
-any communication. A dtype the group's backend lacks (gloo: int16, uint16/32/64, float8, ...) travels in a
-carrier the spec picks (`commlib.dtypes.carrier`: a same-size bit view for data movement, a wider integer
-for integer reductions) or is refused with a `CommError` where no carrier is exact (docs/ops.md).
+Every op raises ``TypeError`` when `x` is not a tensor or `group` none of the kinds above, and `CommError` on a
+rank outside `group` or a mesh dim the mesh lacks, all before any communication. A dtype the group's backend
+lacks (gloo: int16, uint16/32/64, float8, ...) travels in a carrier the spec picks (`commlib.dtypes.carrier`:
+a same-size bit view for data movement, a wider integer for integer reductions) or is refused with a `CommError`
+where no carrier is exact (docs/ops.md).
 
 Uneven sizes (``sizes=``, ``scatter_sizes=``, ``gather_sizes=``; `commlib.split_sizes` gives the balanced
 split) are held exactly: rank r's tensor has ``sizes[r]`` rows along the sharded dim, and nothing is padded on
@@ -32,7 +36,7 @@ from commlib import gradients, plans
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
-from commlib_torch._groups import carried, check_tensor, world_size
+from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
 from commlib_torch._walk import dtype_name, run
 
 __all__ = [
@@ -50,7 +54,7 @@ __all__ = [
     "reduce",
 ]
 
-Group = dist.ProcessGroup | None
+ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
 Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
 
 
@@ -58,7 +62,7 @@ class _Backend:
     """`commlib.gradients.Backend` on torch tensors. Inside a forward (`origin` None) a collective is the
     plan walked; inside a backward it is an `_Op` again, so the VJP is differentiable too."""
 
-    def __init__(self, group: Group, device: torch.device, origin: Origin | None = None) -> None:
+    def __init__(self, group: ProcessGroup, device: torch.device, origin: Origin | None = None) -> None:
         self.group, self.device, self.origin = group, device, origin
 
     def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,7 @@ class _Backend:
         return ranks == dist.get_rank(self.group)
 
 
-def _boundary(plan: Plan, origin: Origin, group: Group, x: torch.Tensor, call: Callable[[], torch.Tensor]):
+def _boundary(plan: Plan, origin: Origin, group: ProcessGroup, x: torch.Tensor, call: Callable[[], torch.Tensor]):
     """`call()`, after checked mode's fingerprint exchange (collectives only); a backend error that means a
     timeout or a lost rank re-raised as CommTimeout / CommFailure. Under torch.compile: `call()` alone."""
     if torch.compiler.is_compiling():
@@ -106,7 +110,7 @@ class _Op(torch.autograd.Function):
     """One collective (or local step) of a plan; backward is the spec's VJP rule."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: Group, origin: Origin) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin) -> torch.Tensor:
         ctx.plan, ctx.group = plan, group
         out = _boundary(plan, origin, group, x, lambda: gradients.forward(_Backend(group, x.device), plan, x))
         if gradients.needs_output(plan):
@@ -122,20 +126,21 @@ class _Op(torch.autograd.Function):
         return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
 
 
-def _apply(plan: Plan, x: torch.Tensor, group: Group, origin: Origin | None = None) -> torch.Tensor:
+def _apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
     if plan.is_trivial:
         return x
     return _Op.apply(x, plan, group, origin or (plan, "forward"))
 
 
-def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, int, dict]:
-    """`x` checked to be a tensor, the group's world size (this rank checked to be a member) and the plan
-    builder's dtype keywords: x's dtype name and the dtypes the group's backend carries."""
-    tensor = check_tensor(op_name, x)
-    return tensor, world_size(op_name, group), dict(dtype=dtype_name(tensor.dtype), carried=carried(group, tensor))
+def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, dict]:
+    """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
+    member) and the plan builder's dtype keywords: x's dtype name and the dtypes the group's backend carries."""
+    tensor, process_group = check_tensor(op_name, x), resolve_group(op_name, group)
+    dtypes = dict(dtype=dtype_name(tensor.dtype), carried=carried(process_group, tensor))
+    return tensor, process_group, world_size(op_name, process_group), dtypes
 
 
-def _rank(group: Group, *sizes) -> int | None:
+def _rank(group: ProcessGroup, *sizes) -> int | None:
     """This rank where uneven sizes are given (their exact layout is this rank's), else None."""
     return None if all(size is None for size in sizes) else dist.get_rank(group)
 
@@ -152,7 +157,7 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         op: "sum" | "avg" (= sum / W; float16/bfloat16 scale by 1/W before the sum, so an average whose
             sum overflows does not) | "max" | "min" | "product"; a `commlib.ReduceOp` or
             `torch.distributed.ReduceOp` works too. A NaN on any rank makes max/min NaN (as numpy).
-        group: the process group (None: WORLD).
+        group: the process group (None: WORLD), a 1-D DeviceMesh or ``(mesh, dim_name)``.
         convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
         accum_dtype: e.g. ``torch.float32`` for bf16 input: reduce in that dtype (forward and backward),
             return x's dtype.
@@ -165,7 +170,7 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    x, size, dtypes = _operand("all_reduce", x, group)
+    x, group, size, dtypes = _operand("all_reduce", x, group)
     plan = plans.all_reduce(x.shape, size, op, **dtypes, convention=convention, accum_dtype=_accum(accum_dtype))
     return _apply(plan, x, group)
 
@@ -182,7 +187,7 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
     """
-    x, size, dtypes = _operand("all_gather", x, group)
+    x, group, size, dtypes = _operand("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, **dtypes, convention=convention,
                             sizes=sizes, rank=_rank(group, sizes))
     return _apply(plan, x, group)
@@ -201,7 +206,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
     """
-    x, size, dtypes = _operand("reduce_scatter", x, group)
+    x, group, size, dtypes = _operand("reduce_scatter", x, group)
     plan = plans.reduce_scatter(x.shape, size, dim, op, **dtypes,
                                 accum_dtype=_accum(accum_dtype), sizes=sizes, rank=_rank(group, sizes))
     return _apply(plan, x, group)
@@ -226,7 +231,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
     """
-    x, size, dtypes = _operand("all_to_all", x, group)
+    x, group, size, dtypes = _operand("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=_rank(group, scatter_sizes, gather_sizes))
@@ -247,7 +252,7 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
     """
-    x, size, dtypes = _operand("all_to_all_4d", x, group)
+    x, group, size, dtypes = _operand("all_to_all_4d", x, group)
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, **dtypes,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=_rank(group, scatter_sizes, gather_sizes))
@@ -262,7 +267,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     Raises:
         CommError: `src` not in [0, W).
     """
-    x, size, dtypes = _operand("broadcast", x, group)
+    x, group, size, dtypes = _operand("broadcast", x, group)
     return _apply(plans.broadcast(x.shape, size, src, **dtypes), x, group)
 
 
@@ -276,7 +281,7 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *,
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
-    x, size, dtypes = _operand("gather", x, group)
+    x, group, size, dtypes = _operand("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, **dtypes, sizes=sizes,
                         rank=_rank(group, sizes))
     return _apply(plan, x, group)
@@ -293,7 +298,7 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *,
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
     """
-    x, size, dtypes = _operand("scatter", x, group)
+    x, group, size, dtypes = _operand("scatter", x, group)
     plan = plans.scatter(x.shape, size, src, dim, **dtypes, sizes=sizes,
                          rank=_rank(group, sizes))
     return _apply(plan, x, group)
@@ -308,7 +313,7 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    x, size, dtypes = _operand("permute", x, group)
+    x, group, size, dtypes = _operand("permute", x, group)
     return _apply(plans.permute(x.shape, size, perm, **dtypes), x, group)
 
 
@@ -319,7 +324,7 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
     """
-    x, size, dtypes = _operand("sum_grad", x, group)
+    x, group, size, dtypes = _operand("sum_grad", x, group)
     return _apply(plans.sum_grad(x.shape, size, **dtypes), x, group)
 
 
@@ -333,7 +338,7 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
     """
-    x, size, dtypes = _operand("shard", x, group)
+    x, group, size, dtypes = _operand("shard", x, group)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, **dtypes)
     return _apply(plan, x, group)
 
@@ -348,13 +353,13 @@ def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torc
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
     """
-    x, size, dtypes = _operand("reduce", x, group)
+    x, group, size, dtypes = _operand("reduce", x, group)
     return _apply(plans.reduce(x.shape, size, dst, op, **dtypes), x, group)
 
 
-def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: Group) -> torch.Tensor | None:
+def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ProcessGroup) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    x, size, dtypes = _operand("gather", x, group)
+    x, group, size, dtypes = _operand("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, **dtypes)
     with torch.no_grad():
         if plan.is_trivial:

@@ -362,3 +362,53 @@ def test_dtype_and_convention_messages(call, message):
     with pytest.raises(CommError) as info:
         call()
     assert str(info.value) == message
+
+
+_MESH = dict(mesh_shape=(2, 2), dim_names=("sp", "tp"))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "dim", "expected"),
+    [
+        (dict(mesh_shape=(4,), dim_names=None), None, 0),
+        (dict(mesh_shape=(4,), dim_names=("sp",)), "sp", 0),
+        (_MESH, "sp", 0),
+        (_MESH, "tp", 1),
+        (_MESH, 1, 1),
+        (_MESH, -2, 0),
+        (dict(mesh_shape=(2, 1, 2), dim_names=None), 2, 2),
+    ],
+)
+def test_mesh_dim(mesh, dim, expected):
+    """The dim a ``group=mesh`` / ``group=(mesh, dim)`` argument names: by name or index; none for a 1-D mesh."""
+    assert plans.mesh_dim("all_gather", **mesh, dim=dim) == expected
+
+
+@pytest.mark.parametrize(
+    ("mesh", "dim", "exception", "message"),
+    [
+        (_MESH, None, CommError,
+         "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name one of "
+         "('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')"),
+        (dict(mesh_shape=(2, 2), dim_names=None), None, CommError,
+         "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, index) with index in "
+         "[0, 2) (the mesh has no dim names). Received: mesh_shape=(2, 2), mesh_dim_names=None"),
+        (_MESH, "dp", CommError,
+         "all_gather: mesh dim ('dp') must be one of the mesh's dim names ('sp', 'tp'). "
+         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim='dp'"),
+        (dict(mesh_shape=(2, 2), dim_names=None), "sp", CommError,
+         "all_gather: mesh dim ('sp') must be an index in [0, 2): the mesh has no dim names. "
+         "Received: mesh_shape=(2, 2), mesh_dim_names=None, dim='sp'"),
+        (_MESH, 2, CommError,
+         "all_gather: mesh dim (2) must be in [-2, 2) for ndim 2. "
+         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=2"),
+        (_MESH, True, TypeError,
+         "all_gather: mesh dim must be a dim name (str) or an index (int), not bool. "
+         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=True"),
+    ],
+)
+def test_mesh_dim_messages(mesh, dim, exception, message):
+    """A mesh that is not 1-D needs a dim; an unknown name or index names the mesh's shape and dim names."""
+    text = _raises(exception, lambda: plans.mesh_dim("all_gather", **mesh, dim=dim))
+    assert text == message
+    _check_format(text, "all_gather")
