@@ -43,6 +43,7 @@ __all__ = [
     "flat_layout",
     "local_layout",
     "permute_splits",
+    "rooted_splits",
     "reorder_pairs",
     "offsets",
     "resized",
@@ -524,6 +525,27 @@ def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: in
     send = [numel if peer == destination else 0 for peer in range(world_size)]
     recv = [numel if peer == source else 0 for peer in range(world_size)]
     return send, recv
+
+
+def rooted_splits(collective: Collective, root: int, world_size: int, rank: int,
+                  block: int) -> tuple[list[int], list[int]]:
+    """``(send_splits, recv_splits)``: a gather, reduce or scatter as one uneven all-to-all of flat buffers, each
+    rank's block `block` elements -- the same bytes on the wire as the rooted collective.
+
+    Gather and reduce: every rank sends its block to `root`, which receives one block from each rank (a reduce
+    then reduces them). Scatter: the transpose, `root` sends block r to rank r. (Frontends that cannot trace
+    the rooted collectives run them this way: the all-to-all is the same call on every rank.)
+
+    >>> rooted_splits(Collective.GATHER, 1, 3, 0, 4), rooted_splits(Collective.GATHER, 1, 3, 1, 4)
+    (([0, 4, 0], [0, 0, 0]), ([0, 4, 0], [4, 4, 4]))
+    >>> rooted_splits(Collective.SCATTER, 1, 3, 1, 4)
+    ([4, 4, 4], [0, 4, 0])
+    """
+    if collective not in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):
+        raise ValueError(f"rooted_splits: {collective!r} is not a gather, reduce or scatter")
+    to_root = [block if peer == root else 0 for peer in range(world_size)]
+    from_every_rank = [block if rank == root else 0] * world_size
+    return (from_every_rank, to_root) if collective is Collective.SCATTER else (to_root, from_every_rank)
 
 
 def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],

@@ -9,17 +9,28 @@ Uneven sizes are held exactly (`commlib.uneven`): the plan's pack and unpack are
 is one ``all_to_all_single`` with the split sizes they give -- no padding on the wire, one pass each side at
 most. An all_gather's pack repeats the input for every rank; in eager mode it is sent as it is, pairwise
 (``batch_isend_irecv``: measured faster than the W-fold buffer, and than gloo's padded all_gather).
+
+Under torch.compile the rooted ops take calls Dynamo traces (it cannot trace c10d's broadcast, reduce, gather
+and scatter): the functional broadcast, and one all_to_all_single with the spec's `rooted_splits` for the
+others -- the same bytes on the wire. There every rank runs the same program, only the split sizes differ: a
+rank that sends nothing still packs its input and sends none of it, a rank that receives nothing computes its
+zeros from its (empty) receive buffer. Each collective then depends on its op's input and feeds its output on
+every rank, so AOTAutograd's partitioner keeps it in the same graph (forward or backward) on every rank: it
+drops a collective whose result a rank ignores, and hoists a backward one that does not read the cotangent
+into the forward -- and the other ranks wait for it forever.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from commlib import Collective, Plan, Rearrange, ReduceOp
-from commlib.layout import Blocks, permute_splits
+from commlib.layout import Blocks, permute_splits, rooted_splits
 from commlib_torch import _pack
 
 __all__ = ["all_gather_single", "dtype_name", "global_rank", "rearrange", "run", "torch_dtype"]
@@ -35,6 +46,15 @@ _C10D_REDUCE = {
 # torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: A reduce's local reduction of the blocks it received (dim 0), under torch.compile (avg: the plan's scale).
+_LOCAL_REDUCE = {
+    ReduceOp.SUM: lambda blocks: blocks.sum(0),
+    ReduceOp.AVG: lambda blocks: blocks.sum(0),
+    ReduceOp.MAX: lambda blocks: blocks.amax(0),
+    ReduceOp.MIN: lambda blocks: blocks.amin(0),
+    ReduceOp.PRODUCT: lambda blocks: blocks.prod(0),
+}
 
 Group = dist.ProcessGroup | None
 Empty = Callable[[tuple[int, ...]], torch.Tensor]
@@ -65,8 +85,10 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
 
 
 def _receives_only(plan: Plan, rank: int) -> bool:
-    """Ranks whose input the collective never reads: no pack pass for them."""
-    return plan.collective in (Collective.BROADCAST, Collective.SCATTER) and rank != plan.root
+    """Ranks whose input the collective never reads: no pack pass for them (eagerly; under torch.compile every
+    rank packs, see the module docstring)."""
+    receives_only = plan.collective in (Collective.BROADCAST, Collective.SCATTER) and rank != plan.root
+    return receives_only and not torch.compiler.is_compiling()
 
 
 def _permute(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
@@ -76,11 +98,50 @@ def _permute(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Emp
     recv = empty((sum(recv_splits),))
     flat = send.reshape(-1)[: sum(send_splits)]
     dist.all_to_all_single(recv, flat, recv_splits, send_splits, group=group)
-    return recv.view(plan.recv_shape) if sum(recv_splits) else None
+    return recv.view(plan.recv_shape) if sum(recv_splits) else _nothing_received(recv, plan)
+
+
+@torch.library.custom_op("commlib::zeros_after", mutates_args=())
+def _zeros_after(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Zeros of `shape` that the compiler sees as computed from `received`: an op it cannot look into, so no
+    graph pass folds them into a constant (a ``cat`` with the empty buffer would be, and the collective behind
+    them would leave this rank's data path)."""
+    return received.new_zeros(shape)
+
+
+@_zeros_after.register_fake
+def _(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return received.new_empty(shape)
+
+
+def _nothing_received(recv: torch.Tensor, plan: Plan) -> torch.Tensor | None:
+    """None (the caller returns zeros) on a rank that receives nothing; under torch.compile, zeros of
+    `plan.recv_shape` computed from the empty `recv`, so the collective stays on this rank's data path."""
+    return _zeros_after(recv, list(plan.recv_shape)) if torch.compiler.is_compiling() else None
+
+
+def _rooted_traceable(plan: Plan, send: torch.Tensor, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
+    """A rooted collective in calls Dynamo traces, the same on every rank: broadcast as the functional
+    collective, gather / reduce / scatter as one all_to_all_single with the spec's `rooted_splits`."""
+    kind, root = plan.collective, global_rank(group, plan.root)
+    if kind is Collective.BROADCAST:
+        return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
+    block = math.prod(plan.recv_shape if kind is Collective.SCATTER else plan.send_shape)
+    send_splits, recv_splits = rooted_splits(kind, plan.root, plan.world_size, rank, block)
+    recv = empty((sum(recv_splits),))
+    dist.all_to_all_single(recv, send.reshape(-1)[: sum(send_splits)], recv_splits, send_splits, group=group)
+    if kind is Collective.SCATTER:
+        return recv.view(plan.recv_shape)
+    if rank != plan.root:
+        return _nothing_received(recv, plan)
+    blocks = recv.view(plan.world_size, *plan.send_shape)
+    return blocks.view(plan.recv_shape) if kind is Collective.GATHER else _LOCAL_REDUCE[plan.reduce_op](blocks)
 
 
 def _collective(plan: Plan, send, group: Group, rank: int, empty: Empty) -> torch.Tensor | None:
     """Run the dim-0 collective; the received buffer, or None where this rank receives nothing."""
+    if plan.collective.is_rooted and torch.compiler.is_compiling():
+        return _rooted_traceable(plan, send, group, rank, empty)
     kind, is_root = plan.collective, rank == plan.root
     root = None if plan.root is None else global_rank(group, plan.root)
     reduce_op = None if plan.reduce_op is None else _C10D_REDUCE[plan.reduce_op]
