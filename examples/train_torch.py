@@ -62,7 +62,8 @@ def main() -> int:
     torch.set_default_dtype(torch.float64)
 
     mesh = init_device_mesh("cpu", (sp, tp), mesh_dim_names=("sp", "tp"))  # gloo process groups
-    groups = (mesh.get_group("sp"), mesh.get_group("tp"))
+    groups = ((mesh, "sp"), (mesh, "tp"))  # commlib's group=: a mesh dim (a ProcessGroup works too)
+    sp_group = mesh.get_group("sp")  # torch.distributed's own calls take the process group
     s, t = mesh.get_local_rank("sp"), mesh.get_local_rank("tp")
 
     config = training.BlockConfig.for_world_size(world_size)
@@ -78,9 +79,9 @@ def main() -> int:
         loss = block_loss(mine, x_mine, target_mine, config, groups)  # this rank's tokens
         loss.backward()
         for p in mine.values():
-            dist.all_reduce(p.grad, group=groups[0])  # each rank's gradient, summed over SP
+            dist.all_reduce(p.grad, group=sp_group)  # each rank's gradient, summed over SP
         total = loss.detach()
-        dist.all_reduce(total, group=groups[0])  # the unsharded loss: the sum over SP
+        dist.all_reduce(total, group=sp_group)  # the unsharded loss: the sum over SP
         sgd(mine, config.lr)
 
         expected = block_loss(unsharded, x, target, config)  # the same model, unsharded, in this process

@@ -7,10 +7,10 @@ row-parallel one) and the residuals. Parameters are a dict of tensors named as `
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import commlib_torch as ct
 from commlib import training
+from commlib_torch._groups import Group
 from commlib_torch.attention import attention, ulysses_attention
 
 __all__ = ["block_loss", "rms_norm"]
@@ -23,12 +23,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
                config: training.BlockConfig,
-               groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> torch.Tensor:
+               groups: tuple[Group, Group] | None = None) -> torch.Tensor:
     """This rank's loss: ``0.5 * sum((block(x) - target)^2) / (B * S)`` over its tokens.
 
-    x, target: ``[B, S/SP, D]``, this rank's sequence block. `groups`: the (SP, TP) process groups, with this
-    rank's w_in ``[D, hidden/TP]`` and w_out ``[hidden/TP, D]``; None: the unsharded block (whole sequence and
-    weights, no communication).
+    x, target: ``[B, S/SP, D]``, this rank's sequence block. `groups`: the (SP, TP) groups -- process groups or
+    mesh dims, ``((mesh, "sp"), (mesh, "tp"))`` -- with this rank's w_in ``[D, hidden/TP]`` and w_out
+    ``[hidden/TP, D]``; None: the unsharded block (whole sequence and weights, no communication).
     """
     p = params
     B, S_local, _ = x.shape

@@ -6,6 +6,7 @@ c10d's own.
 """
 
 import torch
+from torch._dynamo.utils import counters
 
 import commlib_torch as cl
 
@@ -25,12 +26,9 @@ OPS = {
     # uneven sizes (exact layout): heads 8 -> 5 and 3; all_gather's all_to_all_single form (eager: pairwise)
     "uneven": lambda x: cl.reduce_scatter(cl.all_gather(cl.all_to_all_4d(x, 2, 1, scatter_sizes=(5, 3)), 2,
                                                         sizes=(5, 3)), 1, sizes=(3, 5)),
-    "broadcast": lambda x: cl.broadcast(x, 0),
-    "broadcast_src_1": lambda x: cl.broadcast(x, 1),
+    "broadcast": lambda x: cl.broadcast(x, 1),
     "gather": lambda x: cl.gather(x, 0, 2),
-    "gather_dst_1": lambda x: cl.gather(x, 1, 1),
-    "scatter": lambda x: cl.scatter(x, 0, 2),
-    "scatter_src_1": lambda x: cl.scatter(x, 1, 0),
+    "scatter": lambda x: cl.scatter(x, 1, 2),
     "reduce": lambda x: cl.reduce(x, 1, "avg"),
 }
 
@@ -70,10 +68,56 @@ def chain_eager_vs_compiled(context, backend: str):
     torch.manual_seed(context.rank)
     x = torch.randn(2, 4 * context.world_size, 3)
     cotangent = torch.randn_like(rooted_chain(x + 1.0))
-    breaks = torch._dynamo.explain(rooted_chain)(x).graph_break_count
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(rooted_chain, fullgraph=True, backend=backend)
     out_c, grad_c = _value_and_grad(compiled, x, cotangent)
+    breaks = sum(counters["graph_break"].values())
     out, grad = _value_and_grad(rooted_chain, x, cotangent)
     torch._dynamo.reset()
     return breaks, float((out - out_c).abs().max()), float((grad - grad_c).abs().max())
+
+
+def block_eager_vs_compiled(context, backend: str, group_kind: str, steps: int = 3):
+    """The training block (`commlib_torch.tools.train_block`) on a 2 x 2 SP x TP mesh of 4 ranks, float64, its
+    forward under torch.compile(fullgraph=True) and its backward compiled with it (AOTAutograd), against eager
+    for `steps` SGD steps on this rank's parameters. `group_kind`: "process groups" (``mesh.get_group``) or
+    "mesh dims" (``(mesh, "sp")``: resolved while tracing). Returns (graph breaks, graphs compiled, max relative
+    loss difference, max relative gradient difference)."""
+    from commlib import training
+    from commlib_torch.tools.train_block import block_loss
+    from tests.torch.mesh_jobs import mesh
+
+    config = training.BlockConfig.for_world_size(4)
+    grid = mesh()
+    s, t = grid.get_local_rank("sp"), grid.get_local_rank("tp")
+    groups = ((grid, "sp"), (grid, "tp")) if group_kind == "mesh dims" else (grid.get_group("sp"), grid.get_group("tp"))
+    params, x, target = training.init(config, seed=0)
+    x, target = (torch.from_numpy(training.shard_sequence(a, 2, s).copy()) for a in (x, target))
+
+    def parameters():
+        return {name: torch.from_numpy(training.shard_parameter(name, value, 2, t).copy()).requires_grad_()
+                for name, value in params.items()}
+
+    def train(loss_fn, tensors):
+        history = []
+        for _ in range(steps):
+            loss = loss_fn(tensors, x, target, config, groups)
+            grads = torch.autograd.grad(loss, list(tensors.values()))
+            with torch.no_grad():
+                for value, grad in zip(tensors.values(), grads, strict=True):
+                    value -= config.lr * grad
+            history.append((float(loss), [grad.detach() for grad in grads]))
+        return history
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(torch.compile(block_loss, fullgraph=True, backend=backend), parameters())
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    eager = train(block_loss, parameters())
+    torch._dynamo.reset()
+    relative = lambda got, want: float((got - want).abs().max() / want.abs().max())  # noqa: E731
+    loss_error = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(compiled, eager, strict=True))
+    grad_error = max(relative(got, want) for (_, gots), (_, wants) in zip(compiled, eager, strict=True)
+                     for got, want in zip(gots, wants, strict=True))
+    return breaks, graphs, loss_error, grad_error
