@@ -22,16 +22,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commlib import split_sizes, uneven
+from commlib import split_sizes, training, uneven
 from commlib.layout import Plan
 
-__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "Row", "Target", "markdown", "plot", "rows", "run",
-           "uneven_ulysses", "wire_bytes"]
+__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
+           "plot", "rows", "run", "train_step_config", "uneven_ulysses", "wire_bytes"]
 
 FRAMEWORKS = ("torch", "jax")
 #: `commlib bench` settings; --quick takes QUICK (only the cases marked quick), explicit options win.
 FULL = {"world_sizes": [2, 4], "sizes_mib": [1, 4, 16, 64], "repeats": 9, "warmup": 1}
 QUICK = {"world_sizes": [4], "sizes_mib": [4], "repeats": 9, "warmup": 1}
+
+#: The whole-step case: the training block (`commlib.training`) forward and backward on an SP x TP mesh
+#: (`commlib.training.mesh_shape`), at its own sizes -- the bytes of each rank's activations -- whatever
+#: --sizes-mib says: the smaller one is bound by per-call overhead, the larger one by attention and matmuls.
+TRAIN_STEP = "train-step"
+TRAIN_STEP_SIZES_MIB = (0.0625, 0.25)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,22 @@ TARGETS = (
     Target("torch", "all_to_all_4d (2, 1) B=1", "seed (3 copies)", 0.8),
     Target("torch", "all_to_all_4d (1, 2) B=1", "seed (3 copies)", 0.8),
     Target("jax", "*", "jax.lax", 1.05),
+    Target("torch", TRAIN_STEP, "torch.distributed", 1.05, size_mib=0.25),
+    Target("jax", TRAIN_STEP, "jax.lax", 1.05, size_mib=0.25),
 )
+
+
+def train_step_config(nbytes: int, sp: int):
+    """The float32 training block of the train-step case whose activations ``x [1, S/SP, 256]`` on each of `sp`
+    sequence ranks take `nbytes`: 8 heads of 32, MLP width 1024.
+
+    >>> config = train_step_config(2**18, 2)
+    >>> config.seq, config.dim, config.heads * config.head_dim, config.hidden
+    (512, 256, 256, 1024)
+    """
+    dim = 256
+    return training.BlockConfig(batch=1, seq=sp * max(1, nbytes // (4 * dim)), dim=dim, heads=8, head_dim=32,
+                                hidden=4 * dim)
 
 
 @dataclasses.dataclass

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from commlib.tools.bench import TRAIN_STEP, TRAIN_STEP_SIZES_MIB
+from commlib_jax.tools import bench_train
+
 __all__ = ["JaxCase", "main"]
 
 _AXIS = "i"
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", max(args.world_sizes))
     cases = _cases()
     names = args.cases or [name for name, case in cases.items() if case.quick or not args.quick]
+    train_step = TRAIN_STEP in names or not (args.cases or args.quick)  # a whole step: not in --quick
     names = [name for name in names if name in cases]  # --cases may name the other framework's cases
     records = []
     for world_size in args.world_sizes:
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             for size in args.sizes_mib:
                 seconds = time_case(cases[name], world_size, int(size * 2**20), args.repeats, args.warmup)
                 records += _records(name, cases[name], world_size, size, seconds)
+        if train_step:
+            records += bench_train.records(world_size, TRAIN_STEP_SIZES_MIB, args.repeats, args.warmup)
     versions = {"jax": jax.__version__, "python": sys.version.split()[0]}
     args.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
     return 0

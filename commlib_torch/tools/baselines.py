@@ -1,13 +1,17 @@
 """Baselines the benchmarks compare commlib with (tooling, not the library): the seed's three-copy Ulysses
-all-to-all (FastVideo's ``AllToAll4D``, the algorithm the project started from) and the usual hand-written
-Ulysses layout (DeepSpeed-Ulysses / yunchang style: permute + contiguous around a dim-0 all-to-all)."""
+all-to-all (FastVideo's ``AllToAll4D``, the algorithm the project started from), the usual hand-written
+Ulysses layout (DeepSpeed-Ulysses / yunchang style: permute + contiguous around a dim-0 all-to-all), and the
+training block of `commlib_torch.tools.train_block` written the same way on raw ``torch.distributed``: that
+Ulysses layout around ``torch.distributed.nn.functional.all_to_all_single``, and Megatron's f and g as the
+autograd Functions Megatron-LM writes (``_CopyToModelParallelRegion``, ``_ReduceFromModelParallelRegion``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["SeedAllToAll4D", "seed_all_to_all_4d", "ulysses_by_hand"]
+__all__ = ["CopyToTensorParallel", "ReduceFromTensorParallel", "SeedAllToAll4D", "block_loss_by_hand",
+           "seed_all_to_all_4d", "ulysses_by_hand"]
 
 
 def seed_all_to_all_4d(input_, world_size, scatter_dim, gather_dim, exchange=None):
@@ -58,3 +62,54 @@ def ulysses_by_hand(x, world_size, scatter_dim, gather_dim, exchange):
     send = x.reshape(bs, world_size, seqlen // world_size, shard_hn, hd).transpose(0, 1).contiguous()
     recv = exchange(send)  # [W, bs, seqlen/W, shard_hn, hd]
     return recv.permute(1, 2, 0, 3, 4).reshape(bs, seqlen // world_size, world_size * shard_hn, hd).contiguous()
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, the gradient all_reduced over the TP group in place."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: the partial sums all_reduced over the TP group in place, the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def block_loss_by_hand(params, x, target, config, groups):
+    """`commlib_torch.tools.train_block.block_loss` on a mesh, written as users write it on raw torch.distributed
+    (the same math, the same local attention): `groups` = (SP, TP) process groups."""
+    import torch.distributed.nn.functional as nn_functional
+
+    from commlib_torch.attention import attention
+    from commlib_torch.tools.train_block import rms_norm
+
+    sp_group, tp_group = groups
+    W = dist.get_world_size(sp_group)
+    exchange = lambda send: nn_functional.all_to_all_single(torch.empty_like(send), send, group=sp_group)  # noqa: E731
+    p, (B, S_local, _) = params, x.shape
+    h = rms_norm(x, p["norm1"], config.eps)
+    q, k, v = ((h @ p[name]).reshape(B, S_local, config.heads, config.head_dim) for name in ("wq", "wk", "wv"))
+    full = [ulysses_by_hand(t, W, 2, 1, exchange) for t in (q, k, v)]
+    attended = ulysses_by_hand(attention(*full), W, 1, 2, exchange)
+    y = x + attended.reshape(B, S_local, -1) @ p["wo"]
+    u = CopyToTensorParallel.apply(rms_norm(y, p["norm2"], config.eps), tp_group)
+    m = ReduceFromTensorParallel.apply(torch.nn.functional.silu(u @ p["w_in"]) @ p["w_out"], tp_group)
+    return 0.5 * (y + m - target).pow(2).sum() / config.tokens

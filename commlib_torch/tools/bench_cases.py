@@ -53,18 +53,20 @@ class BenchCase:
     subject: str = "commlib"  # the variant under test
     quick: bool = False  # part of `commlib bench --quick`
     wire: Callable[[int, int], dict[str, int]] | None = None  # (W, bytes per rank) -> bytes on the wire per variant
+    sizes_mib: tuple[float, ...] | None = None  # the sizes this case runs at, whatever --sizes-mib says (None: those)
 
 
 CASES: dict[str, BenchCase] = {}
 
 
 def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib", quick: bool = False,
-               wire: Callable[[int, int], dict[str, int]] | None = None):
+               wire: Callable[[int, int], dict[str, int]] | None = None, sizes_mib: tuple[float, ...] | None = None):
     """Register a builder ``(ctx, bytes per rank) -> {variant name: call}`` as the bench case `name`; `wire`
-    gives the bytes each variant sends, where the case reports them."""
+    gives the bytes each variant sends, where the case reports them; `sizes_mib` the case's own sizes (a whole
+    training step cannot run at every size of the collective cases)."""
 
     def register(build):
-        CASES[name] = BenchCase(name, build, tuple(baselines), subject, quick, wire)
+        CASES[name] = BenchCase(name, build, tuple(baselines), subject, quick, wire, sizes_mib)
         return build
 
     return register

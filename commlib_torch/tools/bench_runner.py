@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from commlib_torch.tools import bench_uneven  # noqa: F401  (registers the uneven cases)
+from commlib_torch.tools import bench_train, bench_uneven  # noqa: F401  (register the train-step and uneven cases)
 from commlib_torch.tools.bench_cases import CASES, time_case
 from commlib_torch.tools.pool import WorkerContext, WorkerPool
 
@@ -33,7 +33,7 @@ def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int,
         pool.run(_set_threads, threads)
         for name in names:
             case = CASES[name]
-            for size in sizes_mib:
+            for size in case.sizes_mib or sizes_mib:
                 nbytes = int(size * 2**20)
                 per_rank = pool.run(time_case, name, nbytes, repeats, warmup)
                 variants = per_rank[0][0]["wall"]
