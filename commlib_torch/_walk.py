@@ -15,9 +15,9 @@ and scatter): the functional broadcast, and one all_to_all_single with the spec'
 others -- the same bytes on the wire. There every rank runs the same program, only the split sizes differ: a
 rank that sends nothing still packs its input and sends none of it, a rank that receives nothing computes its
 zeros from its (empty) receive buffer. Each collective then depends on its op's input and feeds its output on
-every rank, so AOTAutograd's partitioner keeps it in the same graph (forward or backward) on every rank: it
-drops a collective whose result a rank ignores, and hoists a backward one that does not read the cotangent
-into the forward -- and the other ranks wait for it forever.
+every rank, so AOTAutograd's partitioner keeps it in the same graph (forward or backward) on every rank. Left
+alone, the partitioner drops a collective whose result a rank ignores and moves into the forward a backward
+one that does not read the cotangent, and the other ranks wait for it forever.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ MESH_CASES = [
     _case("scatter", (4, 3), src=1, dim=0),
     _case("permute", (2, 3), perm=[[1, 0]]),
     _case("sum_grad", (3,)),
+    _case("shard", (2, 4), dim=-1),
+    _case("reduce", (2, 3), dst=1, op="avg"),
 ]
 
 
