@@ -33,8 +33,9 @@ def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
     """The process group `group` names: a ProcessGroup or None as it is; a 1-D DeviceMesh's group; for
     ``(mesh, dim)`` the group of that mesh dim (``mesh.get_group(dim)``: the ranks that differ only along it).
     The spec's CommError for a mesh that is not 1-D given without a dim or an unknown dim, its TypeError for
-    anything else."""
-    if group is None or isinstance(group, dist.ProcessGroup):
+    anything else. (``new_group`` gives the ranks outside the group ``GroupMember.NON_GROUP_MEMBER``: it passes,
+    for `world_size` to refuse with the spec's not-a-member error.)"""
+    if group is None or isinstance(group, dist.ProcessGroup) or group == dist.GroupMember.NON_GROUP_MEMBER:
         return group
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not isinstance(mesh, DeviceMesh):
