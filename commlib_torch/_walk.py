@@ -14,10 +14,11 @@ Under torch.compile the rooted ops take calls Dynamo traces (it cannot trace c10
 and scatter): the functional broadcast, and one all_to_all_single with the spec's `rooted_splits` for the
 others -- the same bytes on the wire. There every rank runs the same program, only the split sizes differ: a
 rank that sends nothing still packs its input and sends none of it, a rank that receives nothing computes its
-zeros from its (empty) receive buffer. Each collective then depends on its op's input and feeds its output on
-every rank, so AOTAutograd's partitioner keeps it in the same graph (forward or backward) on every rank. Left
-alone, the partitioner drops a collective whose result a rank ignores and moves into the forward a backward
-one that does not read the cotangent, and the other ranks wait for it forever.
+zeros from its (empty) receive buffer (the exact layout's `Blocks` passes too, for uneven gather and scatter).
+Each collective then depends on its op's input and feeds its output on every rank, so AOTAutograd's
+partitioner keeps it in the same graph (forward or backward) on every rank. Left alone, the partitioner drops
+a collective whose result a rank ignores and moves into the forward a backward one that does not read the
+cotangent, and the other ranks wait for it forever.
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype) -> torch.Ten
     """The exact layout's pack: the blocks of `x` one after another in one flat buffer (one pass), or a view."""
     if step.is_identity and dtype == x.dtype and x.is_contiguous():
         return x.reshape(-1)
+    if torch.compiler.is_compiling() and not step.pieces():  # sends nothing: still read from x (module docstring)
+        return x.narrow(step.dim, 0, 0).reshape(-1).to(dtype)
     out = torch.empty(step.numel, dtype=dtype, device=x.device)
     for start, rows, offset, count, shape in step.pieces():
         out[offset:offset + count].view(shape).copy_(x.narrow(step.dim, start, rows))
@@ -206,6 +209,8 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
         return (out if scale == 1.0 else out.mul_(scale)).to(dtype)
     if step.is_identity:
         return buffer.view(step.shape).to(dtype)
+    if torch.compiler.is_compiling() and not step.pieces():  # receives nothing: zeros made from the buffer
+        return _zeros_after(buffer, list(step.shape)).to(dtype)
     out = (torch.empty if step.covers else torch.zeros)(step.shape, dtype=dtype, device=buffer.device)
     for start, rows, offset, count, shape in step.pieces():
         out.narrow(step.dim, start, rows).copy_(buffer[offset:offset + count].view(shape))

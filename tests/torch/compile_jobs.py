@@ -6,6 +6,7 @@ c10d's own.
 """
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import commlib_torch as cl
@@ -30,6 +31,9 @@ OPS = {
     "gather": lambda x: cl.gather(x, 0, 2),
     "scatter": lambda x: cl.scatter(x, 1, 2),
     "reduce": lambda x: cl.reduce(x, 1, "avg"),
+    # uneven rooted ops: rank 0 (dst) gathers 3 + 5 rows; rank 1 (src) scatters 3 and 5 rows of its 8
+    "gather_uneven": lambda x: cl.gather(x[:, :, : 3 + 2 * dist.get_rank()], 0, 2, sizes=(3, 5)),
+    "scatter_uneven": lambda x: cl.scatter(x, 1, 2, sizes=(3, 5)),
 }
 
 
