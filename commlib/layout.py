@@ -107,30 +107,37 @@ class Convention(str, enum.Enum):
         return repr(self.value)
 
 
+def _derived(value: object, **fields: object) -> None:
+    """Set the derived (non-init) fields of a frozen dataclass: computed once, when the plan is built, so the
+    frontends read attributes per call (no properties or caches: torch.compile traces plain attributes)."""
+    for name, field_value in fields.items():
+        object.__setattr__(value, name, field_value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rearrange:
-    """One local pass: ``source.reshape(view).permute(perm)``, laid out contiguously."""
+    """One local pass: ``source.reshape(view).permute(perm)``, laid out contiguously.
+
+    >>> Rearrange(view=(1, 4, 3), perm=(1, 0, 2)).is_identity  # moves only a size-1 axis
+    True
+    >>> Rearrange(view=(2, 4, 3), perm=(1, 0, 2)).is_identity
+    False
+    """
 
     view: Shape  # the source viewed with at most one axis split in two (always a view, any strides)
     perm: tuple[int, ...]  # destination axis order over `view`'s axes
     always_copy: bool = False  # True when the collective writes in place and needs a fresh buffer
+    # Derived when built (`_derived`): the shape after the permutation (before any final reshape); whether the
+    # permutation keeps memory order (moves only size-1 axes); whether a contiguous source needs no pass.
+    out_shape: Shape = dataclasses.field(init=False, repr=False, compare=False)
+    keeps_order: bool = dataclasses.field(init=False, repr=False, compare=False)
+    is_identity: bool = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def out_shape(self) -> Shape:
-        """Shape after the permutation, before any final reshape."""
-        return tuple(self.view[axis] for axis in self.perm)
-
-    @property
-    def is_identity(self) -> bool:
-        """True when a contiguous source needs no pass: the permutation keeps memory order.
-
-        >>> Rearrange(view=(1, 4, 3), perm=(1, 0, 2)).is_identity  # moves only a size-1 axis
-        True
-        >>> Rearrange(view=(2, 4, 3), perm=(1, 0, 2)).is_identity
-        False
-        """
+    def __post_init__(self) -> None:
         moved = [axis for axis in self.perm if self.view[axis] != 1]
-        return not self.always_copy and moved == sorted(moved)
+        keeps_order = moved == sorted(moved)
+        _derived(self, out_shape=tuple(self.view[axis] for axis in self.perm), keeps_order=keeps_order,
+                 is_identity=keeps_order and not self.always_copy)
 
     def merged(self) -> tuple[Shape, tuple[int, ...]]:
         """The same permutation over the fewest axes (size-1 axes dropped, co-moving neighbours merged).
@@ -335,6 +342,10 @@ class Plan:
 
     Built only by `commlib.plans` (validated first) and `commlib.gradients` (the plans of backward passes);
     the frontends and the reference walk it and never re-check.
+
+    >>> from commlib import plans
+    >>> [plans.all_to_all_4d((batch, 8, 12, 16), 4).copies for batch in (1, 2)]  # local passes
+    [1, 2]
     """
 
     op_name: str  # the public op this plan belongs to, for messages
@@ -365,22 +376,16 @@ class Plan:
     before: Take | None = None  # padded layout: the static index map before the collective, or None
     after: Take | None = None  # padded layout: the static index map after the collective, or None
 
-    @property
-    def is_trivial(self) -> bool:
-        """True when the op is the identity on every rank (world size 1, and a permute that keeps rank 0)."""
-        if self.scale != 1.0 or self.grad_scale != 1.0:
-            return False
-        return self.world_size == 1 and (self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
-
-    @property
-    def is_uneven(self) -> bool:
-        """True for uneven sizes (see `commlib.uneven`): the walk is the exact or the padded layout's."""
-        return self.scatter_sizes is not None or self.gather_sizes is not None
-
-    @property
-    def is_exact(self) -> bool:
-        """True for uneven sizes held exactly (torch): pack and unpack are `Blocks`, the wire an all_to_all_v."""
-        return self.is_uneven and self.rank is not None
+    # Derived when built (plans are built once and walked on every call): the identity on every rank (world
+    # size 1, a permute that keeps rank 0); uneven sizes (`commlib.uneven`: the walk is the exact or the padded
+    # layout's); uneven sizes held exactly (torch: pack and unpack are `Blocks`, the wire an all_to_all_v); a
+    # zero-size dim (no data moves on any rank); the local passes on a contiguous input (0, 1 or 2).
+    is_trivial: bool = dataclasses.field(init=False, repr=False, compare=False)
+    is_uneven: bool = dataclasses.field(init=False, repr=False, compare=False)
+    is_exact: bool = dataclasses.field(init=False, repr=False, compare=False)
+    is_empty: bool = dataclasses.field(init=False, repr=False, compare=False)
+    copies: int = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     @property
     def shared_in_shape(self) -> Shape:
@@ -391,20 +396,20 @@ class Plan:
         dim = self.dims[-1]
         return (*self.in_shape[:dim], max(self.gather_sizes), *self.in_shape[dim + 1:])
 
-    @property
-    def is_empty(self) -> bool:
-        """True when the input (hence the output, on every rank) has a zero-size dim: no data moves."""
-        return 0 in self.shared_in_shape
+    def __post_init__(self) -> None:
+        trivial = self.scale == 1.0 and self.grad_scale == 1.0 and self.world_size == 1 and (
+            self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
+        uneven = self.scatter_sizes is not None or self.gather_sizes is not None
+        _derived(self, is_trivial=trivial, is_uneven=uneven, is_exact=uneven and self.rank is not None,
+                 is_empty=0 in self.shared_in_shape,
+                 copies=int(not self.pack.is_identity) + int(not self.unpack.is_identity),
+                 _hash=hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.compare)))
 
-    @property
-    def copies(self) -> int:
-        """Local passes this plan makes on a contiguous input (0, 1 or 2).
+    def __hash__(self) -> int:  # plans key the VJP-plan and fingerprint caches: hashed per call, computed once
+        return self._hash
 
-        >>> from commlib import plans
-        >>> [plans.all_to_all_4d((batch, 8, 12, 16), 4).copies for batch in (1, 2)]
-        [1, 2]
-        """
-        return int(not self.pack.is_identity) + int(not self.unpack.is_identity)
+    def __reduce__(self) -> tuple:  # rebuilt, not copied: str hashes differ between processes
+        return self.__class__, tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.init)
 
     def replace(self, **changes: object) -> Plan:
         """A copy with `changes` (the gradient rules build duals this way)."""

@@ -33,6 +33,7 @@ from commlib.layout import (
     local_layout,
     reduce_scatter_layout,
 )
+from commlib.plan_cache import cached_plan
 from commlib.reduce_op import FLOAT_BITS, ReduceOp, is_floating, parse_reduce_op
 
 __all__ = [
@@ -297,6 +298,7 @@ def _common(op_name: str, shape: object, world_size: object, dtype: object, rece
             _check_dtype(op_name, "dtype", dtype, received))
 
 
+@cached_plan
 def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
                op_name="all_reduce", carried=None) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
@@ -313,6 +315,7 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
                 **fields, **flat_layout(shape, in_place=True))
 
 
+@cached_plan
 def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float32", convention="sum",
                op_name="all_gather", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
@@ -337,6 +340,7 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
 
 
+@cached_plan
 def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None, dtype="float32", accum_dtype=None,
                    op_name="reduce_scatter", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
@@ -365,6 +369,7 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
     return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
 
 
+@cached_plan
 def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, rank=None,
                dtype="float32", op_name="all_to_all", dim_names=None, carried=None) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
@@ -406,6 +411,7 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     return Plan(**fields, in_shape=shape, **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
 
 
+@cached_plan
 def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, rank=None,
                   dtype="float32", carried=None) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
@@ -433,6 +439,7 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
                       rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, carried=carried)
 
 
+@cached_plan
 def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
@@ -447,6 +454,7 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast",
                 **flat_layout(shape, in_place=True))
 
 
+@cached_plan
 def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather",
            carried=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
@@ -467,6 +475,7 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
 
 
+@cached_plan
 def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter",
             carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
@@ -488,6 +497,7 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
 
 
+@cached_plan
 def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carried=None) -> Plan:
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
@@ -503,6 +513,7 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carr
                 **flat_layout(shape, in_place=False))
 
 
+@cached_plan
 def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=None) -> Plan:
     """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
     (Megatron's f).
@@ -516,6 +527,7 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=
                 dtype=dtype, convention=Convention.REPLICATED_INPUT, **flat_layout(shape, in_place=False))
 
 
+@cached_plan
 def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", carried=None) -> Plan:
     """One transfer of ``s`` from rank `src` to rank `dst` (`DeviceCommunicator.send` / `recv`, each end naming
     the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
@@ -536,6 +548,7 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
                 **flat_layout(shape, in_place=False))
 
 
+@cached_plan
 def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", carried=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
     FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
@@ -557,6 +570,7 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
                 **_movement_fields(op_name, dtype, carried, received), **local_layout(shape, chunk))
 
 
+@cached_plan
 def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", carried=None) -> Plan:
     """``s -> s``: rank `dst` gets the reduction over ranks (avg = sum / W), the other ranks zeros. op in
     {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.

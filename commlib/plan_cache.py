@@ -1,0 +1,160 @@
+"""Plans built once: `cached_plan`, the decorator every plan builder of `commlib.plans` wears.
+
+A plan depends only on its builder's arguments (shape, world size, dtype name, dims, reduce op, convention,
+accum_dtype, sizes, ranks, perm, ...), so the first call with given arguments builds and validates the
+`Plan` and every later call returns that same object: a frontend's host time per call is one look-up, not
+the validation and layout math.
+
+Two caches per builder, both `functools.lru_cache` (at most `MAX_PLANS` plans, least recently used first
+out):
+
+- the fast one, looked up first, at C speed. It is ``typed``: each value is keyed with its type, so
+  ``dim=1.0`` or ``dim=True`` (which the builder refuses) never finds the plan of ``dim=1``, and
+  ``ReduceOp.SUM`` and ``"sum"`` are two keys of equal plans. Types only tell apart what is at the top
+  level, so it holds only calls whose arguments are scalars or sequences of a type registered with
+  `trust_sequence_type` (``torch.Size``: its items are always ints); it never stores a call with a plain
+  tuple, so no such call can find one.
+- the general one, for the rest (a plain tuple or a list as shape, perm or sizes): the arguments are first
+  made hashable (`key`: sequences become tuples, every value but an exact int, str or None is keyed with its
+  type), so a ``(3.0, 5)`` shape never finds the plan of ``(3, 5)``. A call with an unhashable argument (a
+  numpy array as perm, say) is built every time.
+
+A call that raises caches nothing, so a mistake raises the same error, with the same text, every time.
+Under torch.compile, Dynamo skips ``lru_cache`` and traces the builder itself; what runs on a miss first
+asks the frontends' `bypass_while` tests, so a tracer never traces the key making.
+
+>>> from commlib import plans
+>>> clear()
+>>> first = plans.all_gather((3, 5), 4, dim=0)
+>>> plans.all_gather([3, 5], 4, dim=0) is first, builds("all_gather")
+(True, 1)
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["MAX_PLANS", "builds", "bypass_while", "cached_plan", "clear", "key", "trust_sequence_type"]
+
+MAX_PLANS = 4096  # plans kept per builder and cache
+
+_EXACT = frozenset({int, str, type(None)})  # values keyed as themselves (no other type compares equal to them)
+_INTS = frozenset({int})
+_CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
+_trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
+_bypass: list[Callable[[], bool]] = []  # see bypass_while
+_caches: dict[str, tuple[Any, Any]] = {}  # builder name -> its (fast, general) lru_cache functions
+_builds: collections.Counter[str] = collections.Counter()  # builder name -> times it ran
+
+Builder = TypeVar("Builder", bound=Callable[..., Any])
+
+
+class _Untrusted(Exception):
+    """Raised inside the fast cache for a call it must not hold (so it stores nothing)."""
+
+
+def trust_sequence_type(kind: type) -> None:
+    """Key `kind`'s values as they are, on the fast cache: for sequence types whose items are always exact
+    ints (torch: ``torch.Size``). Registered by a frontend when it is imported."""
+    _trusted.add(kind)
+    _fast_types.cache_clear()
+
+
+def bypass_while(predicate: Callable[[], bool]) -> None:
+    """Run the builder itself, uncached, on a fast-cache miss while `predicate()` is true: a frontend
+    registers its tracer's test (torch: ``torch.compiler.is_dynamo_compiling``), so a tracer (which skips
+    ``lru_cache``) traces the builder and never the key making or the general cache."""
+    if predicate not in _bypass:
+        _bypass.append(predicate)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fast_types(*types: type) -> bool:
+    """True when values of `types` may key the fast (typed) cache as they are."""
+    return all(kind in _trusted or not issubclass(kind, _CONTAINERS) for kind in types)
+
+
+def _hashable(value: object) -> object:
+    """`value` as a key: exact ints, strings and None as themselves, sequences as tuples, the rest typed."""
+    kind = type(value)
+    if kind in _EXACT:
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(value) if _INTS.issuperset(map(type, value)) else tuple(map(_hashable, value))
+    return (kind, value)
+
+
+def key(args: tuple, kwargs: dict) -> tuple:
+    """The general cache's key of a builder call: `args`' and `kwargs`' values made hashable, and the
+    keyword names (hashing it raises TypeError where an argument is unhashable)."""
+    return _hashable(args), tuple(kwargs), _hashable(tuple(kwargs.values()))
+
+
+class _Call:
+    """A builder call keyed by `key` (the general cache's argument): the builder gets the caller's own
+    arguments, so its errors quote what the caller passed."""
+
+    __slots__ = ("args", "hash", "key", "kwargs")
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs, self.key = args, kwargs, key(args, kwargs)
+        self.hash = hash(self.key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Call) and self.key == other.key
+
+
+def cached_plan(builder: Builder) -> Builder:
+    """Build each plan once: later calls with the same arguments return the same `Plan` (module docstring)."""
+    name = builder.__qualname__
+
+    def run(*args, **kwargs):
+        _builds[name] += 1
+        return builder(*args, **kwargs)
+
+    @functools.lru_cache(maxsize=MAX_PLANS, typed=True)
+    def fast(*args, **kwargs):
+        if any(tracing() for tracing in _bypass):
+            return builder(*args, **kwargs)
+        if not _fast_types(*map(type, args), *map(type, kwargs.values())):
+            raise _Untrusted
+        return run(*args, **kwargs)
+
+    @functools.lru_cache(maxsize=MAX_PLANS)
+    def general(call: _Call):
+        return run(*call.args, **call.kwargs)
+
+    _caches[name] = (fast, general)
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        try:
+            return fast(*args, **kwargs)
+        except (_Untrusted, TypeError):  # a plain sequence, an unhashable value, or the builder's TypeError
+            pass
+        try:
+            call = _Call(args, kwargs)
+        except TypeError:  # an unhashable argument: build it every time
+            return run(*args, **kwargs)
+        return general(call)
+
+    return build  # type: ignore[return-value]
+
+
+def builds(name: str | None = None) -> int:
+    """Times the builder `name` (or any builder) ran since the last `clear`: the cache misses."""
+    return _builds[name] if name is not None else sum(_builds.values())
+
+
+def clear() -> None:
+    """Forget every cached plan and reset the build counts."""
+    for caches in _caches.values():
+        for cache in caches:
+            cache.cache_clear()
+    _builds.clear()
