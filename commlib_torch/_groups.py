@@ -1,7 +1,8 @@
 """What only the torch frontend can see about a call, handed to the spec: which process group a ``group=``
 argument names (a ProcessGroup, None, a DeviceMesh or ``(mesh, dim)``), whether the operand is a tensor, whether
 this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the carrier or
-refuses). The messages are the spec's (`commlib.plans.mesh_dim`, `wrong_type`, `not_a_member`).
+refuses). The messages are the spec's (`commlib.plans.mesh_dim`, `wrong_type`, `not_a_member`). Also the
+group's size and this rank in it as a call reads them: from the group itself (`group_size`, `group_rank`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from commlib import plans
 
-__all__ = ["CARRIED", "Group", "carried", "check_tensor", "resolve_group", "world_size"]
+__all__ = ["CARRIED", "CARRIED_EVERYWHERE", "Group", "carried", "check_tensor", "global_rank", "group_rank",
+           "group_size", "resolve_group", "world_size"]
 
 #: What ``group=`` takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of its dims (a dim
 #: name such as "tp", or an index).
@@ -27,6 +29,8 @@ CARRIED = {
     "nccl": _GLOO | {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"},
 }
 _EVERYWHERE = frozenset.intersection(*CARRIED.values())
+#: The torch dtypes every backend carries: for these, `carried` asks the group nothing (a set look-up per call).
+CARRIED_EVERYWHERE = frozenset(getattr(torch, name) for name in _EVERYWHERE if hasattr(torch, name))
 
 
 def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
@@ -67,6 +71,40 @@ def _backend_name(group: dist.ProcessGroup | None, device: torch.device) -> str:
 
 def carried(group: dist.ProcessGroup | None, x: torch.Tensor) -> frozenset[str] | None:
     """The dtypes the backend carrying `x` carries (None: every dtype, or a backend commlib does not know)."""
-    if str(x.dtype).removeprefix("torch.") in _EVERYWHERE:  # the common case asks the group nothing
+    if x.dtype in CARRIED_EVERYWHERE:  # the common case asks the group nothing
         return None
     return CARRIED.get(_backend_name(group, x.device))
+
+
+# c10d's record of the default group: `dist.GroupMember.WORLD` reads it through two Python properties per call.
+_C10D_WORLD = getattr(dist.distributed_c10d, "_world", None)
+if not hasattr(_C10D_WORLD, "_default_pg"):  # another torch: the public way
+    _C10D_WORLD = None
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """`dist.get_world_size(group)`; for a process group this rank belongs to (or WORLD), read directly
+    (get_world_size's checks cost a few microseconds per call)."""
+    if group is not None:
+        process_group = group
+    else:
+        process_group = dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
+    if type(process_group) is dist.ProcessGroup:
+        return process_group.size()
+    return dist.get_world_size(group)  # a rank outside `group` (-1), or no default group yet (raises)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """`dist.get_rank(group)`, the same way as `group_size`."""
+    if group is not None:
+        process_group = group
+    else:
+        process_group = dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
+    if type(process_group) is dist.ProcessGroup:
+        return process_group.rank()
+    return dist.get_rank(group)  # a rank outside `group` (-1), or no default group yet (raises)
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of group-local `rank`."""
+    return rank if group is None else dist.get_global_rank(group, rank)

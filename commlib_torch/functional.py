@@ -27,17 +27,15 @@ the wire (`commlib.uneven`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-from commlib import gradients, plans
+from commlib import gradients, plan_cache, plans
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
-from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
-from commlib_torch._walk import dtype_name, run
+from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._walk import DTYPE_NAMES, dtype_name, group_rank, group_size, run
 
 __all__ = [
     "all_reduce",
@@ -56,6 +54,9 @@ __all__ = [
 
 ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
 Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
+
+plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
+plan_cache.bypass_while(torch.compiler.is_dynamo_compiling)  # Dynamo traces the builders, not the key making
 
 
 class _Backend:
@@ -89,17 +90,25 @@ class _Backend:
         return ranks == dist.get_rank(self.group)
 
 
-def _boundary(plan: Plan, origin: Origin, group: ProcessGroup, x: torch.Tensor, call: Callable[[], torch.Tensor]):
-    """`call()`, after checked mode's fingerprint exchange (collectives only); a backend error that means a
-    timeout or a lost rank re-raised as CommTimeout / CommFailure. Under torch.compile: `call()` alone."""
-    if torch.compiler.is_compiling():
-        return call()
-    subject, phase = origin
+def _forward(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The op's output by the spec's rule: the plan walked, and max/min's NaN rule."""
+    return gradients.forward(_Backend(group, x.device), plan, x)
+
+
+def _at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
+    """``walk(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
+    only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
+    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the walk
+    alone."""
+    if torch.compiler.is_dynamo_compiling():
+        return walk(plan, x, group)
     try:
-        if not plan.collective.is_local and is_checked():
+        if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
+            subject, phase = origin or (plan, "forward")
             exchange(subject, x, group, phase)
-        return call()
+        return walk(plan, x, group)
     except RuntimeError as error:
+        subject, phase = origin or (plan, "forward")
         translated = translate(error, subject.op_name, x, group, phase)
         if translated is error:
             raise
@@ -107,16 +116,16 @@ def _boundary(plan: Plan, origin: Origin, group: ProcessGroup, x: torch.Tensor, 
 
 
 class _Op(torch.autograd.Function):
-    """One collective (or local step) of a plan; backward is the spec's VJP rule."""
+    """One collective (or local step) of a plan at commlib's boundary (`_at_boundary`); backward is the spec's
+    VJP rule."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
         ctx.plan, ctx.group = plan, group
-        out = _boundary(plan, origin, group, x, lambda: gradients.forward(_Backend(group, x.device), plan, x))
-        if gradients.needs_output(plan):
-            ctx.save_for_backward(x, out)
-        elif gradients.needs_primal(plan):
-            ctx.save_for_backward(x)
+        primal = gradients.needs_primal(plan)  # without it, the forward is the plan walked
+        out = _at_boundary(_forward if primal else run, plan, x, group, origin)
+        if primal:
+            ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
         return out
 
     @staticmethod
@@ -127,26 +136,22 @@ class _Op(torch.autograd.Function):
 
 
 def _apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
-    if plan.is_trivial:
-        return x
-    return _Op.apply(x, plan, group, origin or (plan, "forward"))
+    return x if plan.is_trivial else _Op.apply(x, plan, group, origin)
 
 
-def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, dict]:
+def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:
     """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
-    member) and the plan builder's dtype keywords: x's dtype name and the dtypes the group's backend carries."""
-    tensor, process_group = check_tensor(op_name, x), resolve_group(op_name, group)
-    dtypes = dict(dtype=dtype_name(tensor.dtype), carried=carried(process_group, tensor))
-    return tensor, process_group, world_size(op_name, process_group), dtypes
-
-
-def _rank(group: ProcessGroup, *sizes) -> int | None:
-    """This rank where uneven sizes are given (their exact layout is this rank's), else None."""
-    return None if all(size is None for size in sizes) else dist.get_rank(group)
-
-
-def _accum(accum_dtype) -> str | None:
-    return None if accum_dtype is None else dtype_name(accum_dtype)
+    member), x's dtype name and the dtypes the group's backend carries (None: every dtype, x's included): the
+    plan builder's inputs. Host time: the common call (a tensor of a dtype every backend carries, a process
+    group this rank is in, or None) reads a few attributes and asks the group nothing else."""
+    if not isinstance(x, torch.Tensor):
+        check_tensor(op_name, x)  # raises the spec's TypeError
+    if group is not None and type(group) is not dist.ProcessGroup:
+        group = resolve_group(op_name, group)  # a DeviceMesh or (mesh, dim), or the spec's error
+    size = group_size(group)
+    if size < 0:
+        world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
+    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in CARRIED_EVERYWHERE else carried(group, x)
 
 
 def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="sum", accum_dtype=None) -> torch.Tensor:
@@ -170,8 +175,9 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    x, group, size, dtypes = _operand("all_reduce", x, group)
-    plan = plans.all_reduce(x.shape, size, op, **dtypes, convention=convention, accum_dtype=_accum(accum_dtype))
+    x, group, size, dtype, carries = _operand("all_reduce", x, group)
+    accum = None if accum_dtype is None else dtype_name(accum_dtype)
+    plan = plans.all_reduce(x.shape, size, op, dtype=dtype, carried=carries, convention=convention, accum_dtype=accum)
     return _apply(plan, x, group)
 
 
@@ -187,9 +193,9 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
     """
-    x, group, size, dtypes = _operand("all_gather", x, group)
-    plan = plans.all_gather(x.shape, size, dim, **dtypes, convention=convention,
-                            sizes=sizes, rank=_rank(group, sizes))
+    x, group, size, dtype, carries = _operand("all_gather", x, group)
+    plan = plans.all_gather(x.shape, size, dim, dtype=dtype, carried=carries, convention=convention,
+                            sizes=sizes, rank=None if sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -206,9 +212,10 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
     """
-    x, group, size, dtypes = _operand("reduce_scatter", x, group)
-    plan = plans.reduce_scatter(x.shape, size, dim, op, **dtypes,
-                                accum_dtype=_accum(accum_dtype), sizes=sizes, rank=_rank(group, sizes))
+    x, group, size, dtype, carries = _operand("reduce_scatter", x, group)
+    accum = None if accum_dtype is None else dtype_name(accum_dtype)
+    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, carried=carries,
+                                accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -231,10 +238,10 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
     """
-    x, group, size, dtypes = _operand("all_to_all", x, group)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, **dtypes,
+    x, group, size, dtype, carries = _operand("all_to_all", x, group)
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                            rank=_rank(group, scatter_sizes, gather_sizes))
+                            rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -252,10 +259,10 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
     """
-    x, group, size, dtypes = _operand("all_to_all_4d", x, group)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, **dtypes,
+    x, group, size, dtype, carries = _operand("all_to_all_4d", x, group)
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                               rank=_rank(group, scatter_sizes, gather_sizes))
+                               rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -267,8 +274,8 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     Raises:
         CommError: `src` not in [0, W).
     """
-    x, group, size, dtypes = _operand("broadcast", x, group)
-    return _apply(plans.broadcast(x.shape, size, src, **dtypes), x, group)
+    x, group, size, dtype, carries = _operand("broadcast", x, group)
+    return _apply(plans.broadcast(x.shape, size, src, dtype=dtype, carried=carries), x, group)
 
 
 def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *, sizes=None) -> torch.Tensor:
@@ -281,9 +288,9 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *,
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
-    x, group, size, dtypes = _operand("gather", x, group)
-    plan = plans.gather(x.shape, size, dst, dim, **dtypes, sizes=sizes,
-                        rank=_rank(group, sizes))
+    x, group, size, dtype, carries = _operand("gather", x, group)
+    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries, sizes=sizes,
+                        rank=None if sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -298,9 +305,9 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *,
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
     """
-    x, group, size, dtypes = _operand("scatter", x, group)
-    plan = plans.scatter(x.shape, size, src, dim, **dtypes, sizes=sizes,
-                         rank=_rank(group, sizes))
+    x, group, size, dtype, carries = _operand("scatter", x, group)
+    plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, carried=carries, sizes=sizes,
+                         rank=None if sizes is None else group_rank(group))
     return _apply(plan, x, group)
 
 
@@ -313,8 +320,8 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    x, group, size, dtypes = _operand("permute", x, group)
-    return _apply(plans.permute(x.shape, size, perm, **dtypes), x, group)
+    x, group, size, dtype, carries = _operand("permute", x, group)
+    return _apply(plans.permute(x.shape, size, perm, dtype=dtype, carried=carries), x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -324,8 +331,8 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
     """
-    x, group, size, dtypes = _operand("sum_grad", x, group)
-    return _apply(plans.sum_grad(x.shape, size, **dtypes), x, group)
+    x, group, size, dtype, carries = _operand("sum_grad", x, group)
+    return _apply(plans.sum_grad(x.shape, size, dtype=dtype, carried=carries), x, group)
 
 
 def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
@@ -338,8 +345,8 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
     """
-    x, group, size, dtypes = _operand("shard", x, group)
-    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, **dtypes)
+    x, group, size, dtype, carries = _operand("shard", x, group)
+    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, carried=carries)
     return _apply(plan, x, group)
 
 
@@ -353,17 +360,17 @@ def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torc
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
     """
-    x, group, size, dtypes = _operand("reduce", x, group)
-    return _apply(plans.reduce(x.shape, size, dst, op, **dtypes), x, group)
+    x, group, size, dtype, carries = _operand("reduce", x, group)
+    return _apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, carried=carries), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ProcessGroup) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    x, group, size, dtypes = _operand("gather", x, group)
-    plan = plans.gather(x.shape, size, dst, dim, **dtypes)
+    x, group, size, dtype, carries = _operand("gather", x, group)
+    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries)
     with torch.no_grad():
         if plan.is_trivial:
             out = x.detach().clone(memory_format=torch.contiguous_format)
         else:  # checked mode's exchange and the failure translation, as every collective
-            out = _boundary(plan, (plan, "forward"), group, x, lambda: run(plan, x, group))
-    return out if dist.get_rank(group) == plan.root else None
+            out = _at_boundary(run, plan, x, group, None)
+    return out if group_rank(group) == plan.root else None

@@ -33,6 +33,8 @@ class Trace:
     collectives: list[str] = dataclasses.field(default_factory=list)  # c10d ops
     after: list[str] = dataclasses.field(default_factory=list)  # copies and allocations after it
     other: list[str] = dataclasses.field(default_factory=list)  # other aten ops that compute (e.g. mul_)
+    views_before: list[str] = dataclasses.field(default_factory=list)  # view ops before the first collective
+    views_after: list[str] = dataclasses.field(default_factory=list)  # view ops after it
     inside: list[str] = dataclasses.field(default_factory=list)  # aten ops torch.distributed itself ran
     collective_storages: set[int] = dataclasses.field(default_factory=set)  # storages the collectives touched
 
@@ -82,7 +84,9 @@ class _Recorder(TorchDispatchMode):
             trace.inside.append(name)
         elif name in COPIES or name in ALLOCATIONS:
             (trace.after if trace.collectives else trace.before).append(name)
-        elif name not in _VIEWS:
+        elif name in _VIEWS:
+            (trace.views_after if trace.collectives else trace.views_before).append(name)
+        else:
             trace.other.append(name)
         return func(*args, **(kwargs or {}))
 

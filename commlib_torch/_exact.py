@@ -1,0 +1,112 @@
+"""The exact layout of uneven sizes (`commlib.uneven`) on torch tensors: `Blocks` passes around one
+``all_to_all_single`` with their split sizes (an all_gather's pack, which repeats the input for every rank,
+sent as it is, pairwise, in eager mode), and two helpers the even walk (`commlib_torch._walk`) shares:
+the half-precision scale applied before a collective and the zeros a compiled rank makes from an empty
+receive buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib import Collective, Plan
+from commlib.layout import Blocks
+from commlib_torch._groups import global_rank, group_rank
+
+__all__ = ["run_exact", "scaled_first", "zeros_after"]
+
+Group = dist.ProcessGroup | None
+_LOCAL = frozenset({Collective.IDENTITY, Collective.SLICE, Collective.PAD})
+
+
+def scaled_first(send: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`send` times `scale` before the collective (`Plan.scale_first`): in place when the pack pass made a fresh
+    buffer, else a scaled copy (the pack was a view of the caller's `x`)."""
+    if send.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return send * scale
+    return send.mul_(scale)
+
+
+@torch.library.custom_op("commlib::zeros_after", mutates_args=())
+def zeros_after(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Zeros of `shape` that the compiler sees as computed from `received`: an op it cannot look into, so no
+    graph pass folds them into a constant (a ``cat`` with the empty buffer would be, and the collective behind
+    them would leave this rank's data path)."""
+    return received.new_zeros(shape)
+
+
+@zeros_after.register_fake
+def _(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return received.new_empty(shape)
+
+
+def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """The exact layout's pack: the blocks of `x` one after another in one flat buffer (one pass), or a view."""
+    if step.is_identity and dtype == x.dtype and x.is_contiguous():
+        return x.reshape(-1)
+    if torch.compiler.is_compiling() and not step.pieces():  # sends nothing: still read from x (module docstring)
+        return x.narrow(step.dim, 0, 0).reshape(-1).to(dtype)
+    out = torch.empty(step.numel, dtype=dtype, device=x.device)
+    for start, rows, offset, count, shape in step.pieces():
+        out[offset:offset + count].view(shape).copy_(x.narrow(step.dim, start, rows))
+    return out
+
+
+def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The exact layout's unpack into `dtype` (one pass, or a view): each block at its rows and zeros where none
+    lands, or (reduce) the sum of the blocks times `scale`."""
+    if step.reduce:
+        out = buffer.view(len(step.sizes), *step.shape).sum(0)
+        return (out if scale == 1.0 else out.mul_(scale)).to(dtype)
+    if step.is_identity:
+        return buffer.view(step.shape).to(dtype)
+    if torch.compiler.is_compiling() and not step.pieces():  # receives nothing: zeros made from the buffer
+        return zeros_after(buffer, list(step.shape)).to(dtype)
+    out = (torch.empty if step.covers else torch.zeros)(step.shape, dtype=dtype, device=buffer.device)
+    for start, rows, offset, count, shape in step.pieces():
+        out.narrow(step.dim, start, rows).copy_(buffer[offset:offset + count].view(shape))
+    return out
+
+
+def _gather_pairwise(unpack: Blocks, send: torch.Tensor, group: Group, rank: int) -> torch.Tensor:
+    """The exchange of a pack that repeats the input (all_gather): `send` itself goes to every other rank and
+    each rank's block lands in the receive buffer, pairwise -- no W-fold send buffer."""
+    recv = torch.empty(unpack.numel, dtype=send.dtype, device=send.device)
+    flat, ops, offset = send.reshape(-1), [], 0
+    for peer, count in enumerate(unpack.counts):
+        part = recv[offset:offset + count]
+        offset += count
+        if peer == rank:
+            part.copy_(flat)
+            continue
+        if flat.numel():
+            ops.append(dist.P2POp(dist.isend, flat, global_rank(group, peer), group))
+        if count:
+            ops.append(dist.P2POp(dist.irecv, part, global_rank(group, peer), group))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    return recv
+
+
+def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Uneven sizes held exactly: the `Blocks` pack, one all_to_all_single with their split sizes (none for a
+    local step), the `Blocks` unpack."""
+    pack, unpack = plan.pack, plan.unpack
+    assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan
+    buffer_dtype = x.dtype if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
+    if plan.collective in _LOCAL:
+        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype), unpack, x.dtype, plan.scale)
+    rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
+    if plan.collective is Collective.ALL_GATHER and not torch.compiler.is_compiling():  # x itself to every rank
+        send = x.to(buffer_dtype, memory_format=torch.contiguous_format)  # x itself when it already is
+        recv = _gather_pairwise(unpack, scaled_first(send, x, plan.scale) if first else send, group, rank)
+    else:
+        send = _pack_blocks(x, pack, buffer_dtype)
+        send = scaled_first(send, x, plan.scale) if first else send
+        recv = torch.empty(unpack.numel, dtype=buffer_dtype, device=x.device)
+        dist.all_to_all_single(recv, send, list(unpack.counts), list(pack.counts), group=group)
+    del send
+    if plan.scale != 1.0 and not first and not unpack.reduce:
+        recv.mul_(plan.scale)
+    return _unpack_blocks(recv, unpack, x.dtype, 1.0 if first else plan.scale)

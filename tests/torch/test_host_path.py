@@ -1,0 +1,41 @@
+"""The host path of a call (issue "host time per call"): plans built once, and nothing in the walk that
+would stop a CUDA graph from capturing it. Host time itself is measured by ``commlib bench --host``, never
+by a timed test; the view steps (no copy, at most one view where the plan says view) are tested in
+test_plans.py.
+"""
+
+import ast
+import inspect
+
+import pytest
+
+import commlib_torch._walk
+import commlib_torch.functional
+from tests.torch import host_jobs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_second_call_builds_no_plan(pool, world_size):
+    """Every case of the table, forward and backward: the second call finds every plan it needs."""
+    for rebuilt in pool(world_size).run(host_jobs.second_call_builds):
+        assert rebuilt == []
+
+
+def test_no_host_sync_in_forward_or_backward(pool):
+    """No ``.item()``, ``bool(tensor)``, ``nonzero`` or other value-dependent op in any case's forward or
+    backward (checked mode, which must read the fingerprints on the host, is off)."""
+    for found in pool(2).run(host_jobs.host_syncs):
+        assert found == {}
+
+
+_FORBIDDEN_CALLS = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
+
+
+@pytest.mark.parametrize("module", [commlib_torch._walk, commlib_torch.functional])
+def test_walk_reads_no_tensor_on_the_host(module):
+    """By inspection, for what a dispatch mode cannot see on CPU tensors (``.cpu()``, ``.numpy()`` and
+    ``.tolist()`` dispatch nothing there): the walk's modules call none of these."""
+    tree = ast.parse(inspect.getsource(module))
+    called = {node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert called & _FORBIDDEN_CALLS == set()
