@@ -158,9 +158,10 @@ def wire_bytes(plan: Plan, itemsize: int = 4) -> int:
     return itemsize * sum(uneven.sent_elements(plan, rank) for rank in range(plan.world_size))
 
 
-def _run_framework(framework: str, out: Path, options: list[str], timeout: float) -> tuple[list[dict], dict, str]:
-    """(records, versions, error text or "") of one runner subprocess."""
-    command = [sys.executable, "-m", f"commlib_{framework}.tools.bench_runner", str(out), *options]
+def _run_framework(framework: str, out: Path, options: list[str], timeout: float,
+                   runner: str = "bench_runner") -> tuple[list[dict], dict, str]:
+    """(records, versions, error text or "") of one runner subprocess (``commlib_<framework>.tools.<runner>``)."""
+    command = [sys.executable, "-m", f"commlib_{framework}.tools.{runner}", str(out), *options]
     env = dict(os.environ)
     if framework == "jax":  # one XLA thread per device: fewer threads contending for the cores, less noise
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commlib.tools import bench, parity, train_parity
+from commlib.tools import bench, host_bench, parity, train_parity
 
 __all__ = ["main"]
 
@@ -88,7 +88,31 @@ def _parity(args: argparse.Namespace) -> int:
     return 0 if rows and not failed else 1
 
 
+def _host_bench(args: argparse.Namespace) -> int:
+    world_size = (args.world_sizes or [4])[0]
+    rows, facts = host_bench.run(world_size, calls=args.calls, cases=args.cases, timeout=args.timeout)
+    table = host_bench.markdown(rows)
+    print(table)
+    met = [row.met for row in rows if row.met is not None]
+    cost = host_bench.checked_cost(rows)
+    print(f"\n{len(rows)} comparisons, targets met {sum(met)}/{len(met)}; checked mode adds "
+          f"{'-' if cost is None else f'{cost:.1f}'} us per call (median over ops); fake backend, W {world_size}, "
+          f"{args.calls} calls per variant; {facts['seconds']} s; load average {facts['load_before']} -> "
+          f"{facts['load_after']}; {facts['versions']}")
+    for framework, error in facts["failures"].items():
+        print(f"{framework} runner FAILED: {error}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"facts": facts, "settings": {"world_size": world_size,
+                                                                            "calls": args.calls},
+                                               "rows": [dataclasses.asdict(row) for row in rows]}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 1 if facts["failures"] or not rows else 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.host:
+        return _host_bench(args)
     settings: dict[str, Any] = {**bench.QUICK} if args.quick else {**bench.FULL}
     settings.update({key: value for key in settings if (value := getattr(args, key)) is not None})
     rows, facts = bench.run(**settings, frameworks=args.frameworks, quick=args.quick, cases=args.cases,
@@ -126,6 +150,10 @@ def _add_bench(commands) -> None:
     timing.add_argument("--markdown", metavar="PATH", type=_writable, help="also write the table as markdown")
     timing.add_argument("--plot", metavar="PATH", type=_writable, help="also plot the ratios as PNG (needs matplotlib)")
     timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
+    timing.add_argument("--host", action="store_true",
+                        help="host time per call instead (torch, fake process group, small tensors): commlib vs "
+                             "torch.distributed.nn, the raw call by hand, the hand-written Ulysses, checked mode")
+    timing.add_argument("--calls", type=_positive, default=3000, help="with --host: timed calls per variant")
     timing.set_defaults(handler=_bench)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["CopyToTensorParallel", "ReduceFromTensorParallel", "SeedAllToAll4D", "block_loss_by_hand",
+__all__ = ["ByHand", "CopyToTensorParallel", "ReduceFromTensorParallel", "SeedAllToAll4D", "block_loss_by_hand",
            "seed_all_to_all_4d", "ulysses_by_hand"]
 
 
@@ -113,3 +113,18 @@ def block_loss_by_hand(params, x, target, config, groups):
     u = CopyToTensorParallel.apply(rms_norm(y, p["norm2"], config.eps), tp_group)
     m = ReduceFromTensorParallel.apply(torch.nn.functional.silu(u @ p["w_in"]) @ p["w_out"], tp_group)
     return 0.5 * (y + m - target).pow(2).sum() / config.tokens
+
+
+class ByHand(torch.autograd.Function):
+    """One autograd Function around a hand-written collective: ``forward = call(x)``, ``backward =
+    dual(cotangent)`` (through `ByHand` again). The host-time bench's floor for any differentiable collective:
+    the raw c10d call, its buffers and one Function, nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, call, dual):
+        ctx.call, ctx.dual = call, dual
+        return call(x)
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        return ByHand.apply(cotangent, ctx.dual, ctx.call), None, None
