@@ -1,0 +1,255 @@
+"""Can CUDA graphs capture the torch ops? (issue 13, part 4) -- for a machine with a GPU; not run on CPU.
+
+    python benchmarks/cuda_graphs.py --json OUT.json     # about two minutes on one GPU
+
+Three settings, each in its own process:
+
+- ``fake``: torch's fake process group (W=4, CUDA tensors) moves nothing, so what is captured is commlib's
+  whole path -- plan look-up, the autograd Function, the pack/unpack passes (torch copies, the word copy, the
+  Triton pack kernel for the large bf16 rows), the buffers -- for every op, forward and forward+backward, in a
+  ``torch.cuda.CUDAGraph``, then replayed; the eager warm-up calls run under
+  ``torch.cuda.set_sync_debug_mode("error")``, so a host synchronisation in commlib raises. Then
+  ``torch.compile(mode="reduce-overhead")`` of a small layer of ops: Inductor's CUDA graphs must not be skipped.
+  (The fake backend writes nothing, so values are not compared here.)
+- ``nccl``: one process, NCCL at world size 1 (every op is the identity there): captured as above.
+- ``gloo``: two processes on the one GPU, CUDA tensors: every op eagerly, outputs and input gradients compared
+  with the same call on CPU tensors; then a capture attempt, expected to fail inside gloo (it stages CUDA
+  tensors through host memory): the row says where it failed.
+
+Checked mode is not in any of them: it reads every rank's fingerprint on the host, by design.
+Exit status 0 when every fake and nccl row captured and every gloo eager row matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_SETTINGS = ("fake", "nccl", "gloo")
+_DEVICE = "cuda"  # "cpu" with --dry-run: the fake setting's table, eagerly, to check the script itself
+
+
+def _ops(world_size: int):
+    """(name, input shape, dtype, call) for every public op, the dims and roots that take different paths."""
+    import commlib_torch as cl
+
+    W = world_size
+    ring = [(rank, (rank + 1) % W) for rank in range(W)]
+    return [
+        ("all_reduce sum", (256,), torch.float32, lambda x: cl.all_reduce(x)),
+        ("all_reduce avg", (256,), torch.bfloat16, lambda x: cl.all_reduce(x, "avg")),
+        ("all_reduce max", (256,), torch.float32, lambda x: cl.all_reduce(x, "max")),
+        ("all_reduce product", (256,), torch.float32, lambda x: cl.all_reduce(x, "product")),
+        ("all_reduce bf16 accum fp32", (256,), torch.bfloat16, lambda x: cl.all_reduce(x, accum_dtype=torch.float32)),
+        ("all_reduce replicated", (256,), torch.float32, lambda x: cl.all_reduce(x, convention="replicated")),
+        ("all_gather dim 0", (8, 32), torch.float32, lambda x: cl.all_gather(x, 0)),
+        ("all_gather dim -1", (8, 32), torch.float32, lambda x: cl.all_gather(x, -1)),
+        ("reduce_scatter dim 0", (8 * W, 32), torch.float32, lambda x: cl.reduce_scatter(x, 0)),
+        ("reduce_scatter dim 1", (8, 8 * W), torch.float32, lambda x: cl.reduce_scatter(x, 1)),
+        ("all_to_all (1, 0)", (1, 64 * W), torch.float32, lambda x: cl.all_to_all(x, 1, 0)),
+        ("all_to_all_4d (2, 1) B=1", (1, 8, 8 * W, 16), torch.float32, lambda x: cl.all_to_all_4d(x, 2, 1)),
+        ("all_to_all_4d (1, 2) B=2", (2, 8 * W, 8, 16), torch.float32, lambda x: cl.all_to_all_4d(x, 1, 2)),
+        ("all_to_all_4d (2, 1) B=2 bf16 8 MiB", (2, 512, 8 * W, 128), torch.bfloat16,
+         lambda x: cl.all_to_all_4d(x, 2, 1)),  # the word-copy pack
+        ("all_to_all_4d (2, 1) B=2 bf16 32 MiB", (2, 2048, 8 * W, 128), torch.bfloat16,
+         lambda x: cl.all_to_all_4d(x, 2, 1)),  # the Triton pack kernel
+        ("broadcast src 0", (256,), torch.float32, lambda x: cl.broadcast(x, 0)),
+        ("broadcast src W-1", (256,), torch.float32, lambda x: cl.broadcast(x, W - 1)),
+        ("gather dst 0", (8, 32), torch.float32, lambda x: cl.gather(x, 0, 0)),
+        ("gather dst W-1", (8, 32), torch.float32, lambda x: cl.gather(x, W - 1, 0)),
+        ("scatter src 0", (8 * W, 32), torch.float32, lambda x: cl.scatter(x, 0, 0)),
+        ("scatter src W-1", (8 * W, 32), torch.float32, lambda x: cl.scatter(x, W - 1, 0)),
+        ("permute ring", (256,), torch.float32, lambda x: cl.permute(x, ring)),
+        ("sum_grad", (256,), torch.float32, lambda x: cl.sum_grad(x)),
+    ]
+
+
+def _step(call, backward: bool):
+    """x -> output (forward) or x -> (output, input gradient) through autograd with a fixed cotangent."""
+    if not backward:
+        return call
+
+    def forward_backward(x):
+        out = call(x)
+        (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        return out, grad
+
+    return forward_backward
+
+
+def _capture(fn, x) -> str:
+    """Warm `fn` up eagerly (host syncs raise), capture it in a CUDA graph and replay it: "ok" or the error.
+    (--dry-run, on the CPU: the eager calls only.)"""
+    try:
+        if not x.is_cuda:
+            for _ in range(3):
+                fn(x)
+            return "ok"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    fn(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x)
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as error:  # the report says what failed, op by op
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
+def _capture_rows(world_size: int, setting: str) -> list[dict]:
+    rows = []
+    for name, shape, dtype, call in _ops(world_size):
+        differentiable = dtype.is_floating_point
+        x = torch.randn(shape, device=_DEVICE).to(dtype).requires_grad_(differentiable)
+        rows.append({"setting": setting, "op": name, "what": "forward", "result": _capture(_step(call, False), x)})
+        if differentiable:
+            rows.append({"setting": setting, "op": name, "what": "forward+backward",
+                         "result": _capture(_step(call, True), x)})
+    return rows
+
+
+def _compile_row(world_size: int) -> dict:
+    """torch.compile(mode="reduce-overhead") of a small layer: Inductor's CUDA graphs must not be skipped."""
+    from torch._dynamo.utils import counters
+
+    import commlib_torch as cl
+
+    def layer(x):
+        y = cl.all_to_all_4d(x, 2, 1) * 2.0
+        return cl.all_reduce(cl.all_to_all_4d(y, 1, 2), "avg")
+
+    try:
+        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        x = torch.randn(1, 8, 8 * world_size, 16, device="cuda")
+        for _ in range(3):
+            compiled(x)
+        torch.cuda.synchronize()
+        skips = dict(counters["inductor"])
+        skipped = {key: value for key, value in skips.items() if "cudagraph_skip" in key and value}
+        result = "ok" if not skipped else f"cudagraphs skipped: {skipped}"
+    except Exception as error:
+        result = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    return {"setting": "fake", "op": "compile reduce-overhead (a2a4d, a2a4d, all_reduce)", "what": "forward",
+            "result": result}
+
+
+def _fake() -> list[dict]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    rows = [*_capture_rows(4, "fake"), *([_compile_row(4)] if _DEVICE == "cuda" else [])]
+    dist.destroy_process_group()
+    return rows
+
+
+def _nccl() -> list[dict]:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    rows = _capture_rows(1, "nccl")
+    dist.destroy_process_group()
+    return rows
+
+
+def _gloo_job(ctx) -> list[dict]:
+    """On each of two gloo ranks, one GPU: every op on CUDA tensors against the same op on CPU tensors."""
+    rows = []
+    for name, shape, dtype, call in _ops(ctx.world_size):
+        torch.manual_seed(ctx.rank)
+        cpu = torch.randn(shape).to(dtype)
+        try:
+            results = []
+            for device in ("cpu", "cuda"):
+                x = cpu.to(device).requires_grad_(dtype.is_floating_point)
+                out = call(x)
+                grad = torch.autograd.grad(out, x, torch.ones_like(out))[0] if x.requires_grad else None
+                results.append((out.detach().cpu().float(), None if grad is None else grad.cpu().float()))
+            (out_cpu, grad_cpu), (out_cuda, grad_cuda) = results
+            error = (out_cpu - out_cuda).abs().max().item()
+            if grad_cpu is not None:
+                error = max(error, (grad_cpu - grad_cuda).abs().max().item())
+            result = "ok" if error <= (1e-2 if dtype == torch.bfloat16 else 1e-5) else f"differs by {error:.3g}"
+        except Exception as failure:
+            result = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}"
+        rows.append({"setting": "gloo", "op": name, "what": "eager cuda vs cpu", "result": result})
+        x = torch.randn(shape, device="cuda").to(dtype)
+        rows.append({"setting": "gloo", "op": name, "what": "capture (expected to fail in gloo)",
+                     "result": _capture(call, x)})
+    return rows
+
+
+def _gloo() -> list[dict]:
+    from commlib_torch.tools.pool import WorkerPool
+
+    with WorkerPool(2, timeout=600.0) as pool:
+        return pool.run(_gloo_job)[0]
+
+
+def _run_setting(setting: str) -> list[dict]:
+    try:
+        return {"fake": _fake, "nccl": _nccl, "gloo": _gloo}[setting]()
+    except Exception:
+        return [{"setting": setting, "op": "(setting)", "what": "setup", "result": traceback.format_exc()[-600:]}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--setting", choices=_SETTINGS, help="(internal) run one setting in this process")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: the fake setting's calls on the CPU")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        global _DEVICE
+        _DEVICE = "cpu"
+        rows = _run_setting("fake")
+        print("\n".join(f"{row['op']:40} {row['what']:20} {row['result']}" for row in rows))
+        return 0 if all(row["result"] == "ok" for row in rows) else 1
+    if args.setting:
+        print(json.dumps(_run_setting(args.setting)))
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    rows = []
+    for setting in _SETTINGS:  # one process each: one default process group per process
+        done = subprocess.run([sys.executable, __file__, "--setting", setting], capture_output=True, text=True,
+                              timeout=900)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+        if done.returncode != 0 or not lines:
+            rows.append({"setting": setting, "op": "(setting)", "what": "process",
+                         "result": f"exit {done.returncode}: {done.stderr[-600:]}"})
+        else:
+            rows += json.loads(lines[-1])
+    width = max(len(row["op"]) for row in rows)
+    for row in rows:
+        print(f"{row['setting']:5}  {row['op']:{width}}  {row['what']:36}  {row['result']}")
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                                         "rows": rows}, indent=1))
+    required = [row for row in rows if row["setting"] in ("fake", "nccl") or row["what"].startswith("eager")]
+    failed = [row for row in required if row["result"] != "ok"]
+    print(f"\n{len(required) - len(failed)}/{len(required)} required rows ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
