@@ -5,23 +5,23 @@ accum_dtype, sizes, ranks, perm, ...), so the first call with given arguments bu
 `Plan` and every later call returns that same object: a frontend's host time per call is one look-up, not
 the validation and layout math.
 
-Two caches per builder, both `functools.lru_cache` (at most `MAX_PLANS` plans, least recently used first
-out):
+Two caches per builder, each of at most `MAX_PLANS` plans:
 
-- the fast one, looked up first, at C speed. It is ``typed``: each value is keyed with its type, so
-  ``dim=1.0`` or ``dim=True`` (which the builder refuses) never finds the plan of ``dim=1``, and
-  ``ReduceOp.SUM`` and ``"sum"`` are two keys of equal plans. Types only tell apart what is at the top
-  level, so it holds only calls whose arguments are scalars or sequences of a type registered with
-  `trust_sequence_type` (``torch.Size``: its items are always ints); it never stores a call with a plain
-  tuple, so no such call can find one.
-- the general one, for the rest (a plain tuple or a list as shape, perm or sizes): the arguments are first
-  made hashable (`key`: sequences become tuples, every value but an exact int, str or None is keyed with its
-  type), so a ``(3.0, 5)`` shape never finds the plan of ``(3, 5)``. A call with an unhashable argument (a
-  numpy array as perm, say) is built every time.
+- the fast one, a `functools.lru_cache` looked up first, at C speed. It is ``typed``: each value is keyed
+  with its type, so ``dim=1.0`` or ``dim=True`` (which the builder refuses) never finds the plan of
+  ``dim=1``, and ``ReduceOp.SUM`` and ``"sum"`` are two keys of equal plans. Types only tell apart what is
+  at the top level, so it holds only calls whose arguments are scalars or sequences of a type registered
+  with `trust_sequence_type` (``torch.Size``: its items are always ints); it never stores a call with a
+  plain tuple, so no such call can find one.
+- the general one, a dictionary (oldest plan first out) for the rest (a plain tuple or a list as shape, perm
+  or sizes): the arguments are first made hashable (`key`: sequences become tuples, every value but an exact
+  int, str or None is keyed with its type), so a ``(3.0, 5)`` shape never finds the plan of ``(3, 5)``. A
+  call with an unhashable argument (a numpy array as perm, say) is built every time.
 
 A call that raises caches nothing, so a mistake raises the same error, with the same text, every time.
-Under torch.compile, Dynamo skips ``lru_cache`` and traces the builder itself; what runs on a miss first
-asks the frontends' `bypass_while` tests, so a tracer never traces the key making.
+Under torch.compile, Dynamo skips ``lru_cache`` and traces the builder itself; what runs on a miss, and the
+general cache, first ask the frontends' `bypass_while` tests, so a tracer never traces the key making or a
+change to the dictionary.
 
 >>> from commlib import plans
 >>> clear()
@@ -46,7 +46,7 @@ _INTS = frozenset({int})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
 _trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
 _bypass: list[Callable[[], bool]] = []  # see bypass_while
-_caches: dict[str, tuple[Any, Any]] = {}  # builder name -> its (fast, general) lru_cache functions
+_caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dict)
 _builds: collections.Counter[str] = collections.Counter()  # builder name -> times it ran
 
 Builder = TypeVar("Builder", bound=Callable[..., Any])
@@ -89,30 +89,14 @@ def _hashable(value: object) -> object:
 
 def key(args: tuple, kwargs: dict) -> tuple:
     """The general cache's key of a builder call: `args`' and `kwargs`' values made hashable, and the
-    keyword names (hashing it raises TypeError where an argument is unhashable)."""
+    keyword names (looking it up raises TypeError where an argument is unhashable)."""
     return _hashable(args), tuple(kwargs), _hashable(tuple(kwargs.values()))
-
-
-class _Call:
-    """A builder call keyed by `key` (the general cache's argument): the builder gets the caller's own
-    arguments, so its errors quote what the caller passed."""
-
-    __slots__ = ("args", "hash", "key", "kwargs")
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs, self.key = args, kwargs, key(args, kwargs)
-        self.hash = hash(self.key)
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Call) and self.key == other.key
 
 
 def cached_plan(builder: Builder) -> Builder:
     """Build each plan once: later calls with the same arguments return the same `Plan` (module docstring)."""
     name = builder.__qualname__
+    general: dict[tuple, Any] = {}  # `key` -> plan, oldest first
 
     def run(*args, **kwargs):
         _builds[name] += 1
@@ -126,10 +110,6 @@ def cached_plan(builder: Builder) -> Builder:
             raise _Untrusted
         return run(*args, **kwargs)
 
-    @functools.lru_cache(maxsize=MAX_PLANS)
-    def general(call: _Call):
-        return run(*call.args, **call.kwargs)
-
     _caches[name] = (fast, general)
 
     @functools.wraps(builder)
@@ -138,11 +118,20 @@ def cached_plan(builder: Builder) -> Builder:
             return fast(*args, **kwargs)
         except (_Untrusted, TypeError):  # a plain sequence, an unhashable value, or the builder's TypeError
             pass
+        if any(tracing() for tracing in _bypass):
+            return builder(*args, **kwargs)
         try:
-            call = _Call(args, kwargs)
+            call_key = key(args, kwargs)
+            return general[call_key]
+        except KeyError:
+            pass
         except TypeError:  # an unhashable argument: build it every time
             return run(*args, **kwargs)
-        return general(call)
+        plan = run(*args, **kwargs)  # the caller's own arguments: errors quote what it passed
+        if len(general) >= MAX_PLANS:
+            del general[next(iter(general))]
+        general[call_key] = plan
+        return plan
 
     return build  # type: ignore[return-value]
 
@@ -154,7 +143,7 @@ def builds(name: str | None = None) -> int:
 
 def clear() -> None:
     """Forget every cached plan and reset the build counts."""
-    for caches in _caches.values():
-        for cache in caches:
-            cache.cache_clear()
+    for fast, general in _caches.values():
+        fast.cache_clear()
+        general.clear()
     _builds.clear()

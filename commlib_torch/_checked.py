@@ -71,20 +71,21 @@ def checked(enabled: bool = True) -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _fingerprint(plan: Plan, dtype: torch.dtype, phase: str, device: torch.device) -> torch.Tensor:
-    """This rank's fingerprint on `device`, built once per call signature (collectives only read it)."""
-    return torch.from_numpy(check.fingerprint(plan, dtype_name(dtype), phase)).to(device)
+def _buffers(plan: Plan, dtype: torch.dtype, phase: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's fingerprint, the all_gather's receive buffer) on `device`, made once per call signature.
+
+    The fingerprint is only read. The receive buffer is reused: every rank's row is written by each exchange
+    and read on the host (a synchronisation) before the exchange returns, so no call sees another's. It starts
+    as this rank's row repeated, so a backend that moves no data (torch's fake process group) compares equal
+    rather than reading uninitialised memory."""
+    mine = torch.from_numpy(check.fingerprint(plan, dtype_name(dtype), phase)).to(device)
+    return mine, mine.repeat(plan.world_size)
 
 
 def exchange(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | None, phase: str = "forward") -> None:
     """All-gather this rank's fingerprint of (`plan`, `tensor`'s dtype, `phase`) over `group`; raise the
-    spec's `CommError` on every rank if any rank's differs.
-
-    The receive buffer starts as this rank's row repeated (as cheap as an empty one), so a backend that moves
-    no data (torch's fake process group) compares equal rather than reading uninitialised memory.
-    """
-    mine = _fingerprint(plan, tensor.dtype, phase, tensor.device)
-    everyone = mine.repeat(plan.world_size)
+    spec's `CommError` on every rank if any rank's differs."""
+    mine, everyone = _buffers(plan, tensor.dtype, phase, tensor.device)
     all_gather_single(everyone, mine, group=group)
     check.compare(everyone.cpu().numpy(), group_rank(group))
 

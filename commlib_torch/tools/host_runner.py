@@ -15,8 +15,9 @@ commlib and the baselines it is compared with:
 - ``commlib`` for the ``checked`` rows, whose subject is commlib in checked mode (one fingerprint all_gather
   more per collective).
 
-Every call is timed on its own (`time.perf_counter`); the variants of a case take turns in rounds (rotating
-which goes first), so a change in the machine's load falls on all of them alike.
+Every call is timed on its own (`time.perf_counter`); the variants of a case take turns call by call
+(rotating which goes first), so a change in the machine's load, and the state of the caches each call finds,
+fall on all of them alike.
 """
 
 from __future__ import annotations
@@ -290,21 +291,24 @@ def init_fake(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def time_variants(variants: Variants, calls: int, rounds: int = 30, warmup: int = 200) -> dict[str, list[float]]:
-    """Seconds of each of `calls` calls per variant, the variants taking turns in `rounds` rounds."""
+def time_variants(variants: Variants, calls: int, warmup: int = 200, chunk: int = 100) -> dict[str, list[float]]:
+    """Seconds of each of `calls` calls per variant. The variants take turns call by call (the first of each
+    turn rotating), so each call follows the others' and finds the caches as they left them: no variant runs
+    hot in a loop of its own while another runs cold. The garbage collector runs between chunks of turns."""
     names = list(variants)
     for name in names:
         for _ in range(warmup):
             variants[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    per_round = max(1, calls // rounds)
-    for index in range(rounds):
+    orders = [[(variants[name], samples[name]) for name in names[shift:] + names[:shift]]
+              for shift in range(len(names))]
+    clock = time.perf_counter
+    for first in range(0, calls, chunk):
         gc.collect()
         gc.disable()
         try:
-            for name in names[index % len(names):] + names[:index % len(names)]:
-                call, times, clock = variants[name], samples[name], time.perf_counter
-                for _ in range(per_round):
+            for turn in range(first, min(calls, first + chunk)):
+                for call, times in orders[turn % len(orders)]:
                     start = clock()
                     call()
                     times.append(clock() - start)
