@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,6 +45,7 @@ MAX_PLANS = 4096  # plans kept per builder and cache
 
 _EXACT = frozenset({int, str, type(None)})  # values keyed as themselves (no other type compares equal to them)
 _INTS = frozenset({int})
+_PAIRS = frozenset({tuple, list})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
 _trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
 _bypass: list[Callable[[], bool]] = []  # see bypass_while
@@ -71,6 +74,11 @@ def bypass_while(predicate: Callable[[], bool]) -> None:
         _bypass.append(predicate)
 
 
+def _tracing() -> bool:
+    """True while a frontend's `bypass_while` test says a tracer runs."""
+    return any(map(operator.call, _bypass))
+
+
 @functools.lru_cache(maxsize=1024)
 def _fast_types(*types: type) -> bool:
     """True when values of `types` may key the fast (typed) cache as they are."""
@@ -83,7 +91,11 @@ def _hashable(value: object) -> object:
     if kind in _EXACT:
         return value
     if isinstance(value, (tuple, list)):
-        return tuple(value) if _INTS.issuperset(map(type, value)) else tuple(map(_hashable, value))
+        if _INTS.issuperset(map(type, value)):  # a shape or sizes: checked at C speed
+            return tuple(value)
+        if _PAIRS.issuperset(map(type, value)) and _INTS.issuperset(map(type, itertools.chain.from_iterable(value))):
+            return tuple(map(tuple, value))  # a perm: (src, dst) pairs of ints
+        return tuple(map(_hashable, value))
     return (kind, value)
 
 
@@ -104,7 +116,7 @@ def cached_plan(builder: Builder) -> Builder:
 
     @functools.lru_cache(maxsize=MAX_PLANS, typed=True)
     def fast(*args, **kwargs):
-        if any(tracing() for tracing in _bypass):
+        if _tracing():
             return builder(*args, **kwargs)
         if not _fast_types(*map(type, args), *map(type, kwargs.values())):
             raise _Untrusted
@@ -118,7 +130,7 @@ def cached_plan(builder: Builder) -> Builder:
             return fast(*args, **kwargs)
         except (_Untrusted, TypeError):  # a plain sequence, an unhashable value, or the builder's TypeError
             pass
-        if any(tracing() for tracing in _bypass):
+        if _tracing():
             return builder(*args, **kwargs)
         try:
             call_key = key(args, kwargs)
