@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,7 +75,7 @@ def bypass_while(predicate: Callable[[], bool]) -> None:
 
 def _tracing() -> bool:
     """True while a frontend's `bypass_while` test says a tracer runs."""
-    return any(map(operator.call, _bypass))
+    return any(tracing() for tracing in _bypass)  # (Dynamo traces this; it cannot trace operator.call)
 
 
 @functools.lru_cache(maxsize=1024)
