@@ -48,7 +48,7 @@ _PAIRS = frozenset({tuple, list})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
 _trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
 _bypass: list[Callable[[], bool]] = []  # see bypass_while
-_caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dict)
+_caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dictionary)
 _builds: collections.Counter[str] = collections.Counter()  # builder name -> times it ran
 
 Builder = TypeVar("Builder", bound=Callable[..., Any])
@@ -107,7 +107,7 @@ def key(args: tuple, kwargs: dict) -> tuple:
 def cached_plan(builder: Builder) -> Builder:
     """Build each plan once: later calls with the same arguments return the same `Plan` (module docstring)."""
     name = builder.__qualname__
-    general: dict[tuple, Any] = {}  # `key` -> plan, oldest first
+    general: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # `key` -> plan, oldest first
 
     def run(*args, **kwargs):
         _builds[name] += 1
@@ -140,7 +140,7 @@ def cached_plan(builder: Builder) -> Builder:
             return run(*args, **kwargs)
         plan = run(*args, **kwargs)  # the caller's own arguments: errors quote what it passed
         if len(general) >= MAX_PLANS:
-            del general[next(iter(general))]
+            general.popitem(last=False)
         general[call_key] = plan
         return plan
 
