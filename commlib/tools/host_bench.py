@@ -25,7 +25,7 @@ __all__ = ["BY_HAND_OPS", "TARGETS", "markdown", "run"]
 
 #: The ops whose target is against the raw call by hand (the runner's case names).
 BY_HAND_OPS = ("all_gather (dim 0)", "reduce_scatter (dim 0)", "all_to_all (= all_to_all_single)", "broadcast",
-               "gather (dim 0)", "scatter (dim 0)", "permute (ring)", "sum_grad", "shard (dim -1)", "reduce")
+               "gather (dim 0)", "scatter (dim 0)", "permute (ring)", "sum_grad", "shard (dim 0)", "reduce")
 _HOST = dict(world_size=4, size_mib=0.0)
 #: The issue's targets (fake backend, world size 4, small tensors), ratios of medians from one run.
 TARGETS = (

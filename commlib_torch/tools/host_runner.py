@@ -238,6 +238,22 @@ def _sum_grad(world_size: int) -> Variants:
             BY_HAND: _by_hand(x, lambda source: source.view_as(source), _all_reduce_by_hand)}
 
 
+@_case("shard (dim 0)")
+def _shard(world_size: int) -> Variants:
+    x = _input(8 * world_size, 32)
+
+    def slice_by_hand(source: torch.Tensor) -> torch.Tensor:  # this process is rank 0: block 0, a fresh tensor
+        return source.narrow(0, 0, source.shape[0] // world_size).clone()
+
+    return {"commlib": lambda: commlib_torch.shard(x, 0), BY_HAND: _by_hand(x, slice_by_hand, _gather_by_hand)}
+
+
+@_case("reduce")
+def _reduce(world_size: int) -> Variants:
+    x = _input(256)
+    return {"commlib": lambda: commlib_torch.reduce(x, 0), BY_HAND: _by_hand(x, _reduce_by_hand, _broadcast_by_hand)}
+
+
 def _checked_case(name: str) -> None:
     """Checked mode's cost: the fingerprint all_gather (and its compare) before the collective."""
     case = CASES[name]
@@ -276,7 +292,7 @@ def _backward_case(name: str, baseline: str) -> None:
     CASES[f"fwd+bwd {name}"] = HostCase(f"fwd+bwd {name}", build, (baseline,))
 
 
-for _name in [name for name in CASES if name != "sum_grad"]:
+for _name in [name for name in CASES if name not in ("sum_grad", "shard (dim 0)")]:  # local: nothing to check
     _checked_case(_name)
 _backward_case("all_reduce", NN)
 _backward_case("all_to_all_4d (2, 1) B=1", "hand-written (torch.distributed.nn)")
