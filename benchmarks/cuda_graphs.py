@@ -40,9 +40,12 @@ _DEVICE = "cuda"  # "cpu" with --dry-run: the fake setting's table, eagerly, to 
 def _ops(world_size: int):
     """(name, input shape, dtype, call) for every public op, the dims and roots that take different paths."""
     import commlib_torch as cl
+    from commlib import split_sizes
 
     W = world_size
     ring = [(rank, (rank + 1) % W) for rank in range(W)]
+    heads_total = max(2, 2 * W - 2)
+    seq, heads = split_sizes(4 * W - 1, W), split_sizes(heads_total, W)
     return [
         ("all_reduce sum", (256,), torch.float32, lambda x: cl.all_reduce(x)),
         ("all_reduce avg", (256,), torch.bfloat16, lambda x: cl.all_reduce(x, "avg")),
@@ -69,6 +72,13 @@ def _ops(world_size: int):
         ("scatter src W-1", (8 * W, 32), torch.float32, lambda x: cl.scatter(x, W - 1, 0)),
         ("permute ring", (256,), torch.float32, lambda x: cl.permute(x, ring)),
         ("sum_grad", (256,), torch.float32, lambda x: cl.sum_grad(x)),
+        ("shard dim 0", (8 * W, 32), torch.float32, lambda x: cl.shard(x, 0)),
+        ("reduce dst 0", (256,), torch.float32, lambda x: cl.reduce(x, 0)),
+        ("reduce dst W-1 avg", (256,), torch.bfloat16, lambda x: cl.reduce(x, W - 1, "avg")),
+        # uneven sizes (rank 0's shape: the fake and nccl settings only), S = 4W - 1, H = 2W - 2 (2 at W = 1)
+        ("all_to_all_4d (2, 1) B=1 uneven", (1, seq[0], heads_total, 16), torch.float32,
+         lambda x: cl.all_to_all_4d(x, 2, 1, gather_sizes=seq, scatter_sizes=heads)),
+        ("all_gather dim 0 uneven", (seq[0], 32), torch.float32, lambda x: cl.all_gather(x, 0, sizes=seq)),
     ]
 
 
@@ -174,6 +184,8 @@ def _gloo_job(ctx) -> list[dict]:
     """On each of two gloo ranks, one GPU: every op on CUDA tensors against the same op on CPU tensors."""
     rows = []
     for name, shape, dtype, call in _ops(ctx.world_size):
+        if "uneven" in name:  # shapes differ by rank: the fake and nccl settings cover them
+            continue
         torch.manual_seed(ctx.rank)
         cpu = torch.randn(shape).to(dtype)
         try:
