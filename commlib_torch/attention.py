@@ -1,31 +1,118 @@
-"""Ulysses sequence-parallel softmax attention on commlib's `all_to_all_4d` (the parity workload)."""
+"""Ulysses sequence-parallel attention over `torch.distributed`: any sequence length, any head count, GQA/MQA.
+
+The spec (`commlib.attention.ulysses_plan`) validates the call and decides the heads each rank attends with,
+the kv heads it receives and the sizes of the collectives; this module walks that plan: one all-to-all for
+q, k and v together, the attention over the full sequence, one all-to-all back.
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from commlib_torch._groups import Group, resolve_group
-from commlib_torch.functional import all_to_all_4d
+from commlib import attention as spec
+from commlib_torch._groups import Group, check_tensor, resolve_group, world_size
+from commlib_torch._walk import dtype_name
+from commlib_torch.functional import all_to_all, all_to_all_4d
 
 __all__ = ["attention", "ulysses_attention"]
 
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(D)) v`` per batch and head: ``[B, S, H, D] x3 -> [B, S, H, D]``."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+AttentionFn = Callable[..., torch.Tensor]
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Attention over the full sequence for sequence-sharded inputs: ``[B, S/W, H, D] x3 -> [B, S/W, H, D]``.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
+    k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
+    ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
+    to ``1 / sqrt(D)``. The default `attn_fn` of `ulysses_attention`."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
 
-    Each input goes ``[B, S/W, H, D] -> [B, S, H/W, D]`` (`all_to_all_4d` (2, 1)), attention runs on H/W
-    heads over all S positions, and the output returns by the (1, 2) all-to-all. Equal to `attention` on the
-    inputs concatenated along seq, sharded the same way; gradients flow through both all-to-alls. `group`: the
-    process group (None: WORLD), a 1-D DeviceMesh or ``(mesh, dim_name)``.
+
+class _SelectHeads(torch.autograd.Function):
+    """The send buffer of a `commlib.attention.Exchange`: slices of the heads-first inputs concatenated (one
+    local pass). Backward: each slice's cotangent added back into the heads it came from."""
+
+    @staticmethod
+    def forward(ctx, runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.runs, ctx.shapes = runs, [tuple(x.shape) for x in inputs]
+        return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
+
+    @staticmethod
+    def backward(ctx, cotangent: torch.Tensor):
+        # zeros laid out as the user's [B, S_r, n, D] tensors, seen heads first: the gradients come out contiguous
+        grads = [cotangent.new_zeros((*shape[1:3], shape[0], *shape[3:])).permute(2, 0, 1, 3) for shape in ctx.shapes]
+        offset = 0
+        for index, start, stop in ctx.runs:
+            grads[index][start:stop] += cotangent[offset:offset + stop - start]
+            offset += stop - start
+        return None, *grads
+
+
+def _sizes(scatter_sizes, gather_sizes) -> dict:
+    """The uneven keywords of a collective (left out where the spec says even)."""
+    sizes = dict(scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
+    return {key: value for key, value in sizes.items() if value is not None}
+
+
+def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
+              group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """One all-to-all of the exchange's inputs: ``{name: [n_r, B, S, D]}`` (heads first) on this rank."""
+    position = {name: index for index, name in enumerate(exchange.inputs)}
+    runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
+    send = _SelectHeads.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
+    recv = all_to_all(send, 0, 2, group, **_sizes(exchange.scatter_sizes, exchange.gather_sizes))
+    return {name: recv[start:stop] for name, start, stop in exchange.receive}
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *,
+                      causal: bool = False, scale: float | None = None, seq_sizes=None,
+                      attn_fn: AttentionFn | None = None) -> torch.Tensor:
+    """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
+    H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, x's dtype; equal to `attention` on the inputs
+    concatenated along seq, cut back the same way.
+
+    Args:
+        q, k, v: this rank's rows of the sequence, rank r holding rows ``seq_sizes[r]`` (exactly: torch keeps a
+            sharded dim at this rank's size). ``H % H_kv == 0`` (MHA, GQA, MQA); any H, H_kv and world size W.
+        group: the process group (None: WORLD), a 1-D DeviceMesh or ``(mesh, dim_name)``; W is its size.
+        causal: a query sees the keys at global positions <= its own.
+        scale: the softmax scale (default ``1 / sqrt(D)``).
+        seq_sizes: W ints, every rank's row count (e.g. ``commlib.split_sizes(S, W)``); None: all equal.
+        attn_fn: ``attn_fn(q, k, v, *, causal, scale) -> out`` on ``[B, S, h, D]`` / ``[B, S, h_kv, D]`` (q head i
+            using kv head ``i // (h // h_kv)``), e.g. a flash-attention wrapper; default `attention` (SDPA).
+
+    Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
+    those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
+    when v's head dim differs from q's), the output in one. Gradient: exact, through both all-to-alls
+    (their VJPs are the reverse all-to-alls; a kv head sent to two ranks gets both cotangents).
+
+    Raises:
+        CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
+            `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), unequal dtypes, a rank
+            outside `group`, a mesh dim that does not exist.
+        TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
     """
-    group = resolve_group("ulysses_attention", group)
-    full = [all_to_all_4d(t, 2, 1, group) for t in (q, k, v)]
-    return all_to_all_4d(attention(*full), 1, 2, group)
+    group = resolve_group(spec.OP_NAME, group)
+    q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, world_size(spec.OP_NAME, group), rank=dist.get_rank(group),
+                             seq_sizes=seq_sizes, dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal,
+                             scale=scale)
+    inputs, local = {"q": q, "k": k, "v": v}, {}
+    for exchange in plan.exchanges:
+        local.update(_exchange(exchange, inputs, group))
+    if plan.local_heads == 0:  # no heads here: an empty output, still on the graph (every rank runs backward)
+        out = local["v"].permute(1, 2, 0, 3)
+    else:
+        keys, values = local["k"], local["v"]
+        if plan.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
+            index = torch.tensor(plan.kv_index[0], device=keys.device)
+            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
+        out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale)
+    return all_to_all_4d(out, 1, 2, group, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))

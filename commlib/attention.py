@@ -1,0 +1,540 @@
+"""Attention layers: the head and position bookkeeping both frontends walk, and the float64 numpy reference.
+
+Ulysses (DeepSpeed-Ulysses) shards attention by sequence: rank r holds rows ``seq_sizes[r]`` of q, k, v
+(``[B, S_r, H, D]``, ``[B, S_r, H_kv, D]``), one all-to-all gives every rank the full sequence for a subset
+of heads, each rank attends with its heads, and a second all-to-all returns ``[B, S_r, H, D]``. This module
+decides everything about that except the arithmetic:
+
+- `HeadSplit`: the q heads each rank attends with (``split_sizes(H, W)``, contiguous, in order) and exactly
+  the kv heads those q heads use. q head i uses kv head ``i // (H // H_kv)`` (the model's GQA grouping, as
+  SDPA's ``enable_gqa`` and ``jax.nn.dot_product_attention`` group), so a rank needs a contiguous range of
+  kv heads, and a kv head whose q heads fall on two ranks is sent to both. On the wire each rank receives
+  exactly those kv heads (torch) -- the minimum -- or them padded to the largest rank's count (JAX).
+- `UlyssesPlan` (built by `ulysses_plan`, which validates first): the `Exchange` that carries q, k and v in
+  ONE all-to-all (stacked along heads, one block per destination), the receive offsets, the local kv index
+  where a rank's q heads do not group evenly over its kv heads, and the sizes of both collectives.
+- Positions: `contiguous_positions(seq_sizes)` gives the global positions of each rank's shard; causal masks
+  compare global positions (`causal_mask`), so a layout that is not in sequence order (zigzag, USP) only
+  changes the positions, not the rule.
+- The reference: `attention` / `attention_vjp` (float64 GQA attention with masks over global positions,
+  forward and VJP) and `simulate_ulysses` (the plan walked on W simulated numpy ranks).
+
+Layouts (the "Uneven sizes" rule of DESIGN.md): torch holds a sharded dim exactly (``layout="exact"``:
+rank r's q has ``seq_sizes[r]`` rows; the plan is per rank), JAX holds it padded to the maximum
+(``layout="padded"``: every rank has ``max(seq_sizes)`` rows, and rank-dependent head counts are padded to
+the largest; the plan is the same on every rank and rank-dependent choices are tables indexed by rank).
+
+>>> split = head_split(6, 2, 4)
+>>> split.q_ranges, split.kv_ranges
+(((0, 2), (2, 4), (4, 5), (5, 6)), ((0, 1), (0, 2), (1, 2), (1, 2)))
+>>> plan = ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, rank=0, seq_sizes=(3, 3, 2, 2))
+>>> plan.exchanges[0].scatter_sizes  # q, k, v heads each destination receives (the one all-to-all)
+(4, 6, 3, 3)
+>>> plan.exchanges[0].send_runs[:3]  # destination 0: q heads 0-1, k head 0, v head 0
+(('q', 0, 2), ('k', 0, 1), ('v', 0, 1))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+
+from commlib.errors import comm_error, kind_error
+
+__all__ = [
+    "OP_NAME",
+    "LAYOUTS",
+    "HeadSplit",
+    "Exchange",
+    "UlyssesPlan",
+    "head_split",
+    "ulysses_plan",
+    "contiguous_positions",
+    "causal_mask",
+    "attention",
+    "attention_vjp",
+    "simulate_ulysses",
+]
+
+OP_NAME = "ulysses_attention"
+#: "exact": a sharded dim holds this rank's size (torch); "padded": it holds the maximum (JAX).
+LAYOUTS = ("exact", "padded")
+_INPUTS = ("q", "k", "v")
+
+
+def _split_sizes(n: int, world_size: int) -> tuple[int, ...]:
+    """The balanced split (the first ``n % W`` ranks get one more): ``numpy.array_split``'s rule."""
+    base, extra = divmod(n, world_size)
+    return tuple(base + (rank < extra) for rank in range(world_size))
+
+
+def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Start of each block when blocks of `sizes` are laid end to end."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return tuple(starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """Which heads each rank attends with: q heads ``q_ranges[r]`` and the kv heads ``kv_ranges[r]`` they use
+    (``[start, stop)``, global head indices). Built by `head_split`."""
+
+    heads: int  # H, query heads
+    kv_heads: int  # H_kv, key/value heads (H % H_kv == 0)
+    world_size: int
+    q_ranges: tuple[tuple[int, int], ...]  # rank r's q heads: split_sizes(H, W), contiguous, in rank order
+    kv_ranges: tuple[tuple[int, int], ...]  # rank r's kv heads: those its q heads use (empty if it has none)
+
+    @property
+    def group(self) -> int:
+        """q heads per kv head (1: MHA, H: MQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_sizes(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.q_ranges)
+
+    @property
+    def kv_sizes(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.kv_ranges)
+
+    def local_kv(self, rank: int) -> tuple[int, ...]:
+        """For each of rank's q heads, the index of its kv head among rank's kv heads.
+
+        >>> head_split(8, 2, 3).local_kv(1)  # q heads 3, 4, 5 use kv heads 0, 1, 1
+        (0, 1, 1)
+        """
+        (start, stop), kv_start = self.q_ranges[rank], self.kv_ranges[rank][0]
+        return tuple(head // self.group - kv_start for head in range(start, stop))
+
+    def local_group(self, rank: int) -> int | None:
+        """g when rank's q head i uses its kv head ``i // g`` (SDPA's / JAX's GQA grouping applies to the
+        received heads as they are), else None (the kv heads must be indexed per q head first). 1 for a rank
+        with no heads."""
+        local = self.local_kv(rank)
+        return _grouping(local, len(local), self.kv_sizes[rank])
+
+    @property
+    def min_kv_heads(self) -> int:
+        """kv heads (of k, and as many of v) all ranks receive together when each receives exactly the ones
+        its q heads use: the minimum the wire can carry."""
+        return sum(self.kv_sizes)
+
+
+def _grouping(local: Sequence[int], heads: int, kv_heads: int) -> int | None:
+    """g if ``local[i] == i // g`` for every entry of `local` with ``heads == g * kv_heads``, else None."""
+    if heads == 0:
+        return 1
+    if kv_heads == 0 or heads % kv_heads:
+        return None
+    group = heads // kv_heads
+    return group if all(kv == head // group for head, kv in enumerate(local)) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
+    """The `HeadSplit` of H q heads over H_kv kv heads (H % H_kv == 0, checked by `ulysses_plan`) at W ranks."""
+    group = heads // kv_heads
+    q_ranges = tuple((start, start + size) for start, size in
+                     zip(_offsets(_split_sizes(heads, world_size)), _split_sizes(heads, world_size), strict=True))
+    kv_ranges = tuple((start // group, (stop - 1) // group + 1) if stop > start else (0, 0)
+                      for start, stop in q_ranges)
+    return HeadSplit(heads, kv_heads, world_size, q_ranges, kv_ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One all-to-all that carries some of q, k, v, stacked along heads, heads first.
+
+    Each input is viewed heads first (``[B, S_r, n, D] -> [n, B, S_r, D]``); the send buffer is
+    ``stacked[send_index]`` where ``stacked`` is the inputs concatenated along heads (``[q | k | v]``), laid
+    out destination by destination: block j holds destination j's q heads, then its k heads, then its v heads.
+    The collective is ``all_to_all(send, scatter_dim=0, gather_dim=2)`` with `scatter_sizes` and
+    `gather_sizes` (None: the even op): ``[C, B, S_r, D] -> [c_r, B, S, D]``. On the receiver, input ``name``
+    is ``recv[start:stop]`` for ``(name, start, stop)`` in `receive`.
+
+    The selection is linear; its VJP adds each block's cotangent back into the heads it came from (a kv head
+    sent to two ranks gets the sum of both cotangents).
+    """
+
+    inputs: tuple[str, ...]  # names travelling together, in block order: ("q", "k", "v") or ("q", "k")
+    heads: tuple[int, ...]  # heads of each input (H or H_kv), in `inputs` order
+    send_index: tuple[int, ...]  # destination-major; an index into [q | k | v] heads; `zero_head` = zeros
+    scatter_sizes: tuple[int, ...] | None  # heads destination j receives; None when all equal (even op)
+    gather_sizes: tuple[int, ...] | None  # seq rows rank r contributes (= seq_sizes); None when even
+    receive: tuple[tuple[str, int, int], ...]  # (input, start, stop) of each input in this rank's received block
+
+    @property
+    def zero_head(self) -> int:
+        """The index in `send_index` that stands for a head of zeros (padded layout): one past the last."""
+        return sum(self.heads)
+
+    @property
+    def send_runs(self) -> tuple[tuple[str, int, int], ...]:
+        """`send_index` as runs ``(input, start, stop)`` of consecutive heads of one input (exact layout:
+        the send buffer is the concatenation of these slices, one local pass)."""
+        starts = dict(zip(self.inputs, _offsets(self.heads), strict=True))
+        runs: list[tuple[str, int, int]] = []
+        for index in self.send_index:
+            name = next(name for name in reversed(self.inputs) if starts[name] <= index)
+            head = index - starts[name]
+            if runs and runs[-1][0] == name and runs[-1][2] == head:
+                runs[-1] = (name, runs[-1][1], head + 1)
+            else:
+                runs.append((name, head, head + 1))
+        return tuple(runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesPlan:
+    """A validated `ulysses_attention` call on one rank (exact layout) or on every rank (padded layout).
+
+    Walk: each `Exchange` (q, k, v in one all-to-all where their head dims allow, else q, k in one and v in
+    another); index the received k, v by `kv_index` where given; attention over the full sequence (global
+    positions `positions`: causal masks compare them); ``all_to_all_4d(out, 1, 2, scatter_sizes=
+    out_scatter_sizes, gather_sizes=out_gather_sizes)`` back to ``[B, S_r, H, D_v]``.
+    """
+
+    world_size: int
+    rank: int | None  # the rank this plan is for (exact layout); None: every rank (padded layout)
+    layout: str  # "exact" or "padded" (LAYOUTS)
+    batch: int
+    seq_sizes: tuple[int, ...]  # rows of every rank's shard, in rank order (global rows in that order)
+    head_dim: int  # D of q and k
+    value_dim: int  # D_v of v (and of the output)
+    dtype: str
+    causal: bool
+    scale: float  # the softmax scale (1 / sqrt(D) unless given)
+    heads: HeadSplit
+    exchanges: tuple[Exchange, ...]  # one if q, k, v share a head dim, else two
+    local_heads: int  # q heads this rank attends with (padded: the most any rank has)
+    local_kv_heads: int  # kv heads it receives (padded: the most any rank has)
+    kv_index: tuple[tuple[int, ...], ...] | None  # per rank: the received kv head of each local q head;
+    #   None where the received heads group evenly (GQA as they are). Exact layout: one row (this rank).
+    out_scatter_sizes: tuple[int, ...] | None  # the output all-to-all's sizes (None: even)
+    out_gather_sizes: tuple[int, ...] | None
+
+    @property
+    def seq(self) -> int:
+        """S, the full sequence length."""
+        return sum(self.seq_sizes)
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Global positions of the gathered sequence's rows, in order (the shards concatenated in rank order)."""
+        return tuple(position for shard in contiguous_positions(self.seq_sizes) for position in shard)
+
+    @property
+    def fused(self) -> bool:
+        """True when q, k and v travel in one all-to-all."""
+        return len(self.exchanges) == 1
+
+    def kv_wire_heads(self) -> int:
+        """kv heads (of k; v the same) all ranks receive together on the wire: `HeadSplit.min_kv_heads` in the
+        exact layout, ``W * max(kv_sizes)`` in the padded one."""
+        if self.layout == "exact":
+            return self.heads.min_kv_heads
+        return self.world_size * max(self.heads.kv_sizes)
+
+
+def contiguous_positions(seq_sizes: Sequence[int]) -> tuple[range, ...]:
+    """Global positions of each rank's shard when the sequence is cut in order (rank r holds the
+    ``seq_sizes[r]`` rows after those of ranks < r): Ulysses' layout.
+
+    >>> contiguous_positions((3, 3, 2, 2))
+    (range(0, 3), range(3, 6), range(6, 8), range(8, 10))
+    """
+    return tuple(range(start, start + size) for start, size in zip(_offsets(seq_sizes), seq_sizes, strict=True))
+
+
+def causal_mask(q_positions: Sequence[int], k_positions: Sequence[int]) -> np.ndarray:
+    """``[Sq, Sk]`` bool: query at global position p sees the keys at positions <= p.
+
+    >>> causal_mask([1, 2], [0, 2, 1]).astype(int)
+    array([[1, 0, 1],
+           [1, 1, 1]])
+    """
+    return np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]
+
+
+def _check_int(name: str, value: object, received: dict) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise kind_error(OP_NAME, f"{name} must be an int, not {type(value).__name__}", **received)
+    return operator.index(value)
+
+
+def _check_shapes(shapes: dict[str, object], received: dict) -> dict[str, tuple[int, ...]]:
+    checked = {}
+    for name, shape in shapes.items():
+        try:
+            dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+        except TypeError:
+            raise kind_error(OP_NAME, f"{name} shape must be a sequence of ints", **received) from None
+        if len(dims) != 4:
+            raise comm_error(OP_NAME, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])",
+                             **received)
+        checked[name] = dims
+    q, k, v = checked["q"], checked["k"], checked["v"]
+    for name, dims in (("k", k), ("v", v)):
+        for axis, quantity in ((0, "batch"), (1, "seq")):
+            if dims[axis] != q[axis]:
+                raise comm_error(OP_NAME, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})",
+                                 **received)
+    if v[2] != k[2]:
+        raise comm_error(OP_NAME, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
+    if k[3] != q[3]:
+        raise comm_error(OP_NAME, f"k head_dim ({k[3]}) must equal q head_dim ({q[3]})", **received)
+    if k[2] < 1 or q[2] < 1:
+        raise comm_error(OP_NAME, f"heads ({q[2]}) and kv heads ({k[2]}) must be >= 1", **received)
+    if q[2] % k[2]:
+        raise comm_error(OP_NAME, f"heads ({q[2]}) must be divisible by kv heads ({k[2]})", **received)
+    return checked
+
+
+def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows: int,
+                     received: dict) -> tuple[int, ...]:
+    """Every rank's shard length; `rows` is this rank's seq dim (exact: ``seq_sizes[rank]``, padded: the max)."""
+    if seq_sizes is None:
+        return (rows,) * world_size
+    try:
+        sizes = tuple(seq_sizes)  # type: ignore[call-overload]
+    except TypeError:
+        raise kind_error(OP_NAME, "seq_sizes must be a sequence of ints", **received) from None
+    sizes = tuple(_check_int("seq_sizes entries", size, received) for size in sizes)
+    if len(sizes) != world_size:
+        raise comm_error(OP_NAME, f"len(seq_sizes) ({len(sizes)}) must equal world_size ({world_size})", **received)
+    negative = [size for size in sizes if size < 0]
+    if negative:
+        raise comm_error(OP_NAME, f"seq_sizes entries ({negative[0]}) must be >= 0", **received)
+    if rank is not None and rows != sizes[rank]:
+        raise comm_error(OP_NAME, f"seq ({rows}) must equal seq_sizes[{rank}] ({sizes[rank]}) on rank {rank}",
+                         **received)
+    if rank is None and rows != max(sizes):
+        raise comm_error(OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}): JAX holds every "
+                         "shard padded to the longest", **received)
+    return sizes
+
+
+def _check_options(dtypes: Sequence[str], causal: object, scale: object, head_dim: int,
+                   received: dict) -> float:
+    if len(set(dtypes)) != 1:
+        raise comm_error(OP_NAME, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
+    if not isinstance(causal, bool):
+        raise kind_error(OP_NAME, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
+        raise kind_error(OP_NAME, f"scale must be a number, not {type(scale).__name__}", **received, scale=scale)
+    value = float(scale)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        raise comm_error(OP_NAME, f"scale ({value}) must be finite", **received, scale=scale)
+    return value
+
+
+def _even(sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+    return None if len(set(sizes)) <= 1 else sizes
+
+
+def _exchange(split: HeadSplit, names: tuple[str, ...], rank: int | None, gather_sizes) -> Exchange:
+    """The all-to-all of `names` (a prefix-closed subset of q, k, v) for `rank` (None: padded layout)."""
+    counts = {"q": split.heads, "k": split.kv_heads, "v": split.kv_heads}
+    ranges = {"q": split.q_ranges, "k": split.kv_ranges, "v": split.kv_ranges}
+    starts = dict(zip(names, _offsets([counts[name] for name in names]), strict=True))
+    widths = {name: max(stop - start for start, stop in ranges[name]) for name in names}
+    zero = sum(counts[name] for name in names)
+    index: list[int] = []
+    for destination in range(split.world_size):
+        for name in names:
+            start, stop = ranges[name][destination]
+            heads = list(range(starts[name] + start, starts[name] + stop))
+            index += heads if rank is not None else heads + [zero] * (widths[name] - len(heads))
+    if rank is None:
+        sizes = {name: widths[name] for name in names}
+    else:
+        sizes = {name: ranges[name][rank][1] - ranges[name][rank][0] for name in names}
+    blocks = tuple(zip(names, _offsets([sizes[name] for name in names]), strict=True))
+    receive = tuple((name, start, start + sizes[name]) for name, start in blocks)
+    per_destination = [sum(ranges[name][j][1] - ranges[name][j][0] for name in names)
+                       for j in range(split.world_size)]
+    scatter_sizes = None if rank is None else _even(tuple(per_destination))
+    return Exchange(names, tuple(counts[name] for name in names), tuple(index), scatter_sizes, gather_sizes, receive)
+
+
+def _kv_index(split: HeadSplit, rank: int | None) -> tuple[tuple[int, ...], ...] | None:
+    """Per-q-head kv indices where the received kv heads do not group evenly (GQA as they are), else None."""
+    if rank is not None:
+        return None if split.local_group(rank) is not None else (split.local_kv(rank),)
+    width, kv_width = max(split.q_sizes), max(split.kv_sizes)
+    locals_ = [split.local_kv(r) for r in range(split.world_size)]
+    if all(_grouping(local, width, kv_width) is not None for local in locals_):
+        return None
+    return tuple(local + (0,) * (width - len(local)) for local in locals_)
+
+
+def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=None, dtypes=("float32",) * 3,
+                 causal=False, scale=None, layout="exact") -> UlyssesPlan:
+    """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes)`` on `rank` (exact
+    layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` / `TypeError`.
+
+    q ``[B, S_r, H, D]``, k and v ``[B, S_r, H_kv, D]`` (v may have its own head dim ``D_v``), H % H_kv == 0;
+    S_r = ``seq_sizes[rank]`` (exact) or ``max(seq_sizes)`` (padded); `seq_sizes` None: every rank S_r.
+
+    >>> ulysses_plan((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4), 4, rank=0)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: ulysses_attention: heads (6) must be divisible by kv heads (4). Received: q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None
+    """
+    shapes = dict(q=q_shape, k=k_shape, v=v_shape)
+    received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
+    received["seq_sizes"] = seq_sizes
+    if layout not in LAYOUTS:
+        raise comm_error(OP_NAME, f"layout ({layout!r}) must be one of {', '.join(LAYOUTS)}", **received)
+    world_size = _check_int("world_size", world_size, received)
+    if world_size < 1:
+        raise comm_error(OP_NAME, f"world_size ({world_size}) must be >= 1", **received)
+    checked = _check_shapes(shapes, received)
+    q, v = checked["q"], checked["v"]
+    rank = None if layout == "padded" else _check_int("rank", rank, received)
+    sizes = _check_seq_sizes(seq_sizes, world_size, rank, q[1], received)
+    scale = _check_options(tuple(dtypes), causal, scale, q[3], received)
+    split = head_split(q[2], checked["k"][2], world_size)
+    fused = _INPUTS if v[3] == q[3] else ("q", "k")
+    gather_sizes = _even(sizes)
+    exchanges = tuple(_exchange(split, names, rank, gather_sizes) for names in (fused, _INPUTS[len(fused):]) if names)
+    local = (split.q_sizes[rank], split.kv_sizes[rank]) if rank is not None else (max(split.q_sizes),
+                                                                                   max(split.kv_sizes))
+    return UlyssesPlan(world_size, rank, layout, q[0], sizes, q[3], v[3], str(dtypes[0]), causal, scale, split,
+                       exchanges, local[0], local[1], _kv_index(split, rank), _even(sizes), _even(split.q_sizes))
+
+
+def _shown(shape: object) -> object:
+    """A shape as messages show it (a tuple of ints where it is one)."""
+    try:
+        return tuple(int(size) for size in shape)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The float64 reference
+# ---------------------------------------------------------------------------------------------------------
+
+def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions, k_positions) -> np.ndarray:
+    """``[Sq, Sk]`` bool: which keys each query sees (all, or the causal mask over global positions)."""
+    if not causal:
+        return np.ones((q.shape[1], k.shape[1]), dtype=bool)
+    q_positions = np.arange(q.shape[1]) if q_positions is None else q_positions
+    k_positions = np.arange(k.shape[1]) if k_positions is None else k_positions
+    return causal_mask(q_positions, k_positions)
+
+
+def _probabilities(q, k, scale, visible) -> np.ndarray:
+    """Softmax weights ``[B, H, Sq, Sk]`` (k already has H heads); rows that see no key are all zero."""
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = np.where(visible, scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
+    weights = np.where(visible, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = weights.sum(axis=-1, keepdims=True)
+    return weights / np.where(total > 0, total, 1.0)
+
+
+def _expanded(x: np.ndarray, group: int) -> np.ndarray:
+    """kv heads repeated for the q heads that use them: ``[B, S, H_kv, D] -> [B, S, H, D]``."""
+    return np.repeat(np.asarray(x, dtype=np.float64), group, axis=2)
+
+
+def _prepared(q, k, v, causal, scale, q_positions, k_positions):
+    q = np.asarray(q, dtype=np.float64)
+    group = q.shape[2] // np.shape(k)[2]
+    k_full, v_full = _expanded(k, group), _expanded(v, group)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    probs = _probabilities(q, k_full, scale, _visible(q, k_full, causal, q_positions, k_positions))
+    return q, k_full, v_full, group, scale, probs
+
+
+def attention(q, k, v, *, causal=False, scale=None, q_positions=None, k_positions=None) -> np.ndarray:
+    """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
+    ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
+    ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
+    at positions <= p (positions default to ``0..S-1``); a query that sees no key gives zeros."""
+    _, _, v_full, _, _, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions)
+    return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
+
+
+def attention_vjp(q, k, v, cotangent, *, causal=False, scale=None, q_positions=None,
+                  k_positions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64); a kv head's
+    gradient sums over the q heads that use it."""
+    q, k_full, v_full, group, scale, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions)
+    cotangent = np.asarray(cotangent, dtype=np.float64)
+    dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cotangent)
+    dprobs = np.einsum("bqhd,bkhd->bhqk", cotangent, v_full)
+    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
+    dq = np.einsum("bhqk,bkhd->bqhd", dscores, k_full)
+    dk_full = np.einsum("bhqk,bqhd->bkhd", dscores, q)
+    fold = lambda x: x.reshape(*x.shape[:2], -1, group, x.shape[-1]).sum(axis=3)  # noqa: E731
+    return dq, fold(dk_full), fold(dv_full)
+
+
+def _heads_first(x: np.ndarray) -> np.ndarray:
+    return np.moveaxis(np.asarray(x, dtype=np.float64), 2, 0)
+
+
+def _exchange_ranks(exchange: Exchange, plans: Sequence[UlyssesPlan], inputs: dict) -> list[np.ndarray]:
+    """One `Exchange` on every simulated rank: pack by `send_index`, all-to-all, gather the sequence."""
+    W = len(plans)
+    stacked = [np.concatenate([_heads_first(inputs[name][r]) for name in exchange.inputs]) for r in range(W)]
+    zero = [np.zeros((1, *stack.shape[1:])) for stack in stacked]
+    sends = [np.concatenate([stack, pad])[list(exchange.send_index)] for stack, pad in zip(stacked, zero, strict=True)]
+    if exchange.scatter_sizes is not None:
+        sizes = exchange.scatter_sizes
+    else:
+        sizes = (len(exchange.send_index) // W,) * W
+    bounds = _offsets(sizes) + (sum(sizes),)
+    valid = plans[0].seq_sizes
+    return [np.concatenate([sends[source][bounds[r]:bounds[r + 1], :, : valid[source]] for source in range(W)],
+                           axis=2) for r in range(W)]
+
+
+def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarray]:
+    """Every rank's output of the walk the frontends make, on W simulated numpy ranks (float64): the plans'
+    exchanges, kv indexing and the reference `attention` per rank, then the return all-to-all. ``plans[r]``
+    is rank r's plan (the padded layout: the same plan W times; inputs then hold ``max(seq_sizes)`` rows and
+    rows past a rank's size are never read). Outputs: exact ``[B, seq_sizes[r], H, D_v]``."""
+    W, plan = len(plans), plans[0]
+    inputs = {"q": qs, "k": ks, "v": vs}
+    received: list[dict[str, np.ndarray]] = [{} for _ in range(W)]
+    for index, exchange in enumerate(plan.exchanges):
+        recvs = _exchange_ranks(exchange, plans, {name: inputs[name] for name in exchange.inputs})
+        for rank, recv in enumerate(recvs):
+            for name, start, stop in plans[rank].exchanges[index].receive:
+                received[rank][name] = np.moveaxis(recv[start:stop], 0, 2)
+    outputs = []
+    for rank in range(W):
+        local, rank_plan = received[rank], plans[rank]
+        k, v = local["k"], local["v"]
+        if rank_plan.kv_index is not None:
+            kv_index = list(rank_plan.kv_index[0 if rank_plan.layout == "exact" else rank])
+            k, v = k[:, :, kv_index], v[:, :, kv_index]
+        outputs.append(attention(local["q"], k, v, causal=plan.causal, scale=plan.scale))
+    return _return_ranks(plans, outputs)
+
+
+def _return_ranks(plans: Sequence[UlyssesPlan], outputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The output all-to-all: rank r's rows of every rank's heads, heads concatenated in rank order."""
+    split, sizes = plans[0].heads, plans[0].seq_sizes
+    bounds = _offsets(sizes) + (sum(sizes),)
+    result = []
+    for rank in range(len(plans)):
+        rows = slice(bounds[rank], bounds[rank + 1])
+        result.append(np.concatenate([outputs[source][:, rows, : split.q_sizes[source]]
+                                      for source in range(len(plans))], axis=2))
+    return result
