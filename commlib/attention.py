@@ -272,7 +272,7 @@ def _check_int(name: str, value: object, received: dict) -> int:
 
 
 def _check_shapes(shapes: dict[str, object], received: dict) -> dict[str, tuple[int, ...]]:
-    checked = {}
+    checked: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         try:
             dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
@@ -305,10 +305,10 @@ def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows:
     if seq_sizes is None:
         return (rows,) * world_size
     try:
-        sizes = tuple(seq_sizes)  # type: ignore[call-overload]
+        entries: tuple[object, ...] = tuple(seq_sizes)  # type: ignore[arg-type]
     except TypeError:
         raise kind_error(OP_NAME, "seq_sizes must be a sequence of ints", **received) from None
-    sizes = tuple(_check_int("seq_sizes entries", size, received) for size in sizes)
+    sizes = tuple(_check_int("seq_sizes entries", size, received) for size in entries)
     if len(sizes) != world_size:
         raise comm_error(OP_NAME, f"len(seq_sizes) ({len(sizes)}) must equal world_size ({world_size})", **received)
     negative = [size for size in sizes if size < 0]
@@ -331,9 +331,9 @@ def _check_options(dtypes: Sequence[str], causal: object, scale: object, head_di
         raise kind_error(OP_NAME, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
+    if isinstance(scale, bool) or (not isinstance(scale, (int, float)) and not hasattr(scale, "__float__")):
         raise kind_error(OP_NAME, f"scale must be a number, not {type(scale).__name__}", **received, scale=scale)
-    value = float(scale)  # type: ignore[arg-type]
+    value = float(scale)
     if not math.isfinite(value):
         raise comm_error(OP_NAME, f"scale ({value}) must be finite", **received, scale=scale)
     return value
@@ -494,11 +494,8 @@ def _exchange_ranks(exchange: Exchange, plans: Sequence[UlyssesPlan], inputs: di
     stacked = [np.concatenate([_heads_first(inputs[name][r]) for name in exchange.inputs]) for r in range(W)]
     zero = [np.zeros((1, *stack.shape[1:])) for stack in stacked]
     sends = [np.concatenate([stack, pad])[list(exchange.send_index)] for stack, pad in zip(stacked, zero, strict=True)]
-    if exchange.scatter_sizes is not None:
-        sizes = exchange.scatter_sizes
-    else:
-        sizes = (len(exchange.send_index) // W,) * W
-    bounds = _offsets(sizes) + (sum(sizes),)
+    sizes = exchange.scatter_sizes or (len(exchange.send_index) // W,) * W
+    bounds = (*_offsets(sizes), sum(sizes))
     valid = plans[0].seq_sizes
     return [np.concatenate([sends[source][bounds[r]:bounds[r + 1], :, : valid[source]] for source in range(W)],
                            axis=2) for r in range(W)]
@@ -531,7 +528,7 @@ def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarra
 def _return_ranks(plans: Sequence[UlyssesPlan], outputs: list[np.ndarray]) -> list[np.ndarray]:
     """The output all-to-all: rank r's rows of every rank's heads, heads concatenated in rank order."""
     split, sizes = plans[0].heads, plans[0].seq_sizes
-    bounds = _offsets(sizes) + (sum(sizes),)
+    bounds = (*_offsets(sizes), sum(sizes))
     result = []
     for rank in range(len(plans)):
         rows = slice(bounds[rank], bounds[rank + 1])

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from commlib import workloads
+from commlib import attention
 from commlib.errors import comm_error
 
 __all__ = [
@@ -161,15 +161,11 @@ def _sigmoid(u):
 
 
 def _attention(config, q, k, v):
-    if config.causal:
-        raise NotImplementedError("the causal reference arrives with commlib.attention")
-    return workloads.attention(q, k, v)
+    return attention.attention(q, k, v, causal=config.causal)
 
 
 def _attention_vjp(config, q, k, v, cotangent):
-    if config.causal:
-        raise NotImplementedError("the causal reference arrives with commlib.attention")
-    return workloads.attention_vjp(q, k, v, cotangent)
+    return attention.attention_vjp(q, k, v, cotangent, causal=config.causal)
 
 
 def loss_and_grads(config: BlockConfig, params: dict[str, np.ndarray], x: np.ndarray,

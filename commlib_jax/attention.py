@@ -32,18 +32,27 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``. The default `attn_fn` of
     `ulysses_attention`.
 
-    float64 runs the same math in float64 here: ``jax.nn.dot_product_attention`` always takes the softmax in
-    float32 (jax 0.10-0.11), which would cap a float64 layer at float32 accuracy.
+    float64, and a v whose head dim differs from k's, run the same math here (`_grouped_attention`):
+    ``jax.nn.dot_product_attention`` takes the softmax in float32 whatever the dtype (jax 0.10-0.11), which
+    would cap a float64 layer at float32 accuracy, and it needs v shaped as k.
     """
-    if q.dtype != jnp.float64:
+    if q.dtype != jnp.float64 and v.shape == k.shape:
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    return _grouped_attention(q, k, v, causal=causal, scale=scale)
+
+
+def _grouped_attention(q, k, v, *, causal: bool, scale: float | None):
+    """GQA attention in plain XLA: q head i of ``[B, T, H, D]`` with kv head ``i // (H // H_kv)``; logits and
+    softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64."""
     batch, length, heads, head_dim = q.shape
+    logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
     grouped = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # [B, T, K, G, D]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    logits = jnp.einsum("btkgd,bskd->bkgts", grouped, k) * scale
+    logits = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=logits_dtype) * scale
     if causal:
         logits = jnp.where(jnp.tril(jnp.ones((length, k.shape[1]), dtype=bool)), logits, -jnp.inf)
-    out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(logits, axis=-1), v)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, length, heads, v.shape[-1])
 
 

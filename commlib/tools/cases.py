@@ -25,15 +25,29 @@ from typing import Any
 
 import numpy as np
 
-from commlib import plans, reference, uneven, workloads
+from commlib import attention, plans, reference, uneven
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
 from commlib.uneven import split_sizes
 
-__all__ = ["Case", "case_table", "make_arrays", "expected", "write", "read", "storage_dtype", "tolerance",
-           "exact_arrays", "padded_result"]
+__all__ = [
+    "Case",
+    "case_table",
+    "make_arrays",
+    "expected",
+    "write",
+    "read",
+    "storage_dtype",
+    "tolerance",
+    "exact_arrays",
+    "padded_result",
+    "attention_kwargs",
+    "attention_rows",
+]
 
 ATTENTION = "ulysses_attention"
+#: Keywords of an attention case that shape its inputs (the others are `ulysses_attention`'s own).
+ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
 
 #: Max abs error allowed relative to max(1, max |reference|), by dtype.
 _TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -46,7 +60,7 @@ class Case:
     name: str  # unique, stable id
     op: str  # a public op name of both frontends, or "ulysses_attention"
     world_size: int
-    shape: tuple[int, ...]  # one rank's input shape
+    shape: tuple[int, ...]  # one rank's input shape (attention: the global q shape [B, S, H, D])
     dtype: str = "float32"
     kwargs: tuple[tuple[str, object], ...] = ()  # keyword arguments of the op, JSON-able
     transposed: bool = False  # the frontend feeds inputs and cotangents as non-contiguous transposed views
@@ -69,8 +83,6 @@ class Case:
         return getattr(plans, self.op)(self.shape, self.world_size, dtype=self.dtype, **self.params)
 
     def out_shape(self) -> tuple[int, ...]:
-        if self.op == ATTENTION:
-            return self.shape
         return self.plan().out_shape
 
 
@@ -86,10 +98,42 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
     return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs), draw)
 
 
-def _attention_shape(world_size: int, batch: int, seq: int, heads: int, head_dim: int) -> tuple[int, ...]:
-    seq = seq if seq % world_size == 0 else seq * world_size
-    heads = heads if heads % world_size == 0 else heads * world_size
-    return (batch, seq // world_size, heads, head_dim)
+def _attention(world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
+               **kwargs) -> Case:
+    """A `ulysses_attention` row: global q of `shape` ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head
+    dim `value_dim` if given); `seq_sizes` "split" means ``split_sizes(S, W)``."""
+    if kwargs.get("seq_sizes") == "split":
+        kwargs["seq_sizes"] = attention._split_sizes(shape[1], world_size)
+    return _case(ATTENTION, world_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"), **kwargs)
+
+
+def attention_kwargs(case: Case) -> dict[str, object]:
+    """The keywords an attention case passes to ``ulysses_attention`` (seq_sizes as a tuple)."""
+    kwargs = {key: value for key, value in case.kwargs if key not in ATTENTION_SHAPE_KEYS}
+    sizes = kwargs.get("seq_sizes")
+    if isinstance(sizes, list):
+        kwargs["seq_sizes"] = tuple(sizes)
+    return kwargs
+
+
+def attention_rows(case: Case) -> tuple[int, ...]:
+    """Rows of the sequence each rank holds: the case's `seq_sizes` where they are a valid split, else the
+    balanced one (a row whose `seq_sizes` are wrong on purpose still needs inputs)."""
+    sizes, W, seq = case.params.get("seq_sizes"), case.world_size, case.shape[1]
+    if isinstance(sizes, (list, tuple)) and len(sizes) == W and min(sizes) >= 0 and sum(sizes) == seq:
+        return tuple(int(size) for size in sizes)
+    return attention._split_sizes(seq, W)
+
+
+def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
+    batch, seq, heads, head_dim = case.shape
+    kv_heads, value_dim = int(case.params["kv_heads"]), int(case.params.get("value_dim", head_dim))  # type: ignore[call-overload]
+    return {"q": case.shape, "k": (batch, seq, kv_heads, head_dim), "v": (batch, seq, kv_heads, value_dim),
+            "cotangent": (batch, seq, heads, value_dim)}
+
+
+def _shards(full: np.ndarray, rows: tuple[int, ...]) -> list[np.ndarray]:
+    return np.split(full, np.cumsum(rows)[:-1], axis=1)
 
 
 def _uneven_cases(W: int) -> list[Case]:
@@ -123,7 +167,6 @@ def case_table(world_size: int) -> list[Case]:
     non-contiguous, negative dims, bfloat16), all_to_all on one dim, the Ulysses attention layer, and invalid
     calls whose error text must match."""
     W = world_size
-    qkv = ("q", "k", "v")
     return [
         _case("all_reduce", W, (3, 5)),
         _case("all_reduce", W, (2, 3, 4), op="avg", transposed=True),
@@ -174,8 +217,15 @@ def case_table(world_size: int) -> list[Case]:
         _case("reduce", W, (2, 3)),
         _case("reduce", W, (3, 4), dst=W - 1, op="avg", transposed=True),
         _case("reduce", W, (4, 2), dst=W - 1, dtype="bfloat16"),
-        _case(ATTENTION, W, _attention_shape(W, 2, 64, 8, 16), inputs=qkv),
-        _case(ATTENTION, W, _attention_shape(W, 1, 48, 4, 8), inputs=qkv),
+        # Ulysses attention: the handed GQA case (W=4: seq_sizes (3, 3, 2, 2); 6 heads at any W), MQA, batch 2,
+        # v's own head dim (two exchanges), bfloat16, float32 MHA
+        _attention(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split"),
+        _attention(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split", causal=True),
+        _attention(W, (2, 9, 5, 3), kv_heads=1, seq_sizes="split", causal=True),
+        _attention(W, (2, 4 * W, 8, 4), kv_heads=2, scale=0.3),
+        _attention(W, (1, 7, 4, 4), kv_heads=2, value_dim=6, seq_sizes="split", causal=True),
+        _attention(W, (2, 13, 8, 8), kv_heads=2, dtype="bfloat16", seq_sizes="split", causal=True),
+        _attention(W, (2, 4 * W, 4, 8), kv_heads=4, dtype="float32"),
         # invalid calls: every side must raise the spec's text (only where the call is invalid at this W)
         _case("all_to_all_4d", W, (2, 8, 2 * W + 1, 4), "!heads"),
         _case("all_to_all_4d", W, (2, 8, 2 * W), "!ndim"),
@@ -191,6 +241,8 @@ def case_table(world_size: int) -> list[Case]:
         _case("scatter", W, (2 * W + 1,), "!split"),
         _case("permute", W, (3,), "!repeat", perm=[[0, 0], [W - 1, 0]]),
         *_uneven_cases(W),
+        _attention(W, (1, 2 * W, 6, 4), "!kv", kv_heads=4),
+        _attention(W, (1, 2 * W, 4, 4), "!seq_sizes", kv_heads=2, seq_sizes=[2] * (W + 1)),
     ]
 
 
@@ -223,6 +275,9 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     """Every rank's inputs (by input name) and output cotangents (key "cotangent"), from `seed`."""
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
+    if case.op == ATTENTION:  # the global arrays, cut into every rank's rows of the sequence
+        full = {name: _draw(rng, shape, case.dtype) for name, shape in _attention_global_shapes(case).items()}
+        return {name: _shards(value, attention_rows(case)) for name, value in full.items()}
     arrays = {name: [_draw(rng, case.shape, case.dtype, case.draw) for _ in range(W)] for name in case.inputs}
     try:
         out_shape = case.out_shape()
@@ -284,21 +339,35 @@ def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) ->
 
 def error_text(case: Case) -> str | None:
     """``"CommError: ..."`` / ``"TypeError: ..."`` if the spec rejects the case, else None."""
-    if case.op == ATTENTION:
-        return None
     try:
-        case.plan()
+        if case.op == ATTENTION:
+            _attention_plans(case)
+        else:
+            case.plan()
     except (CommError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return None
 
 
+def _attention_plans(case: Case) -> list[attention.UlyssesPlan]:
+    """Every rank's plan (the exact layout): raises the spec's error for an invalid row."""
+    shapes = _attention_global_shapes(case)
+    kwargs = attention_kwargs(case)
+    plans = []
+    for rank, rows in enumerate(attention_rows(case)):
+        q, k, v = ((*shapes[name][:1], rows, *shapes[name][2:]) for name in "qkv")
+        plans.append(attention.ulysses_plan(q, k, v, case.world_size, rank=rank, dtypes=(case.dtype,) * 3, **kwargs))
+    return plans
+
+
 def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
-    W = case.world_size
+    """The float64 reference on the whole sequence, cut into every rank's rows."""
+    rows, kwargs = attention_rows(case), attention_kwargs(case)
     q, k, v, ct = (np.concatenate(arrays[name], axis=1).astype(np.float64) for name in ("q", "k", "v", "cotangent"))
-    shards = lambda full: np.split(full, W, axis=1)  # noqa: E731
-    grads = workloads.attention_vjp(q, k, v, ct)
-    return shards(workloads.attention(q, k, v)), {name: shards(g) for name, g in zip("qkv", grads, strict=True)}
+    options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
+    grads = attention.attention_vjp(q, k, v, ct, **options)
+    outputs = _shards(attention.attention(q, k, v, **options), rows)
+    return outputs, {name: _shards(g, rows) for name, g in zip("qkv", grads, strict=True)}
 
 
 def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
@@ -314,7 +383,7 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
 
 def tolerance(case: Case) -> float:
     base = _TOLERANCE.get(case.dtype, 0.0)  # integers and bool: exact
-    return max(base, 1e-4) if case.op == ATTENTION else base
+    return max(base, 1e-4) if case.op == ATTENTION and case.dtype == "float32" else base
 
 
 def _key(*parts: object) -> str:

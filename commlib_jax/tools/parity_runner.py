@@ -24,10 +24,33 @@ def modes_for(world_size: int) -> tuple[str, ...]:
     return MODES if world_size == 4 else MODES[:3]
 
 
+#: What the rows past a rank's size hold in a padded (attention) input: any value must be ignored.
+PAD_VALUE = 7.0
+
+
 def _stacked(case, arrays, name):
     import jax.numpy as jnp
 
-    return jnp.asarray(np.stack(arrays[name]), dtype=case.dtype)
+    values = arrays[name]
+    if case.op == "ulysses_attention":  # JAX holds every rank's rows padded to the longest
+        rows = max(value.shape[1] for value in values)
+        values = [np.pad(value, ((0, 0), (0, rows - value.shape[1]), (0, 0), (0, 0)), constant_values=PAD_VALUE)
+                  for value in values]
+    return jnp.asarray(np.stack(values), dtype=case.dtype)
+
+
+def _valid_rows(case, values: list[np.ndarray], what: str) -> list[np.ndarray]:
+    """Attention: every rank's valid rows; the padding rows must be exactly zero (outputs and gradients)."""
+    if case.op != "ulysses_attention":
+        return values
+    from commlib.tools import cases
+
+    valid = []
+    for rank, (value, rows) in enumerate(zip(values, cases.attention_rows(case), strict=True)):
+        if np.any(value[:, rows:] != 0):
+            raise AssertionError(f"{what} of rank {rank}: padded rows past {rows} are not zero")
+        valid.append(value[:, :rows])
+    return valid
 
 
 def _per_rank(case, axis_name):
@@ -39,7 +62,7 @@ def _per_rank(case, axis_name):
     def body(cotangent, *inputs):
         inputs = [x[0] for x in inputs]
         if case.op == cases.ATTENTION:
-            out = ulysses_attention(*inputs, axis_name)
+            out = ulysses_attention(*inputs, axis_name, **cases.attention_kwargs(case))
         else:
             out = getattr(commlib_jax, case.op)(inputs[0], axis_name, **case.params)
         loss = (out * cotangent[0]).sum() if cotangent is not None else out.sum()
@@ -77,7 +100,7 @@ def run_case(case, arrays, mode: str):
     inputs = [_stacked(case, arrays, name) for name in case.inputs]
     if not case.differentiable or "cotangent" not in arrays:  # integers, and calls the spec rejects
         out, _ = jax.jit(lambda *xs: mapped(None, *xs))(*inputs)  # no cotangent: the loss is out.sum()
-        return list(np.asarray(out, dtype=out.dtype)), {}
+        return _valid_rows(case, list(np.asarray(out, dtype=out.dtype)), "output"), {}
     cotangent = _stacked(case, arrays, "cotangent")
 
     def total(inputs):
@@ -85,22 +108,27 @@ def run_case(case, arrays, mode: str):
         return losses.astype("float32").sum(), out
 
     grads, out = jax.jit(jax.grad(total, has_aux=True))(inputs)
-    as_numpy = lambda a: list(np.asarray(a, dtype=np.float64))  # noqa: E731
-    return as_numpy(out), {name: as_numpy(g) for name, g in zip(case.inputs, grads, strict=True)}
+    as_numpy = lambda a, what: _valid_rows(case, list(np.asarray(a, dtype=np.float64)), what)  # noqa: E731
+    return as_numpy(out, "output"), {name: as_numpy(g, f"d{name}") for name, g in zip(case.inputs, grads, strict=True)}
 
 
 def _unsharded(case, arrays):
     import jax
     import jax.numpy as jnp
 
+    from commlib.tools import cases
     from commlib_jax.attention import attention
 
-    W = case.world_size
-    full = {name: jnp.asarray(np.concatenate(arrays[name], axis=1)) for name in [*case.inputs, "cotangent"]}
-    loss = lambda q, k, v: (attention(q, k, v) * full["cotangent"]).sum()  # noqa: E731
+    kwargs = cases.attention_kwargs(case)
+    options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
+    full = {name: jnp.asarray(np.concatenate(arrays[name], axis=1), dtype=case.dtype)
+            for name in [*case.inputs, "cotangent"]}
+    loss = lambda q, k, v: (attention(q, k, v, **options) * full["cotangent"]).sum()  # noqa: E731
     grads = jax.grad(loss, argnums=(0, 1, 2))(full["q"], full["k"], full["v"])
-    split = lambda a: np.split(np.asarray(a, dtype=np.float64), W, axis=1)  # noqa: E731
-    return split(attention(full["q"], full["k"], full["v"])), dict(zip("qkv", map(split, grads), strict=True))
+    bounds = np.cumsum(cases.attention_rows(case))[:-1]
+    split = lambda a: np.split(np.asarray(a, dtype=np.float64), bounds, axis=1)  # noqa: E731
+    out = attention(full["q"], full["k"], full["v"], **options)
+    return split(out), dict(zip("qkv", map(split, grads), strict=True))
 
 
 def _train(args) -> int:
@@ -130,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", args.world_size)
     if args.workload == "train":
         return _train(args)
+    jax.config.update("jax_enable_x64", True)  # float64 rows stay float64 (every other row names its dtype)
     from commlib.errors import CommError
     from commlib.tools import cases
     from commlib.tools.parity import Results
@@ -143,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.fail(case, mode, error)
             except Exception as error:  # a crash in one case is a failed row, not a dead runner
                 results.fail(case, mode, f"crash: {type(error).__name__}: {error}")
-        if case.op == cases.ATTENTION:
-            results.add(case, "unsharded", *_unsharded(case, arrays))
+        if case.op == cases.ATTENTION and cases.error_text(case) is None:
+            try:
+                results.add(case, "unsharded", *_unsharded(case, arrays))
+            except Exception as error:  # as above: a failed row
+                results.fail(case, "unsharded", f"crash: {type(error).__name__}: {error}")
     results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
     return 0
 

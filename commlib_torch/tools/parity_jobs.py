@@ -31,7 +31,7 @@ def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) ->
 
 def _call(case: cases.Case, inputs: dict[str, torch.Tensor], group=None) -> torch.Tensor:
     if case.op == cases.ATTENTION:
-        return ulysses_attention(inputs["q"], inputs["k"], inputs["v"])
+        return ulysses_attention(inputs["q"], inputs["k"], inputs["v"], group, **cases.attention_kwargs(case))
     return getattr(commlib_torch, case.op)(inputs["x"], **case.params, **({} if group is None else {"group": group}))
 
 
@@ -71,12 +71,16 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
 
 
 def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:
-    """Attention on the full sequence in one process, split back into per-rank shards."""
-    W = case.world_size
-    full = {name: torch.from_numpy(np.concatenate(arrays[name], axis=1)).requires_grad_() for name in case.inputs}
-    out = attention(full["q"], full["k"], full["v"])
-    (out * torch.from_numpy(np.concatenate(arrays["cotangent"], axis=1))).sum().backward()
-    shards = lambda tensor: [_numpy(part) for part in tensor.chunk(W, dim=1)]  # noqa: E731
+    """Attention (the default `attn_fn`, SDPA) on the full sequence in one process, cut back into every rank's
+    rows."""
+    kwargs = cases.attention_kwargs(case)
+    dtype = getattr(torch, case.dtype)
+    full = {name: torch.from_numpy(np.concatenate(arrays[name], axis=1)).to(dtype).requires_grad_()
+            for name in case.inputs}
+    out = attention(full["q"], full["k"], full["v"], causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
+    (out * torch.from_numpy(np.concatenate(arrays["cotangent"], axis=1)).to(dtype)).sum().backward()
+    rows = list(cases.attention_rows(case))
+    shards = lambda tensor: [_numpy(part) for part in tensor.split(rows, dim=1)]  # noqa: E731
     return shards(out), {name: shards(tensor.grad) for name, tensor in full.items()}
 
 
@@ -113,5 +117,8 @@ def run_table(pool: WorkerPool, table, results: Results, job=run_case) -> None:
             _record(results, case, pool.run(job, case, arrays))
         except WorkerError as error:
             results.fail(case, "gloo", failure_text(error))
-        if case.op == cases.ATTENTION:
-            results.add(case, "unsharded", *_unsharded(case, arrays))
+        if case.op == cases.ATTENTION and cases.error_text(case) is None:
+            try:
+                results.add(case, "unsharded", *_unsharded(case, arrays))
+            except Exception as error:  # a crash in one case is a failed row, not a dead runner
+                results.fail(case, "unsharded", f"crash: {type(error).__name__}: {error}")

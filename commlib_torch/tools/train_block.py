@@ -35,7 +35,8 @@ def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.T
     heads = (B, S_local, config.heads, config.head_dim)
     h = rms_norm(x, p["norm1"], config.eps)
     q, k, v = ((h @ p[name]).reshape(heads) for name in ("wq", "wk", "wv"))
-    attended = attention(q, k, v) if groups is None else ulysses_attention(q, k, v, groups[0])
+    attended = (attention(q, k, v, causal=config.causal) if groups is None
+                else ulysses_attention(q, k, v, groups[0], causal=config.causal))
     y = x + attended.reshape(B, S_local, -1) @ p["wo"]
     u = rms_norm(y, p["norm2"], config.eps)
     if groups is not None:
