@@ -453,7 +453,7 @@ def _expanded(x: np.ndarray, group: int) -> np.ndarray:
 
 def _prepared(q, k, v, causal, scale, q_positions, k_positions):
     q = np.asarray(q, dtype=np.float64)
-    group = q.shape[2] // np.shape(k)[2]
+    group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
     k_full, v_full = _expanded(k, group), _expanded(v, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     probs = _probabilities(q, k_full, scale, _visible(q, k_full, causal, q_positions, k_positions))
