@@ -301,25 +301,27 @@ def _check_shapes(shapes: dict[str, object], received: dict) -> dict[str, tuple[
 
 def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows: int,
                      received: dict) -> tuple[int, ...]:
-    """Every rank's shard length; `rows` is this rank's seq dim (exact: ``seq_sizes[rank]``, padded: the max)."""
+    """Every rank's shard length; `rows` is this rank's seq dim (exact: ``seq_sizes[rank]``, padded: the max).
+    The messages are `commlib.uneven`'s for ``sizes`` arguments."""
     if seq_sizes is None:
         return (rows,) * world_size
     try:
-        entries: tuple[object, ...] = tuple(seq_sizes)  # type: ignore[arg-type]
+        if any(isinstance(size, bool) for size in seq_sizes):  # type: ignore[attr-defined]
+            raise TypeError
+        sizes = tuple(operator.index(size) for size in seq_sizes)  # type: ignore[attr-defined]
     except TypeError:
         raise kind_error(OP_NAME, "seq_sizes must be a sequence of ints", **received) from None
-    sizes = tuple(_check_int("seq_sizes entries", size, received) for size in entries)
     if len(sizes) != world_size:
         raise comm_error(OP_NAME, f"len(seq_sizes) ({len(sizes)}) must equal world_size ({world_size})", **received)
-    negative = [size for size in sizes if size < 0]
-    if negative:
-        raise comm_error(OP_NAME, f"seq_sizes entries ({negative[0]}) must be >= 0", **received)
+    for index, size in enumerate(sizes):
+        if size < 0:
+            raise comm_error(OP_NAME, f"seq_sizes[{index}] ({size}) must be >= 0", **received)
     if rank is not None and rows != sizes[rank]:
         raise comm_error(OP_NAME, f"seq ({rows}) must equal seq_sizes[{rank}] ({sizes[rank]}) on rank {rank}",
                          **received)
     if rank is None and rows != max(sizes):
-        raise comm_error(OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}): JAX holds every "
-                         "shard padded to the longest", **received)
+        raise comm_error(OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}) in the padded layout",
+                         **received)
     return sizes
 
 

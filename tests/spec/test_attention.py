@@ -99,7 +99,7 @@ def _problem(draw):
 
 
 def _draw_problem(problem, seed=0):
-    world_size, batch, seq_sizes, heads, kv_heads, head_dim, value_dim, options = problem
+    _, batch, seq_sizes, heads, kv_heads, head_dim, value_dim, _ = problem
     rng = np.random.default_rng(seed)
     seq = sum(seq_sizes)
     shapes = ((batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, value_dim))
@@ -223,9 +223,10 @@ def test_handed_case_plan():
     (((1, 3, 6, 4), (1, 3, 2, 5), (1, 3, 2, 4)), {}, CommError, "k head_dim (5) must equal q head_dim (4)"),
     (((1, 3, 6, 4), (1, 3, 0, 4), (1, 3, 0, 4)), {}, CommError, "heads (6) and kv heads (0) must be >= 1"),
     (None, dict(seq_sizes=(3, 3, 2)), CommError, "len(seq_sizes) (3) must equal world_size (4)"),
-    (None, dict(seq_sizes=(3, 3, -1, 2)), CommError, "seq_sizes entries (-1) must be >= 0"),
+    (None, dict(seq_sizes=(3, 3, -1, 2)), CommError, "seq_sizes[2] (-1) must be >= 0"),
     (None, dict(seq_sizes=(2, 3, 3, 2)), CommError, "seq (3) must equal seq_sizes[0] (2) on rank 0"),
-    (None, dict(seq_sizes=(3, 3, 2.0, 2)), TypeError, "seq_sizes entries must be an int, not float"),
+    (None, dict(seq_sizes=(3, 3, 2.0, 2)), TypeError, "seq_sizes must be a sequence of ints"),
+    (None, dict(seq_sizes=(3, 3, True, 2)), TypeError, "seq_sizes must be a sequence of ints"),
     (None, dict(seq_sizes=3), TypeError, "seq_sizes must be a sequence of ints"),
     (None, dict(dtypes=("float32", "float32", "bfloat16")), CommError,
      "q, k, v dtypes (float32, float32, bfloat16) must be equal"),
@@ -244,6 +245,6 @@ def test_errors(shapes, kwargs, error, message):
 def test_padded_errors():
     """JAX's layout: every rank holds max(seq_sizes) rows."""
     shapes = ((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4))
-    with pytest.raises(CommError, match=r"seq \(3\) must equal max\(seq_sizes\) \(4\)"):
+    with pytest.raises(CommError, match=r"seq \(3\) must equal max\(seq_sizes\) \(4\) in the padded layout"):
         A.ulysses_plan(*shapes, 4, seq_sizes=(4, 3, 2, 1), layout="padded")
     assert A.ulysses_plan(*shapes, 4, seq_sizes=(3, 3, 2, 2), layout="padded").rank is None
