@@ -41,6 +41,7 @@ __all__ = [
     "tolerance",
     "exact_arrays",
     "padded_result",
+    "attention_case",
     "attention_kwargs",
     "attention_rows",
 ]
@@ -98,8 +99,8 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
     return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs), draw)
 
 
-def _attention(world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
-               **kwargs) -> Case:
+def attention_case(world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
+                   **kwargs) -> Case:
     """A `ulysses_attention` row: global q of `shape` ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head
     dim `value_dim` if given); `seq_sizes` "split" means ``split_sizes(S, W)``."""
     if kwargs.get("seq_sizes") == "split":
@@ -217,15 +218,13 @@ def case_table(world_size: int) -> list[Case]:
         _case("reduce", W, (2, 3)),
         _case("reduce", W, (3, 4), dst=W - 1, op="avg", transposed=True),
         _case("reduce", W, (4, 2), dst=W - 1, dtype="bfloat16"),
-        # Ulysses attention: the handed GQA case (W=4: seq_sizes (3, 3, 2, 2); 6 heads at any W), MQA, batch 2,
-        # v's own head dim (two exchanges), bfloat16, float32 MHA
-        _attention(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split"),
-        _attention(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split", causal=True),
-        _attention(W, (2, 9, 5, 3), kv_heads=1, seq_sizes="split", causal=True),
-        _attention(W, (2, 4 * W, 8, 4), kv_heads=2, scale=0.3),
-        _attention(W, (1, 7, 4, 4), kv_heads=2, value_dim=6, seq_sizes="split", causal=True),
-        _attention(W, (2, 13, 8, 8), kv_heads=2, dtype="bfloat16", seq_sizes="split", causal=True),
-        _attention(W, (2, 4 * W, 4, 8), kv_heads=4, dtype="float32"),
+        # Ulysses attention: the handed GQA case (W=4: seq_sizes (3, 3, 2, 2), 6 heads), causal and not; MQA with
+        # batch 2 and a scale; v with its own head dim (two exchanges); bfloat16 GQA, batch 2
+        attention_case(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split"),
+        attention_case(W, (1, 10, 6, 4), kv_heads=2, seq_sizes="split", causal=True),
+        attention_case(W, (2, 9, 5, 3), kv_heads=1, seq_sizes="split", causal=True, scale=0.7),
+        attention_case(W, (1, 7, 4, 4), kv_heads=2, value_dim=6, seq_sizes="split"),
+        attention_case(W, (2, 13, 8, 8), kv_heads=2, dtype="bfloat16", seq_sizes="split", causal=True),
         # invalid calls: every side must raise the spec's text (only where the call is invalid at this W)
         _case("all_to_all_4d", W, (2, 8, 2 * W + 1, 4), "!heads"),
         _case("all_to_all_4d", W, (2, 8, 2 * W), "!ndim"),
@@ -241,8 +240,8 @@ def case_table(world_size: int) -> list[Case]:
         _case("scatter", W, (2 * W + 1,), "!split"),
         _case("permute", W, (3,), "!repeat", perm=[[0, 0], [W - 1, 0]]),
         *_uneven_cases(W),
-        _attention(W, (1, 2 * W, 6, 4), "!kv", kv_heads=4),
-        _attention(W, (1, 2 * W, 4, 4), "!seq_sizes", kv_heads=2, seq_sizes=[2] * (W + 1)),
+        attention_case(W, (1, 2 * W, 6, 4), "!kv", kv_heads=4),
+        attention_case(W, (1, 2 * W, 4, 4), "!seq_sizes", kv_heads=2, seq_sizes=[2] * (W + 1)),
     ]
 
 
