@@ -1,5 +1,5 @@
-"""Ulysses attention cases beyond the parity table (`commlib.tools.cases.case_table` holds the handed case, MQA,
-v's own head dim and bfloat16), shared by tests/torch/test_attention.py and tests/jax/test_attention.py."""
+"""Ulysses attention cases beyond the parity table (`commlib.tools.cases.case_table` holds the handed case, MQA
+and bfloat16), shared by tests/torch/test_attention.py and tests/jax/test_attention.py."""
 
 from __future__ import annotations
 

@@ -78,6 +78,13 @@ def test_frontends_export_the_same_names():
     }, "the frontends' functions differ (classes such as DeviceCommunicator / Communicator may)"
 
 
+def test_attention_modules_export_the_same_names():
+    probe = "import commlib_{0}.attention as m; print(sorted(m.__all__))"
+    names = [subprocess.run([sys.executable, "-c", probe.format(frontend)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=240, check=True).stdout for frontend in ("torch", "jax")]
+    assert names[0] == names[1] and "ulysses_attention" in names[0]
+
+
 def test_torch_frontend_exports_every_op():
     from commlib import OP_NAMES
 

@@ -2,7 +2,7 @@
 against the float64 reference (`commlib.attention`), the collectives it makes (one all-to-all each way) and
 the bytes they carry (exactly the kv heads each rank needs), a custom `attn_fn`, forward-only calls and bad input.
 
-The parity table (tests/torch/test_ops.py) runs the handed case, MQA, v's own head dim and bfloat16 at W 1-4;
+The parity table (tests/torch/test_ops.py) runs the handed case, MQA and bfloat16 at W 1-4;
 here are the other shapes (tests/attention_cases.py) and what the table cannot see.
 """
 
