@@ -3,7 +3,8 @@ against the float64 reference (`commlib.attention`), the padded layout (rows pas
 whatever they hold, get gradient exactly 0 and give zeros), the collectives of the program (one all-to-all
 each way) and their bytes, a custom `attn_fn` and bad input.
 
-The parity table (tests/jax/test_ops.py) runs the handed case, MQA and bfloat16 at W 1-4 in every mode; here are the other shapes (tests/attention_cases.py) and what the table cannot see.
+The parity table (tests/jax/test_ops.py) runs the handed case, MQA and bfloat16 at W 1-4 in every mode; here
+are the other shapes (tests/attention_cases.py) and what the table cannot see.
 """
 
 import re
