@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.errors import comm_error, kind_error
+from commlib.uneven import split_sizes
 
 __all__ = [
     "OP_NAME",
@@ -65,12 +66,6 @@ OP_NAME = "ulysses_attention"
 #: "exact": a sharded dim holds this rank's size (torch); "padded": it holds the maximum (JAX).
 LAYOUTS = ("exact", "padded")
 _INPUTS = ("q", "k", "v")
-
-
-def _split_sizes(n: int, world_size: int) -> tuple[int, ...]:
-    """The balanced split (the first ``n % W`` ranks get one more): ``numpy.array_split``'s rule."""
-    base, extra = divmod(n, world_size)
-    return tuple(base + (rank < extra) for rank in range(world_size))
 
 
 def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -144,7 +139,7 @@ def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
     """The `HeadSplit` of H q heads over H_kv kv heads (H % H_kv == 0, checked by `ulysses_plan`) at W ranks."""
     group = heads // kv_heads
     q_ranges = tuple((start, start + size) for start, size in
-                     zip(_offsets(_split_sizes(heads, world_size)), _split_sizes(heads, world_size), strict=True))
+                     zip(_offsets(split_sizes(heads, world_size)), split_sizes(heads, world_size), strict=True))
     kv_ranges = tuple((start // group, (stop - 1) // group + 1) if stop > start else (0, 0)
                       for start, stop in q_ranges)
     return HeadSplit(heads, kv_heads, world_size, q_ranges, kv_ranges)

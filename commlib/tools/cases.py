@@ -44,6 +44,8 @@ __all__ = [
     "attention_case",
     "attention_kwargs",
     "attention_rows",
+    "attention_shards",
+    "attention_whole",
 ]
 
 ATTENTION = "ulysses_attention"
@@ -104,7 +106,7 @@ def attention_case(world_size: int, shape, tag: str = "", /, *, kv_heads: int, d
     """A `ulysses_attention` row: global q of `shape` ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head
     dim `value_dim` if given); `seq_sizes` "split" means ``split_sizes(S, W)``."""
     if kwargs.get("seq_sizes") == "split":
-        kwargs["seq_sizes"] = attention._split_sizes(shape[1], world_size)
+        kwargs["seq_sizes"] = split_sizes(shape[1], world_size)
     return _case(ATTENTION, world_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"), **kwargs)
 
 
@@ -123,7 +125,7 @@ def attention_rows(case: Case) -> tuple[int, ...]:
     sizes, W, seq = case.params.get("seq_sizes"), case.world_size, case.shape[1]
     if isinstance(sizes, (list, tuple)) and len(sizes) == W and min(sizes) >= 0 and sum(sizes) == seq:
         return tuple(int(size) for size in sizes)
-    return attention._split_sizes(seq, W)
+    return split_sizes(seq, W)
 
 
 def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
@@ -133,8 +135,20 @@ def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
             "cotangent": (batch, seq, heads, value_dim)}
 
 
-def _shards(full: np.ndarray, rows: tuple[int, ...]) -> list[np.ndarray]:
-    return np.split(full, np.cumsum(rows)[:-1], axis=1)
+def attention_whole(case: Case, arrays) -> dict[str, np.ndarray]:
+    """An attention case's whole arrays (`make_arrays` holds every rank's rows padded): the valid rows of every
+    rank, concatenated along seq in rank order."""
+    rows = attention_rows(case)
+    return {name: np.concatenate([part[:, :size] for part, size in zip(ranks, rows, strict=True)], axis=1)
+            for name, ranks in arrays.items()}
+
+
+def attention_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
+    """A whole ``[B, S, ...]`` array cut into every rank's rows, padded with zeros to the longest shard (the
+    layout `make_arrays` and the JAX frontend hold)."""
+    rows = attention_rows(case)
+    parts = np.split(whole, np.cumsum(rows)[:-1], axis=1)
+    return [_pad(part, (1, size), max(rows)) for part, size in zip(parts, rows, strict=True)]
 
 
 def _uneven_cases(W: int) -> list[Case]:
@@ -273,9 +287,10 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     """Every rank's inputs (by input name) and output cotangents (key "cotangent"), from `seed`."""
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
-    if case.op == ATTENTION:  # the global arrays, cut into every rank's rows of the sequence
-        full = {name: _draw(rng, shape, case.dtype) for name, shape in _attention_global_shapes(case).items()}
-        return {name: _shards(value, attention_rows(case)) for name, value in full.items()}
+    if case.op == ATTENTION:  # every rank's rows padded to the longest shard (rows past its own: ignored)
+        rows = max(attention_rows(case))
+        shapes = {name: (shape[0], rows, *shape[2:]) for name, shape in _attention_global_shapes(case).items()}
+        return {name: [_draw(rng, shape, case.dtype) for _ in range(W)] for name, shape in shapes.items()}
     arrays = {name: [_draw(rng, case.shape, case.dtype, case.draw) for _ in range(W)] for name in case.inputs}
     try:
         out_shape = case.out_shape()
@@ -317,7 +332,10 @@ def _pad(array: np.ndarray, cut, size: int) -> np.ndarray:
 
 def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
     """Rank `rank`'s arrays as torch holds them: a sharded dim cut to the rank's size (inputs on the gathered
-    dim, the cotangent on the scattered one); as stored where the case is even or invalid."""
+    dim, the cotangent on the scattered one; attention: every array's seq rows); as stored where the case is
+    even or invalid."""
+    if case.op == ATTENTION:
+        return {name: ranks[rank][:, : attention_rows(case)[rank]] for name, ranks in arrays.items()}
     plan = _uneven_plan(case)
     cuts = uneven.rows(plan, rank) if plan is not None else (None, None)
     return {name: _cut(ranks[rank], cuts[1] if name == "cotangent" else cuts[0]) for name, ranks in arrays.items()}
@@ -325,6 +343,9 @@ def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
 
 def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) -> tuple[np.ndarray, dict]:
     """An exact result of rank `rank` (torch) in the case's padded layout: zeros past the rank's rows."""
+    if case.op == ATTENTION:
+        rows = (1, attention_rows(case)[rank]), max(attention_rows(case))
+        return _pad(output, *rows), {name: _pad(gradient, *rows) for name, gradient in gradients.items()}
     plan = _uneven_plan(case)
     if plan is None:
         return output, gradients
@@ -359,13 +380,13 @@ def _attention_plans(case: Case) -> list[attention.UlyssesPlan]:
 
 
 def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
-    """The float64 reference on the whole sequence, cut into every rank's rows."""
-    rows, kwargs = attention_rows(case), attention_kwargs(case)
-    q, k, v, ct = (np.concatenate(arrays[name], axis=1).astype(np.float64) for name in ("q", "k", "v", "cotangent"))
+    """The float64 reference on the whole sequence, cut into every rank's (padded) rows."""
+    whole, kwargs = attention_whole(case, arrays), attention_kwargs(case)
+    q, k, v, ct = (whole[name].astype(np.float64) for name in ("q", "k", "v", "cotangent"))
     options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
     grads = attention.attention_vjp(q, k, v, ct, **options)
-    outputs = _shards(attention.attention(q, k, v, **options), rows)
-    return outputs, {name: _shards(g, rows) for name, g in zip("qkv", grads, strict=True)}
+    outputs = attention_shards(case, attention.attention(q, k, v, **options))
+    return outputs, {name: attention_shards(case, g) for name, g in zip("qkv", grads, strict=True)}
 
 
 def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:

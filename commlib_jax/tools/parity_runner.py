@@ -24,33 +24,10 @@ def modes_for(world_size: int) -> tuple[str, ...]:
     return MODES if world_size == 4 else MODES[:3]
 
 
-#: What the rows past a rank's size hold in a padded (attention) input: any value must be ignored.
-PAD_VALUE = 7.0
-
-
 def _stacked(case, arrays, name):
     import jax.numpy as jnp
 
-    values = arrays[name]
-    if case.op == "ulysses_attention":  # JAX holds every rank's rows padded to the longest
-        rows = max(value.shape[1] for value in values)
-        values = [np.pad(value, ((0, 0), (0, rows - value.shape[1]), (0, 0), (0, 0)), constant_values=PAD_VALUE)
-                  for value in values]
-    return jnp.asarray(np.stack(values), dtype=case.dtype)
-
-
-def _valid_rows(case, values: list[np.ndarray], what: str) -> list[np.ndarray]:
-    """Attention: every rank's valid rows; the padding rows must be exactly zero (outputs and gradients)."""
-    if case.op != "ulysses_attention":
-        return values
-    from commlib.tools import cases
-
-    valid = []
-    for rank, (value, rows) in enumerate(zip(values, cases.attention_rows(case), strict=True)):
-        if np.any(value[:, rows:] != 0):
-            raise AssertionError(f"{what} of rank {rank}: padded rows past {rows} are not zero")
-        valid.append(value[:, :rows])
-    return valid
+    return jnp.asarray(np.stack(arrays[name]), dtype=case.dtype)
 
 
 def _per_rank(case, axis_name):
@@ -100,7 +77,7 @@ def run_case(case, arrays, mode: str):
     inputs = [_stacked(case, arrays, name) for name in case.inputs]
     if not case.differentiable or "cotangent" not in arrays:  # integers, and calls the spec rejects
         out, _ = jax.jit(lambda *xs: mapped(None, *xs))(*inputs)  # no cotangent: the loss is out.sum()
-        return _valid_rows(case, list(np.asarray(out, dtype=out.dtype)), "output"), {}
+        return list(np.asarray(out, dtype=out.dtype)), {}
     cotangent = _stacked(case, arrays, "cotangent")
 
     def total(inputs):
@@ -108,8 +85,8 @@ def run_case(case, arrays, mode: str):
         return losses.astype("float32").sum(), out
 
     grads, out = jax.jit(jax.grad(total, has_aux=True))(inputs)
-    as_numpy = lambda a, what: _valid_rows(case, list(np.asarray(a, dtype=np.float64)), what)  # noqa: E731
-    return as_numpy(out, "output"), {name: as_numpy(g, f"d{name}") for name, g in zip(case.inputs, grads, strict=True)}
+    as_numpy = lambda a: list(np.asarray(a, dtype=np.float64))  # noqa: E731
+    return as_numpy(out), {name: as_numpy(g) for name, g in zip(case.inputs, grads, strict=True)}
 
 
 def _unsharded(case, arrays):
@@ -121,14 +98,12 @@ def _unsharded(case, arrays):
 
     kwargs = cases.attention_kwargs(case)
     options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
-    full = {name: jnp.asarray(np.concatenate(arrays[name], axis=1), dtype=case.dtype)
-            for name in [*case.inputs, "cotangent"]}
-    loss = lambda q, k, v: (attention(q, k, v, **options) * full["cotangent"]).sum()  # noqa: E731
-    grads = jax.grad(loss, argnums=(0, 1, 2))(full["q"], full["k"], full["v"])
-    bounds = np.cumsum(cases.attention_rows(case))[:-1]
-    split = lambda a: np.split(np.asarray(a, dtype=np.float64), bounds, axis=1)  # noqa: E731
-    out = attention(full["q"], full["k"], full["v"], **options)
-    return split(out), dict(zip("qkv", map(split, grads), strict=True))
+    whole = {name: jnp.asarray(value, dtype=case.dtype) for name, value in cases.attention_whole(case, arrays).items()}
+    loss = lambda q, k, v: (attention(q, k, v, **options) * whole["cotangent"]).sum()  # noqa: E731
+    grads = jax.grad(loss, argnums=(0, 1, 2))(whole["q"], whole["k"], whole["v"])
+    shards = lambda a: cases.attention_shards(case, np.asarray(a, dtype=np.float64))  # noqa: E731
+    out = attention(whole["q"], whole["k"], whole["v"], **options)
+    return shards(out), dict(zip("qkv", map(shards, grads), strict=True))
 
 
 def _train(args) -> int:

@@ -71,17 +71,16 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
 
 
 def _unsharded(case: cases.Case, arrays) -> tuple[list, dict]:
-    """Attention (the default `attn_fn`, SDPA) on the full sequence in one process, cut back into every rank's
-    rows."""
+    """Attention (the default `attn_fn`, SDPA) on the whole sequence in one process, cut back into every rank's
+    (padded) rows."""
     kwargs = cases.attention_kwargs(case)
     dtype = getattr(torch, case.dtype)
-    full = {name: torch.from_numpy(np.concatenate(arrays[name], axis=1)).to(dtype).requires_grad_()
-            for name in case.inputs}
-    out = attention(full["q"], full["k"], full["v"], causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
-    (out * torch.from_numpy(np.concatenate(arrays["cotangent"], axis=1)).to(dtype)).sum().backward()
-    rows = list(cases.attention_rows(case))
-    shards = lambda tensor: [_numpy(part) for part in tensor.split(rows, dim=1)]  # noqa: E731
-    return shards(out), {name: shards(tensor.grad) for name, tensor in full.items()}
+    whole = {name: torch.from_numpy(value).to(dtype) for name, value in cases.attention_whole(case, arrays).items()}
+    leaves = [whole[name].requires_grad_() for name in case.inputs]
+    out = attention(*leaves, causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
+    (out * whole["cotangent"]).sum().backward()
+    shards = lambda tensor: cases.attention_shards(case, _numpy(tensor))  # noqa: E731
+    return shards(out), {name: shards(leaf.grad) for name, leaf in zip(case.inputs, leaves, strict=True)}
 
 
 def merge(case: cases.Case, per_rank: list) -> tuple[list | None, dict | None, str | None]:

@@ -48,9 +48,10 @@ def _counting(calls: list):
 def _inputs(ctx, case: cases.Case, arrays, transposed: bool = False) -> list[torch.Tensor]:
     """This rank's q, k, v as float leaves; `transposed`: non-contiguous views of a [B, H, S, D] layout."""
     dtype = getattr(torch, case.dtype)
+    mine = cases.exact_arrays(case, arrays, ctx.rank)  # this rank's rows (torch's exact layout)
     leaves = []
     for name in case.inputs:
-        array = arrays[name][ctx.rank]
+        array = mine[name]
         if transposed:
             leaf = torch.tensor(np.swapaxes(array, 1, 2), dtype=dtype).transpose(1, 2)
         else:
@@ -63,16 +64,25 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().double().numpy()
 
 
+def _cotangent(ctx, case: cases.Case, arrays) -> torch.Tensor:
+    return torch.tensor(cases.exact_arrays(case, arrays, ctx.rank)["cotangent"], dtype=getattr(torch, case.dtype))
+
+
+def _result(ctx, case: cases.Case, out: torch.Tensor, leaves) -> tuple[np.ndarray, dict]:
+    """This rank's output and gradients in the case's (padded) layout, as `commlib.tools.parity.check` takes."""
+    gradients = {name: _numpy(x.grad) for name, x in zip("qkv", leaves, strict=True)}
+    return cases.padded_result(case, ctx.rank, _numpy(out), gradients)
+
+
 def counted_call(ctx, case: cases.Case, arrays, transposed: bool = False):
     """Output, input gradients and the collectives of the forward and of the backward, on this rank."""
     q, k, v = _inputs(ctx, case, arrays, transposed)
     forward, backward = [], []
     with _counting(forward):
         out = ulysses_attention(q, k, v, **cases.attention_kwargs(case))
-    cotangent = torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)
     with _counting(backward):
-        (out * cotangent).sum().backward()
-    return _numpy(out), {name: _numpy(x.grad) for name, x in zip("qkv", (q, k, v), strict=True)}, forward, backward
+        (out * _cotangent(ctx, case, arrays)).sum().backward()
+    return *_result(ctx, case, out, (q, k, v)), forward, backward
 
 
 def _einsum_attention(record: list):
@@ -95,8 +105,8 @@ def custom_attention(ctx, case: cases.Case, arrays):
     q, k, v = _inputs(ctx, case, arrays)
     record: list = []
     out = ulysses_attention(q, k, v, attn_fn=_einsum_attention(record), **cases.attention_kwargs(case))
-    (out * torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)).sum().backward()
-    return _numpy(out), {name: _numpy(x.grad) for name, x in zip("qkv", (q, k, v), strict=True)}, record
+    (out * _cotangent(ctx, case, arrays)).sum().backward()
+    return *_result(ctx, case, out, (q, k, v)), record
 
 
 def forward_only(ctx, case: cases.Case, arrays, mode: str):
@@ -105,7 +115,7 @@ def forward_only(ctx, case: cases.Case, arrays, mode: str):
     q, k, v = (x.detach() for x in _inputs(ctx, case, arrays))
     with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
         out = ulysses_attention(q, k, v, **cases.attention_kwargs(case))
-    return _numpy(out), out.requires_grad or out.grad_fn is not None
+    return cases.padded_result(case, ctx.rank, _numpy(out), {})[0], out.requires_grad or out.grad_fn is not None
 
 
 def rejected(ctx, shapes: dict, kwargs: dict):
