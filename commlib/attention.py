@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.errors import comm_error, kind_error
-from commlib.uneven import split_sizes
+from commlib.uneven import Sizes, check_sizes, split_sizes
 
 __all__ = [
     "OP_NAME",
@@ -296,21 +296,11 @@ def _check_shapes(shapes: dict[str, object], received: dict) -> dict[str, tuple[
 
 def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows: int,
                      received: dict) -> tuple[int, ...]:
-    """Every rank's shard length; `rows` is this rank's seq dim (exact: ``seq_sizes[rank]``, padded: the max).
-    The messages are `commlib.uneven`'s for ``sizes`` arguments."""
+    """Every rank's shard length (`commlib.uneven.check_sizes`); `rows` is this rank's seq dim (exact:
+    ``seq_sizes[rank]``, padded: the max)."""
     if seq_sizes is None:
         return (rows,) * world_size
-    try:
-        if any(isinstance(size, bool) for size in seq_sizes):  # type: ignore[attr-defined]
-            raise TypeError
-        sizes = tuple(operator.index(size) for size in seq_sizes)  # type: ignore[attr-defined]
-    except TypeError:
-        raise kind_error(OP_NAME, "seq_sizes must be a sequence of ints", **received) from None
-    if len(sizes) != world_size:
-        raise comm_error(OP_NAME, f"len(seq_sizes) ({len(sizes)}) must equal world_size ({world_size})", **received)
-    for index, size in enumerate(sizes):
-        if size < 0:
-            raise comm_error(OP_NAME, f"seq_sizes[{index}] ({size}) must be >= 0", **received)
+    sizes = check_sizes(OP_NAME, Sizes("seq_sizes", seq_sizes, "seq"), world_size, received)
     if rank is not None and rows != sizes[rank]:
         raise comm_error(OP_NAME, f"seq ({rows}) must equal seq_sizes[{rank}] ({sizes[rank]}) on rank {rank}",
                          **received)

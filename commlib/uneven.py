@@ -55,6 +55,8 @@ from commlib.layout import (
 )
 
 __all__ = [
+    "Sizes",
+    "check_sizes",
     "for_rank",
     "layout",
     "padded",
@@ -241,7 +243,15 @@ class Sizes:
             return self.value
 
 
-def _checked(op_name: str, sizes: Sizes, world_size: int, received: dict) -> tuple[int, ...]:
+def check_sizes(op_name: str, sizes: Sizes, world_size: int, received: dict) -> tuple[int, ...]:
+    """`sizes` as W ints >= 0, or `CommError` / ``TypeError`` in `op_name`'s words (`commlib.attention` checks
+    ``seq_sizes`` with it too).
+
+    >>> check_sizes("all_gather", Sizes("sizes", (3, -1), "size of dim 0"), 2, {})
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: all_gather: sizes[1] (-1) must be >= 0.
+    """
     try:
         if any(isinstance(value, bool) for value in sizes.value):  # type: ignore[attr-defined]
             raise TypeError
@@ -270,7 +280,7 @@ def plan(fields: dict, shape: Shape, *, scatter: Sizes | None = None, gather: Si
     """
     op_name, world_size, dims = fields["op_name"], fields["world_size"], fields["dims"]
     given = [sizes for sizes in (scatter, gather) if sizes is not None]
-    values = {sizes.keyword: _checked(op_name, sizes, world_size, received) for sizes in given}
+    values = {sizes.keyword: check_sizes(op_name, sizes, world_size, received) for sizes in given}
     scatter_sizes = gather_sizes = None
     if scatter is not None:
         scatter_sizes = values[scatter.keyword]
