@@ -4,6 +4,8 @@
   frontends call first;
 - `commlib.layout`: `Plan`, `Rearrange`, the `Collective` and `Convention` enums, and the pack/unpack plans;
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
+- `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
+  attention reference;
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
