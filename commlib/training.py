@@ -55,7 +55,7 @@ class BlockConfig:
     heads: int = 4  # split over SP by the Ulysses all-to-all
     head_dim: int = 2
     hidden: int = 16  # MLP width, split over TP
-    causal: bool = False  # causal attention (global positions)
+    causal: bool = True  # causal attention over global positions (the examples and `commlib parity` train this)
     eps: float = 1e-6  # RMSNorm
     lr: float = 0.1  # SGD step size
     steps: int = 20
