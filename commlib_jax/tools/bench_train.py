@@ -33,7 +33,7 @@ def bare_block_loss(params: dict, x, target, config: training.BlockConfig):
     h = rms_norm(x, p["norm1"], config.eps)
     q, k, v = ((h @ p[name]).reshape(B, S_local, config.heads, config.head_dim) for name in ("wq", "wk", "wv"))
     full = [lax.all_to_all(t, "sp", 2, 1, tiled=True) for t in (q, k, v)]
-    attended = lax.all_to_all(attention(*full), "sp", 1, 2, tiled=True)
+    attended = lax.all_to_all(attention(*full, causal=config.causal), "sp", 1, 2, tiled=True)
     y = x + attended.reshape(B, S_local, -1) @ p["wo"]
     u = rms_norm(y, p["norm2"], config.eps)
     m = lax.psum(jax.nn.silu(u @ p["w_in"]) @ p["w_out"], "tp")

@@ -108,7 +108,7 @@ def block_loss_by_hand(params, x, target, config, groups):
     h = rms_norm(x, p["norm1"], config.eps)
     q, k, v = ((h @ p[name]).reshape(B, S_local, config.heads, config.head_dim) for name in ("wq", "wk", "wv"))
     full = [ulysses_by_hand(t, W, 2, 1, exchange) for t in (q, k, v)]
-    attended = ulysses_by_hand(attention(*full), W, 1, 2, exchange)
+    attended = ulysses_by_hand(attention(*full, causal=config.causal), W, 1, 2, exchange)
     y = x + attended.reshape(B, S_local, -1) @ p["wo"]
     u = CopyToTensorParallel.apply(rms_norm(y, p["norm2"], config.eps), tp_group)
     m = ReduceFromTensorParallel.apply(torch.nn.functional.silu(u @ p["w_in"]) @ p["w_out"], tp_group)
