@@ -54,9 +54,10 @@ _DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HA
 _PAIRS = _PAIR_HASH + 1
 _SCATTER_SIZES = _PAIRS + _PAIR_SLOTS  # hash, then the first _SIZE_SLOTS sizes
 _GATHER_SIZES = _SCATTER_SIZES + 1 + _SIZE_SLOTS
+_GRAD_SCALE = _GATHER_SIZES + 1 + _SIZE_SLOTS  # the float64's bits (shard's scale_grad: 1/W)
 #: Number of int64 values every rank sends, whatever the op.
 FINGERPRINT_SIZE = 48
-assert _GATHER_SIZES + 1 + _SIZE_SLOTS <= FINGERPRINT_SIZE
+assert _GRAD_SCALE + 1 <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
 _KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),
@@ -112,6 +113,7 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
                                               _PAIR_SLOTS)
     row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(plan.scatter_sizes)
     row[_GATHER_SIZES:_GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(plan.gather_sizes)
+    row[_GRAD_SCALE] = np.float64(plan.grad_scale).view(np.int64)
     return row
 
 
@@ -132,6 +134,7 @@ class Call:
     perm: tuple[tuple[int, int], ...] | str  # a str when over 4 pairs (only the first 4 are known)
     scatter_sizes: tuple[int, ...] | str | None = None  # uneven sizes; a str when over 8 ranks
     gather_sizes: tuple[int, ...] | str | None = None
+    grad_scale: float = 1.0  # the VJP's extra factor (shard's scale_grad)
 
     @property
     def collective(self) -> str:
@@ -182,6 +185,7 @@ def decode(row: np.ndarray) -> Call:
         perm=_perm(row),
         scatter_sizes=_sizes(row, _SCATTER_SIZES, int(row[_WORLD])),
         gather_sizes=_sizes(row, _GATHER_SIZES, int(row[_WORLD])),
+        grad_scale=float(row[_GRAD_SCALE:_GRAD_SCALE + 1].view(np.float64)[0]),
     )
 
 
@@ -198,6 +202,7 @@ _ASPECTS = (
     ("perm", [_PAIR_COUNT, _PAIR_HASH, *range(_PAIRS, _PAIRS + _PAIR_SLOTS)], lambda call: str(call.perm)),
     ("scatter_sizes", list(range(_SCATTER_SIZES, _GATHER_SIZES)), lambda call: str(call.scatter_sizes)),
     ("gather_sizes", list(range(_GATHER_SIZES, _GATHER_SIZES + 1 + _SIZE_SLOTS)), lambda call: str(call.gather_sizes)),
+    ("grad_scale", [_GRAD_SCALE], lambda call: str(call.grad_scale)),
 )
 
 
@@ -232,7 +237,8 @@ def _received(call: Call, rank: int) -> dict[str, object]:
                     dims=call.dims, convention=None if call.convention == "sum" else call.convention,
                     root=call.root, accum_dtype=call.accum_dtype,
                     perm=call.perm if call.op_name in ("permute", "send/recv") else None,
-                    scatter_sizes=call.scatter_sizes, gather_sizes=call.gather_sizes)
+                    scatter_sizes=call.scatter_sizes, gather_sizes=call.gather_sizes,
+                    grad_scale=None if call.grad_scale == 1.0 else call.grad_scale)
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 

@@ -2,9 +2,10 @@
 and `jax.pmap`.
 
 Each public function asks the spec for the call's plan (`commlib.plans`) at trace time -- the same
-`CommError` / `TypeError` text as the torch frontend -- then applies `_collective`, a `jax.custom_vjp` whose
-forward walks the plan (`commlib.gradients.forward`) and whose backward applies the spec's VJP rule
-(`commlib.gradients.vjp`) with `_collective`s again, so higher derivatives follow the same rules.
+`CommError` / `TypeError` text as the torch frontend -- then applies `commlib_jax._op.collective`, a
+`jax.custom_vjp` whose forward walks the plan (`commlib.gradients.forward`) and whose backward applies the
+spec's VJP rule (`commlib.gradients.vjp`) with `collective`s again, so higher derivatives follow the same
+rules.
 `axis_name` is a mesh axis name or a tuple of them (rank order row-major). Ranks (`src`, `dst`, `perm`)
 are indices along it. Where the op is the identity (world size 1) it returns its input.
 
@@ -22,17 +23,12 @@ split) are held padded, one shape on every device: a sharded dim has ``max(sizes
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from commlib import gradients, plans, training
-from commlib.layout import Plan
-from commlib_jax._vma import axes_of, axis_arg, shared_axes, to_varying
-from commlib_jax._walk import dtype_name, rank, run
+from commlib import plans, training
+from commlib_jax._op import accum, apply, world_size
+from commlib_jax._vma import axes_of, axis_arg, shared_axes
+from commlib_jax._walk import dtype_name
 
 __all__ = [
     "all_reduce",
@@ -48,79 +44,6 @@ __all__ = [
     "shard",
     "reduce",
 ]
-
-class _Backend:
-    """`commlib.gradients.Backend` on jax arrays over `axes`: the plan walked (`differentiable` False: inside
-    a forward) or `_collective` again (inside a VJP, so higher derivatives follow the same rules)."""
-
-    def __init__(self, axes: tuple, differentiable: bool) -> None:
-        self.axes, self.differentiable = axes, differentiable
-
-    def collective(self, plan: Plan, x):
-        return _apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
-
-
-    def isnan(self, x):
-        return jnp.isnan(x)
-
-    def astype(self, x, dtype):
-        return x.astype(dtype if isinstance(dtype, str) else dtype.dtype)
-
-    def where(self, condition, x, y):
-        return jnp.where(condition, x, y)
-
-    def prod(self, x, axis: int):
-        return jnp.prod(x, axis=axis)
-
-    def expand_dims(self, x, axis: int):
-        return jnp.expand_dims(x, axis)
-
-    def own_rank(self, world_size: int, ndim: int):
-        return jnp.arange(world_size).reshape((world_size,) + (1,) * (ndim - 1)) == rank(self.axes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _collective(plan: Plan, axes: tuple, x):
-    return gradients.forward(_Backend(axes, differentiable=False), plan, x)
-
-
-def _forward(plan: Plan, axes: tuple, x):
-    # `_collective`, not `run`: differentiating the VJP again (a gradient penalty) differentiates this
-    # forward too, and must use commlib's rules -- lax has none for pmax/pmin, and its own for the rest.
-    out = _collective(plan, axes, x)
-    return out, ((x, out) if gradients.needs_primal(plan) else None)
-
-
-def _backward(plan: Plan, axes: tuple, residuals, cotangent):
-    x, out = residuals if residuals is not None else (None, None)
-    backend = _Backend(axes, differentiable=True)
-    return (to_varying(gradients.vjp(backend, plan, x, out, cotangent), axes),)
-
-
-_collective.defvjp(_forward, _backward)
-
-
-def _apply(plan: Plan, axes: tuple, x):
-    if plan.is_empty:  # XLA rejects zero-size all_gather / reduce_scatter dims, and nothing moves anyway
-        return to_varying(x, axes).reshape(plan.out_shape)
-    return x if plan.is_trivial else _collective(plan, axes, to_varying(x, axes))
-
-
-def _world_size(op_name: str, x, axes: tuple) -> int:
-    """The size of `axes`, after the spec's checks of what only JAX can see: `x` an array, and `axes` bound
-    by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``)."""
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
-    try:
-        return lax.axis_size(axis_arg(axes))
-    except NameError:
-        raise plans.unbound_axis(op_name, axis_arg(axes)) from None
-
-
-def _accum(accum_dtype) -> str | None:
-    return None if accum_dtype is None else dtype_name(accum_dtype)
-
-
 def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
     """Reduce `x` over `axis_name`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
@@ -143,10 +66,10 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
     axes = axes_of(axis_name)
-    size = _world_size("all_reduce", x, axes)
+    size = world_size("all_reduce", x, axes)
     plan = plans.all_reduce(x.shape, size, op, dtype=dtype_name(x.dtype), convention=convention,
-                            accum_dtype=_accum(accum_dtype))
-    return _apply(plan, axes, x)
+                            accum_dtype=accum(accum_dtype))
+    return apply(plan, axes, x)
 
 
 def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
@@ -162,10 +85,10 @@ def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
             ``x.shape[dim] != max(sizes)``.
     """
     axes = axes_of(axis_name)
-    size = _world_size("all_gather", x, axes)
+    size = world_size("all_gather", x, axes)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention,
                             sizes=sizes)
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=None):
@@ -181,10 +104,10 @@ def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=Non
             integers.
     """
     axes = axes_of(axis_name)
-    size = _world_size("reduce_scatter", x, axes)
+    size = world_size("reduce_scatter", x, axes)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype_name(x.dtype),
-                                accum_dtype=_accum(accum_dtype), sizes=sizes)
-    return _apply(plan, axes, x)
+                                accum_dtype=accum(accum_dtype), sizes=sizes)
+    return apply(plan, axes, x)
 
 
 def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None):
@@ -204,10 +127,10 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gat
             ints >= 0.
     """
     axes = axes_of(axis_name)
-    size = _world_size("all_to_all", x, axes)
+    size = world_size("all_to_all", x, axes)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None):
@@ -224,10 +147,10 @@ def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=No
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``max(gather_sizes)``.
     """
     axes = axes_of(axis_name)
-    size = _world_size("all_to_all_4d", x, axes)
+    size = world_size("all_to_all_4d", x, axes)
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def broadcast(x, axis_name, src=0):
@@ -238,8 +161,8 @@ def broadcast(x, axis_name, src=0):
         CommError: `src` not in [0, W).
     """
     axes = axes_of(axis_name)
-    size = _world_size("broadcast", x, axes)
-    return _apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
+    size = world_size("broadcast", x, axes)
+    return apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
@@ -251,9 +174,9 @@ def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
     axes = axes_of(axis_name)
-    size = _world_size("gather", x, axes)
+    size = world_size("gather", x, axes)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype_name(x.dtype), sizes=sizes)
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
@@ -266,9 +189,9 @@ def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
             ``sum(sizes)``.
     """
     axes = axes_of(axis_name)
-    size = _world_size("scatter", x, axes)
+    size = world_size("scatter", x, axes)
     plan = plans.scatter(x.shape, size, src, dim, dtype=dtype_name(x.dtype), sizes=sizes)
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def permute(x, axis_name, perm):
@@ -280,8 +203,8 @@ def permute(x, axis_name, perm):
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
     axes = axes_of(axis_name)
-    size = _world_size("permute", x, axes)
-    return _apply(plans.permute(x.shape, size, perm, dtype=dtype_name(x.dtype)), axes, x)
+    size = world_size("permute", x, axes)
+    return apply(plans.permute(x.shape, size, perm, dtype=dtype_name(x.dtype)), axes, x)
 
 
 def sum_grad(x, axis_name):
@@ -296,12 +219,12 @@ def sum_grad(x, axis_name):
         CommError: `x` invariant over an axis of `axis_name` with more than one rank, under check_vma=True.
     """
     axes = axes_of(axis_name)
-    size = _world_size("sum_grad", x, axes)
+    size = world_size("sum_grad", x, axes)
     plan = plans.sum_grad(x.shape, size, dtype=dtype_name(x.dtype))
     shared = shared_axes(x, axes)
     if shared:
         raise training.shared_input_error("sum_grad", x.shape, axis_name, shared, lax.axis_size(axis_arg(shared)))
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def shard(x, axis_name, dim=-1, *, scale_grad=False):
@@ -320,12 +243,12 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
             `axis_name` under check_vma=True. TypeError: `scale_grad` not a bool.
     """
     axes = axes_of(axis_name)
-    size = _world_size("shard", x, axes)
+    size = world_size("shard", x, axes)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype_name(x.dtype))
     shared = shared_axes(x, axes)
     if shared:
         raise training.shared_input_error("shard", x.shape, axis_name, shared, lax.axis_size(axis_arg(shared)))
-    return _apply(plan, axes, x)
+    return apply(plan, axes, x)
 
 
 def reduce(x, axis_name, dst=0, op="sum"):
@@ -339,5 +262,5 @@ def reduce(x, axis_name, dst=0, op="sum"):
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
     """
     axes = axes_of(axis_name)
-    size = _world_size("reduce", x, axes)
-    return _apply(plans.reduce(x.shape, size, dst, op, dtype=dtype_name(x.dtype)), axes, x)
+    size = world_size("reduce", x, axes)
+    return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype_name(x.dtype)), axes, x)

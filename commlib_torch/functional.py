@@ -1,9 +1,10 @@
 """Differentiable collectives over `torch.distributed` (gloo on CPU, NCCL on CUDA).
 
 Each public function asks the spec for the call's plan (`commlib.plans`, which raises `CommError` /
-`TypeError` before any communication), then applies `_Op`, the one autograd Function: its forward walks the
-plan (`commlib.gradients.forward`), its backward applies the spec's VJP rule (`commlib.gradients.vjp`) with
-collectives that are `_Op`s again, so every higher derivative follows the same rules. Where the op is the
+`TypeError` before any communication), then applies `commlib_torch._op.Op`, the one autograd Function: its
+forward walks the plan (`commlib.gradients.forward`), its backward applies the spec's VJP rule
+(`commlib.gradients.vjp`) with collectives that are `Op`s again, so every higher derivative follows the same
+rules. Where the op is the
 identity (world size 1) it returns its input itself, with no communication.
 
 ``group``: the `torch.distributed.ProcessGroup` the collective runs over, ``None`` for the default (WORLD)
@@ -28,14 +29,11 @@ the wire (`commlib.uneven`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from commlib import gradients, plan_cache, plans
-from commlib.layout import Plan
-from commlib_torch._checked import exchange, is_checked
-from commlib_torch._failures import translate
-from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
-from commlib_torch._walk import DTYPE_NAMES, dtype_name, group_rank, group_size, run
+from commlib import plans
+from commlib_torch._groups import Group
+from commlib_torch._op import ProcessGroup, apply, at_boundary, operand
+from commlib_torch._walk import dtype_name, group_rank, run
 
 __all__ = [
     "all_reduce",
@@ -51,109 +49,6 @@ __all__ = [
     "shard",
     "reduce",
 ]
-
-ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
-Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
-
-plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
-plan_cache.bypass_while(torch.compiler.is_dynamo_compiling)  # Dynamo traces the builders, not the key making
-
-
-class _Backend:
-    """`commlib.gradients.Backend` on torch tensors. Inside a forward (`origin` None) a collective is the
-    plan walked; inside a backward it is an `_Op` again, so the VJP is differentiable too."""
-
-    def __init__(self, group: ProcessGroup, device: torch.device, origin: Origin | None = None) -> None:
-        self.group, self.device, self.origin = group, device, origin
-
-    def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
-        return run(plan, x, self.group) if self.origin is None else _apply(plan, x, self.group, self.origin)
-
-
-    def isnan(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.isnan(x)
-
-    def astype(self, x: torch.Tensor, dtype) -> torch.Tensor:
-        return x.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype.dtype)
-
-    def where(self, condition, x, y) -> torch.Tensor:
-        return torch.where(condition, x, y)
-
-    def prod(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return x.prod(dim=axis)
-
-    def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return x.unsqueeze(axis)
-
-    def own_rank(self, world_size: int, ndim: int) -> torch.Tensor:
-        ranks = torch.arange(world_size, device=self.device).reshape((world_size,) + (1,) * (ndim - 1))
-        return ranks == dist.get_rank(self.group)
-
-
-def _forward(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The op's output by the spec's rule: the plan walked, and max/min's NaN rule."""
-    return gradients.forward(_Backend(group, x.device), plan, x)
-
-
-def _at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
-    """``walk(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
-    only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
-    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the walk
-    alone."""
-    if torch.compiler.is_dynamo_compiling():
-        return walk(plan, x, group)
-    try:
-        if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
-            subject, phase = origin or (plan, "forward")
-            exchange(subject, x, group, phase)
-        return walk(plan, x, group)
-    except RuntimeError as error:
-        subject, phase = origin or (plan, "forward")
-        translated = translate(error, subject.op_name, x, group, phase)
-        if translated is error:
-            raise
-        raise translated from error
-
-
-class _Op(torch.autograd.Function):
-    """One collective (or local step) of a plan at commlib's boundary (`_at_boundary`); backward is the spec's
-    VJP rule."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        primal = gradients.needs_primal(plan)  # without it, the forward is the plan walked
-        out = _at_boundary(_forward if primal else run, plan, x, group, origin)
-        if primal:
-            ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
-        saved = (*ctx.saved_tensors, None, None)
-        backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
-        return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
-
-
-def _apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
-    return x if plan.is_trivial else _Op.apply(x, plan, group, origin)
-
-
-def _operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:
-    """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
-    member), x's dtype name and the dtypes the group's backend carries (None: every dtype, x's included): the
-    plan builder's inputs. Host time: the common call (a tensor of a dtype every backend carries, a process
-    group this rank is in, or None) reads a few attributes and asks the group nothing else."""
-    if not isinstance(x, torch.Tensor):
-        check_tensor(op_name, x)  # raises the spec's TypeError
-    if group is not None and type(group) is not dist.ProcessGroup:
-        group = resolve_group(op_name, group)  # a DeviceMesh or (mesh, dim), or the spec's error
-    size = group_size(group)
-    if size < 0:
-        world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
-    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in CARRIED_EVERYWHERE else carried(group, x)
-
-
 def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="sum", accum_dtype=None) -> torch.Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
@@ -175,10 +70,10 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    x, group, size, dtype, carries = _operand("all_reduce", x, group)
+    x, group, size, dtype, carries = operand("all_reduce", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.all_reduce(x.shape, size, op, dtype=dtype, carried=carries, convention=convention, accum_dtype=accum)
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, convention="sum", sizes=None) -> torch.Tensor:
@@ -193,10 +88,10 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
     """
-    x, group, size, dtype, carries = _operand("all_gather", x, group)
+    x, group, size, dtype, carries = operand("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype, carried=carries, convention=convention,
                             sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None,
@@ -212,11 +107,11 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
     """
-    x, group, size, dtype, carries = _operand("reduce_scatter", x, group)
+    x, group, size, dtype, carries = operand("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, carried=carries,
                                 accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None, *, scatter_sizes=None,
@@ -238,11 +133,11 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
     """
-    x, group, size, dtype, carries = _operand("all_to_all", x, group)
+    x, group, size, dtype, carries = operand("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None, *,
@@ -259,11 +154,11 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
     """
-    x, group, size, dtype, carries = _operand("all_to_all_4d", x, group)
+    x, group, size, dtype, carries = operand("all_to_all_4d", x, group)
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
@@ -274,8 +169,8 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     Raises:
         CommError: `src` not in [0, W).
     """
-    x, group, size, dtype, carries = _operand("broadcast", x, group)
-    return _apply(plans.broadcast(x.shape, size, src, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, carries = operand("broadcast", x, group)
+    return apply(plans.broadcast(x.shape, size, src, dtype=dtype, carried=carries), x, group)
 
 
 def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *, sizes=None) -> torch.Tensor:
@@ -288,10 +183,10 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *,
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
-    x, group, size, dtype, carries = _operand("gather", x, group)
+    x, group, size, dtype, carries = operand("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries, sizes=sizes,
                         rank=None if sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *, sizes=None) -> torch.Tensor:
@@ -305,10 +200,10 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *,
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
     """
-    x, group, size, dtype, carries = _operand("scatter", x, group)
+    x, group, size, dtype, carries = operand("scatter", x, group)
     plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, carried=carries, sizes=sizes,
                          rank=None if sizes is None else group_rank(group))
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
@@ -320,8 +215,8 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    x, group, size, dtype, carries = _operand("permute", x, group)
-    return _apply(plans.permute(x.shape, size, perm, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, carries = operand("permute", x, group)
+    return apply(plans.permute(x.shape, size, perm, dtype=dtype, carried=carries), x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -331,8 +226,8 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
     """
-    x, group, size, dtype, carries = _operand("sum_grad", x, group)
-    return _apply(plans.sum_grad(x.shape, size, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, carries = operand("sum_grad", x, group)
+    return apply(plans.sum_grad(x.shape, size, dtype=dtype, carried=carries), x, group)
 
 
 def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
@@ -345,9 +240,9 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
     """
-    x, group, size, dtype, carries = _operand("shard", x, group)
+    x, group, size, dtype, carries = operand("shard", x, group)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, carried=carries)
-    return _apply(plan, x, group)
+    return apply(plan, x, group)
 
 
 def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torch.Tensor:
@@ -360,17 +255,17 @@ def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torc
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
     """
-    x, group, size, dtype, carries = _operand("reduce", x, group)
-    return _apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, carries = operand("reduce", x, group)
+    return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, carried=carries), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ProcessGroup) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    x, group, size, dtype, carries = _operand("gather", x, group)
+    x, group, size, dtype, carries = operand("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries)
     with torch.no_grad():
         if plan.is_trivial:
             out = x.detach().clone(memory_format=torch.contiguous_format)
         else:  # checked mode's exchange and the failure translation, as every collective
-            out = _at_boundary(run, plan, x, group, None)
+            out = at_boundary(run, plan, x, group, None)
     return out if group_rank(group) == plan.root else None

@@ -31,6 +31,7 @@ PLANS = [
     plans.scatter((4,), 4, 2),
     plans.permute((3,), 4, [[0, 1], [1, 2], [2, 3], [3, 0]]),
     plans.sum_grad((5, 1), 4),
+    plans.shard((2, 8), 4, scale_grad=True),
     plans.all_reduce(tuple(range(1, 11)), 4),
     plans.permute((2,), 8, [[rank, (rank + 3) % 8] for rank in range(8)]),
 ]
@@ -44,8 +45,8 @@ def test_every_op_has_the_same_fingerprint_size_and_decodes(plan):
         call = check.decode(row)
         assert (call.op_name, call.phase, call.world_size, call.dims, call.root) == (
             plan.op_name, phase, plan.world_size, plan.dims, plan.root)
-        assert (call.reduce_op, call.convention, call.accum_dtype) == (plan.reduce_op, plan.convention,
-                                                                      plan.accum_dtype)
+        assert (call.reduce_op, call.convention, call.accum_dtype, call.grad_scale) == (
+            plan.reduce_op, plan.convention, plan.accum_dtype, plan.grad_scale)
         if len(plan.in_shape) <= 8:
             assert call.shape == plan.in_shape
         if len(plan.pairs) <= 4:
@@ -91,6 +92,8 @@ def test_a_different_collective_is_reported_alone():
         (plans.permute((3,), 2, [[0, 1]]), plans.permute((3,), 2, [[1, 0]]),
          "perm: rank 0 has ((0, 1),), rank 1 has ((1, 0),)"),
         (plans.all_reduce((3,), 2), plans.all_reduce((3,), 3), "world_size: rank 0 has 2, rank 1 has 3"),
+        (plans.shard((2, 8), 2, scale_grad=True), plans.shard((2, 8), 2),
+         "grad_scale: rank 0 has 0.5, rank 1 has 1.0"),
     ],
 )
 def test_each_aspect_is_named(left, right, expected):

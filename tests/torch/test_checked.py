@@ -82,6 +82,17 @@ def test_every_rank_raises_the_same_error_before_the_collective(pool, calls, exp
     assert messages[1].startswith(f"{calls[1][0]}: {expected}. Received: rank=1, phase='forward'")
 
 
+def test_scale_grad_disagreement_is_caught_in_the_backward(pool):
+    """shard's forward is local (nothing exchanged); its backward all_gather carries the forward plan, whose
+    grad_scale the ranks must agree on, or the gradient is silently scaled on some ranks only."""
+    calls = [_call("shard", (2, 4), dim=-1, scale_grad=True), _call("shard", (2, 4), dim=-1)]
+    messages = _errors(pool(2).run(failure_jobs.call_checked, calls, backward=True))
+    expected = "ranks disagree on grad_scale: rank 0 has 0.5, rank 1 has 1.0"
+    assert _same_body(messages) == expected
+    assert messages[0].startswith(f"shard backward: {expected}. Received: rank=0, phase='backward'")
+    assert messages[0].endswith("grad_scale=0.5")
+
+
 def test_backward_collectives_are_checked_too(pool):
     messages = _errors(pool(3).run(failure_jobs.backward_disagrees))
     expected = "ranks disagree on the collective: rank 0 runs all_gather backward, ranks 1, 2 run all_to_all backward"
@@ -169,7 +180,7 @@ def test_send_recv_that_agree_pass_checked(pool):
 
 
 def test_double_backward_collectives_are_checked(pool):
-    """The collectives of a backward are `_Op`s, so a second backward exchanges fingerprints too."""
+    """The collectives of a backward are `commlib_torch._op.Op`s, so a second backward exchanges fingerprints too."""
     messages = _errors(pool(3).run(failure_jobs.double_backward_disagrees, [(3,), (4,)]))
     assert _same_body(messages) == "ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have (4,)"
     for rank, message in enumerate(messages):

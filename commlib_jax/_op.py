@@ -1,0 +1,94 @@
+"""The JAX side of commlib's one autograd rule: `collective`, the `jax.custom_vjp` every public op applies.
+
+Its forward walks the plan (`commlib.gradients.forward`), its backward is the spec's VJP
+(`commlib.gradients.vjp`) whose collectives are `collective`s again, so higher derivatives follow the same
+rules; outputs and cotangents are typed varying over the op's axes (`commlib_jax._vma`). `world_size` checks
+what only JAX can see (an array, a bound axis name) before the plan builder runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from commlib import gradients, plans
+from commlib.layout import Plan
+from commlib_jax._vma import axis_arg, to_varying
+from commlib_jax._walk import dtype_name, rank, run
+
+__all__ = ["collective", "apply", "world_size", "accum"]
+
+class _Backend:
+    """`commlib.gradients.Backend` on jax arrays over `axes`: the plan walked (`differentiable` False: inside
+    a forward) or `collective` again (inside a VJP, so higher derivatives follow the same rules)."""
+
+    def __init__(self, axes: tuple, differentiable: bool) -> None:
+        self.axes, self.differentiable = axes, differentiable
+
+    def collective(self, plan: Plan, x):
+        return apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
+
+
+    def isnan(self, x):
+        return jnp.isnan(x)
+
+    def astype(self, x, dtype):
+        return x.astype(dtype if isinstance(dtype, str) else dtype.dtype)
+
+    def where(self, condition, x, y):
+        return jnp.where(condition, x, y)
+
+    def prod(self, x, axis: int):
+        return jnp.prod(x, axis=axis)
+
+    def expand_dims(self, x, axis: int):
+        return jnp.expand_dims(x, axis)
+
+    def own_rank(self, world_size: int, ndim: int):
+        return jnp.arange(world_size).reshape((world_size,) + (1,) * (ndim - 1)) == rank(self.axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def collective(plan: Plan, axes: tuple, x):
+    return gradients.forward(_Backend(axes, differentiable=False), plan, x)
+
+
+def _forward(plan: Plan, axes: tuple, x):
+    # `collective`, not `run`: differentiating the VJP again (a gradient penalty) differentiates this
+    # forward too, and must use commlib's rules -- lax has none for pmax/pmin, and its own for the rest.
+    out = collective(plan, axes, x)
+    return out, ((x, out) if gradients.needs_primal(plan) else None)
+
+
+def _backward(plan: Plan, axes: tuple, residuals, cotangent):
+    x, out = residuals if residuals is not None else (None, None)
+    backend = _Backend(axes, differentiable=True)
+    return (to_varying(gradients.vjp(backend, plan, x, out, cotangent), axes),)
+
+
+collective.defvjp(_forward, _backward)
+
+
+def apply(plan: Plan, axes: tuple, x):
+    if plan.is_empty:  # XLA rejects zero-size all_gather / reduce_scatter dims, and nothing moves anyway
+        return to_varying(x, axes).reshape(plan.out_shape)
+    return x if plan.is_trivial else collective(plan, axes, to_varying(x, axes))
+
+
+def world_size(op_name: str, x, axes: tuple) -> int:
+    """The size of `axes`, after the spec's checks of what only JAX can see: `x` an array, and `axes` bound
+    by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``)."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+    try:
+        return lax.axis_size(axis_arg(axes))
+    except NameError:
+        raise plans.unbound_axis(op_name, axis_arg(axes)) from None
+
+
+def accum(accum_dtype) -> str | None:
+    return None if accum_dtype is None else dtype_name(accum_dtype)

@@ -1,0 +1,123 @@
+"""The torch side of commlib's one autograd rule: `Op`, the autograd Function every public op applies.
+
+Its forward walks the plan (`commlib.gradients.forward`; `_walk.run` for the linear plans), its backward is
+the spec's VJP (`commlib.gradients.vjp`) whose collectives are `Op`s again, so every higher derivative follows
+the same rules. `at_boundary` wraps each walk in checked mode's fingerprint exchange and the translation of a
+backend error into `CommTimeout` / `CommFailure`. `operand` turns a public op's ``(x, group)`` into the plan
+builder's inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib import gradients, plan_cache
+from commlib.layout import Plan
+from commlib_torch._checked import exchange, is_checked
+from commlib_torch._failures import translate
+from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._walk import DTYPE_NAMES, group_size, run
+
+__all__ = ["ProcessGroup", "Op", "apply", "at_boundary", "operand"]
+
+ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
+Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
+
+plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
+plan_cache.bypass_while(torch.compiler.is_dynamo_compiling)  # Dynamo traces the builders, not the key making
+
+
+class _Backend:
+    """`commlib.gradients.Backend` on torch tensors. Inside a forward (`origin` None) a collective is the
+    plan walked; inside a backward it is an `Op` again, so the VJP is differentiable too."""
+
+    def __init__(self, group: ProcessGroup, device: torch.device, origin: Origin | None = None) -> None:
+        self.group, self.device, self.origin = group, device, origin
+
+    def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+        return run(plan, x, self.group) if self.origin is None else apply(plan, x, self.group, self.origin)
+
+
+    def isnan(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.isnan(x)
+
+    def astype(self, x: torch.Tensor, dtype) -> torch.Tensor:
+        return x.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype.dtype)
+
+    def where(self, condition, x, y) -> torch.Tensor:
+        return torch.where(condition, x, y)
+
+    def prod(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.prod(dim=axis)
+
+    def expand_dims(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.unsqueeze(axis)
+
+    def own_rank(self, world_size: int, ndim: int) -> torch.Tensor:
+        ranks = torch.arange(world_size, device=self.device).reshape((world_size,) + (1,) * (ndim - 1))
+        return ranks == dist.get_rank(self.group)
+
+
+def _forward(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The op's output by the spec's rule: the plan walked, and max/min's NaN rule."""
+    return gradients.forward(_Backend(group, x.device), plan, x)
+
+
+def at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
+    """``walk(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
+    only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
+    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the walk
+    alone."""
+    if torch.compiler.is_dynamo_compiling():
+        return walk(plan, x, group)
+    try:
+        if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
+            subject, phase = origin or (plan, "forward")
+            exchange(subject, x, group, phase)
+        return walk(plan, x, group)
+    except RuntimeError as error:
+        subject, phase = origin or (plan, "forward")
+        translated = translate(error, subject.op_name, x, group, phase)
+        if translated is error:
+            raise
+        raise translated from error
+
+
+class Op(torch.autograd.Function):
+    """One collective (or local step) of a plan at commlib's boundary (`at_boundary`); backward is the spec's
+    VJP rule."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
+        ctx.plan, ctx.group = plan, group
+        primal = gradients.needs_primal(plan)  # without it, the forward is the plan walked
+        out = at_boundary(_forward if primal else run, plan, x, group, origin)
+        if primal:
+            ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, cotangent: torch.Tensor):
+        saved = (*ctx.saved_tensors, None, None)
+        backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
+        return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
+
+
+def apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
+    return x if plan.is_trivial else Op.apply(x, plan, group, origin)
+
+
+def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:
+    """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
+    member), x's dtype name and the dtypes the group's backend carries (None: every dtype, x's included): the
+    plan builder's inputs. Host time: the common call (a tensor of a dtype every backend carries, a process
+    group this rank is in, or None) reads a few attributes and asks the group nothing else."""
+    if not isinstance(x, torch.Tensor):
+        check_tensor(op_name, x)  # raises the spec's TypeError
+    if group is not None and type(group) is not dist.ProcessGroup:
+        group = resolve_group(op_name, group)  # a DeviceMesh or (mesh, dim), or the spec's error
+    size = group_size(group)
+    if size < 0:
+        world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
+    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in CARRIED_EVERYWHERE else carried(group, x)
