@@ -146,11 +146,19 @@ def _scatter(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: 
 def _permute(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile."""
-    send_splits, recv_splits = _permute_splits(plan.pairs, plan.world_size, rank, send.numel())
+    numel = send.numel()
+    send_splits, recv_splits = _permute_splits(plan.pairs, plan.world_size, rank, numel)
     sent, received = sum(send_splits), sum(recv_splits)
-    recv = x.new_empty((received,), dtype=dtype)
-    dist.all_to_all_single(recv, send.reshape(-1)[:sent], recv_splits, send_splits, group=group)
-    return recv.view(plan.recv_shape) if received else _nothing_received(recv, plan)
+    if not received:
+        recv = x.new_empty((0,), dtype=dtype)
+        dist.all_to_all_single(recv, send.reshape(-1)[:sent], recv_splits, send_splits, group=group)
+        return _nothing_received(recv, plan)
+    # received == numel: the buffer has the plan's shape (not a view of a flat one: a Function's output that is
+    # a view costs autograd's view bookkeeping), and what is sent is the input itself where it is all sent
+    recv = x.new_empty(plan.recv_shape, dtype=dtype)
+    flat_send = send.view(-1) if sent == numel else send.reshape(-1)[:sent]
+    dist.all_to_all_single(recv.view(-1), flat_send, recv_splits, send_splits, group=group)
+    return recv
 
 
 def _nothing_received(recv: torch.Tensor, plan: Plan) -> torch.Tensor | None:
