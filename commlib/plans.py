@@ -34,7 +34,7 @@ from commlib.layout import (
     reduce_scatter_layout,
 )
 from commlib.plan_cache import cached_plan
-from commlib.reduce_op import FLOAT_BITS, ReduceOp, is_floating, parse_reduce_op
+from commlib.reduce_op import FLOAT_FORMATS, ReduceOp, is_floating, parse_reduce_op
 
 __all__ = [
     "CONVENTIONS",
@@ -153,8 +153,10 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
     received = {**received, "dtype": dtype, "accum_dtype": accum}
     if not is_floating(accum) or not is_floating(dtype):
         raise comm_error(op_name, f"accum_dtype ({accum}) and the input dtype ({dtype}) must be floating", **received)
-    if FLOAT_BITS[accum] < FLOAT_BITS[dtype]:
-        message = f"accum_dtype ({accum}, {FLOAT_BITS[accum]} bits) must be at least as wide as the input ({dtype})"
+    (exponent, mantissa), (exponent_in, mantissa_in) = FLOAT_FORMATS[accum], FLOAT_FORMATS[dtype]
+    if exponent < exponent_in or mantissa < mantissa_in:  # float16 <-> bfloat16: each loses the other's values
+        message = (f"accum_dtype ({accum}: {exponent} exponent, {mantissa} mantissa bits) must hold every value of "
+                   f"the input dtype ({dtype}: {exponent_in}, {mantissa_in})")
         raise comm_error(op_name, message, **received)
     return None if accum == dtype else accum
 

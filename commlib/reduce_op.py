@@ -6,10 +6,13 @@ import enum
 
 from commlib.errors import comm_error, kind_error
 
-__all__ = ["ReduceOp", "parse_reduce_op", "FLOAT_BITS", "FLOAT_DTYPES", "is_floating"]
+__all__ = ["ReduceOp", "parse_reduce_op", "FLOAT_BITS", "FLOAT_FORMATS", "FLOAT_DTYPES", "is_floating"]
 
 #: Bits of each floating dtype (numpy / torch / jax spelling without the module prefix).
 FLOAT_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+#: (exponent bits, mantissa bits) of each floating dtype (IEEE 754 binary16/32/64; bfloat16: Google Brain's
+#: truncated binary32). One dtype holds every value of another exactly iff it has at least as many of both.
+FLOAT_FORMATS = {"float16": (5, 10), "bfloat16": (8, 7), "float32": (8, 23), "float64": (11, 52)}
 #: dtype names that carry gradients.
 FLOAT_DTYPES = frozenset(FLOAT_BITS)
 

@@ -107,6 +107,12 @@ def _errors(W: int) -> list[Row]:
              error="CommError: all_reduce: accum_dtype (int32) and the input dtype (float32) must be floating"),
         _row("all_reduce", W, (3,), dtype="int32", accum_dtype="float32",
              error="CommError: all_reduce: accum_dtype (float32) and the input dtype (int32) must be floating"),
+        _row("all_reduce", W, (3,), dtype="bfloat16", accum_dtype="float16",
+             error="CommError: all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value "
+             "of the input dtype (bfloat16: 8, 7)"),
+        _row("reduce_scatter", W, (2 * W,), dtype="float16", accum_dtype="bfloat16",
+             error="CommError: reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every "
+             "value of the input dtype (float16: 5, 10)"),
         _row("all_reduce", W, (3,), convention="mean",
              error="CommError: all_reduce: convention ('mean') must be one of sum, replicated"),
         _row("broadcast", W, (3,), src=W, error=f"CommError: broadcast: src ({W}) must be in [0, {W})"),

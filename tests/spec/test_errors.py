@@ -345,8 +345,14 @@ def test_sum_of_bools_is_refused():
     ("call", "message"),
     [
         (lambda: plans.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
-         "all_reduce: accum_dtype (float16, 16 bits) must be at least as wide as the input (float64). "
-         "Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'"),
+         "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
+         "(float64: 11, 52). Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'"),
+        (lambda: plans.all_reduce((2,), 2, dtype="bfloat16", accum_dtype="float16"),  # 40000 would overflow
+         "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
+         "(bfloat16: 8, 7). Received: shape=(2,), op='sum', dtype='bfloat16', accum_dtype='float16'"),
+        (lambda: plans.reduce_scatter((4,), 2, 0, dtype="float16", accum_dtype="bfloat16"),  # 1 + 2**-10 rounds
+         "reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every value of the input "
+         "dtype (float16: 5, 10). Received: shape=(4,), dim=0, op='sum', dtype='float16', accum_dtype='bfloat16'"),
         (lambda: plans.all_reduce((2,), 2, "max", dtype="complex64"),
          "all_reduce: op ('max') needs a real dtype, not complex64. Received: shape=(2,), op='max', dtype='complex64'"),
         (lambda: plans.all_reduce((2,), 2, convention="mean"),
