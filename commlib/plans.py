@@ -56,6 +56,7 @@ __all__ = [
     "point_to_point",
     "not_a_member",
     "wrong_type",
+    "check_axis_names",
     "unbound_axis",
     "mesh_dim",
     "HALF_DTYPES",
@@ -90,7 +91,12 @@ ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
-    return operator.index(value)
+    try:
+        return operator.index(value)
+    except TypeError:  # an __index__ that refuses: a traced JAX value (ranks and sizes are static)
+        traced = f"traced {type(value).__name__}"
+        shown = {key: f"<{traced}>" if item is value else item for key, item in received.items()}
+        raise kind_error(op_name, f"{name} must be a static int, not a {traced}", **shown) from None
 
 
 def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:
@@ -200,6 +206,25 @@ def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeErr
     cls = type(value)
     type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
     return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
+
+
+def check_axis_names(op_name: str, axes: tuple) -> None:
+    """Raise unless `axes` (a JAX op's ``axis_name`` as a tuple) is one or more distinct mesh axis names (str).
+
+    >>> check_axis_names("all_reduce", ("sp", "sp"))
+    Traceback (most recent call last):
+    commlib.errors.CommError: all_reduce: axis_name (('sp', 'sp')) names 'sp' twice. Received: axis_name=('sp', 'sp')
+    """
+    shown = axes if len(axes) != 1 else axes[0]
+    for axis in axes:
+        if not isinstance(axis, str):
+            message = f"axis_name must be a mesh axis name (str) or a tuple of them, not {type(axis).__name__}"
+            raise kind_error(op_name, message, axis_name=shown)
+    if not axes:
+        raise comm_error(op_name, "axis_name (()) must name at least one mesh axis", axis_name=shown)
+    for axis in axes:
+        if axes.count(axis) > 1:
+            raise comm_error(op_name, f"axis_name ({shown!r}) names {axis!r} twice", axis_name=shown)
 
 
 def unbound_axis(op_name: str, axis_name: object) -> CommError:

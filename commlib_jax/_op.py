@@ -20,7 +20,7 @@ from commlib.layout import Plan
 from commlib_jax._vma import axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
 
-__all__ = ["collective", "apply", "world_size", "accum"]
+__all__ = ["collective", "apply", "axis_size", "world_size", "accum"]
 
 class _Backend:
     """`commlib.gradients.Backend` on jax arrays over `axes`: the plan walked (`differentiable` False: inside
@@ -79,15 +79,21 @@ def apply(plan: Plan, axes: tuple, x):
     return x if plan.is_trivial else collective(plan, axes, to_varying(x, axes))
 
 
-def world_size(op_name: str, x, axes: tuple) -> int:
-    """The size of `axes`, after the spec's checks of what only JAX can see: `x` an array, and `axes` bound
+def axis_size(op_name: str, axes: tuple) -> int:
+    """The size of `axes`, after the spec's checks of what only JAX can see: `axes` names of mesh axes, bound
     by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``)."""
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+    plans.check_axis_names(op_name, axes)
     try:
         return lax.axis_size(axis_arg(axes))
     except NameError:
         raise plans.unbound_axis(op_name, axis_arg(axes)) from None
+
+
+def world_size(op_name: str, x, axes: tuple) -> int:
+    """`axis_size`, after checking that `x` is an array."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+    return axis_size(op_name, axes)
 
 
 def accum(accum_dtype) -> str | None:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from commlib import attention as spec
-from commlib_jax._vma import axes_of, axis_arg
+from commlib_jax._op import axis_size
+from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import all_to_all, all_to_all_4d
 
@@ -100,7 +100,7 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         TypeError: wrong kinds (causal not a bool, scale not a number).
     """
     axes = axes_of(axis_name)
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, lax.axis_size(axis_arg(axes)), seq_sizes=seq_sizes,
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, axis_size(spec.OP_NAME, axes), seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
                              layout="padded")
     inputs, local = {"q": q, "k": k, "v": v}, {}

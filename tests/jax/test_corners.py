@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -105,6 +106,26 @@ def test_an_op_outside_shard_map_or_pmap(op):
     with pytest.raises(CommError) as raised:  # inside a map, over an axis it does not bind
         _mapped(lambda x: getattr(commlib_jax, op)(x, ("i", "j"), *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2, 2)))
     assert str(raised.value).startswith(f"{op}: axis_name (('i', 'j')) is not bound here")
+
+
+@pytest.mark.parametrize("op", CALLS)
+@pytest.mark.parametrize(("axis_name", "error", "message"), [
+    ((), CommError, "axis_name (()) must name at least one mesh axis. Received: axis_name=()"),
+    (0, TypeError, "axis_name must be a mesh axis name (str) or a tuple of them, not int. Received: axis_name=0"),
+    (("i", "i"), CommError, "axis_name (('i', 'i')) names 'i' twice. Received: axis_name=('i', 'i')"),
+])
+def test_an_axis_name_that_names_no_axis(op, axis_name, error, message):
+    with pytest.raises(error) as raised:
+        _mapped(lambda x: getattr(commlib_jax, op)(x, axis_name, *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2)))
+    assert type(raised.value) is error and str(raised.value) == f"{op}: {message}"
+
+
+@pytest.mark.parametrize("op", ["broadcast", "gather", "scatter", "reduce"])
+def test_a_traced_rank(op):
+    with pytest.raises(TypeError) as raised:
+        _mapped(lambda x: getattr(commlib_jax, op)(x, "i", lax.axis_index("i")), 2, "shard_map")(jnp.ones((2, 2)))
+    assert str(raised.value).startswith(f"{op}: {'src' if op in ('broadcast', 'scatter') else 'dst'} must be a "
+                                        "static int, not a traced ")
 
 
 @pytest.mark.parametrize("op", CALLS)
