@@ -149,7 +149,7 @@ def _add_bench(commands) -> None:
     timing.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows and run facts as JSON")
     timing.add_argument("--markdown", metavar="PATH", type=_writable, help="also write the table as markdown")
     timing.add_argument("--plot", metavar="PATH", type=_writable, help="also plot the ratios as PNG (needs matplotlib)")
-    timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
+    timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner (default 3600)")
     timing.add_argument("--host", action="store_true",
                         help="host time per call instead (torch, fake process group, small tensors): commlib vs "
                              "torch.distributed.nn, the raw call by hand, the hand-written Ulysses, checked mode")
@@ -162,12 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("parity", help="run the case table through numpy, torch and JAX and compare")
     check.add_argument("--world-size", type=_positive, default=4, help="ranks (torch processes, JAX CPU devices)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=int, default=0, help="seed of the case table's inputs (default 0)")
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS))
     check.add_argument("--workload", choices=("ops", "train", "all"), default="ops",
                        help="ops: the case table; train: the training block on every SP x TP mesh; all: both")
-    check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner (default 600)")
     check.set_defaults(handler=_parity)
     _add_bench(commands)
     return parser
