@@ -57,6 +57,7 @@ __all__ = [
     "not_a_member",
     "wrong_type",
     "check_axis_names",
+    "no_vmap",
     "unbound_axis",
     "mesh_dim",
     "HALF_DTYPES",
@@ -206,6 +207,19 @@ def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeErr
     cls = type(value)
     type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
     return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
+
+
+def no_vmap(op_name: str) -> TypeError:
+    """The error of a torch op under ``torch.func.vmap`` (JAX's vmap is supported: its batch rules see the
+    axis names).
+
+    >>> no_vmap("all_reduce")
+    TypeError('all_reduce: torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and functional_call work. Received: transform=\'vmap\'')
+    """
+    message = ("torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; "
+               "put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and "
+               "functional_call work")
+    return kind_error(op_name, message, transform="vmap")
 
 
 def check_axis_names(op_name: str, axes: tuple) -> None:

@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import gradients, plan_cache
+from commlib import gradients, plan_cache, plans
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
 from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
 from commlib_torch._walk import DTYPE_NAMES, group_size, run
 
-__all__ = ["ProcessGroup", "Op", "apply", "at_boundary", "operand"]
+__all__ = ["ProcessGroup", "Op", "FunctorchOp", "apply", "at_boundary", "operand", "transforms_active"]
+
+#: Whether a torch.func transform (grad, vjp, vmap, ...) is active: the test `Function.apply` itself makes.
+transforms_active = torch._C._are_functorch_transforms_active
 
 ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
 Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
@@ -84,18 +87,26 @@ def at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
         raise translated from error
 
 
+def _save(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, out: torch.Tensor) -> None:
+    ctx.plan, ctx.group = plan, group
+    if gradients.needs_primal(plan):
+        ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
+
+
 class Op(torch.autograd.Function):
     """One collective (or local step) of a plan at commlib's boundary (`at_boundary`); backward is the spec's
     VJP rule."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        primal = gradients.needs_primal(plan)  # without it, the forward is the plan walked
-        out = at_boundary(_forward if primal else run, plan, x, group, origin)
-        if primal:
-            ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
+        # without a primal rule (max/min/product), the forward is the plan walked
+        out = at_boundary(_forward if gradients.needs_primal(plan) else run, plan, x, group, origin)
+        _save(ctx, x, plan, group, out)
         return out
+
+    @staticmethod
+    def vmap(info, in_dims, x, plan: Plan, group, origin):
+        raise plans.no_vmap(plan.op_name)
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):
@@ -104,8 +115,26 @@ class Op(torch.autograd.Function):
         return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
 
 
+class FunctorchOp(Op):
+    """`Op` with forward and setup_context apart, the form torch.func's transforms (grad, vjp, vmap) require.
+    Applied only while a transform is active: `Function.apply` binds the forward's signature on every call of
+    this form (inspect.signature: ~60 us), which plain autograd does not need."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, plan: Plan, group: ProcessGroup,  # type: ignore[override]
+                origin: Origin | None) -> torch.Tensor:
+        return at_boundary(_forward if gradients.needs_primal(plan) else run, plan, x, group, origin)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        x, plan, group, _ = inputs
+        _save(ctx, x, plan, group, output)
+
+
 def apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
-    return x if plan.is_trivial else Op.apply(x, plan, group, origin)
+    if plan.is_trivial:
+        return x
+    return (FunctorchOp if transforms_active() else Op).apply(x, plan, group, origin)
 
 
 def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from commlib import attention as spec
 from commlib_torch._groups import Group, check_tensor, resolve_group, world_size
+from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_to_all, all_to_all_4d
 
@@ -54,6 +55,19 @@ class _SelectHeads(torch.autograd.Function):
         return None, *grads
 
 
+class _FunctorchSelectHeads(_SelectHeads):
+    """`_SelectHeads` in the form torch.func's transforms require (see `commlib_torch._op.FunctorchOp`)."""
+
+    @staticmethod
+    def forward(runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        runs, *tensors = inputs
+        ctx.runs, ctx.shapes = runs, [tuple(x.shape) for x in tensors]
+
+
 def _sizes(scatter_sizes, gather_sizes) -> dict:
     """The uneven keywords of a collective (left out where the spec says even)."""
     sizes = dict(scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
@@ -65,7 +79,8 @@ def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
     """One all-to-all of the exchange's inputs: ``{name: [n_r, B, S, D]}`` (heads first) on this rank."""
     position = {name: index for index, name in enumerate(exchange.inputs)}
     runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
-    send = _SelectHeads.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
+    select = _FunctorchSelectHeads if transforms_active() else _SelectHeads
+    send = select.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
     recv = all_to_all(send, 0, 2, group, **_sizes(exchange.scatter_sizes, exchange.gather_sizes))
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 

@@ -39,8 +39,8 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
 
 
-_GRAD_MODES = {"grad": contextlib.nullcontext, "constant": contextlib.nullcontext, "no_grad": torch.no_grad,
-               "inference_mode": torch.inference_mode}
+_GRAD_MODES = {"grad": contextlib.nullcontext, "func": contextlib.nullcontext, "constant": contextlib.nullcontext,
+               "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
 def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
@@ -48,7 +48,8 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are).
 
-    `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad", or forward only with an input that doesn't
+    `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad" (``loss.backward()``), "func" (``torch.func.vjp``), or
+    forward only with an input that doesn't
     require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
     4-D inputs and cotangents get channels_last strides. `group`: the process group the op runs over (None:
     the op's default, WORLD; `context.rank` is then the rank in it). Uneven sizes: this rank's rows only (the
@@ -58,6 +59,8 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
     inputs = {name: _tensor(mine[name], case, channels_last) for name in case.inputs}
     for tensor in inputs.values():
         tensor.requires_grad_(case.differentiable and grad_mode != "constant")
+    if grad_mode == "func" and case.differentiable:
+        return _run_func(context, case, inputs, mine, channels_last, group)
     try:
         with _GRAD_MODES[grad_mode]():
             out = _call(case, inputs, group)
@@ -67,6 +70,19 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
         return "ok", *cases.padded_result(case, context.rank, _numpy(out), {})
     (out * _tensor(mine["cotangent"], case, channels_last)).sum().backward()
     gradients = {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
+    return "ok", *cases.padded_result(case, context.rank, _numpy(out), gradients)
+
+
+def _run_func(context, case: cases.Case, inputs: dict, mine: dict, channels_last: bool, group):
+    """`run_case` with the gradient from ``torch.func.vjp`` (the functional transform over the same Functions)."""
+    names = list(inputs)
+    try:
+        out, pullback = torch.func.vjp(lambda *xs: _call(case, dict(zip(names, xs, strict=True)), group),
+                                       *(tensor.detach() for tensor in inputs.values()))
+    except (CommError, TypeError) as error:
+        return "error", f"{type(error).__name__}: {error}"
+    grads = pullback(_tensor(mine["cotangent"], case, channels_last))
+    gradients = {name: _numpy(grad) for name, grad in zip(names, grads, strict=True)}
     return "ok", *cases.padded_result(case, context.rank, _numpy(out), gradients)
 
 

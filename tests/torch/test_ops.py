@@ -9,6 +9,7 @@ import pytest
 
 from commlib.tools import cases, parity
 from commlib_torch.tools.parity_jobs import merge, run_case
+from tests.torch import transform_jobs
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -29,6 +30,27 @@ def test_case_table(pool, world_size):
     rejected = {case.name for case in table if cases.error_text(case) is not None}
     by_text = {row.case for row in rows if row.out_error is None}  # compared by error text, not by values
     assert rejected and by_text == rejected, (sorted(rejected), sorted(by_text))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_case_table_through_torch_func(pool, world_size):
+    """``torch.func.vjp`` over every op gives the reference's outputs and gradients (the same Functions: they
+    keep forward and setup_context apart, as torch.func requires)."""
+    table = [case for case in cases.case_table(world_size) if case.differentiable and cases.error_text(case) is None]
+    rows = []
+    for case in table:
+        arrays = cases.make_arrays(case, 0)
+        per_rank = pool(case.world_size).run(run_case, case, arrays, grad_mode="func")
+        rows.append(parity.check(case, arrays, *merge(case, per_rank)))
+    failed = [f"{row.case}: out {row.out_error} grad {row.grad_error} {row.detail}" for row in rows if not row.passed]
+    assert len(rows) > 50 and not failed, "\n".join(failed)
+
+
+def test_torch_func_vmap_is_refused_by_name(pool):
+    (message,) = set(pool(2).run(transform_jobs.vmap_all_reduce))
+    assert message == ("TypeError: all_reduce: torch.func.vmap is not supported: each rank runs the collective "
+                       "once, not once per batch element; put the batch in the tensor (a leading dim) or loop over "
+                       "it. torch.func.grad, vjp and functional_call work. Received: transform='vmap'")
 
 
 def test_check_detects_a_wrong_gradient():
