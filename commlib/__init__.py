@@ -6,6 +6,9 @@
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
   attention reference;
+- `commlib.context`: context-parallel attention (ring, USP): the sequence layouts (`shard_positions`,
+  `shard_sequence`, `unshard_sequence`), the ring schedule (`ring_plan`), the online-softmax step rules and the
+  float64 reference;
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
@@ -15,6 +18,7 @@
 Frontends: `commlib_torch`, `commlib_jax`. Importing this package never imports torch or jax.
 """
 
+from commlib.context import shard_positions, shard_sequence, unshard_sequence
 from commlib.errors import CommError, CommFailure, CommTimeout
 from commlib.layout import Collective, Convention, Plan, Rearrange
 from commlib.plans import CONVENTIONS, OP_NAMES
@@ -33,5 +37,8 @@ __all__ = [
     "CONVENTIONS",
     "OP_NAMES",
     "split_sizes",
+    "shard_positions",
+    "shard_sequence",
+    "unshard_sequence",
 ]
 __version__ = "0.1.0"

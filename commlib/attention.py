@@ -260,37 +260,38 @@ def causal_mask(q_positions: Sequence[int], k_positions: Sequence[int]) -> np.nd
     return np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]
 
 
-def _check_int(name: str, value: object, received: dict) -> int:
+def _check_int(name: str, value: object, received: dict, op_name: str = OP_NAME) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise kind_error(OP_NAME, f"{name} must be an int, not {type(value).__name__}", **received)
+        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
     return operator.index(value)
 
 
-def _check_shapes(shapes: dict[str, object], received: dict) -> dict[str, tuple[int, ...]]:
+def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_NAME) -> dict[str, tuple[int, ...]]:
+    """q, k, v shapes checked (4-D, agreeing batch, seq, heads and head_dim, H % H_kv == 0) for `op_name`."""
     checked: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         try:
             dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
         except TypeError:
-            raise kind_error(OP_NAME, f"{name} shape must be a sequence of ints", **received) from None
+            raise kind_error(op_name, f"{name} shape must be a sequence of ints", **received) from None
         if len(dims) != 4:
-            raise comm_error(OP_NAME, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])",
+            raise comm_error(op_name, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])",
                              **received)
         checked[name] = dims
     q, k, v = checked["q"], checked["k"], checked["v"]
     for name, dims in (("k", k), ("v", v)):
         for axis, quantity in ((0, "batch"), (1, "seq")):
             if dims[axis] != q[axis]:
-                raise comm_error(OP_NAME, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})",
+                raise comm_error(op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})",
                                  **received)
     if v[2] != k[2]:
-        raise comm_error(OP_NAME, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
+        raise comm_error(op_name, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
     if k[3] != q[3]:
-        raise comm_error(OP_NAME, f"k head_dim ({k[3]}) must equal q head_dim ({q[3]})", **received)
+        raise comm_error(op_name, f"k head_dim ({k[3]}) must equal q head_dim ({q[3]})", **received)
     if k[2] < 1 or q[2] < 1:
-        raise comm_error(OP_NAME, f"heads ({q[2]}) and kv heads ({k[2]}) must be >= 1", **received)
+        raise comm_error(op_name, f"heads ({q[2]}) and kv heads ({k[2]}) must be >= 1", **received)
     if q[2] % k[2]:
-        raise comm_error(OP_NAME, f"heads ({q[2]}) must be divisible by kv heads ({k[2]})", **received)
+        raise comm_error(op_name, f"heads ({q[2]}) must be divisible by kv heads ({k[2]})", **received)
     return checked
 
 
@@ -311,18 +312,19 @@ def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows:
 
 
 def _check_options(dtypes: Sequence[str], causal: object, scale: object, head_dim: int,
-                   received: dict) -> float:
+                   received: dict, op_name: str = OP_NAME) -> float:
+    """The softmax scale, after checking dtypes, `causal` and `scale` for `op_name`."""
     if len(set(dtypes)) != 1:
-        raise comm_error(OP_NAME, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
+        raise comm_error(op_name, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
     if not isinstance(causal, bool):
-        raise kind_error(OP_NAME, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
+        raise kind_error(op_name, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     if isinstance(scale, bool) or (not isinstance(scale, (int, float)) and not hasattr(scale, "__float__")):
-        raise kind_error(OP_NAME, f"scale must be a number, not {type(scale).__name__}", **received, scale=scale)
+        raise kind_error(op_name, f"scale must be a number, not {type(scale).__name__}", **received, scale=scale)
     value = float(scale)
     if not math.isfinite(value):
-        raise comm_error(OP_NAME, f"scale ({value}) must be finite", **received, scale=scale)
+        raise comm_error(op_name, f"scale ({value}) must be finite", **received, scale=scale)
     return value
 
 
