@@ -1,4 +1,5 @@
-"""Ulysses sequence-parallel attention over `torch.distributed`: any sequence length, any head count, GQA/MQA.
+"""Ulysses sequence-parallel attention over `torch.distributed`: any sequence length, any head count, GQA/MQA;
+ring attention and USP (`commlib_torch.ring`) past the head count.
 
 The spec (`commlib.attention.ulysses_plan`) validates the call and decides the heads each rank attends with,
 the kv heads it receives and the sizes of the collectives; this module walks that plan: one all-to-all for
@@ -18,8 +19,9 @@ from commlib_torch._groups import Group, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_to_all, all_to_all_4d
+from commlib_torch.ring import ring_attention, usp_attention
 
-__all__ = ["attention", "ulysses_attention"]
+__all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 
 AttentionFn = Callable[..., torch.Tensor]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib import attention, plans, reference, uneven
+from commlib import attention, context, plans, reference, uneven
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
 from commlib.uneven import split_sizes
@@ -46,11 +46,24 @@ __all__ = [
     "attention_rows",
     "attention_shards",
     "attention_whole",
+    "CONTEXT_OPS",
+    "PENDING",
+    "context_case",
+    "context_kwargs",
+    "context_table",
+    "parity_table",
+    "runs_on",
 ]
 
 ATTENTION = "ulysses_attention"
 #: Keywords of an attention case that shape its inputs (the others are `ulysses_attention`'s own).
 ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
+
+#: Context-parallel attention (`commlib.context`): rows of `context_table`, not of `case_table` (whose readers
+#: walk `case.plan()`); `commlib parity` runs both (`parity_table`).
+CONTEXT_OPS = ("ring_attention", "usp_attention")
+#: Ops a frontend does not have yet: its runner skips their rows and parity does not count them as missing.
+PENDING: dict[str, frozenset[str]] = {"jax": frozenset(CONTEXT_OPS)}
 
 #: Max abs error allowed relative to max(1, max |reference|), by dtype.
 _TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -86,6 +99,9 @@ class Case:
         return getattr(plans, self.op)(self.shape, self.world_size, dtype=self.dtype, **self.params)
 
     def out_shape(self) -> tuple[int, ...]:
+        if self.op in CONTEXT_OPS:  # one rank's output: [B, S / W, H, D_v]
+            batch, seq, heads, head_dim = self.shape
+            return batch, seq // self.world_size, heads, int(self.params.get("value_dim", head_dim))  # type: ignore[call-overload]
         return self.plan().out_shape
 
 
@@ -258,6 +274,85 @@ def case_table(world_size: int) -> list[Case]:
     ]
 
 
+def context_case(ring_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
+                 ulysses_size: int | None = None, **kwargs) -> Case:
+    """A `ring_attention` row over `ring_size` ranks, or with `ulysses_size` U a `usp_attention` row over
+    ``ring_size * U`` ranks (world rank ``r * U + u`` at ring index r, Ulysses index u): global q of `shape`
+    ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head dim `value_dim` if given); keywords `causal`,
+    `scale`, `layout` are the call's."""
+    if ulysses_size is None:
+        return _case(CONTEXT_OPS[0], ring_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"),
+                     **kwargs)
+    return _case(CONTEXT_OPS[1], ring_size * ulysses_size, shape, tag, kv_heads=kv_heads, dtype=dtype,
+                 inputs=("q", "k", "v"), ulysses_size=ulysses_size, **kwargs)
+
+
+def context_layout(case: Case) -> tuple[int, int, str]:
+    """(ring size, Ulysses size, layout) of a context row."""
+    ulysses_size = int(case.params.get("ulysses_size", 1))  # type: ignore[call-overload]
+    return case.world_size // ulysses_size, ulysses_size, str(case.params.get("layout", "contiguous"))
+
+
+def context_kwargs(case: Case) -> dict[str, object]:
+    """The keywords a context row passes to ``ring_attention`` / ``usp_attention``."""
+    return {key: value for key, value in case.kwargs if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size")}
+
+
+def context_plan(case: Case) -> context.RingPlan:
+    """The row's plan (every rank's is the same): the spec's error for an invalid row."""
+    ring_size, ulysses_size, _ = context_layout(case)
+    rows = case.shape[1] // case.world_size
+    shapes = _attention_global_shapes(case)
+    q, k, v = ((*shapes[name][:1], rows, *shapes[name][2:]) for name in "qkv")
+    return context.ring_plan(q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size,
+                             op_name=case.op, **context_kwargs(case))
+
+
+def _context_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
+    """Every rank's shard of a whole ``[B, S, ...]`` array in the row's layout (an invalid layout or length:
+    contiguous cuts, so that every rank still has inputs to be refused with)."""
+    ring_size, ulysses_size, layout = context_layout(case)
+    try:
+        return context.shard_sequence(whole, 1, ring_size, layout, ulysses_size)
+    except CommError:
+        return np.array_split(whole, case.world_size, axis=1)
+
+
+def context_table(world_size: int) -> list[Case]:
+    """Ring rows at W = `world_size` (causal and not, contiguous and zigzag, GQA and MHA, batch 2, float64;
+    float32 and bfloat16), USP rows on 2 x 2 when W = 4, and invalid calls."""
+    W = world_size
+    rows = [
+        context_case(W, (2, 4 * W, 4, 3), kv_heads=2, causal=True, layout="zigzag"),
+        context_case(W, (2, 4 * W, 4, 3), kv_heads=2, layout="zigzag"),
+        context_case(W, (2, 3 * W, 4, 3), kv_heads=2, causal=True),
+        context_case(W, (1, 2 * W, 2, 4), kv_heads=2, value_dim=3, scale=0.6),
+        context_case(W, (2, 4 * W, 4, 8), kv_heads=1, dtype="float32", causal=True, layout="zigzag"),
+        context_case(W, (1, 4 * W, 4, 8), kv_heads=2, dtype="bfloat16", causal=True, layout="zigzag"),
+        context_case(W, (1, 3 * W, 4, 3), "!zigzag", kv_heads=2, layout="zigzag"),  # odd shards
+        context_case(W, (1, 2 * W, 4, 3), "!layout", kv_heads=2, layout="ring"),
+        context_case(W, (1, 2 * W, 4, 3), "!kv", kv_heads=3),
+    ]
+    if W == 4:
+        rows += [
+            context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag"),
+            context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2),
+            context_case(2, (1, 8, 4, 3), kv_heads=2, ulysses_size=2, value_dim=2, causal=True),
+            context_case(1, (1, 8, 2, 3), "!ulysses", kv_heads=1, ulysses_size=4),
+        ]
+    return rows
+
+
+def parity_table(world_size: int) -> list[Case]:
+    """What `commlib parity` runs: `case_table` and `context_table`."""
+    return case_table(world_size) + context_table(world_size)
+
+
+def runs_on(case: Case, framework: str) -> bool:
+    """False where `framework`'s runner does not have the case's op yet (`PENDING`)."""
+    return case.op not in PENDING.get(framework, frozenset())
+
+
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy dtype a case's arrays are stored in (bfloat16 is stored as float32)."""
     if dtype == "bool":
@@ -287,6 +382,9 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     """Every rank's inputs (by input name) and output cotangents (key "cotangent"), from `seed`."""
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
+    if case.op in CONTEXT_OPS:  # the whole sequence drawn, every rank given its shard of the layout
+        return {name: _context_shards(case, _draw(rng, shape, case.dtype))
+                for name, shape in _attention_global_shapes(case).items()}
     if case.op == ATTENTION:  # every rank's rows padded to the longest shard (rows past its own: ignored)
         rows = max(attention_rows(case))
         shapes = {name: (shape[0], rows, *shape[2:]) for name, shape in _attention_global_shapes(case).items()}
@@ -336,6 +434,8 @@ def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
     even or invalid."""
     if case.op == ATTENTION:
         return {name: ranks[rank][:, : attention_rows(case)[rank]] for name, ranks in arrays.items()}
+    if case.op in CONTEXT_OPS:
+        return {name: ranks[rank] for name, ranks in arrays.items()}
     plan = _uneven_plan(case)
     cuts = uneven.rows(plan, rank) if plan is not None else (None, None)
     return {name: _cut(ranks[rank], cuts[1] if name == "cotangent" else cuts[0]) for name, ranks in arrays.items()}
@@ -343,6 +443,8 @@ def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
 
 def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) -> tuple[np.ndarray, dict]:
     """An exact result of rank `rank` (torch) in the case's padded layout: zeros past the rank's rows."""
+    if case.op in CONTEXT_OPS:
+        return output, gradients
     if case.op == ATTENTION:
         rows = (1, attention_rows(case)[rank]), max(attention_rows(case))
         return _pad(output, *rows), {name: _pad(gradient, *rows) for name, gradient in gradients.items()}
@@ -359,7 +461,9 @@ def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) ->
 def error_text(case: Case) -> str | None:
     """``"CommError: ..."`` / ``"TypeError: ..."`` if the spec rejects the case, else None."""
     try:
-        if case.op == ATTENTION:
+        if case.op in CONTEXT_OPS:
+            context_plan(case)
+        elif case.op == ATTENTION:
             _attention_plans(case)
         else:
             case.plan()
@@ -391,6 +495,13 @@ def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
 
 def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
     """Reference per-rank outputs and per-rank input gradients {input name: [rank arrays]}."""
+    if case.op in CONTEXT_OPS:
+        ring_size, ulysses_size, layout = context_layout(case)
+        kwargs = context_kwargs(case)
+        outs, *grads = context.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
+                                         causal=kwargs.get("causal", False), scale=kwargs.get("scale"),
+                                         layout=layout, ulysses_size=ulysses_size)
+        return outs, dict(zip("qkv", grads, strict=True))
     if case.op == ATTENTION:
         return _attention_expected(case, arrays)
     plan = case.plan()
@@ -402,7 +513,7 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
 
 def tolerance(case: Case) -> float:
     base = _TOLERANCE.get(case.dtype, 0.0)  # integers and bool: exact
-    return max(base, 1e-4) if case.op == ATTENTION and case.dtype == "float32" else base
+    return max(base, 1e-4) if case.op in (ATTENTION, *CONTEXT_OPS) and case.dtype == "float32" else base
 
 
 def _key(*parts: object) -> str:

@@ -130,7 +130,7 @@ def compare(table, framework: str, result_dir: Path) -> list[Row]:
     for case, arrays in table:
         modes = [mode for name, mode in meta["entries"] if name == case.name]
         rows += [_compare_case(case, arrays, framework, mode, stored, meta) for mode in modes]
-        if not modes:
+        if not modes and cases.runs_on(case, framework):
             rows.append(Row(case.name, framework, "-", None, None, False, "not run"))
     return rows
 
@@ -162,7 +162,7 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 
         raise CommError(f"parity: world_size ({world_size}) must be >= 1")
     with tempfile.TemporaryDirectory(prefix="commlib-parity-") as tmp:
         in_dir = Path(tmp) / "cases"
-        cases.write(in_dir, cases.case_table(world_size), seed)
+        cases.write(in_dir, cases.parity_table(world_size), seed)
         rows = []
         for framework in frameworks:
             rows += _run_framework(framework, in_dir, Path(tmp) / framework, world_size, timeout)

@@ -9,15 +9,16 @@ import re
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import commlib_torch
 from commlib.errors import CommError
 from commlib.tools import cases
 from commlib.tools.parity import Results
-from commlib_torch.attention import attention, ulysses_attention
+from commlib_torch.attention import attention, ring_attention, ulysses_attention, usp_attention
 from commlib_torch.tools.pool import WorkerError, WorkerPool
 
-__all__ = ["failure_text", "merge", "run_case", "run_table"]
+__all__ = ["failure_text", "merge", "run_case", "run_table", "usp_groups"]
 
 
 def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) -> torch.Tensor:
@@ -29,7 +30,33 @@ def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) ->
     return tensor.contiguous(memory_format=torch.channels_last) if channels_last and tensor.ndim == 4 else tensor
 
 
+_USP_GROUPS: dict[tuple[int, int], tuple] = {}
+
+
+def usp_groups(world_size: int, ulysses_size: int) -> tuple:
+    """(Ulysses group, ring group) of this rank when WORLD's `world_size` ranks form a ring of
+    ``world_size / ulysses_size`` Ulysses groups: rank ``r * U + u`` has Ulysses index u and ring index r. Made
+    once per worker (every rank creates every group, in the same order)."""
+    key = (world_size, ulysses_size)
+    if key not in _USP_GROUPS:
+        rank, ring_size = dist.get_rank(), world_size // ulysses_size
+        mine: list = [None, None]
+        for r in range(ring_size):
+            group = dist.new_group([r * ulysses_size + u for u in range(ulysses_size)])
+            mine[0] = group if rank // ulysses_size == r else mine[0]
+        for u in range(ulysses_size):
+            group = dist.new_group([r * ulysses_size + u for r in range(ring_size)])
+            mine[1] = group if rank % ulysses_size == u else mine[1]
+        _USP_GROUPS[key] = tuple(mine)
+    return _USP_GROUPS[key]
+
+
 def _call(case: cases.Case, inputs: dict[str, torch.Tensor], group=None) -> torch.Tensor:
+    if case.op == "ring_attention":
+        return ring_attention(inputs["q"], inputs["k"], inputs["v"], group, **cases.context_kwargs(case))
+    if case.op == "usp_attention":
+        groups = usp_groups(case.world_size, cases.context_layout(case)[1])
+        return usp_attention(inputs["q"], inputs["k"], inputs["v"], *groups, **cases.context_kwargs(case))
     if case.op == cases.ATTENTION:
         return ulysses_attention(inputs["q"], inputs["k"], inputs["v"], group, **cases.attention_kwargs(case))
     return getattr(commlib_torch, case.op)(inputs["x"], **case.params, **({} if group is None else {"group": group}))

@@ -1,0 +1,195 @@
+"""Ring attention and USP over `torch.distributed`: context parallelism past the head count.
+
+The spec (`commlib.context.ring_plan`) validates the call and owns the schedule (which k/v block each rank holds
+at each step, which pieces of each (q block, kv block) pair the causal mask leaves, the permute pairs) and the
+step rules (`attend`, `merge`, `attend_vjp`); this module walks them in one autograd Function whose backward
+is written by hand: dk/dv travel around the ring with k/v and the probabilities are recomputed blockwise from
+the saved log-sum-exp, so a rank saves q, k, v, the output and the LSE for backward -- O(S/W) -- and no k/v
+block or score matrix of any step. Every ring step is one `permute` of commlib's own (the plan walked at
+commlib's boundary: checked mode and failure translation included) per dtype of what travels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib import context as spec
+from commlib import plans
+from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._walk import dtype_name, group_rank, run
+from commlib_torch.functional import _at_boundary, all_to_all, all_to_all_4d
+
+__all__ = ["ring_attention", "usp_attention"]
+
+
+class _TorchMath(spec.ArrayMath):
+    """`commlib.context.ArrayMath` on torch tensors: the causal mask built on the scores' device."""
+
+    def __init__(self) -> None:
+        super().__init__(torch)
+
+    def causal_mask(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(rows, device=like.device)
+        return index[:, None] >= index[None, :]
+
+
+_MATH = _TorchMath()
+
+
+def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """One ring step: every tensor of `tensors` goes from rank r to rank r + 1 (`plan.perm`), one `permute`
+    per dtype among them (their elements laid end to end)."""
+    if plan.ring_size == 1:
+        return tensors
+    moved: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
+        members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
+        flat = torch.cat([tensors[index].reshape(-1) for index in members])
+        permute = plans.permute(tuple(flat.shape), plan.ring_size, plan.perm, dtype=dtype_name(dtype),
+                                carried=carried(group, flat))
+        received = _at_boundary(run, permute, flat, group, None)
+        for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
+            moved[index] = part.view(tensors[index].shape)
+    return moved  # type: ignore[return-value]
+
+
+def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)``: W steps of online softmax,
+    W - 1 permutes of k/v (in their own dtype: the wire carries B * S_r * H_kv * (D + D_v) elements a step)."""
+    compute = getattr(torch, plan.compute_dtype)
+    q_c = q.to(compute)
+    out = lse = torch.empty(0)
+    held = [k, v]
+    for step in range(plan.ring_size):
+        keys, values = (x.to(compute) for x in held)
+        for piece in plan.cases[plan.case_index[step][rank]]:
+            rows, cols = slice(*piece.q), slice(*piece.kv)
+            part = spec.attend(_MATH, q_c[:, rows], keys[:, cols], values[:, cols], plan.scale, piece.mask)
+            if step == 0:  # the own block: one piece over every row
+                out, lse = part
+            else:
+                out[:, rows], lse[:, rows] = spec.merge(_MATH, out[:, rows], lse[:, rows], *part)
+        if step < plan.ring_size - 1:
+            held = _pass(plan, held, group)
+    return out.to(q.dtype), lse
+
+
+def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
+    """``(dq, dk, dv)``: the forward's walk again, dk/dv (in the compute dtype) travelling with k/v, one more
+    permute of dk/dv at the end to bring them home."""
+    compute = getattr(torch, plan.compute_dtype)
+    q_c, d_out_c = q.to(compute), d_out.to(compute)
+    delta = spec.delta(_MATH, out.to(compute), d_out_c)
+    dq = torch.zeros_like(q_c)
+    held = [k, v, torch.zeros(k.shape, dtype=compute, device=k.device),
+            torch.zeros(v.shape, dtype=compute, device=v.device)]
+    for step in range(plan.ring_size):
+        keys, values, dk, dv = held[0].to(compute), held[1].to(compute), held[2], held[3]
+        for piece in plan.cases[plan.case_index[step][rank]]:
+            rows, cols = slice(*piece.q), slice(*piece.kv)
+            grads = spec.attend_vjp(_MATH, q_c[:, rows], keys[:, cols], values[:, cols], d_out_c[:, rows],
+                                    lse[:, rows], delta[:, rows], plan.scale, piece.mask)
+            dq[:, rows] += grads[0]
+            dk[:, cols] += grads[1]
+            dv[:, cols] += grads[2]
+        held = _pass(plan, held, group) if step < plan.ring_size - 1 else [*held[:2], *_pass(plan, held[2:], group)]
+    return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype)
+
+
+class _Ring(torch.autograd.Function):
+    """The ring walk (`_forward`); backward `_backward` from the saved q, k, v, output and LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: spec.RingPlan, group, rank: int):
+        out, lse = _forward(plan, q, k, v, group, rank)
+        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank), None, None, None)
+
+
+def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
+    return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
+                   scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
+    """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
+    H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
+
+    Args:
+        q, k, v: this rank's shard of the sequence: rank r holds the global positions
+            ``commlib.shard_positions(S, W, layout)[r]`` (``commlib.shard_sequence`` cuts a whole array so).
+            ``H % H_kv == 0`` (MHA, GQA, MQA): q head i uses kv head ``i // (H // H_kv)``.
+        group: the process group of the ring (None: WORLD), a 1-D DeviceMesh or ``(mesh, dim_name)``; W its size.
+        causal: a query sees the keys at global positions <= its own.
+        scale: the softmax scale (default ``1 / sqrt(D)``).
+        layout: "contiguous" (rank r holds rows ``[r*S/W, (r+1)*S/W)``) or "zigzag" (chunks r and 2W-1-r of
+            2W: every rank does the same causal work).
+
+    W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
+    mask hides, `commlib.context.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
+    float64 for float64); W - 1 `permute`\\ s of k and v, unrepeated (``B * S/W * H_kv * (D + D_v)`` elements
+    a step). Gradient: exact; the backward recomputes the scores blockwise from the saved LSE and passes dk/dv
+    around the ring with k/v (W permutes, dk/dv in the compute dtype). Saved for backward: q, k, v, the
+    output and the LSE (``[B, S/W, H]``).
+
+    Raises:
+        CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
+            layout, an odd shard in the zigzag layout, unequal dtypes, a rank outside `group`.
+        TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
+    """
+    group = resolve_group(spec.RING_OP, group)
+    q, k, v = _checked(spec.RING_OP, q, k, v)
+    plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
+                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
+    return _Ring.apply(q, k, v, plan, group, group_rank(group))
+
+
+def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
+    """The Ulysses all-to-all of q, k, v: ``[B, S_r, H, D] -> [B, U * S_r, H / U, D]`` (ring block r, Ulysses
+    rank u's heads). One all-to-all for the three (heads stacked per destination in one local pass) when v's
+    head dim is q's, else one each."""
+    U = plan.ulysses_size
+    if U == 1:
+        return q, k, v
+    if v.shape[-1] != q.shape[-1]:
+        return tuple(all_to_all_4d(x, 2, 1, group) for x in (q, k, v))
+    batch, rows, _, dim = q.shape
+    heads = [plan.heads, plan.kv_heads, plan.kv_heads]
+    per_destination = [x.view(batch, rows, U, n, dim).permute(2, 0, 1, 3, 4) for x, n in zip((q, k, v), heads,
+                                                                                              strict=True)]
+    received = all_to_all(torch.cat(per_destination, dim=3), 0, 2, group)  # [1, B, U * S_r, h + 2 h_kv, D]
+    return tuple(received[0].split(heads, dim=2))
+
+
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: Group, ring_group: Group, *,
+                  causal: bool = False, scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
+    """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
+    `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
+    -> ``[B, S/(W U), H, D_v]``, q's dtype.
+
+    The rank at Ulysses index u and ring index r holds shard ``r * U + u``: the positions
+    ``commlib.shard_positions(S, W, layout, ulysses_size=U)[r * U + u]`` (piece u of ring block r). An
+    `all_to_all` over `ulysses_group` gathers ring block r for heads ``[u H/U, (u+1) H/U)`` (and their kv heads:
+    ``H % U == 0`` and ``H_kv % U == 0``), `ring_attention`'s walk runs over `ring_group` on it, and
+    ``all_to_all_4d(out, 1, 2)`` returns ``[B, S/(W U), H, D_v]``. `causal`, `scale`, `layout` as in
+    `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward).
+
+    Raises:
+        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U.
+        TypeError: wrong kinds.
+    """
+    ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
+    q, k, v = _checked(spec.USP_OP, q, k, v)
+    plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
+                          scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
+    local = _heads_out(plan, q, k, v, ulysses_group)
+    out = _Ring.apply(*local, plan, ring_group, group_rank(ring_group))
+    return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
