@@ -13,7 +13,8 @@ src/dst/perm out of range or repeated, wrong argument kinds (shard's scale_grad)
 on one dim too), non-contiguous and channels_last inputs, inputs that don't require grad, no_grad and
 inference_mode, world size 1, and float64/float16/bfloat16/int32; uneven sizes: wrong length, negative, a sum
 that is not the whole dim, wrong kinds, equal dims (the same text in both layouts), and zero-size ranks in
-every layout and grad mode. (A sharded dim that is not the rank's size, or the largest, is each layout's own
+every layout and grad mode; ring attention and USP (the spec's errors, non-contiguous and channels_last inputs,
+grad modes, bfloat16). (A sharded dim that is not the rank's size, or the largest, is each layout's own
 text: tests/torch and tests/jax test_uneven.py.)
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from commlib import split_sizes
-from commlib.tools.cases import Case
+from commlib.tools.cases import Case, context_case
 
 __all__ = ["LAYOUTS", "GRAD_MODES", "WORLD_SIZES", "Row", "table"]
 
@@ -266,6 +267,35 @@ def _uneven(W: int) -> list[Row]:
     ]
 
 
+def _context(W: int) -> list[Row]:
+    """Ring attention and USP (``ring_size * ulysses_size == W``): the spec's errors, and valid calls with
+    non-contiguous or channels_last inputs, forward only, and in bfloat16."""
+    zigzag = dict(kv_heads=2, causal=True, layout="zigzag")
+    rows = [
+        Row(context_case(W, (1, 3 * W, 4, 3), kv_heads=2, layout="zigzag"), f"CommError: ring_attention: seq ({3 * W}) "
+            f"must be divisible by 2 * ring_size * ulysses_size ({2 * W}) for layout 'zigzag'"),
+        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=2, layout="ring"),
+            "CommError: ring_attention: layout ('ring') must be one of contiguous, zigzag"),
+        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=3), "CommError: ring_attention: heads (4) must be divisible by "
+            "kv heads (3)"),
+        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=2, causal=1),
+            "TypeError: ring_attention: causal must be a bool, not int"),
+        Row(context_case(1, (1, 2 * W, W - 1, 3), kv_heads=1, ulysses_size=W),
+            f"CommError: usp_attention: ulysses_size ({W}) must be <= heads ({W - 1})"),
+        Row(context_case(1, (1, 2 * W, 2 * W, 3), kv_heads=1, ulysses_size=W),
+            f"CommError: usp_attention: kv heads (1) must be divisible by ulysses_size ({W})"),
+        Row(context_case(W, (2, 4 * W, 4, 3), **zigzag), layout="transposed"),
+        Row(context_case(W, (2, 2 * W, 2, 3), kv_heads=1, causal=True), layout="channels_last"),
+        Row(context_case(W, (1, 4 * W, 4, 4), dtype="bfloat16", **zigzag)),
+        Row(context_case(1, (2, 4 * W, 2 * W, 3), kv_heads=W, ulysses_size=W, causal=True, layout="zigzag"),
+            layout="transposed"),
+    ]
+    for mode in GRAD_MODES[1:]:
+        rows += [Row(context_case(W, (1, 4 * W, 4, 3), **zigzag), grad_mode=mode),
+                 Row(context_case(1, (1, 2 * W, 2 * W, 2), kv_heads=W, ulysses_size=W), grad_mode=mode)]
+    return rows
+
+
 def _world_size_one() -> list[Row]:
     """World size 1: every op returns its input (no communication); invalid calls are still invalid."""
     return [
@@ -298,7 +328,7 @@ def table(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Row]:
     rows = _world_size_one() if 1 in world_sizes else []
     for W in world_sizes:
         if W > 1:
-            rows += _errors(W) + _zero_size(W) + _layouts(W) + _grad_modes(W) + _dtypes(W) + _uneven(W)
+            rows += _errors(W) + _zero_size(W) + _layouts(W) + _grad_modes(W) + _dtypes(W) + _uneven(W) + _context(W)
     names = [row.name for row in rows]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     assert not duplicates, duplicates

@@ -3,6 +3,7 @@ both frontends export the same op names, and no module of the project imports it
 Both frontends must be installed: a missing one fails these tests (they never skip).
 """
 
+import ast
 import functools
 import json
 import pathlib
@@ -10,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from commlib.tools import cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -82,7 +85,10 @@ def test_attention_modules_export_the_same_names():
     probe = "import commlib_{0}.attention as m; print(sorted(m.__all__))"
     names = [subprocess.run([sys.executable, "-c", probe.format(frontend)], cwd=ROOT, capture_output=True, text=True,
                             timeout=240, check=True).stdout for frontend in ("torch", "jax")]
-    assert names[0] == names[1] and "ulysses_attention" in names[0]
+    torch_names, jax_names = (ast.literal_eval(text) for text in names)
+    pending = cases.PENDING.get("jax", frozenset())  # ops the JAX frontend does not have yet
+    assert {"ulysses_attention", "ring_attention", "usp_attention"} <= set(torch_names)
+    assert [name for name in torch_names if name not in pending] == jax_names
 
 
 def test_torch_frontend_exports_every_op():

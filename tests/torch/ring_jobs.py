@@ -1,0 +1,77 @@
+"""Job functions for tests/torch/test_ring.py (module-level: the pool's workers import them by name)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib.tools import cases
+from commlib_torch.attention import ring_attention, usp_attention
+from commlib_torch.tools.parity_jobs import usp_groups
+from tests.torch.attention_jobs import _counting
+
+
+def _leaves(ctx, case: cases.Case, arrays, transposed: bool = False) -> list[torch.Tensor]:
+    """This rank's q, k, v as leaves that require grad; `transposed`: non-contiguous views of [B, H, S, D]."""
+    dtype = getattr(torch, case.dtype)
+    leaves = []
+    for name in case.inputs:
+        array = arrays[name][ctx.rank]
+        leaf = torch.tensor(np.swapaxes(array, 1, 2), dtype=dtype).transpose(1, 2) if transposed else \
+            torch.tensor(array, dtype=dtype)
+        leaves.append(leaf.requires_grad_())
+    return leaves
+
+
+def _call(case: cases.Case, q, k, v) -> torch.Tensor:
+    if case.op == "usp_attention":
+        groups = usp_groups(case.world_size, cases.context_layout(case)[1])
+        return usp_attention(q, k, v, *groups, **cases.context_kwargs(case))
+    return ring_attention(q, k, v, **cases.context_kwargs(case))
+
+
+def counted_call(ctx, case: cases.Case, arrays, transposed: bool = False):
+    """Output, {input: gradient} and the c10d calls ``(name, received bytes)`` of the forward and of the
+    backward on this rank."""
+    leaves = _leaves(ctx, case, arrays, transposed)
+    forward: list = []
+    backward: list = []
+    with _counting(forward):
+        out = _call(case, *leaves)
+    cotangent = torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)
+    with _counting(backward):
+        (out * cotangent).sum().backward()
+    gradients = {name: leaf.grad.double().numpy() for name, leaf in zip(case.inputs, leaves, strict=True)}
+    return out.detach().double().numpy(), gradients, forward, backward
+
+
+def saved_for_backward(ctx, case: cases.Case, arrays):
+    """What autograd saves for backward during the call (``torch.autograd.graph.saved_tensors_hooks``):
+    ``(shape, dtype name, bytes)`` of each saved tensor, and the same for q, k, v, the output and the LSE's
+    shape ``[B, S/W, H]`` in the compute dtype."""
+    q, k, v = _leaves(ctx, case, arrays)
+    saved: list = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(tensor.shape), str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = _call(case, q, k, v)
+    out.sum().backward()  # the saved tensors are what the backward needs
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty(q.shape[:3], dtype=compute)
+    expected = [(tuple(x.shape), str(x.dtype), x.numel() * x.element_size()) for x in (q, k, v, out, lse)]
+    return saved, expected
+
+
+def forward_only(ctx, case: cases.Case, arrays, mode: str):
+    """Output under ``torch.no_grad()`` ("no_grad") or for inputs that don't require grad ("constant"), and
+    whether it carries autograd state."""
+    q, k, v = (leaf.detach() for leaf in _leaves(ctx, case, arrays))
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = _call(case, q, k, v)
+    else:
+        out = _call(case, q, k, v)
+    return out.double().numpy(), out.requires_grad or out.grad_fn is not None

@@ -1,0 +1,93 @@
+"""`commlib_torch.attention.ring_attention` / `usp_attention` on real gloo process groups: every row of
+`commlib.tools.cases.context_table` (ring at W = 1-4, USP on 2 x 2, float64 / float32 / bfloat16, invalid calls)
+against the float64 reference, the handed case with its errors printed, the collectives each way and their bytes
+(k and v unrepeated), the bytes saved for backward, non-contiguous inputs and forward-only calls.
+"""
+
+import numpy as np
+import pytest
+
+from commlib.tools import cases, parity
+from commlib_torch.tools.parity_jobs import merge, run_case
+from tests.torch import ring_jobs as jobs
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def _handed_case(**kwargs):
+    """W=4, B=2, S=16, H=4, H_kv=2, D=3, float64, causal, zigzag."""
+    return cases.context_case(4, (2, 16, 4, 3), kv_heads=2, causal=True, layout="zigzag", **kwargs)
+
+
+def _row(case, replies) -> parity.Row:
+    outputs = [reply[0] for reply in replies]
+    gradients = {name: [reply[1][name] for reply in replies] for name in case.inputs}
+    return parity.check(case, cases.make_arrays(case, 0), outputs, gradients, None, "torch", "gloo")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_context_table(pool, world_size):
+    """Every context row at W: outputs and dq/dk/dv on every rank within the row's tolerance (float64: 1e-10),
+    invalid rows with the spec's text on every rank."""
+    failed = []
+    for case in cases.context_table(world_size):
+        arrays = cases.make_arrays(case, 0)
+        outputs, gradients, error = merge(case, pool(world_size).run(run_case, case, arrays))
+        row = parity.check(case, arrays, outputs, gradients, error)
+        failed += [] if row.passed else [f"{row.case}: {row.out_error} {row.grad_error} {row.detail}"]
+        assert cases.error_text(case) is not None or row.out_error is not None
+    assert not failed, "\n".join(failed)
+
+
+def test_handed_case(pool):
+    """The handed case within 1e-10 (outputs, dq, dk, dv on every rank) from non-contiguous inputs. Forward:
+    W - 1 = 3 permutes (one all_to_all_single each) carrying k and v unrepeated, B * S/W * H_kv * (D + D_v)
+    float64s; backward: 3 permutes of k, v, dk, dv and one of dk, dv home."""
+    case = _handed_case()
+    replies = pool(4).run(jobs.counted_call, case, cases.make_arrays(case, 0), transposed=True)
+    row = _row(case, replies)
+    print(f"\nhanded case (torch, W=4): max error out {row.out_error:.3g}, dq/dk/dv {row.grad_error:.3g}")
+    assert row.passed and row.out_error <= 1e-10 and row.grad_error <= 1e-10, row
+    kv = 2 * 4 * 2 * (3 + 3) * 8  # bytes of k and v one rank receives per step
+    for _, _, forward, backward in replies:
+        assert forward == [("all_to_all_single", kv)] * 3, forward
+        assert backward == [("all_to_all_single", 2 * kv)] * 3 + [("all_to_all_single", kv)], backward
+
+
+@pytest.mark.parametrize("case", [_handed_case(), cases.context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2)],
+                         ids=lambda case: case.name)
+def test_saved_for_backward(pool, case):
+    """What a rank saves for backward is exactly q, k, v, the output and the LSE ``[B, S/W, H]`` (ring), or
+    those of the ring over the gathered ring block (USP: the all-to-alls save nothing): O(S/W), no per-step k/v
+    block, no score matrix."""
+    replies = pool(4).run(jobs.saved_for_backward, case, cases.make_arrays(case, 0))
+    saved = replies[0][0]
+    print(f"\n{case.op}: saved for backward on rank 0: {sum(size for _, _, size in saved)} bytes, {saved}")
+    for saved, expected in replies:
+        if case.op == "ring_attention":
+            assert saved == expected, (saved, expected)
+        else:  # the ring's q, k, v: [B, U * S_r, H / U, D] and [B, U * S_r, H_kv / U, D]; out and the LSE
+            assert [shape for shape, _, _ in saved] == [(2, 4, 2, 3), (2, 4, 1, 3), (2, 4, 1, 3), (2, 4, 2, 3),
+                                                        (2, 4, 2)], saved
+
+
+
+def test_usp_collectives(pool):
+    """USP on 2 x 2: one all-to-all for q, k, v together and one for the output (each way), and the ring's
+    permutes over the ring group (1 forward, 2 backward at W = 2)."""
+    case = cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag")
+    replies = pool(4).run(jobs.counted_call, case, cases.make_arrays(case, 0))
+    assert _row(case, replies).passed
+    for _, _, forward, backward in replies:
+        assert len(forward) == 3 and len(backward) == 4, (forward, backward)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "constant"])
+def test_forward_only(pool, mode):
+    case = _handed_case()
+    arrays = cases.make_arrays(case, 0)
+    replies = pool(4).run(jobs.forward_only, case, arrays, mode)
+    want, _ = cases.expected(case, arrays)
+    for (out, tracked), reference in zip(replies, want, strict=True):
+        np.testing.assert_allclose(out, reference, atol=1e-10)
+        assert not tracked
