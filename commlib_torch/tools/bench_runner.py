@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from commlib_torch.tools import bench_train, bench_uneven  # noqa: F401  (register the train-step and uneven cases)
+from commlib_torch.tools import bench_context, bench_train, bench_uneven  # noqa: F401  (register those cases)
 from commlib_torch.tools.bench_cases import CASES, time_case
 from commlib_torch.tools.pool import WorkerContext, WorkerPool
 
