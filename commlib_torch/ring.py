@@ -36,6 +36,40 @@ class _TorchMath(spec.ArrayMath):
 
 
 _MATH = _TorchMath()
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a piece runs on torch's fused CPU flash kernels (CPU tensors, ``D_v == D``) rather than the spec's
+    einsum rules: the same math (`commlib.context.attend` / `attend_vjp`: the kernels return and take the LSE,
+    and their backward recomputes P from the LSE we pass, the final one), fused, about twice as fast."""
+    return _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """``[B, S, h, D] -> [B, h * group, S, D]`` (kv heads repeated for the q heads they serve: local only)."""
+    return (x.repeat_interleave(group, dim=2) if group > 1 else x).transpose(1, 2)
+
+
+def _attend(plan: spec.RingPlan, q, k, v, mask: str):
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.context.attend`)."""
+    if not _flash(q, v):
+        return spec.attend(_MATH, q, k, v, plan.scale, mask)
+    out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
+                          mask == "causal-diagonal", scale=plan.scale)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
+    """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.context.attend_vjp`)."""
+    if not _flash(q, v):
+        return spec.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
+    dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
+                                     _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
+                                     mask == "causal-diagonal", scale=plan.scale)
+    fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2)  # noqa: E731
+    return dq.transpose(1, 2), fold(dk), fold(dv)
 
 
 def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -66,7 +100,7 @@ def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tens
         keys, values = (x.to(compute) for x in held)
         for piece in plan.cases[plan.case_index[step][rank]]:
             rows, cols = slice(*piece.q), slice(*piece.kv)
-            part = spec.attend(_MATH, q_c[:, rows], keys[:, cols], values[:, cols], plan.scale, piece.mask)
+            part = _attend(plan, q_c[:, rows], keys[:, cols], values[:, cols], piece.mask)
             if step == 0:  # the own block: one piece over every row
                 out, lse = part
             else:
@@ -80,8 +114,8 @@ def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
     """``(dq, dk, dv)``: the forward's walk again, dk/dv (in the compute dtype) travelling with k/v, one more
     permute of dk/dv at the end to bring them home."""
     compute = getattr(torch, plan.compute_dtype)
-    q_c, d_out_c = q.to(compute), d_out.to(compute)
-    delta = spec.delta(_MATH, out.to(compute), d_out_c)
+    q_c, d_out_c, out_c = q.to(compute), d_out.to(compute), out.to(compute)
+    delta = spec.delta(_MATH, out_c, d_out_c)
     dq = torch.zeros_like(q_c)
     held = [k, v, torch.zeros(k.shape, dtype=compute, device=k.device),
             torch.zeros(v.shape, dtype=compute, device=v.device)]
@@ -89,8 +123,8 @@ def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
         keys, values, dk, dv = held[0].to(compute), held[1].to(compute), held[2], held[3]
         for piece in plan.cases[plan.case_index[step][rank]]:
             rows, cols = slice(*piece.q), slice(*piece.kv)
-            grads = spec.attend_vjp(_MATH, q_c[:, rows], keys[:, cols], values[:, cols], d_out_c[:, rows],
-                                    lse[:, rows], delta[:, rows], plan.scale, piece.mask)
+            grads = _attend_vjp(plan, q_c[:, rows], keys[:, cols], values[:, cols], out_c[:, rows], d_out_c[:, rows],
+                                lse[:, rows], delta[:, rows], piece.mask)
             dq[:, rows] += grads[0]
             dk[:, cols] += grads[1]
             dv[:, cols] += grads[2]
