@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from commlib.tools import cases
+from commlib_torch import ring
 from commlib_torch.attention import ring_attention, usp_attention
 from commlib_torch.tools.parity_jobs import usp_groups
 from tests.torch.attention_jobs import _counting
@@ -75,3 +76,14 @@ def forward_only(ctx, case: cases.Case, arrays, mode: str):
     else:
         out = _call(case, q, k, v)
     return out.double().numpy(), out.requires_grad or out.grad_fn is not None
+
+
+def spec_rules_call(ctx, case: cases.Case, arrays):
+    """`counted_call` with every piece on the spec's einsum rules (the path CUDA and ``D_v != D`` take), not on
+    torch's CPU flash kernels."""
+    saved = ring._FLASH_CPU
+    ring._FLASH_CPU = None
+    try:
+        return counted_call(ctx, case, arrays)
+    finally:
+        ring._FLASH_CPU = saved

@@ -54,6 +54,17 @@ def test_handed_case(pool):
         assert backward == [("all_to_all_single", 2 * kv)] * 3 + [("all_to_all_single", kv)], backward
 
 
+@pytest.mark.parametrize("case", [_handed_case(), _handed_case(dtype="bfloat16"),
+                                  cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True,
+                                                     layout="zigzag")], ids=lambda case: case.name)
+def test_spec_rules(pool, case):
+    """The pieces on the spec's einsum rules (`commlib.context.attend` / `attend_vjp`: CUDA's path, and CPU's
+    where ``D_v != D``) instead of torch's CPU flash kernels: the same results."""
+    replies = pool(4).run(jobs.spec_rules_call, case, cases.make_arrays(case, 0))
+    row = _row(case, replies)
+    assert row.passed, row
+
+
 @pytest.mark.parametrize("case", [_handed_case(), cases.context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2)],
                          ids=lambda case: case.name)
 def test_saved_for_backward(pool, case):
