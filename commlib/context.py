@@ -53,6 +53,8 @@ __all__ = [
     "attend",
     "merge",
     "attend_vjp",
+    "delta",
+    "NUMPY",
     "reference",
     "simulate_ring",
 ]
