@@ -48,8 +48,10 @@ def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """``[B, S, h, D] -> [B, h * group, S, D]`` (kv heads repeated for the q heads they serve: local only)."""
-    return (x.repeat_interleave(group, dim=2) if group > 1 else x).transpose(1, 2)
+    """``[B, S, h, D] -> [B, h * group, S, D]`` (kv heads repeated for the q heads they serve: local only), a
+    view where D is the innermost dim already (the kernels read D with stride 1: channels_last inputs copy)."""
+    x = (x.repeat_interleave(group, dim=2) if group > 1 else x).transpose(1, 2)
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _attend(plan: spec.RingPlan, q, k, v, mask: str):
