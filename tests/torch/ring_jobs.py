@@ -87,3 +87,23 @@ def spec_rules_call(ctx, case: cases.Case, arrays):
         return counted_call(ctx, case, arrays)
     finally:
         ring._FLASH_CPU = saved
+
+
+_MESHES: dict = {}
+
+
+def usp_on_mesh(ctx, case: cases.Case, arrays):
+    """USP with its groups given as the dims of ``init_device_mesh("cpu", (W, U), mesh_dim_names=("ring",
+    "ulysses"))`` (rank ``r * U + u`` at mesh coordinate (r, u)): output and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ring_size, ulysses_size, _ = cases.context_layout(case)
+    if (ring_size, ulysses_size) not in _MESHES:
+        _MESHES[ring_size, ulysses_size] = init_device_mesh("cpu", (ring_size, ulysses_size),
+                                                            mesh_dim_names=("ring", "ulysses"))
+    mesh = _MESHES[ring_size, ulysses_size]
+    q, k, v = _leaves(ctx, case, arrays)
+    out = usp_attention(q, k, v, (mesh, "ulysses"), (mesh, "ring"), **cases.context_kwargs(case))
+    (out * torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)).sum().backward()
+    return out.detach().double().numpy(), {name: x.grad.double().numpy() for name, x in zip("qkv", (q, k, v),
+                                                                                              strict=True)}

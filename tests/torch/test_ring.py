@@ -102,3 +102,11 @@ def test_forward_only(pool, mode):
     for (out, tracked), reference in zip(replies, want, strict=True):
         np.testing.assert_allclose(out, reference, atol=1e-10)
         assert not tracked
+
+
+def test_usp_on_a_device_mesh(pool):
+    """The groups as mesh dims, ``(mesh, "ulysses")`` and ``(mesh, "ring")``, as torch users build them."""
+    case = cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag")
+    replies = pool(4).run(jobs.usp_on_mesh, case, cases.make_arrays(case, 0))
+    row = _row(case, replies)
+    assert row.passed and row.out_error <= 1e-10 and row.grad_error <= 1e-10, row
