@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.errors import comm_error, kind_error
+from commlib.reduce_op import FLOAT_DTYPES, is_floating
 from commlib.uneven import Sizes, check_sizes, split_sizes
 
 __all__ = [
@@ -316,6 +317,9 @@ def _check_options(dtypes: Sequence[str], causal: object, scale: object, head_di
     """The softmax scale, after checking dtypes, `causal` and `scale` for `op_name`."""
     if len(set(dtypes)) != 1:
         raise comm_error(op_name, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
+    if not is_floating(dtypes[0]):  # softmax of integer scores truncates (JAX gave zeros, SDPA raised late)
+        message = f"q, k, v dtype ({dtypes[0]}) must be floating ({', '.join(sorted(FLOAT_DTYPES))})"
+        raise comm_error(op_name, message, **received, dtype=dtypes[0])
     if not isinstance(causal, bool):
         raise kind_error(op_name, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
     if scale is None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from commlib import context as spec
 from commlib import plans
 from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
-from commlib_torch._op import at_boundary
+from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_to_all, all_to_all_4d
 
@@ -150,6 +150,37 @@ class _Ring(torch.autograd.Function):
         return (*_backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank), None, None, None)
 
 
+class _FunctorchRing(_Ring):
+    """`_Ring` in the form torch.func's transforms require (forward and setup_context apart; the LSE a second,
+    non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchOp`)."""
+
+    @staticmethod
+    def forward(q, k, v, plan: spec.RingPlan, group, rank: int):  # type: ignore[override]
+        return _forward(plan, q, k, v, group, rank)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        q, k, v, plan, group, rank = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.save_for_backward(q, k, v, out, lse)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int):
+        raise plans.no_vmap(plan.op_name)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):  # type: ignore[override]
+        return _Ring.backward(ctx, d_out)
+
+
+def _ring(q, k, v, plan: spec.RingPlan, group, rank: int) -> torch.Tensor:
+    if transforms_active():
+        return _FunctorchRing.apply(q, k, v, plan, group, rank)[0]
+    return _Ring.apply(q, k, v, plan, group, rank)
+
+
 def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
     return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
 
@@ -185,7 +216,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     q, k, v = _checked(spec.RING_OP, q, k, v)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
                           layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return _Ring.apply(q, k, v, plan, group, group_rank(group))
+    return _ring(q, k, v, plan, group, group_rank(group))
 
 
 def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
@@ -228,5 +259,5 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
     local = _heads_out(plan, q, k, v, ulysses_group)
-    out = _Ring.apply(*local, plan, ring_group, group_rank(ring_group))
+    out = _ring(*local, plan, ring_group, group_rank(ring_group))
     return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)

@@ -150,3 +150,15 @@ def test_bad_input(shapes, kwargs, message):
     with pytest.raises((CommError, TypeError)) as raised:
         jax.jit(mapped).trace(*(jnp.zeros((4, *shape)) for shape in shapes))
     assert str(raised.value).startswith(f"ulysses_attention: {message}")
+
+
+
+def test_integer_inputs_are_refused():
+    """JAX's softmax of integer scores gave zeros; the spec refuses it while tracing, with torch's text."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("i",))
+    mapped = jax.shard_map(lambda q, k, v: ulysses_attention(q[0], k[0], v[0], "i")[None], mesh=mesh,
+                           in_specs=(P("i"),) * 3, out_specs=P("i"))
+    with pytest.raises(CommError) as raised:
+        jax.jit(mapped).trace(*(jnp.ones((4, 1, 3, heads, 4), jnp.int32) for heads in (6, 2, 2)))
+    assert str(raised.value).startswith("ulysses_attention: q, k, v dtype (int32) must be floating (bfloat16, "
+                                        "float16, float32, float64). Received: ")

@@ -230,6 +230,8 @@ def test_handed_case_plan():
     (None, dict(seq_sizes=3), TypeError, "seq_sizes must be a sequence of ints"),
     (None, dict(dtypes=("float32", "float32", "bfloat16")), CommError,
      "q, k, v dtypes (float32, float32, bfloat16) must be equal"),
+    (None, dict(dtypes=("int32",) * 3), CommError,
+     "q, k, v dtype (int32) must be floating (bfloat16, float16, float32, float64)"),
     (None, dict(causal=1), TypeError, "causal must be a bool, not int"),
     (None, dict(scale="0.5"), TypeError, "scale must be a number, not str"),
     (None, dict(scale=float("inf")), CommError, "scale (inf) must be finite"),

@@ -118,10 +118,10 @@ def forward_only(ctx, case: cases.Case, arrays, mode: str):
     return cases.padded_result(case, ctx.rank, _numpy(out), {})[0], out.requires_grad or out.grad_fn is not None
 
 
-def rejected(ctx, shapes: dict, kwargs: dict):
+def rejected(ctx, shapes: dict, kwargs: dict, dtype: str = "float64"):
     """The error text of a bad call on this rank (shapes by rank or shared) and the collectives it made."""
     tensors = [torch.zeros(shapes[name][ctx.rank] if isinstance(shapes[name], list) else shapes[name],
-                           dtype=torch.float64) for name in "qkv"]
+                           dtype=getattr(torch, dtype)) for name in "qkv"]
     calls: list = []
     try:
         with _counting(calls):

@@ -106,3 +106,13 @@ def test_bad_input(pool, shapes, kwargs, message):
         expected = message.format(rank=rank, rows=ROWS[rank], size=(2, 2, 3, 3)[rank])
         assert text is not None and text.startswith(expected), (rank, text)
         assert calls == []
+
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_integer_inputs_are_refused(pool, dtype):
+    """The softmax of integer scores truncates: refused by the spec before the all-to-all."""
+    for text, calls in pool(4).run(jobs.rejected, dict(q=Q, k=KV, v=KV), {}, dtype):
+        assert text.startswith(f"CommError: ulysses_attention: q, k, v dtype ({dtype}) must be floating (bfloat16, "
+                               "float16, float32, float64). Received: ")
+        assert calls == []

@@ -39,6 +39,18 @@ def test_context_table(pool, world_size):
     assert not failed, "\n".join(failed)
 
 
+def test_context_table_through_torch_func(pool):
+    """``torch.func.vjp`` over ring and USP (W = 4 rows, 2 x 2 USP) gives the reference's gradients."""
+    rows = []
+    for case in cases.context_table(4):
+        if cases.error_text(case) is None:
+            arrays = cases.make_arrays(case, 0)
+            replies = pool(case.world_size).run(run_case, case, arrays, grad_mode="func")
+            rows.append(parity.check(case, arrays, *merge(case, replies)))
+    failed = [f"{row.case}: {row.out_error} {row.grad_error} {row.detail}" for row in rows if not row.passed]
+    assert len(rows) >= 4 and not failed, "\n".join(failed)
+
+
 def test_handed_case(pool):
     """The handed case within 1e-10 (outputs, dq, dk, dv on every rank) from non-contiguous inputs. Forward:
     W - 1 = 3 permutes (one all_to_all_single each) carrying k and v unrepeated, B * S/W * H_kv * (D + D_v)
