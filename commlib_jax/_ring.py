@@ -45,6 +45,11 @@ def _zeros(shape, dtype, like, fill=0.0):
     return to_varying(jnp.full(shape, fill, dtype), tuple(varying_axes(like)))
 
 
+def _cases(plan: context.RingPlan, axes: tuple):
+    """int32 ``[W]``: this rank's case at each step (its column of the plan's table, indexed by the traced rank)."""
+    return jnp.asarray(plan.case_table)[:, rank(axes)]
+
+
 def _forward_case(plan: context.RingPlan, pieces, q, k, v, out, lse):
     """Merge the pieces of one case into this rank's (out, lse) (compute dtype throughout)."""
     for piece in pieces:
@@ -65,11 +70,17 @@ def _forward(plan: context.RingPlan, axes: tuple, q, k, v):
     # exp(0) = 1, logaddexp(-inf, x) = x); step 0's own block then gives every row a finite LSE.
     lse = _zeros((batch, rows, heads), compute, q, -jnp.inf)
     branches = [functools.partial(_forward_case, plan, pieces) for pieces in plan.cases]
-    table, me = jnp.asarray(plan.case_table), rank(axes)
-    for step in range(plan.ring_size):
-        out, lse = jax.lax.switch(table[step, me], branches, query, k.astype(compute), v.astype(compute), out, lse)
-        if step < plan.ring_size - 1:
-            k, v = _send(plan, axes, k, v)
+
+    def attend(case, k, v, out, lse):
+        return jax.lax.switch(case, branches, query, k.astype(compute), v.astype(compute), out, lse)
+
+    def step(carry, case):  # steps 0 .. W-2: attend to the block held while passing it on
+        k, v, out, lse = carry
+        return (*_send(plan, axes, k, v), *attend(case, k, v, out, lse)), None
+
+    cases = _cases(plan, axes)
+    (k, v, out, lse), _ = jax.lax.scan(step, (k, v, out, lse), cases[:-1])
+    out, lse = attend(cases[-1], k, v, out, lse)
     return out.astype(q.dtype), lse
 
 
@@ -99,13 +110,20 @@ def _ring_backward(plan: context.RingPlan, axes: tuple, residuals, cotangent):
     delta = context.delta(MATH, out.astype(compute), d_out)
     dq, dk, dv = (_zeros(x.shape, compute, q) for x in (q, k, v))
     branches = [functools.partial(_backward_case, plan, pieces) for pieces in plan.cases]
-    table, me = jnp.asarray(plan.case_table), rank(axes)
-    for step in range(plan.ring_size):
-        dq, dk, dv = jax.lax.switch(table[step, me], branches, query, k.astype(compute), v.astype(compute), d_out,
-                                    lse, delta, dq, dk, dv)
-        if step < plan.ring_size - 1:
-            k, v = _send(plan, axes, k, v)
-        dk, dv = _send(plan, axes, dk, dv)  # the last hop brings them home
+
+    def attend(case, k, v, dq, dk, dv):
+        return jax.lax.switch(case, branches, query, k.astype(compute), v.astype(compute), d_out, lse, delta, dq,
+                              dk, dv)
+
+    def step(carry, case):  # steps 0 .. W-2: dk/dv travel with the k/v block they belong to
+        k, v, dq, dk, dv = carry
+        dq, dk, dv = attend(case, k, v, dq, dk, dv)
+        return (*_send(plan, axes, k, v), dq, *_send(plan, axes, dk, dv)), None
+
+    cases = _cases(plan, axes)
+    (k, v, dq, dk, dv), _ = jax.lax.scan(step, (k, v, dq, dk, dv), cases[:-1])
+    dq, dk, dv = attend(cases[-1], k, v, dq, dk, dv)
+    dk, dv = _send(plan, axes, dk, dv)  # the last hop brings them home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
