@@ -3,7 +3,9 @@
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
-device. Each rank's loss is ``sum(out_r * cotangent_r)``; the per-rank losses leave the map as a [W] array
+device. ``usp_attention`` rows need two mesh axes: they run on an R x U mesh ("x" the ring, "y" the Ulysses
+axis; device (r, u) is rank ``r * U + u``) under ``jax.shard_map`` with check_vma on and off (nested ``pmap`` does
+not run on jax 0.10). Each rank's loss is ``sum(out_r * cotangent_r)``; the per-rank losses leave the map as a [W] array
 and are summed outside, so gradients follow ``convention="sum"``.
 """
 
@@ -20,7 +22,13 @@ __all__ = ["MODES", "main", "modes_for", "run_case"]
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap", "shard_map[2x2 mesh]")
 
 
-def modes_for(world_size: int) -> tuple[str, ...]:
+_USP = "usp_attention"
+
+
+def modes_for(world_size: int, case=None) -> tuple[str, ...]:
+    """The modes the runner runs at `world_size` (for `case`, where given: USP rows only under shard_map)."""
+    if case is not None and case.op == _USP:
+        return MODES[:2]
     return MODES if world_size == 4 else MODES[:3]
 
 
@@ -34,12 +42,16 @@ def _per_rank(case, axis_name):
     """This rank's output and loss for its slice of the stacked inputs (leading axis of size 1)."""
     import commlib_jax
     from commlib.tools import cases
-    from commlib_jax.attention import ulysses_attention
+    from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
 
     def body(cotangent, *inputs):
         inputs = [x[0] for x in inputs]
         if case.op == cases.ATTENTION:
             out = ulysses_attention(*inputs, axis_name, **cases.attention_kwargs(case))
+        elif case.op == "ring_attention":
+            out = ring_attention(*inputs, axis_name, **cases.context_kwargs(case))
+        elif case.op == _USP:  # axis_name: (ring axis, Ulysses axis)
+            out = usp_attention(*inputs, axis_name[1], axis_name[0], **cases.context_kwargs(case))
         else:
             out = getattr(commlib_jax, case.op)(inputs[0], axis_name, **case.params)
         loss = (out * cotangent[0]).sum() if cotangent is not None else out.sum()
@@ -58,7 +70,12 @@ def _mapped(case, mode: str):
         return jax.pmap(lambda ct, *xs: jax.tree.map(lambda t: t[0], _per_rank(case, "i")(
             None if ct is None else ct[None], *(x[None] for x in xs))), axis_name="i")
     devices = np.array(jax.devices()[:W])
-    if mode == "shard_map[2x2 mesh]":
+    if case.op == _USP:
+        from commlib.tools import cases
+
+        ring_size, ulysses_size, _ = cases.context_layout(case)
+        mesh, axis = Mesh(devices.reshape(ring_size, ulysses_size), ("x", "y")), ("x", "y")
+    elif mode == "shard_map[2x2 mesh]":
         mesh, axis = Mesh(devices.reshape(2, 2), ("x", "y")), ("x", "y")
     else:
         mesh, axis = Mesh(devices, ("i",)), "i"
@@ -140,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = Results("jax")
     for case, arrays in cases.read(args.in_dir):
-        if not cases.runs_on(case, "jax"):  # an op this frontend does not have yet (cases.PENDING)
-            continue
-        for mode in modes_for(args.world_size):
+        for mode in modes_for(args.world_size, case):
             try:
                 results.add(case, mode, *run_case(case, arrays, mode))
             except (CommError, TypeError) as error:

@@ -1,7 +1,8 @@
 """`commlib_jax.attention.ring_attention` and `usp_attention` on simulated CPU devices: every rank's output and dq,
 dk, dv against the float64 reference (`commlib.context.reference`: unsharded GQA attention at the shards' global
-positions), the handed case, what the custom_vjp saves for backward, the collectives of the program and their
-shapes (k/v travel with H_kv heads), the other modes (pmap, a tuple of axes) and bad input.
+positions), the handed case, the parity table's ring and USP rows, what the custom_vjp saves for backward, the
+collectives of the program and their shapes (k/v travel with H_kv heads) and the modes the table leaves out.
+Bad input: the table of tests/bad_input.py (tests/test_bad_input.py), the same text in both frontends.
 """
 
 import jax
@@ -13,7 +14,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from commlib import CommError, context, shard_positions, shard_sequence
-from commlib_jax.attention import ring_attention, usp_attention
+from commlib.tools import cases, parity
+from commlib_jax.attention import ring_attention
+from commlib_jax.tools import parity_runner
+
+MODE = "shard_map[check_vma=True]"
 
 _COLLECTIVES = ("all_to_all", "all_gather", "all_reduce", "reduce_scatter", "collective_permute")
 
@@ -38,11 +43,6 @@ def _mapped(call, mesh, spec, check_vma=True):
 
 def _ring_mesh(world_size):
     return Mesh(np.array(jax.devices()[:world_size]), ("i",)), P("i")
-
-
-def _usp_mesh():
-    """2 x 2: ring index r (axis "r") and Ulysses index u (axis "u"); device (r, u) holds shard r * 2 + u."""
-    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("r", "u")), P(("r", "u"))
 
 
 def _run(mapped, whole, ring_size, layout, ulysses_size=1, dtype=jnp.float64):
@@ -73,10 +73,10 @@ def _ring_errors(world_size, causal, layout, whole, dtype=jnp.float64, check_vma
     return _errors(got, whole, world_size, layout, causal)
 
 
-#: (W, causal, layout, H_kv) with H = 4: every (causal, layout) at two or more W, MHA (H_kv = 4) and MQA (H_kv = 1)
-#: among GQA (H_kv = 2). The handed case (W=4, causal, zigzag) is its own test; the parity table adds more.
+#: (W, causal, layout, H_kv) with H = 4 at W = 1-3 (W = 4: the parity table's rows, below): every (causal, layout)
+#: pair, MHA (H_kv = 4), GQA and MQA (H_kv = 1).
 RING_CASES = [(1, True, "zigzag", 2), (2, False, "zigzag", 4), (2, True, "contiguous", 2), (3, True, "zigzag", 2),
-              (3, False, "contiguous", 1), (4, True, "contiguous", 2), (4, False, "zigzag", 2)]
+              (3, False, "contiguous", 1)]
 
 
 @pytest.mark.parametrize(("world_size", "causal", "layout", "kv_heads"), RING_CASES)
@@ -89,36 +89,41 @@ def test_ring_matches_reference(world_size, causal, layout, kv_heads):
     assert max(errors) < 1e-10, errors
 
 
+def _table_row(case: cases.Case) -> parity.Row:
+    """`case` run by the parity runner (check_vma on) and compared with the float64 reference by `parity.check`."""
+    arrays = cases.make_arrays(case, 0)
+    try:
+        outputs, gradients = parity_runner.run_case(case, arrays, MODE)
+    except (CommError, TypeError) as error:
+        return parity.check(case, arrays, None, None, f"{type(error).__name__}: {error}", "jax", MODE)
+    return parity.check(case, arrays, outputs, gradients, None, "jax", MODE)
+
+
 def test_handed_case():
-    """Issue 12's case: W=4, B=2, S=16, H=4, H_kv=2, D=3, float64, causal, zigzag; rank 0 holds positions 0, 1,
-    14, 15. Outputs and dq/dk/dv within 1e-10 of unsharded causal GQA attention at those positions."""
+    """Issue 12's case, the first row of the parity table at W=4: B=2, S=16, H=4, H_kv=2, D=3, float64, causal,
+    zigzag; rank 0 holds positions 0, 1, 14, 15. Outputs and dq/dk/dv within 1e-10 of unsharded causal GQA
+    attention at those positions (errors relative to max(1, max |reference|), which is 1 here: printed as is)."""
+    case = cases.context_table(4)[0]
+    assert case == cases.context_case(4, (2, 16, 4, 3), kv_heads=2, causal=True, layout="zigzag")
     assert shard_positions(16, 4, "zigzag")[0].tolist() == [0, 1, 14, 15]
-    errors = _ring_errors(4, True, "zigzag", _whole(2, 16, 4, 2, 3))
-    print("handed case (JAX) max errors: " + ", ".join(f"{name} {error:.2e}" for name, error in
-                                                       zip(("out", "dq", "dk", "dv"), errors, strict=True)))
-    assert max(errors) < 1e-10, errors
+    arrays = cases.make_arrays(case, 0)
+    outputs, gradients = parity_runner.run_case(case, arrays, MODE)
+    expected_outputs, expected_gradients = cases.expected(case, arrays)
+    errors = {"out": max(np.abs(mine - theirs).max() for mine, theirs in zip(outputs, expected_outputs, strict=True))}
+    errors.update({f"d{name}": max(np.abs(mine - theirs).max() for mine, theirs in
+                                   zip(gradients[name], expected_gradients[name], strict=True)) for name in "qkv"})
+    print("handed case (JAX) max errors: " + ", ".join(f"{name} {error:.2e}" for name, error in errors.items()))
+    assert max(errors.values()) < 1e-10, errors
 
 
-@pytest.mark.parametrize(("causal", "layout"), [(False, "contiguous"), (True, "zigzag")])
-def test_usp_matches_reference(causal, layout):
-    """USP on a 2 x 2 mesh (Ulysses axis "u", ring axis "r"), GQA H=4, H_kv=2, batch 2, float64, within 1e-10."""
-    mesh, spec = _usp_mesh()
-    call = lambda q, k, v: usp_attention(q, k, v, "u", "r", causal=causal, layout=layout)  # noqa: E731
-    whole = _whole(2, 16, 4, 2, 3)
-    errors = _errors(_run(_mapped(call, mesh, spec), whole, 2, layout, 2), whole, 2, layout, causal, 2)
-    assert max(errors) < 1e-10, errors
-
-
-@pytest.mark.parametrize(("dtype", "tolerance"), [(jnp.bfloat16, 3e-2)])
-def test_half_precision(dtype, tolerance):
-    """bfloat16 inputs (the softmax, LSE and accumulators in float32), causal zigzag at W=4, against the float64
-    reference on the same (rounded) values; relative to the largest reference value."""
-    whole = [np.asarray(jnp.asarray(x, dtype), dtype=np.float64) for x in _whole(2, 16, 4, 2, 8)]
-    errors = _ring_errors(4, True, "zigzag", whole, dtype=dtype)
-    shards = [shard_sequence(x, 1, 4, "zigzag") for x in whole]
-    largest = max(max(float(np.abs(x).max()) for x in xs) for xs in context.reference(*shards, 4, causal=True,
-                                                                                       layout="zigzag"))
-    assert max(errors) < tolerance * max(1.0, largest), errors
+def test_parity_table():
+    """Every other row of the parity table's ring and USP rows at W=4 (`commlib.tools.cases.context_table`: GQA,
+    MHA, MQA, v's own head dim, float32, bfloat16; USP on the 2 x 2 mesh; invalid calls) with check_vma on, as
+    `commlib parity` runs them (it adds check_vma off, pmap and the ("x", "y") mesh)."""
+    rows = [_table_row(case) for case in cases.context_table(4)[1:]]
+    failed = [f"{row.case}: out {row.out_error} grad {row.grad_error} {row.detail}" for row in rows if not row.passed]
+    assert not failed, "\n".join(failed)
+    assert {"ring_attention", "usp_attention"} <= {row.case.split("[")[0].split("!")[0] for row in rows}
 
 
 def test_other_modes():
@@ -199,35 +204,3 @@ def test_permutes_and_wire():
     plan = context.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
                              layout="zigzag")
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
-
-
-def _trace(call, shapes, mesh, spec):
-    def body(q, k, v):
-        return call(q[0], k[0], v[0])[None]
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    jax.jit(mapped).trace(*(jnp.zeros((4, *shape)) for shape in shapes))
-
-
-@pytest.mark.parametrize(("op", "shapes", "kwargs", "message"), [
-    ("ring_attention", [(1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4)], {}, "ring_attention: seq (12) must be divisible "
-     "by 2 * ring_size * ulysses_size (8) for layout 'zigzag'"),
-    ("ring_attention", [(1, 2, 6, 4), (1, 2, 4, 4), (1, 2, 4, 4)], dict(layout="contiguous"),
-     "ring_attention: heads (6) must be divisible by kv heads (4)"),
-    ("ring_attention", [(1, 2, 2, 4), (1, 2, 2, 4), (1, 2, 2, 4)], dict(layout="spiral"),
-     "ring_attention: layout ('spiral') must be one of contiguous, zigzag"),
-    ("usp_attention", [(1, 2, 1, 4), (1, 2, 1, 4), (1, 2, 1, 4)], dict(layout="contiguous"),
-     "usp_attention: ulysses_size (2) must be <= heads (1)"),
-])
-def test_bad_input(op, shapes, kwargs, message):
-    """The spec's text (the same as torch's for the same mistake), raised while tracing, before any collective."""
-    kwargs = {"layout": "zigzag", **kwargs}
-    if op == "ring_attention":
-        mesh, spec = _ring_mesh(4)
-        call = lambda q, k, v: ring_attention(q, k, v, "i", **kwargs)  # noqa: E731
-    else:
-        mesh, spec = _usp_mesh()
-        call = lambda q, k, v: usp_attention(q, k, v, "u", "r", **kwargs)  # noqa: E731
-    with pytest.raises(CommError) as raised:
-        _trace(call, shapes, mesh, spec)
-    assert str(raised.value).startswith(message)
