@@ -47,12 +47,10 @@ __all__ = [
     "attention_shards",
     "attention_whole",
     "CONTEXT_OPS",
-    "PENDING",
     "context_case",
     "context_kwargs",
     "context_table",
     "parity_table",
-    "runs_on",
 ]
 
 ATTENTION = "ulysses_attention"
@@ -62,8 +60,6 @@ ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
 #: Context-parallel attention (`commlib.context`): rows of `context_table`, not of `case_table` (whose readers
 #: walk `case.plan()`); `commlib parity` runs both (`parity_table`).
 CONTEXT_OPS = ("ring_attention", "usp_attention")
-#: Ops a frontend does not have yet: its runner skips their rows and parity does not count them as missing.
-PENDING: dict[str, frozenset[str]] = {"jax": frozenset(CONTEXT_OPS)}
 
 #: Max abs error allowed relative to max(1, max |reference|), by dtype.
 _TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -346,11 +342,6 @@ def context_table(world_size: int) -> list[Case]:
 def parity_table(world_size: int) -> list[Case]:
     """What `commlib parity` runs: `case_table` and `context_table`."""
     return case_table(world_size) + context_table(world_size)
-
-
-def runs_on(case: Case, framework: str) -> bool:
-    """False where `framework`'s runner does not have the case's op yet (`PENDING`)."""
-    return case.op not in PENDING.get(framework, frozenset())
 
 
 def storage_dtype(dtype: str) -> np.dtype:
