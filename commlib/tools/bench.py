@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commlib import split_sizes, training, uneven
+from commlib import attention, split_sizes, training, uneven
 from commlib.layout import Plan
 
-__all__ = ["FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
+__all__ = ["CONTEXT_BASELINE", "CONTEXT_SHAPE", "CONTEXT_SIZES_MIB", "context_rows", "context_wire",
+           "FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
            "plot", "rows", "run", "train_step_config", "uneven_ulysses", "wire_bytes"]
 
 FRAMEWORKS = ("torch", "jax")
@@ -151,6 +152,41 @@ def uneven_ulysses(world_size: int, nbytes: int) -> tuple[tuple[int, ...], tuple
     padded_heads = max(heads) * world_size
     rows = max(2, nbytes // 4 // (padded_heads * UNEVEN_HEAD_DIM))
     return split_sizes(world_size * rows - 1, world_size), heads, rows, padded_heads
+
+
+#: The context-parallel attention cases (ring, USP, Ulysses attention fwd+bwd, both frameworks): q ``[1, S/W, H,
+#: D]``, k and v ``[1, S/W, H_kv, D]`` with (H, H_kv, D) = CONTEXT_SHAPE, float32, causal; each against gathering
+#: k and v on every rank (CONTEXT_BASELINE), at q bytes per rank CONTEXT_SIZES_MIB (attention costs S^2).
+CONTEXT_SHAPE = (8, 2, 64)
+CONTEXT_BASELINE = "all-gather KV"
+CONTEXT_SIZES_MIB = (0.125, 0.5)
+
+
+def context_rows(nbytes: int) -> int:
+    """Rows per rank (S/W, even) of the context cases at q bytes `nbytes` per rank."""
+    heads, _, head_dim = CONTEXT_SHAPE
+    return max(2, nbytes // (4 * heads * head_dim) // 2 * 2)
+
+
+def context_wire(kind: str, world_size: int, nbytes: int) -> dict[str, int]:
+    """Bytes all ranks send to other ranks in one forward + backward of `kind` ("ring", "usp" on (W/2) x 2,
+    "ulysses") and of its all-gather-KV baseline: gathering sends each rank's k, v to W - 1 ranks and
+    reduce-scatters their gradients back; the ring sends k, v W - 1 times forward, k, v, dk, dv W - 1 times and
+    dk, dv once backward."""
+    W, rows = world_size, context_rows(nbytes)
+    heads, kv_heads, head_dim = CONTEXT_SHAPE
+    kv = rows * kv_heads * head_dim * 2 * 4  # one rank's k and v, float32
+    baseline = W * 2 * (W - 1) * kv
+    if kind == "ring":
+        return {"commlib ring": W * (3 * W - 2) * kv, CONTEXT_BASELINE: baseline}
+    if kind == "usp":
+        ring, U = W // 2, 2
+        ulysses = (rows * (heads + 2 * kv_heads) + rows * heads) * head_dim * 4 // U  # q, k, v out; output back
+        return {"commlib usp": W * (2 * ulysses + (3 * ring - 2) * kv), CONTEXT_BASELINE: baseline}
+    split = attention.head_split(heads, kv_heads, W)
+    sent = sum(rows * (split.q_sizes[j] + 2 * split.kv_sizes[j] + split.q_sizes[r]) * head_dim * 4
+               for r in range(W) for j in range(W) if j != r)
+    return {"commlib ulysses": 2 * sent, CONTEXT_BASELINE: baseline}
 
 
 def wire_bytes(plan: Plan, itemsize: int = 4) -> int:

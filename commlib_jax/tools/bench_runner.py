@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from commlib.tools.bench import TRAIN_STEP, TRAIN_STEP_SIZES_MIB
-from commlib_jax.tools import bench_train
+from commlib_jax.tools import bench_context, bench_train
 
-__all__ = ["JaxCase", "main"]
+__all__ = ["JaxCase", "main", "time_calls"]
 
 _AXIS = "i"
 _HEADS, _HEAD_DIM = 8, 64
@@ -153,13 +153,23 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup:
     forward = {name: np.asarray(fn(*inputs[name.split()[0]])) for name, fn in functions.items() if name.endswith("fwd")}
     if case.bare_shape is None and not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
         raise AssertionError(f"commlib and lax disagree at world size {world_size}, shape {shape}")
-    names = list(functions)
-    seconds, cpu_seconds = {name: [] for name in functions}, {name: [] for name in functions}
+    return time_calls({name: (lambda fn=fn, name=name: fn(*inputs[name.split()[0]])) for name, fn in functions.items()},
+                      repeats, warmup)
+
+
+def time_calls(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call of each of `calls` (until ``block_until_ready``), wall-clock ("wall") and CPU time of all
+    threads ("cpu"): `repeats` rounds in rotating order after `warmup` rounds."""
+    import jax
+
+    names = list(calls)
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in calls}
     for index in range(warmup + repeats):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
             start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(functions[name](*inputs[name.split()[0]]))
+            jax.block_until_ready(calls[name]())
             if index >= warmup:
                 seconds[name].append(time.perf_counter() - start)
                 cpu_seconds[name].append(time.process_time() - start_cpu)
@@ -193,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = _cases()
     names = args.cases or [name for name, case in cases.items() if case.quick or not args.quick]
     train_step = TRAIN_STEP in names or not (args.cases or args.quick)  # a whole step: not in --quick
+    requested, everything = set(args.cases or ()), not (args.cases or args.quick)  # the context cases: not --quick
     names = [name for name in names if name in cases]  # --cases may name the other framework's cases
     records = []
     for world_size in args.world_sizes:
@@ -202,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                 records += _records(name, cases[name], world_size, size, seconds)
         if train_step:
             records += bench_train.records(world_size, TRAIN_STEP_SIZES_MIB, args.repeats, args.warmup)
+        context = [kind for kind in bench_context.KINDS if bench_context.case_name(kind) in requested or everything]
+        records += bench_context.records(world_size, context,
+                                         lambda calls: time_calls(calls, args.repeats, args.warmup))
     versions = {"jax": jax.__version__, "python": sys.version.split()[0]}
     args.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
     return 0

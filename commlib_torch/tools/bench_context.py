@@ -6,9 +6,8 @@ positions: what a context-parallel layer without a ring does).
 Inputs: q ``[1, S/W, 8, 64]``, k and v ``[1, S/W, 2, 64]`` (GQA), float32, causal; the size is q's bytes per
 rank (``S/W = bytes / 2048``). Ring and USP use the zigzag layout, Ulysses the contiguous one. USP runs on
 ``(W/2) x 2`` (Ulysses pairs, ring across them). Each variant returns its output and dq, dk, dv, and the
-bench checks the variants agree. Wire bytes (all ranks, one forward + backward): the spec's counts --
-all-gather KV sends each rank's k, v to W - 1 ranks and reduce-scatters their gradients back; the ring sends
-k, v W - 1 times forward, k, v, dk, dv W - 1 times and dk, dv once backward.
+bench checks the variants agree. Shapes, sizes and wire bytes (all ranks, one forward + backward): the
+spec's (`commlib.tools.bench.context_wire`), shared with the JAX cases.
 """
 
 from __future__ import annotations
@@ -18,41 +17,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import commlib_torch
-from commlib import attention as ulysses_spec
 from commlib import shard_positions
+from commlib.tools.bench import CONTEXT_BASELINE as _BASELINE
+from commlib.tools.bench import CONTEXT_SHAPE, CONTEXT_SIZES_MIB, context_rows, context_wire
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
 from commlib_torch.tools.bench_cases import bench_case
 from commlib_torch.tools.pool import WorkerContext
 
-__all__ = ["CONTEXT_SIZES_MIB", "context_wire"]
+__all__: list[str] = []
 
-_HEADS, _KV_HEADS, _HEAD_DIM = 8, 2, 64
-_BASELINE = "all-gather KV"
-#: q bytes per rank the context cases run at (attention costs S^2: smaller than the collective cases).
-CONTEXT_SIZES_MIB = (0.125, 0.5)
+_HEADS, _KV_HEADS, _HEAD_DIM = CONTEXT_SHAPE
 _USP_GROUPS: dict[int, tuple] = {}
-
-
-def _rows(nbytes: int) -> int:
-    return max(2, nbytes // (4 * _HEADS * _HEAD_DIM) // 2 * 2)
-
-
-def context_wire(kind: str, world_size: int, nbytes: int) -> dict[str, int]:
-    """Bytes all ranks send to other ranks in one forward + backward of `kind` ("ring", "usp", "ulysses") and
-    of its all-gather-KV baseline."""
-    W, rows = world_size, _rows(nbytes)
-    kv = rows * _KV_HEADS * _HEAD_DIM * 2 * 4  # one rank's k and v, float32
-    baseline = W * 2 * (W - 1) * kv
-    if kind == "ring":
-        return {"commlib ring": W * (3 * W - 2) * kv, _BASELINE: baseline}
-    if kind == "usp":
-        ring, U = W // 2, 2
-        ulysses = (rows * (_HEADS + 2 * _KV_HEADS) + rows * _HEADS) * _HEAD_DIM * 4 // U  # q, k, v out; output back
-        return {"commlib usp": W * (2 * ulysses + (3 * ring - 2) * kv), _BASELINE: baseline}
-    split = ulysses_spec.head_split(_HEADS, _KV_HEADS, W)
-    sent = sum(rows * (split.q_sizes[j] + 2 * split.kv_sizes[j] + split.q_sizes[r]) * _HEAD_DIM * 4
-               for r in range(W) for j in range(W) if j != r)
-    return {"commlib ulysses": 2 * sent, _BASELINE: baseline}
 
 
 def _inputs(ctx: WorkerContext, rows: int) -> list[torch.Tensor]:
@@ -90,7 +65,7 @@ def _case(kind: str, subject: str):
     @bench_case(f"{kind} attention fwd+bwd", baselines=(_BASELINE,), subject=subject,
                 wire=lambda W, nbytes: context_wire(kind, W, nbytes), sizes_mib=CONTEXT_SIZES_MIB)
     def build(ctx, nbytes):
-        W, rows = ctx.world_size, _rows(nbytes)
+        W, rows = ctx.world_size, context_rows(nbytes)
         q, k, v, cotangent = _inputs(ctx, rows)
         if kind == "ring":
             positions = shard_positions(rows * W, W, "zigzag")
