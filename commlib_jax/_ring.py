@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from commlib import context
-from commlib_jax._vma import to_varying, varying_axes
+from commlib_jax._vma import axis_arg, to_varying, varying_axes
 from commlib_jax._walk import rank
 from commlib_jax.functional import permute
 
@@ -36,8 +36,7 @@ def ring(plan: context.RingPlan, axes: tuple, q, k, v):
 
 def _send(plan: context.RingPlan, axes: tuple, *xs):
     """One ring step: every array to the next rank (`plan.perm`)."""
-    name = axes if len(axes) > 1 else axes[0]
-    return tuple(permute(x, name, plan.perm) for x in xs)
+    return tuple(permute(x, axis_arg(axes), plan.perm) for x in xs)
 
 
 def _zeros(shape, dtype, like, fill=0.0):

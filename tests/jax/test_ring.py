@@ -102,18 +102,21 @@ def _table_row(case: cases.Case) -> parity.Row:
 def test_handed_case():
     """Issue 12's case, the first row of the parity table at W=4: B=2, S=16, H=4, H_kv=2, D=3, float64, causal,
     zigzag; rank 0 holds positions 0, 1, 14, 15. Outputs and dq/dk/dv within 1e-10 of unsharded causal GQA
-    attention at those positions (errors relative to max(1, max |reference|), which is 1 here: printed as is)."""
+    attention at those positions: printed as `commlib parity` shows them (relative to max(1, max |reference|)) and
+    as absolute errors."""
     case = cases.context_table(4)[0]
     assert case == cases.context_case(4, (2, 16, 4, 3), kv_heads=2, causal=True, layout="zigzag")
     assert shard_positions(16, 4, "zigzag")[0].tolist() == [0, 1, 14, 15]
     arrays = cases.make_arrays(case, 0)
     outputs, gradients = parity_runner.run_case(case, arrays, MODE)
+    row = parity.check(case, arrays, outputs, gradients, None, "jax", MODE)
     expected_outputs, expected_gradients = cases.expected(case, arrays)
     errors = {"out": max(np.abs(mine - theirs).max() for mine, theirs in zip(outputs, expected_outputs, strict=True))}
     errors.update({f"d{name}": max(np.abs(mine - theirs).max() for mine, theirs in
                                    zip(gradients[name], expected_gradients[name], strict=True)) for name in "qkv"})
-    print("handed case (JAX) max errors: " + ", ".join(f"{name} {error:.2e}" for name, error in errors.items()))
-    assert max(errors.values()) < 1e-10, errors
+    print(f"handed case (JAX): parity errors out {row.out_error:.2e} grad {row.grad_error:.2e}; max abs errors "
+          + ", ".join(f"{name} {error:.2e}" for name, error in errors.items()))
+    assert row.passed and max(errors.values()) < 1e-10, (row, errors)
 
 
 def test_parity_table():
