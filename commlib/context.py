@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.attention import _check_int, _check_options, _check_shapes, _shown, attention, attention_vjp
-from commlib.errors import comm_error
+from commlib.errors import comm_error, kind_error
 
 __all__ = [
     "RING_OP",
@@ -57,6 +57,7 @@ __all__ = [
     "NUMPY",
     "reference",
     "simulate_ring",
+    "second_order",
 ]
 
 RING_OP = "ring_attention"
@@ -79,12 +80,25 @@ def _check_layout(op_name: str, seq: int, ring_size: int, layout: object, ulysse
     for name, value in (("ring_size", ring_size), ("ulysses_size", ulysses_size)):
         if value < 1:
             raise comm_error(op_name, f"{name} ({value}) must be >= 1", **received)
+    if seq < 1:  # an empty shard: nothing to attend to, and the CPU flash kernels divide by it
+        raise comm_error(op_name, f"seq ({seq}) must be >= 1", **received)
     if layout == "zigzag" and seq % (2 * ring_size * ulysses_size):
         raise comm_error(op_name, f"seq ({seq}) must be divisible by 2 * ring_size * ulysses_size "
                          f"({2 * ring_size * ulysses_size}) for layout 'zigzag'", **received)
     if seq % (ring_size * ulysses_size):
         raise comm_error(op_name, f"seq ({seq}) must be divisible by ring_size * ulysses_size "
                          f"({ring_size * ulysses_size})", **received)
+
+
+def second_order(op_name: str) -> TypeError:
+    """The error of differentiating ring / USP attention twice (torch: its backward is hand-written).
+
+    >>> print(second_order("ring_attention"))  # doctest: +ELLIPSIS
+    ring_attention: a second derivative is not supported: the backward is hand-written (first order); ...
+    """
+    message = ("a second derivative is not supported: the backward is hand-written (first order); take one "
+               "gradient, or use ulysses_attention, whose backward is autograd's own")
+    return kind_error(op_name, message, order=2)
 
 
 def _positions(seq: int, ring_size: int, layout: str, ulysses_size: int) -> np.ndarray:

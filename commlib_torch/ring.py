@@ -134,6 +134,20 @@ def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
     return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """``(dq, dk, dv)`` as they are, tied to q, k, v and the cotangent so that differentiating them again reaches
+    this backward, which refuses with the spec's error (the ring's backward is hand-written, first order)."""
+
+    @staticmethod
+    def forward(ctx, op_name: str, dq, dk, dv, *inputs):
+        ctx.op_name = op_name
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        raise spec.second_order(ctx.op_name)
+
+
 class _Ring(torch.autograd.Function):
     """The ring walk (`_forward`); backward `_backward` from the saved q, k, v, output and LSE."""
 
@@ -147,7 +161,11 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank), None, None, None)
+        with torch.no_grad():  # the walk is not differentiated: its in-place sums need no graph
+            grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank)
+        if torch.is_grad_enabled() and not transforms_active():  # create_graph=True: a second order must not
+            grads = _FirstOrderOnly.apply(ctx.plan.op_name, *grads, q, k, v, d_out)  # come out silently zero
+        return (*grads, None, None, None)
 
 
 class _FunctorchRing(_Ring):

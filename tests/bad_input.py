@@ -274,6 +274,7 @@ def _context(W: int) -> list[Row]:
     rows = [
         Row(context_case(W, (1, 3 * W, 4, 3), kv_heads=2, layout="zigzag"), f"CommError: ring_attention: seq ({3 * W}) "
             f"must be divisible by 2 * ring_size * ulysses_size ({2 * W}) for layout 'zigzag'"),
+        Row(context_case(W, (1, 0, 4, 3), f"empty-{W}", kv_heads=2), "CommError: ring_attention: seq (0) must be >= 1"),
         Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=2, layout="ring"),
             "CommError: ring_attention: layout ('ring') must be one of contiguous, zigzag"),
         Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=3), "CommError: ring_attention: heads (4) must be divisible by "

@@ -215,6 +215,7 @@ _Q, _KV = (1, 4, 4, 2), (1, 4, 2, 2)
     (lambda: C.ring_plan((1, 4, 6, 2), (1, 4, 6, 2), (1, 4, 6, 2), 2, ulysses_size=4, op_name=C.USP_OP),
      "usp_attention: heads (6) must be divisible by ulysses_size (4)"),
     (lambda: C.ring_plan(_Q, _KV, _KV, 0), "ring_attention: ring_size (0) must be >= 1"),
+    (lambda: C.ring_plan((1, 0, 4, 2), (1, 0, 2, 2), (1, 0, 2, 2), 2), "ring_attention: seq (0) must be >= 1"),
     (lambda: C.ring_plan(_Q, (1, 3, 2, 2), _KV, 2), "ring_attention: k seq (3) must equal q seq (4)"),
     (lambda: C.ring_plan(_Q, _KV, _KV, 2, dtypes=("float32", "float64", "float32")),
      "ring_attention: q, k, v dtypes (float32, float64, float32) must be equal"),

@@ -107,3 +107,22 @@ def usp_on_mesh(ctx, case: cases.Case, arrays):
     (out * torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)).sum().backward()
     return out.detach().double().numpy(), {name: x.grad.double().numpy() for name, x in zip("qkv", (q, k, v),
                                                                                               strict=True)}
+
+
+def second_order(ctx, case: cases.Case, arrays) -> str:
+    """``create_graph=True`` then a second ``torch.autograd.grad`` through the ring: the error text."""
+    q, k, v = _leaves(ctx, case, arrays)
+    (d_q,) = torch.autograd.grad((_call(case, q, k, v) ** 2).sum(), q, create_graph=True)
+    try:
+        torch.autograd.grad(d_q.sum(), (q, k, v), allow_unused=True)
+    except TypeError as error:
+        return f"TypeError: {error}"
+    return "no error"
+
+
+def func_grad(ctx, case: cases.Case, arrays):
+    """``torch.func.grad`` of ``sum(out * cotangent)``: {input: gradient} on this rank."""
+    q, k, v = (leaf.detach() for leaf in _leaves(ctx, case, arrays))
+    cotangent = torch.tensor(arrays["cotangent"][ctx.rank], dtype=q.dtype)
+    grads = torch.func.grad(lambda *xs: (_call(case, *xs) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
+    return {name: grad.double().numpy() for name, grad in zip(case.inputs, grads, strict=True)}

@@ -51,6 +51,28 @@ def test_context_table_through_torch_func(pool):
     assert len(rows) >= 4 and not failed, "\n".join(failed)
 
 
+def test_second_derivative_is_refused_by_name(pool):
+    """The backward is hand-written: differentiating the gradient again raises the spec's error on every rank
+    (not a gradient that comes out silently zero)."""
+    case = _handed_case()
+    messages = set(pool(4).run(jobs.second_order, case, cases.make_arrays(case, 0)))
+    assert messages == {"TypeError: ring_attention: a second derivative is not supported: the backward is "
+                        "hand-written (first order); take one gradient, or use ulysses_attention, whose backward is "
+                        "autograd's own. Received: order=2"}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_torch_func_grad_causal(pool, layout):
+    """``torch.func.grad`` with a causal mask (ranks skip different pieces: the walk must stay in step) equals
+    ``loss.backward()``'s gradients."""
+    case = cases.context_case(4, (2, 16, 4, 3), kv_heads=2, causal=True, layout=layout)
+    arrays = cases.make_arrays(case, 0)
+    for by_func, (_, by_backward, _, _) in zip(pool(4).run(jobs.func_grad, case, arrays),
+                                                pool(4).run(jobs.counted_call, case, arrays), strict=True):
+        for name in case.inputs:
+            np.testing.assert_allclose(by_func[name], by_backward[name], rtol=0, atol=1e-13)
+
+
 def test_handed_case(pool):
     """The handed case within 1e-10 (outputs, dq, dk, dv on every rank) from non-contiguous inputs. Forward:
     W - 1 = 3 permutes (one all_to_all_single each) carrying k and v unrepeated, B * S/W * H_kv * (D + D_v)
