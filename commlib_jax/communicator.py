@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from commlib import ReduceOp
 from commlib_jax import functional
-from commlib_jax._vma import axes_of, axis_arg
+from commlib_jax._op import axis_size
+from commlib_jax._vma import axes_of
 
 __all__ = ["Communicator"]
 
@@ -23,10 +24,8 @@ class Communicator:
 
     @property
     def world_size(self) -> int:
-        """Ranks along the axis (only inside shard_map / pmap)."""
-        from jax import lax
-
-        return lax.axis_size(axis_arg(axes_of(self.axis_name)))
+        """Ranks along the axis (only inside shard_map / pmap; elsewhere the spec's CommError)."""
+        return axis_size("world_size", axes_of(self.axis_name))
 
     def all_reduce(self, input_, op=ReduceOp.SUM, *, convention="sum", accum_dtype=None):
         """See `commlib_jax.all_reduce` (op None means sum, as in the torch class)."""

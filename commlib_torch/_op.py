@@ -41,7 +41,6 @@ class _Backend:
     def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
         return run(plan, x, self.group) if self.origin is None else apply(plan, x, self.group, self.origin)
 
-
     def isnan(self, x: torch.Tensor) -> torch.Tensor:
         return torch.isnan(x)
 

@@ -37,6 +37,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return out.transpose(1, 2)
 
 
+def _select(runs: tuple[tuple[int, int, int], ...], inputs) -> torch.Tensor:
+    """Rows ``[start, stop)`` of input ``index`` for each run, concatenated (one local pass)."""
+    return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
+
+
 class _SelectHeads(torch.autograd.Function):
     """The send buffer of a `commlib.attention.Exchange`: slices of the heads-first inputs concatenated (one
     local pass). Backward: each slice's cotangent added back into the heads it came from."""
@@ -44,7 +49,7 @@ class _SelectHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:
         ctx.runs, ctx.shapes = runs, [tuple(x.shape) for x in inputs]
-        return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
+        return _select(runs, inputs)
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):
@@ -62,7 +67,7 @@ class _FunctorchSelectHeads(_SelectHeads):
 
     @staticmethod
     def forward(runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
+        return _select(runs, inputs)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:

@@ -136,12 +136,17 @@ def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
 
 class _FirstOrderOnly(torch.autograd.Function):
     """``(dq, dk, dv)`` as they are, tied to q, k, v and the cotangent so that differentiating them again reaches
-    this backward, which refuses with the spec's error (the ring's backward is hand-written, first order)."""
+    this backward, which refuses with the spec's error (the ring's backward is hand-written, first order).
+    Applied only where a graph is recorded (create_graph=True, torch.func's nested transforms): in the form
+    torch.func requires, whose per-call cost does not matter there."""
 
     @staticmethod
-    def forward(ctx, op_name: str, dq, dk, dv, *inputs):
-        ctx.op_name = op_name
+    def forward(op_name: str, dq, dk, dv, *inputs):
         return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        ctx.op_name = inputs[0]
 
     @staticmethod
     def backward(ctx, *cotangents):
@@ -163,8 +168,8 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():  # the walk is not differentiated: its in-place sums need no graph
             grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank)
-        if torch.is_grad_enabled() and not transforms_active():  # create_graph=True: a second order must not
-            grads = _FirstOrderOnly.apply(ctx.plan.op_name, *grads, q, k, v, d_out)  # come out silently zero
+        if torch.is_grad_enabled():  # a graph of the gradient is recorded: a second order must not come out zero
+            grads = _FirstOrderOnly.apply(ctx.plan.op_name, *grads, q, k, v, d_out)
         return (*grads, None, None, None)
 
 

@@ -109,12 +109,17 @@ def usp_on_mesh(ctx, case: cases.Case, arrays):
                                                                                               strict=True)}
 
 
-def second_order(ctx, case: cases.Case, arrays) -> str:
-    """``create_graph=True`` then a second ``torch.autograd.grad`` through the ring: the error text."""
+def second_order(ctx, case: cases.Case, arrays, how: str) -> str:
+    """A second derivative through the ring, by ``create_graph=True`` then ``torch.autograd.grad`` ("autograd")
+    or by ``torch.func.grad`` of ``torch.func.grad`` ("func"): the error text."""
     q, k, v = _leaves(ctx, case, arrays)
-    (d_q,) = torch.autograd.grad((_call(case, q, k, v) ** 2).sum(), q, create_graph=True)
+    loss = lambda a: (_call(case, a, k, v) ** 2).sum()  # noqa: E731
     try:
-        torch.autograd.grad(d_q.sum(), (q, k, v), allow_unused=True)
+        if how == "autograd":
+            (d_q,) = torch.autograd.grad(loss(q), q, create_graph=True)
+            torch.autograd.grad(d_q.sum(), (q, k, v), allow_unused=True)
+        else:
+            torch.func.grad(lambda a: torch.func.grad(loss)(a).sum())(q.detach())
     except TypeError as error:
         return f"TypeError: {error}"
     return "no error"

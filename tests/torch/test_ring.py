@@ -51,11 +51,12 @@ def test_context_table_through_torch_func(pool):
     assert len(rows) >= 4 and not failed, "\n".join(failed)
 
 
-def test_second_derivative_is_refused_by_name(pool):
-    """The backward is hand-written: differentiating the gradient again raises the spec's error on every rank
-    (not a gradient that comes out silently zero)."""
+@pytest.mark.parametrize("how", ["autograd", "func"])
+def test_second_derivative_is_refused_by_name(pool, how):
+    """The backward is hand-written: differentiating the gradient again (create_graph=True, or nested
+    torch.func.grad) raises the spec's error on every rank, not a gradient that comes out silently zero."""
     case = _handed_case()
-    messages = set(pool(4).run(jobs.second_order, case, cases.make_arrays(case, 0)))
+    messages = set(pool(4).run(jobs.second_order, case, cases.make_arrays(case, 0), how))
     assert messages == {"TypeError: ring_attention: a second derivative is not supported: the backward is "
                         "hand-written (first order); take one gradient, or use ulysses_attention, whose backward is "
                         "autograd's own. Received: order=2"}
