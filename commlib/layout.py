@@ -77,15 +77,19 @@ class Collective(str, enum.Enum):
     @property
     def is_local(self) -> bool:
         """True for the steps that move no data between ranks."""
-        return self in (Collective.IDENTITY, Collective.SLICE, Collective.PAD)
+        return self._value_ in _LOCAL_STEPS  # (a member read through its class costs ~0.1 us: read per call)
 
     @property
     def is_rooted(self) -> bool:
         """True for the collectives with a `root` rank (src or dst)."""
-        return self in (Collective.REDUCE, Collective.BROADCAST, Collective.GATHER, Collective.SCATTER)
+        return self._value_ in _ROOTED
 
     def __repr__(self) -> str:
         return repr(self.value)
+
+
+_LOCAL_STEPS = frozenset({"identity", "slice", "pad"})
+_ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 
 
 class Convention(str, enum.Enum):

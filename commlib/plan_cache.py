@@ -43,7 +43,7 @@ __all__ = ["MAX_PLANS", "builds", "bypass_while", "cached_plan", "clear", "key",
 MAX_PLANS = 4096  # plans kept per builder and cache
 
 _EXACT = frozenset({int, str, type(None)})  # values keyed as themselves (no other type compares equal to them)
-_INTS = frozenset({int})
+_INTS = frozenset({int})  # (perm pairs)
 _PAIRS = frozenset({tuple, list})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
 _trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
@@ -90,7 +90,7 @@ def _hashable(value: object) -> object:
     if kind in _EXACT:
         return value
     if isinstance(value, (tuple, list)):
-        if _INTS.issuperset(map(type, value)):  # a shape or sizes: checked at C speed
+        if _EXACT.issuperset(map(type, value)):  # a shape, sizes, or keyword values: checked at C speed
             return tuple(value)
         if _PAIRS.issuperset(map(type, value)) and _INTS.issuperset(map(type, itertools.chain.from_iterable(value))):
             return tuple(map(tuple, value))  # a perm: (src, dst) pairs of ints

@@ -86,32 +86,42 @@ def at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
         raise translated from error
 
 
-def _save(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, out: torch.Tensor) -> None:
-    ctx.plan, ctx.group = plan, group
+Call = tuple[Plan, ProcessGroup, "Origin | None"]  # what `Op` applies besides the tensor: one argument, not three
+# (Function.apply unwraps and inspects each argument: ~0.2 us apiece)
+
+
+def _forward_of(plan: Plan):
+    """The forward's walk: the plan, and without a primal rule (max/min/product) nothing more."""
+    return _forward if gradients.needs_primal(plan) else run
+
+
+def _save(ctx, x: torch.Tensor, call: Call, out: torch.Tensor) -> None:
+    plan = ctx.plan = call[0]
+    ctx.group = call[1]
     if gradients.needs_primal(plan):
         ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
 
 
 class Op(torch.autograd.Function):
     """One collective (or local step) of a plan at commlib's boundary (`at_boundary`); backward is the spec's
-    VJP rule."""
+    VJP rule. ``Op.apply(x, (plan, group, origin))``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Plan, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
-        # without a primal rule (max/min/product), the forward is the plan walked
-        out = at_boundary(_forward if gradients.needs_primal(plan) else run, plan, x, group, origin)
-        _save(ctx, x, plan, group, out)
+    def forward(ctx, x: torch.Tensor, call: Call) -> torch.Tensor:
+        plan, group, origin = call
+        out = at_boundary(_forward_of(plan), plan, x, group, origin)
+        _save(ctx, x, call, out)
         return out
 
     @staticmethod
-    def vmap(info, in_dims, x, plan: Plan, group, origin):
-        raise plans.no_vmap(plan.op_name)
+    def vmap(info, in_dims, x, call: Call):
+        raise plans.no_vmap(call[0].op_name)
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):
         saved = (*ctx.saved_tensors, None, None)
         backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
-        return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None, None, None
+        return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None
 
 
 class FunctorchOp(Op):
@@ -120,20 +130,20 @@ class FunctorchOp(Op):
     this form (inspect.signature: ~60 us), which plain autograd does not need."""
 
     @staticmethod
-    def forward(x: torch.Tensor, plan: Plan, group: ProcessGroup,  # type: ignore[override]
-                origin: Origin | None) -> torch.Tensor:
-        return at_boundary(_forward if gradients.needs_primal(plan) else run, plan, x, group, origin)
+    def forward(x: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
+        plan, group, origin = call
+        return at_boundary(_forward_of(plan), plan, x, group, origin)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-        x, plan, group, _ = inputs
-        _save(ctx, x, plan, group, output)
+        x, call = inputs
+        _save(ctx, x, call, output)
 
 
 def apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
     if plan.is_trivial:
         return x
-    return (FunctorchOp if transforms_active() else Op).apply(x, plan, group, origin)
+    return (FunctorchOp if transforms_active() else Op).apply(x, (plan, group, origin))
 
 
 def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:

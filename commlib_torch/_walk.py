@@ -22,9 +22,10 @@ partitioner keeps it in the same graph (forward or backward) on every rank. Left
 a collective whose result a rank ignores and moves into the forward a backward one that does not read the
 cotangent, and the other ranks wait for it forever.
 
-Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`),
-and the unrooted collectives -- the small calls of hot paths -- are walked inline in `run`. Nothing reads a
-tensor's values on the host and no allocation depends on them, so a walk can be captured in a CUDA graph.
+Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`)
+and taken once per plan by `walk`, which makes the plan's walk -- a closure that does only what depends on
+the call: the tensor (contiguous or not) and the group (this rank). Nothing reads a tensor's values on the
+host and no allocation depends on them, so a walk can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ import torch.distributed._functional_collectives as funcol
 
 from commlib import Collective, Plan, Rearrange, ReduceOp
 from commlib.layout import permute_splits, rooted_splits
+from commlib.plan_cache import MAX_PLANS
 from commlib_torch import _pack
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
 from commlib_torch._groups import global_rank, group_rank, group_size
 
 __all__ = ["DTYPE_NAMES", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size", "rearrange",
-           "run", "torch_dtype"]
+           "run", "torch_dtype", "walk"]
 
 _C10D_REDUCE = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -69,7 +71,6 @@ _LOCAL_REDUCE = {
 
 Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
-_permute_splits = functools.lru_cache(maxsize=1024)(permute_splits)  # the lists are only read
 # Per-call tests read these (an enum member read through its class costs ~0.15 us):
 _ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
 _INLINE = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked inline in `run`
@@ -114,12 +115,6 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
 # ---- the rooted collectives and permute: (plan, packed send buffer or None, group, rank, input, buffer dtype)
 # -> the received buffer (contiguous, of the plan's recv_shape), None where this rank receives nothing ------
 
-def _receives_only(plan: Plan, rank: int) -> bool:
-    """Ranks whose input the collective never reads: no pack pass for them (eagerly; under torch.compile every
-    rank packs, see the module docstring)."""
-    return plan.collective in _RECEIVE_ONLY and rank != plan.root and not torch.compiler.is_compiling()
-
-
 def _reduce(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     dist.reduce(send, dst=global_rank(group, plan.root), op=_C10D_REDUCE[plan.reduce_op], group=group)
     return send if rank == plan.root else None
@@ -143,22 +138,33 @@ def _scatter(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: 
     return recv
 
 
-def _permute(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+def _permute(plan: Plan) -> Callable[..., torch.Tensor | None]:
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
-    pattern, and traceable by torch.compile."""
-    numel = send.numel()
-    send_splits, recv_splits = _permute_splits(plan.pairs, plan.world_size, rank, numel)
-    sent, received = sum(send_splits), sum(recv_splits)
-    if not received:
-        recv = x.new_empty((0,), dtype=dtype)
-        dist.all_to_all_single(recv, send.reshape(-1)[:sent], recv_splits, send_splits, group=group)
-        return _nothing_received(recv, plan)
-    # received == numel: the buffer has the plan's shape (not a view of a flat one: a Function's output that is
-    # a view costs autograd's view bookkeeping), and what is sent is the input itself where it is all sent
-    recv = x.new_empty(plan.recv_shape, dtype=dtype)
-    flat_send = send.view(-1) if sent == numel else send.reshape(-1)[:sent]
-    dist.all_to_all_single(recv.view(-1), flat_send, recv_splits, send_splits, group=group)
-    return recv
+    pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
+    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank."""
+    shape = plan.send_shape
+    rows_shape = shape or (1,)
+    by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
+
+    def step(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+        splits = by_rank.get(rank)
+        if splits is None:
+            send_splits, recv_splits = permute_splits(plan.pairs, plan.world_size, rank, rows_shape[0])
+            splits = by_rank[rank] = (send_splits, recv_splits, any(send_splits), any(recv_splits))
+        send_splits, recv_splits, sends, receives = splits
+        rows = send if shape else send.view(rows_shape)
+        if not sends:
+            rows = rows[:0]
+        if not receives:
+            recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
+            dist.all_to_all_single(recv, rows, recv_splits, send_splits, group=group)
+            return _nothing_received(recv, plan)
+        # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
+        recv = torch.empty_like(send, memory_format=_CONTIGUOUS)
+        dist.all_to_all_single(recv if shape else recv.view(rows_shape), rows, recv_splits, send_splits, group=group)
+        return recv
+
+    return step
 
 
 def _nothing_received(recv: torch.Tensor, plan: Plan) -> torch.Tensor | None:
@@ -185,120 +191,230 @@ def _rooted_traceable(plan: Plan, send, group: Group, rank: int, x: torch.Tensor
     return blocks.view(plan.recv_shape) if kind is Collective.GATHER else _LOCAL_REDUCE[plan.reduce_op](blocks)
 
 
-# ---- the local steps of gradient plans: (plan, input, group) -> output --------------------------------------
-
-def _times_scale(plan: Plan, out: torch.Tensor) -> torch.Tensor:
-    return out if plan.scale == 1.0 else out * plan.scale
-
-
-def _identity(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """identity times the scale."""
-    return _times_scale(plan, x)
-
-
-def _slice(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's block of `dims[0]`."""
-    (dim,) = plan.dims
-    block = plan.recv_shape[dim]
-    # a copy, not a view: the output may be modified in place, and a gradient frees the rest
-    out = x.narrow(dim, group_rank(group) * block, block).clone(memory_format=_CONTIGUOUS)
-    return _times_scale(plan, out)
-
-
-def _pad(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's block of zeros along `dims[0]` (the transpose of `_slice`)."""
-    (dim,) = plan.dims
-    block = x.shape[dim]
-    out = x.new_zeros(plan.out_shape)
-    out.narrow(dim, group_rank(group) * block, block).copy_(x)
-    return _times_scale(plan, out)
-
-
-_OTHER_STEPS: dict[Collective, Callable[..., torch.Tensor | None]] = {
+_ROOTED_STEPS: dict[Collective, Callable[..., torch.Tensor | None]] = {
     Collective.REDUCE: _reduce,
     Collective.BROADCAST: _broadcast,
     Collective.GATHER: _gather,
     Collective.SCATTER: _scatter,
-    Collective.PERMUTE: _permute,
 }
-_LOCAL_STEPS: dict[Collective, Callable[[Plan, torch.Tensor, Group], torch.Tensor]] = {
+
+
+# ---- the walks: made once per plan, then called with (x, group) ---------------------------------------------
+
+Walk = Callable[[torch.Tensor, Group], torch.Tensor]  # (this rank's input, the group) -> this rank's output
+Pass = Callable[[torch.Tensor], torch.Tensor]
+
+
+def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Output of `plan` on this rank for input `x` (any strides), in x's dtype: ``walk(plan)(x, group)``.
+    Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache."""
+    if torch.compiler.is_compiling():
+        return _make_walk(plan, compiling=True)(x, group)
+    return walk(plan)(x, group)
+
+
+@functools.lru_cache(maxsize=MAX_PLANS)
+def walk(plan: Plan) -> Walk:
+    """The eager walk of `plan`, made once: every decision the plan fixes (which pass is a view, the buffers'
+    shapes and dtypes, the scales, the split sizes) is taken here, so a call does only what depends on its
+    tensor (contiguous or not) and its group (this rank)."""
+    return _make_walk(plan, compiling=False)
+
+
+def _make_walk(plan: Plan, compiling: bool, carried: bool = False) -> Walk:
+    if plan.carrier is not None and not carried:  # a dtype the backend lacks: its bits in a same-size dtype
+        inner, carrier = _make_walk(plan, compiling, carried=True), getattr(torch, plan.carrier)
+        return lambda x, group: inner(x.view(carrier), group).view(x.dtype)
+    if plan.is_exact:
+        return lambda x, group: run_exact(plan, x, group)
+    local = _LOCAL_STEPS.get(plan.collective)
+    if local is not None:
+        return local(plan)
+    accum = None if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
+    if plan.collective in _INLINE:
+        return _unrooted(plan, accum)
+    return _rooted_or_permute(plan, accum, compiling)
+
+
+def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype | None) -> Pass:
+    """`rearrange` into `shape` (in `dtype`, None: the source's), what the step fixes decided once: where nothing
+    moves, the source itself or one view of it (when contiguous) or one clone (when the collective needs a
+    fresh buffer)."""
+    if dtype is not None or not step.keeps_order:
+        return lambda x: rearrange(x, step, shape, x.dtype if dtype is None else dtype)
+    reshaped = tuple(source_shape) != tuple(shape)
+    if step.is_identity:
+        def itself(x: torch.Tensor) -> torch.Tensor:
+            if not x.is_contiguous():
+                return rearrange(x, step, shape, x.dtype)
+            return x.view(shape) if reshaped else x
+
+        return itself
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:  # (clone keeps a contiguous source's strides)
+        out = x.clone() if x.is_contiguous() else x.clone(memory_format=_CONTIGUOUS)
+        return out.view(shape) if reshaped else out
+
+    return fresh
+
+
+def _sender(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Pass:
+    """x -> the send buffer, of `shape`: the pack pass, and the scale first where the plan says so."""
+    pack = _pass(plan.pack, plan.in_shape, shape, accum)  # type: ignore[arg-type]
+    if not (plan.scale_first and plan.scale != 1.0):
+        return pack
+    scale = plan.scale
+    return lambda x: scaled_first(pack(x), x, scale)
+
+
+def _finisher(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """(received buffer of `shape`, x) -> the output: the scale (where not applied first), then the unpack pass
+    (one view at most where the plan says identity)."""
+    scale = plan.scale if plan.scale != 1.0 and not plan.scale_first else None
+    unpack, out_shape = plan.unpack, plan.out_shape
+    if accum is not None or not unpack.is_identity:
+        def unpacked(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            if scale is not None:
+                recv.mul_(scale)
+            return rearrange(recv, unpack, out_shape, x.dtype)  # type: ignore[arg-type]
+
+        return unpacked
+    reshaped = tuple(shape) != tuple(out_shape)
+
+    def viewed(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            recv.mul_(scale)
+        return recv.view(out_shape) if reshaped else recv
+
+    return viewed
+
+
+def _unrooted(plan: Plan, accum: torch.dtype | None) -> Walk:
+    """all_reduce (in place), all_to_all, all_gather and reduce_scatter (c10d's dim-0 forms: x itself along
+    dim 0 ([n, ...] <-> [W * n, ...]), else flat buffers)."""
+    kind, world_size = plan.collective, plan.world_size
+    packed = accum is not None or not plan.pack.keeps_order  # a pass into send_shape, else x's own layout
+    op = _C10D_REDUCE.get(plan.reduce_op)  # type: ignore[arg-type]
+    if kind is _ALL_REDUCE:
+        send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
+
+        def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+            buffer = send(x)
+            dist.all_reduce(buffer, op=op, group=group)
+            return finish(buffer, x)
+
+        return all_reduce
+    if kind is _ALL_TO_ALL:  # the send buffer's dim 0 goes out in W blocks
+        shape = _a2a_buffers(plan, packed, accum)
+        send, finish = _sender(plan, accum, shape or plan.send_shape), _finisher(plan, accum, shape or plan.recv_shape)
+        recv_shape = shape or plan.recv_shape
+
+        def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+            buffer = send(x)
+            recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
+            dist.all_to_all_single(recv, buffer, group=group)
+            del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
+            return finish(recv, x)
+
+        return all_to_all
+    along_0 = not packed and plan.dims == _DIM_0
+    numel = math.prod(plan.send_shape)
+    gathers = kind is _ALL_GATHER
+    if along_0:
+        send_shape, recv_shape = plan.in_shape, plan.out_shape
+    else:
+        send_shape, recv_shape = (numel,), (numel * world_size if gathers else numel // world_size,)
+    send, finish = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
+
+    def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+        buffer = send(x)
+        recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
+        if gathers:
+            all_gather_single(recv, buffer, group=group)
+        else:
+            _reduce_scatter_single(recv, buffer, op=op, group=group)
+        del buffer
+        return finish(recv, x)
+
+    return gather_or_scatter
+
+
+def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[int, ...] | None:
+    """One shape for both buffers of an even all_to_all_single that saves a view: c10d cuts each buffer into W
+    equal parts of memory along dim 0, so any shape whose dim 0 W divides carries the same blocks. The output's
+    shape where the unpack is a view (the received buffer is the output), else the input's where the pack is
+    (x itself is sent); None: the plan's send and recv shapes."""
+    world_size = plan.world_size
+    if accum is None and plan.unpack.is_identity and plan.out_shape and plan.out_shape[0] % world_size == 0:
+        return plan.out_shape
+    if not packed and plan.in_shape and plan.in_shape[0] % world_size == 0:
+        return plan.in_shape
+    return None
+
+
+def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
+    """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
+    the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring)."""
+    kind, root, out_shape = plan.collective, plan.root, plan.out_shape
+    step = _permute(plan) if kind is Collective.PERMUTE else (_rooted_traceable if compiling else _ROOTED_STEPS[kind])
+    receives_only = kind in _RECEIVE_ONLY and not compiling  # non-roots' input is never read: no pack pass
+    send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.recv_shape)
+
+    def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
+        rank = group_rank(group)
+        buffer = None if receives_only and rank != root else send(x)
+        recv = step(plan, buffer, group, rank, x, x.dtype if accum is None else accum)
+        del buffer
+        return x.new_zeros(out_shape) if recv is None else finish(recv, x)
+
+    return rooted
+
+
+# ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
+
+def _itself(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
+
+
+def _identity(plan: Plan) -> Walk:
+    """identity times the scale."""
+    scale = plan.scale
+    return _itself if scale == 1.0 else lambda x, group: x * scale
+
+
+def _slice(plan: Plan) -> Walk:
+    """This rank's block of `dims[0]`: a copy, not a view (the output may be modified in place, and a gradient
+    frees the rest)."""
+    (dim,) = plan.dims
+    block, scale = plan.recv_shape[dim], plan.scale
+
+    def slice_(x: torch.Tensor, group: Group) -> torch.Tensor:
+        start = group_rank(group) * block
+        if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
+            out = x[start:start + block].clone()
+        else:
+            out = x.narrow(dim, start, block).clone(memory_format=_CONTIGUOUS)
+        return out if scale == 1.0 else out.mul_(scale)
+
+    return slice_
+
+
+def _pad(plan: Plan) -> Walk:
+    """This rank's block of zeros along `dims[0]` (the transpose of `_slice`)."""
+    (dim,) = plan.dims
+    out_shape, scale = plan.out_shape, plan.scale
+
+    def pad(x: torch.Tensor, group: Group) -> torch.Tensor:
+        block = x.shape[dim]
+        out = x.new_zeros(out_shape)
+        out.narrow(dim, group_rank(group) * block, block).copy_(x)
+        return out if scale == 1.0 else out.mul_(scale)
+
+    return pad
+
+
+_LOCAL_STEPS: dict[Collective, Callable[[Plan], Walk]] = {
     Collective.IDENTITY: _identity,
     Collective.SLICE: _slice,
     Collective.PAD: _pad,
 }
-
-
-def _run_other(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """`run` for the local steps, the rooted collectives and permute."""
-    local = _LOCAL_STEPS.get(plan.collective)
-    if local is not None:
-        return local(plan, x, group)
-    rank = group_rank(group)
-    dtype = x.dtype if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
-    send = None if _receives_only(plan, rank) else rearrange(x, plan.pack, plan.send_shape, dtype)
-    if send is not None and plan.scale_first and plan.scale != 1.0:
-        send = scaled_first(send, x, plan.scale)
-    if plan.collective.is_rooted and torch.compiler.is_compiling():
-        recv = _rooted_traceable(plan, send, group, rank, x, dtype)
-    else:
-        recv = _OTHER_STEPS[plan.collective](plan, send, group, rank, x, dtype)
-    del send  # dead once sent: the unpack's output can take its memory (peak = send + recv, not + output)
-    if recv is None:
-        return x.new_zeros(plan.out_shape)
-    if plan.scale != 1.0 and not plan.scale_first:
-        recv.mul_(plan.scale)
-    if plan.unpack.is_identity and dtype == x.dtype:  # recv is contiguous: the output is a view of it
-        return recv if recv.shape == plan.out_shape else recv.view(plan.out_shape)
-    return rearrange(recv, plan.unpack, plan.out_shape, x.dtype)
-
-
-def run(plan: Plan, x: torch.Tensor, group: Group, *, carried: bool = False) -> torch.Tensor:
-    """Output of `plan` on this rank for input `x` (any strides), in x's dtype.
-
-    The unrooted collectives run inline, their shape decisions read from the plan: the pack pass is `x`
-    itself where the plan says identity and `x` is contiguous (a fresh copy where the collective writes in
-    place), the unpack at most one view where the plan says identity; c10d's dim-0 gather and scatter take
-    flat buffers.
-    """
-    if plan.carrier is not None and not carried:  # a dtype the backend lacks: its bits in a same-size dtype
-        return run(plan, x.view(getattr(torch, plan.carrier)), group, carried=True).view(x.dtype)
-    if plan.is_exact:
-        return run_exact(plan, x, group)
-    kind = plan.collective
-    if kind not in _INLINE:
-        return _run_other(plan, x, group)
-    cast = plan.accum_dtype is not None
-    dtype = getattr(torch, plan.accum_dtype) if cast else x.dtype  # type: ignore[arg-type]
-    pack = plan.pack
-    packed = cast or not pack.keeps_order  # a pass into a buffer of send_shape, else x's own shape (in_shape)
-    if packed:
-        send = rearrange(x, pack, plan.send_shape, dtype)
-    else:  # a fresh copy for an in-place collective, else x itself where contiguous
-        send = x.clone(memory_format=_CONTIGUOUS) if pack.always_copy else x.contiguous()
-    if plan.scale_first and plan.scale != 1.0:
-        send = scaled_first(send, x, plan.scale)
-    if kind is _ALL_REDUCE:  # in place
-        dist.all_reduce(send, op=_C10D_REDUCE[plan.reduce_op], group=group)
-        recv, shape = send, plan.send_shape
-    elif kind is _ALL_TO_ALL:  # the send buffer's dim 0 goes out in W blocks
-        recv, shape = x.new_empty(plan.recv_shape, dtype=dtype), plan.recv_shape
-        if not packed and plan.in_shape != plan.send_shape:
-            send = send.view(plan.send_shape)
-        dist.all_to_all_single(recv, send, group=group)
-    else:  # c10d gathers and scatters along dim 0: x itself along dim 0 ([n, ...] <-> [W * n, ...]), else flat
-        along_0 = not packed and plan.dims == _DIM_0
-        if kind is _ALL_GATHER:
-            shape = plan.out_shape if along_0 else (send.numel() * plan.world_size,)
-            recv = x.new_empty(shape, dtype=dtype)
-            all_gather_single(recv, send if along_0 else send.view(-1), group=group)
-        else:
-            shape = plan.out_shape if along_0 else (send.numel() // plan.world_size,)
-            recv = x.new_empty(shape, dtype=dtype)
-            _reduce_scatter_single(recv, send if along_0 else send.view(-1), op=_C10D_REDUCE[plan.reduce_op],
-                                   group=group)
-    del send  # dead once sent: the unpack's output can take its memory (peak = send + recv, not + output)
-    if plan.scale != 1.0 and not plan.scale_first:
-        recv.mul_(plan.scale)
-    if cast or not plan.unpack.is_identity:
-        return rearrange(recv, plan.unpack, plan.out_shape, x.dtype)
-    return recv if shape == plan.out_shape else recv.view(plan.out_shape)

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from commlib import plan_cache
 from commlib.tools import cases
+from commlib_torch._walk import walk
 from commlib_torch.tools.parity_jobs import run_case
 
 #: aten ops that wait for the device or give a result whose size depends on values: none may run in a
@@ -24,18 +25,20 @@ def _cases(world_size: int) -> list[cases.Case]:
 
 
 def second_call_builds(ctx) -> list[str]:
-    """The valid cases whose second call (forward and backward) built a plan: should be none. (A call that
-    raises caches nothing, by design.)"""
+    """The valid cases whose second call (forward and backward) built a plan or made a plan's walk
+    (`commlib_torch._walk.walk`): should be none. (A call that raises caches nothing, by design.)"""
     rebuilt = []
     for case in _cases(ctx.world_size):
         if cases.error_text(case) is not None:
             continue
         arrays = cases.make_arrays(case, seed=0)
         run_case(ctx, case, arrays)
-        built = plan_cache.builds()
+        built, made = plan_cache.builds(), walk.cache_info().misses
         run_case(ctx, case, arrays)
         if plan_cache.builds() != built:
             rebuilt.append(case.name)
+        if walk.cache_info().misses != made:
+            rebuilt.append(f"{case.name} (walk)")
     return rebuilt
 
 
