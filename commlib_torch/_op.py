@@ -9,6 +9,8 @@ builder's inputs.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
@@ -17,7 +19,7 @@ from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
 from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
-from commlib_torch._walk import DTYPE_NAMES, group_size, run
+from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
 
 __all__ = ["ProcessGroup", "Op", "FunctorchOp", "apply", "at_boundary", "operand", "transforms_active"]
 
@@ -61,7 +63,7 @@ class _Backend:
         return ranks == dist.get_rank(self.group)
 
 
-def _forward(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _primal_rule(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The op's output by the spec's rule: the plan walked, and max/min's NaN rule."""
     return gradients.forward(_Backend(group, x.device), plan, x)
 
@@ -79,25 +81,26 @@ def at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
             exchange(subject, x, group, phase)
         return walk(plan, x, group)
     except RuntimeError as error:
-        subject, phase = origin or (plan, "forward")
-        translated = translate(error, subject.op_name, x, group, phase)
-        if translated is error:
-            raise
-        raise translated from error
+        _reraise(error, plan, x, group, origin)
+
+
+def _reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ProcessGroup,
+             origin: Origin | None) -> NoReturn:
+    """Raise `error` as CommTimeout / CommFailure where it means one, else as it is."""
+    subject, phase = origin or (plan, "forward")
+    translated = translate(error, subject.op_name, x, group, phase)
+    if translated is error:
+        raise error
+    raise translated from error
 
 
 Call = tuple[Plan, ProcessGroup, "Origin | None"]  # what `Op` applies besides the tensor: one argument, not three
 # (Function.apply unwraps and inspects each argument: ~0.2 us apiece)
 
 
-def _forward_of(plan: Plan):
-    """The forward's walk: the plan, and without a primal rule (max/min/product) nothing more."""
-    return _forward if gradients.needs_primal(plan) else run
-
-
-def _save(ctx, x: torch.Tensor, call: Call, out: torch.Tensor) -> None:
-    plan = ctx.plan = call[0]
-    ctx.group = call[1]
+def _save(ctx, plan: Plan, group: ProcessGroup, x: torch.Tensor, out: torch.Tensor) -> None:
+    """What the backward reads: the plan and group; x, and the output for max/min (the VJP reads the primal)."""
+    ctx.plan, ctx.group = plan, group
     if gradients.needs_primal(plan):
         ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
 
@@ -109,8 +112,16 @@ class Op(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: Call) -> torch.Tensor:
         plan, group, origin = call
-        out = at_boundary(_forward_of(plan), plan, x, group, origin)
-        _save(ctx, x, call, out)
+        if not gradients.needs_primal(plan):  # a linear plan (the hot path): the output is the plan walked
+            ctx.plan, ctx.group = plan, group
+            if torch.compiler.is_compiling() or is_checked():
+                return at_boundary(run, plan, x, group, origin)
+            try:  # `at_boundary(run, ...)` eagerly and unchecked, two calls fewer
+                return walk(plan)(x, group)
+            except RuntimeError as error:
+                _reraise(error, plan, x, group, origin)
+        out = at_boundary(_primal_rule, plan, x, group, origin)
+        _save(ctx, plan, group, x, out)
         return out
 
     @staticmethod
@@ -132,12 +143,12 @@ class FunctorchOp(Op):
     @staticmethod
     def forward(x: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
         plan, group, origin = call
-        return at_boundary(_forward_of(plan), plan, x, group, origin)
+        return at_boundary(_primal_rule if gradients.needs_primal(plan) else run, plan, x, group, origin)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-        x, call = inputs
-        _save(ctx, x, call, output)
+        x, (plan, group, _) = inputs
+        _save(ctx, plan, group, x, output)
 
 
 def apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:

@@ -71,9 +71,9 @@ _LOCAL_REDUCE = {
 
 Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
-# Per-call tests read these (an enum member read through its class costs ~0.15 us):
+# Enum members read once (a member read through its class costs ~0.15 us):
 _ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
-_INLINE = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked inline in `run`
+_UNROOTED = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked by `_unrooted`
 _RECEIVE_ONLY = frozenset({Collective.BROADCAST, Collective.SCATTER})  # non-roots' input is not read
 _DIM_0 = (0,)
 
@@ -231,7 +231,7 @@ def _make_walk(plan: Plan, compiling: bool, carried: bool = False) -> Walk:
     if local is not None:
         return local(plan)
     accum = None if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
-    if plan.collective in _INLINE:
+    if plan.collective in _UNROOTED:
         return _unrooted(plan, accum)
     return _rooted_or_permute(plan, accum, compiling)
 

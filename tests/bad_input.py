@@ -153,6 +153,7 @@ def _zero_size(W: int) -> list[Row]:
         _row("gather", W, (0,), dst=W - 1, dim=0),
         _row("scatter", W, (2 * W, 0), src=W - 1),
         _row("permute", W, (0, 3), perm=ring),
+        _row("permute", W, (3, 0), perm=ring[:1]),  # rows to send, no elements
         _row("sum_grad", W, (0,)),
         _row("all_to_all", W, (2 * W, 0), scatter_dim=0, gather_dim=0),
         _row("shard", W, (0, 2 * W)),
