@@ -38,7 +38,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["MAX_PLANS", "builds", "bypass_while", "cached_plan", "clear", "key", "trust_sequence_type"]
+__all__ = ["MAX_PLANS", "builds", "bypass_while", "cached_plan", "clear", "clear_also", "key", "trust_sequence_type"]
 
 MAX_PLANS = 4096  # plans kept per builder and cache
 
@@ -48,6 +48,7 @@ _PAIRS = frozenset({tuple, list})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
 _trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
 _bypass: list[Callable[[], bool]] = []  # see bypass_while
+_also_cleared: list[Callable[[], object]] = []  # see clear_also
 _caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dictionary)
 _builds: collections.Counter[str] = collections.Counter()  # builder name -> times it ran
 
@@ -152,9 +153,17 @@ def builds(name: str | None = None) -> int:
     return _builds[name] if name is not None else sum(_builds.values())
 
 
+def clear_also(forget: Callable[[], object]) -> None:
+    """Call `forget` on every `clear` too: a frontend registers its caches keyed by plans (torch: the walks)."""
+    if forget not in _also_cleared:
+        _also_cleared.append(forget)
+
+
 def clear() -> None:
-    """Forget every cached plan and reset the build counts."""
+    """Forget every cached plan (and what frontends keep per plan, `clear_also`) and reset the build counts."""
     for fast, general in _caches.values():
         fast.cache_clear()
         general.clear()
+    for forget in _also_cleared:
+        forget()
     _builds.clear()

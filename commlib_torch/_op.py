@@ -1,10 +1,11 @@
 """The torch side of commlib's one autograd rule: `Op`, the autograd Function every public op applies.
 
-Its forward walks the plan (`commlib.gradients.forward`; `_walk.run` for the linear plans), its backward is
-the spec's VJP (`commlib.gradients.vjp`) whose collectives are `Op`s again, so every higher derivative follows
-the same rules. `at_boundary` wraps each walk in checked mode's fingerprint exchange and the translation of a
-backend error into `CommTimeout` / `CommFailure`. `operand` turns a public op's ``(x, group)`` into the plan
-builder's inputs.
+Its forward walks the plan (`commlib.gradients.forward`; for the linear plans the plan's walk itself,
+`_walk.walk`), its backward is the spec's VJP (`commlib.gradients.vjp`) whose collectives are `Op`s again, so
+every higher derivative follows the same rules. Every walk runs at commlib's boundary: a backend error that
+means a timeout or a lost rank is re-raised as `CommTimeout` / `CommFailure`, and in checked mode the
+fingerprint exchange comes first (`at_boundary`; the eager unchecked forward of a linear plan does the same
+with two calls fewer). `operand` turns a public op's ``(x, group)`` into the plan builder's inputs.
 """
 
 from __future__ import annotations
@@ -68,18 +69,18 @@ def _primal_rule(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tens
     return gradients.forward(_Backend(group, x.device), plan, x)
 
 
-def at_boundary(walk, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
-    """``walk(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
+def at_boundary(step, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
+    """``step(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
     only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
-    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the walk
+    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the step
     alone."""
     if torch.compiler.is_dynamo_compiling():
-        return walk(plan, x, group)
+        return step(plan, x, group)
     try:
         if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
             subject, phase = origin or (plan, "forward")
             exchange(subject, x, group, phase)
-        return walk(plan, x, group)
+        return step(plan, x, group)
     except RuntimeError as error:
         _reraise(error, plan, x, group, origin)
 

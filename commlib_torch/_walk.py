@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from commlib import Collective, Plan, Rearrange, ReduceOp
+from commlib import Collective, Plan, Rearrange, ReduceOp, plan_cache
 from commlib.layout import permute_splits, rooted_splits
 from commlib.plan_cache import MAX_PLANS
 from commlib_torch import _pack
@@ -213,12 +213,16 @@ def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     return walk(plan)(x, group)
 
 
-@functools.lru_cache(maxsize=MAX_PLANS)
+@functools.lru_cache(maxsize=8 * MAX_PLANS)  # (every builder keeps MAX_PLANS plans, and the VJP plans come too)
 def walk(plan: Plan) -> Walk:
     """The eager walk of `plan`, made once: every decision the plan fixes (which pass is a view, the buffers'
-    shapes and dtypes, the scales, the split sizes) is taken here, so a call does only what depends on its
-    tensor (contiguous or not) and its group (this rank)."""
+    shapes and dtypes, the scales) is taken here, so a call does only what depends on its tensor (contiguous or
+    not, its dtype) and its group (this rank; permute works out its split sizes once per rank, on the first
+    call from that rank). `commlib.plan_cache.clear` forgets the walks too."""
     return _make_walk(plan, compiling=False)
+
+
+plan_cache.clear_also(walk.cache_clear)
 
 
 def _make_walk(plan: Plan, compiling: bool, carried: bool = False) -> Walk:

@@ -39,3 +39,17 @@ def test_walk_reads_no_tensor_on_the_host(module):
     called = {node.func.attr for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
     assert called & _FORBIDDEN_CALLS == set()
+
+
+def test_walks_made_once_per_plan_and_forgotten_with_the_plans():
+    """Equal plans share one walk (the walk cache is keyed by the plan, as the plan caches are by the call);
+    `plan_cache.clear` forgets the walks too."""
+    from commlib import plan_cache, plans
+    from commlib_torch._walk import walk
+
+    plan = plans.all_gather((3, 5), 4, dim=1)
+    equal = plans.all_gather([3, 5], 4, dim=1)  # the general cache: the same plan object
+    assert walk(plan) is walk(equal) is walk(plan.replace())  # an equal, distinct object too
+    plan_cache.clear()
+    assert walk.cache_info().currsize == 0
+    assert plans.all_gather((3, 5), 4, dim=1) == plan
