@@ -126,15 +126,23 @@ def _broadcast(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype
     return buffer
 
 
+def _real(buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """A complex buffer as its real view (c10d's gather and scatter, unlike its other collectives, pass complex
+    tensors to the backend as they are, and gloo refuses them: "Invalid scalar type")."""
+    return torch.view_as_real(buffer) if buffer is not None and buffer.is_complex() else buffer
+
+
 def _gather(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     recv = x.new_empty(plan.recv_shape, dtype=dtype) if rank == plan.root else None
-    dist.gather(send, None if recv is None else list(recv.unbind(0)), dst=global_rank(group, plan.root), group=group)
+    blocks = None if recv is None else list(_real(recv).unbind(0))  # type: ignore[union-attr]
+    dist.gather(_real(send), blocks, dst=global_rank(group, plan.root), group=group)
     return recv
 
 
 def _scatter(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     recv = x.new_empty(plan.recv_shape, dtype=dtype)
-    dist.scatter(recv, None if send is None else list(send.unbind(0)), src=global_rank(group, plan.root), group=group)
+    blocks = None if send is None else list(_real(send).unbind(0))
+    dist.scatter(_real(recv), blocks, src=global_rank(group, plan.root), group=group)
     return recv
 
 
@@ -225,9 +233,12 @@ def walk(plan: Plan) -> Walk:
 plan_cache.clear_also(walk.cache_clear)
 
 
-def _make_walk(plan: Plan, compiling: bool, carried: bool = False) -> Walk:
+def _make_walk(plan: Plan, compiling: bool, carried: bool = False, resolved: bool = False) -> Walk:
+    if plan.dtype.startswith("complex") and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
+        inner = _make_walk(plan, compiling, carried, resolved=True)
+        return lambda x, group: inner(x.resolve_conj(), group)
     if plan.carrier is not None and not carried:  # a dtype the backend lacks: its bits in a same-size dtype
-        inner, carrier = _make_walk(plan, compiling, carried=True), getattr(torch, plan.carrier)
+        inner, carrier = _make_walk(plan, compiling, carried=True, resolved=True), getattr(torch, plan.carrier)
         return lambda x, group: inner(x.view(carrier), group).view(x.dtype)
     if plan.is_exact:
         return lambda x, group: run_exact(plan, x, group)

@@ -147,3 +147,49 @@ def complex_avg(ctx, dtype: str, xs, cotangents):
         out.backward(cotangent)
         results.append((_numpy(out), _numpy(x.grad)))
     return results
+
+
+#: One call per op (W=2 shapes) for the lazy-view job below.
+LAZY_VIEW_CALLS = {
+    "all_reduce": lambda x: commlib_torch.all_reduce(x),
+    "all_gather": lambda x: commlib_torch.all_gather(x, 0),
+    "reduce_scatter": lambda x: commlib_torch.reduce_scatter(x, 0),
+    "all_to_all": lambda x: commlib_torch.all_to_all(x, 0, 1),
+    "all_to_all same dim": lambda x: commlib_torch.all_to_all(x, 0, 0),
+    "broadcast": lambda x: commlib_torch.broadcast(x, 1),
+    "gather": lambda x: commlib_torch.gather(x, 1, 0),
+    "scatter": lambda x: commlib_torch.scatter(x, 1, 0),
+    "permute": lambda x: commlib_torch.permute(x, [(0, 1), (1, 0)]),
+    "permute one way": lambda x: commlib_torch.permute(x, [(1, 0)]),
+    "reduce": lambda x: commlib_torch.reduce(x, 1),
+    "shard": lambda x: commlib_torch.shard(x, 0),
+    "sum_grad": lambda x: commlib_torch.sum_grad(x),
+}
+
+
+def lazy_views(ctx, kind: str) -> dict[str, object]:
+    """{op: whether its output on a conj (or negative) view equals its output on the same values materialised,
+    or the error text}: torch keeps ``x.conj()`` and ``x.conj().imag`` as lazy bits c10d cannot send."""
+    base = (torch.arange(8.0).reshape(4, 2) + ctx.rank) * (1 + 2j)
+    lazy = base.conj() if kind == "conj" else base.conj().imag
+    assert lazy.is_conj() or lazy.is_neg()
+    plain = lazy.resolve_conj().resolve_neg()
+    found: dict[str, object] = {}
+    for name, call in LAZY_VIEW_CALLS.items():
+        try:
+            found[name] = torch.equal(call(lazy), call(plain))
+        except RuntimeError as error:
+            found[name] = f"RuntimeError: {str(error).splitlines()[0]}"
+    return found
+
+
+def complex_gather_scatter(ctx, dtype: str):
+    """gather to rank 1 and scatter from rank 1 of complex rows (rank r holds r * 10 + [0..3] * (1 + 2j)),
+    forward and backward (cotangent ones): (gather output, its input gradient, scatter output, its gradient)."""
+    x = ((torch.arange(4.0).reshape(2, 2) + 10 * ctx.rank) * (1 + 2j)).to(getattr(torch, dtype)).requires_grad_()
+    gathered = commlib_torch.gather(x, 1, 0)
+    gathered.backward(torch.ones_like(gathered))
+    grad_gather, x.grad = x.grad, None
+    scattered = commlib_torch.scatter(x, 1, 0)
+    scattered.backward(torch.ones_like(scattered))
+    return _numpy(gathered), _numpy(grad_gather), _numpy(scattered), _numpy(x.grad)

@@ -151,3 +151,23 @@ def test_complex_avg_forward_and_gradient(pool, dtype):
             out, grad = reply[index]
             np.testing.assert_allclose(out, outputs[rank], rtol=1e-5)
             np.testing.assert_allclose(grad, grads[rank], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_lazy_conj_and_neg_views_travel_as_their_values(pool, kind):
+    """``x.conj()`` (complex) and ``x.conj().imag`` (a negative view) are lazy in torch: every op sends their
+    values, as for the same tensor materialised."""
+    for found in pool(2).run(corner_jobs.lazy_views, kind):
+        assert found == dict.fromkeys(corner_jobs.LAZY_VIEW_CALLS, True)
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_complex_gather_and_scatter(pool, dtype):
+    """gloo refuses complex tensors in c10d's gather and scatter: they travel as their real views."""
+    xs = [(np.arange(4.0).reshape(2, 2) + 10 * rank) * (1 + 2j) for rank in range(2)]
+    replies = pool(2).run(corner_jobs.complex_gather_scatter, dtype)
+    for rank, (gathered, grad_gather, scattered, grad_scatter) in enumerate(replies):
+        np.testing.assert_array_equal(gathered, np.concatenate(xs) if rank == 1 else np.zeros((4, 2)))
+        np.testing.assert_array_equal(grad_gather, np.ones((2, 2)))  # scatter of the root's ones
+        np.testing.assert_array_equal(scattered, xs[1][rank:rank + 1])
+        np.testing.assert_array_equal(grad_scatter, np.ones((2, 2)) if rank == 1 else np.zeros((2, 2)))
