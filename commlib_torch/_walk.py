@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from commlib import Collective, Plan, Rearrange, ReduceOp, plan_cache
+from commlib import Collective, Plan, Rearrange, ReduceOp, dtypes, plan_cache
 from commlib.layout import permute_splits, rooted_splits
 from commlib.plan_cache import MAX_PLANS
 from commlib_torch import _pack
@@ -234,7 +234,7 @@ plan_cache.clear_also(walk.cache_clear)
 
 
 def _make_walk(plan: Plan, compiling: bool, carried: bool = False, resolved: bool = False) -> Walk:
-    if plan.dtype.startswith("complex") and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
+    if dtypes.is_complex(plan.dtype) and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
         inner = _make_walk(plan, compiling, carried, resolved=True)
         return lambda x, group: inner(x.resolve_conj(), group)
     if plan.carrier is not None and not carried:  # a dtype the backend lacks: its bits in a same-size dtype
