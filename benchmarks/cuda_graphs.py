@@ -1,23 +1,25 @@
 """Can CUDA graphs capture the torch ops? (issue 13, part 4) -- for a machine with a GPU; not run on CPU.
 
-    python benchmarks/cuda_graphs.py --json OUT.json     # about two minutes on one GPU
+    python benchmarks/cuda_graphs.py --out DIR     # about three minutes on one GPU; rows also in DIR/rows.jsonl
 
-Three settings, each in its own process:
+Four settings, each in its own process with its own time limit; every row is written to DIR/rows.jsonl the
+moment it is known, so a setting that hangs or runs out of time still leaves the rows it finished:
 
 - ``fake``: torch's fake process group (W=4, CUDA tensors) moves nothing, so what is captured is commlib's
   whole path -- plan look-up, the autograd Function, the pack/unpack passes (torch copies, the word copy, the
   Triton pack kernel for the large bf16 rows), the buffers -- for every op, forward and forward+backward, in a
   ``torch.cuda.CUDAGraph``, then replayed; the eager warm-up calls run under
-  ``torch.cuda.set_sync_debug_mode("error")``, so a host synchronisation in commlib raises. Then
-  ``torch.compile(mode="reduce-overhead")`` of a small layer of ops: Inductor's CUDA graphs must not be skipped.
-  (The fake backend writes nothing, so values are not compared here.)
+  ``torch.cuda.set_sync_debug_mode("error")``, so a host synchronisation in commlib raises. (The fake backend
+  writes nothing, so values are not compared here.)
 - ``nccl``: one process, NCCL at world size 1 (every op is the identity there): captured as above.
 - ``gloo``: two processes on the one GPU, CUDA tensors: every op eagerly, outputs and input gradients compared
-  with the same call on CPU tensors; then a capture attempt, expected to fail inside gloo (it stages CUDA
-  tensors through host memory): the row says where it failed.
+  with the same call on CPU tensors. No capture: gloo stages CUDA tensors through host memory, and a capture
+  that fails on one rank inside a collective leaves the other rank waiting.
+- ``compile``: ``torch.compile(mode="reduce-overhead")`` of a small layer of ops on the fake group: Inductor's
+  CUDA graphs must not be skipped.
 
 Checked mode is not in any of them: it reads every rank's fingerprint on the host, by design.
-Exit status 0 when every fake and nccl row captured and every gloo eager row matched.
+Exit status 0 when every fake, nccl and compile row captured and every gloo row matched.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-_SETTINGS = ("fake", "nccl", "gloo")
-_DEVICE = "cuda"  # "cpu" with --dry-run: the fake setting's table, eagerly, to check the script itself
+_SETTINGS = ("fake", "nccl", "gloo", "compile")
+_LIMITS = {"fake": 150.0, "nccl": 60.0, "gloo": 90.0, "compile": 90.0}  # seconds per setting's process
+_DEVICE = "cuda"  # "cpu" with --dry-run
+_ROWS: Path | None = None  # a setting's process appends each row here as soon as it has it
 
 
 def _ops(world_size: int):
@@ -124,21 +128,31 @@ def _capture(fn, x) -> str:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
 
 
+def _emit(rows: list[dict], row: dict, to: Path | None = None) -> None:
+    """Keep `row` and, when a rows file was named, append it there at once (a later hang keeps it)."""
+    rows.append(row)
+    to = to or _ROWS
+    if to is not None:
+        with to.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
 def _capture_rows(world_size: int, setting: str) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for name, shape, dtype, call in _ops(world_size):
         differentiable = dtype.is_floating_point
         x = torch.randn(shape, device=_DEVICE).to(dtype).requires_grad_(differentiable)
-        rows.append({"setting": setting, "op": name, "what": "forward", "result": _capture(_step(call, False), x)})
+        _emit(rows, {"setting": setting, "op": name, "what": "forward", "result": _capture(_step(call, False), x)})
         if differentiable:
-            rows.append({"setting": setting, "op": name, "what": "forward+backward",
+            _emit(rows, {"setting": setting, "op": name, "what": "forward+backward",
                          "result": _capture(_step(call, True), x)})
     return rows
 
 
-def _compile_row(world_size: int) -> dict:
+def _compile() -> list[dict]:
     """torch.compile(mode="reduce-overhead") of a small layer: Inductor's CUDA graphs must not be skipped."""
     from torch._dynamo.utils import counters
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import commlib_torch as cl
 
@@ -146,26 +160,30 @@ def _compile_row(world_size: int) -> dict:
         y = cl.all_to_all_4d(x, 2, 1) * 2.0
         return cl.all_reduce(cl.all_to_all_4d(y, 1, 2), "avg")
 
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
-        x = torch.randn(1, 8, 8 * world_size, 16, device="cuda")
+        x = torch.randn(1, 8, 32, 16, device=_DEVICE)
         for _ in range(3):
             compiled(x)
-        torch.cuda.synchronize()
-        skips = dict(counters["inductor"])
-        skipped = {key: value for key, value in skips.items() if "cudagraph_skip" in key and value}
+        if _DEVICE == "cuda":
+            torch.cuda.synchronize()
+        skipped = {key: value for key, value in counters["inductor"].items() if "cudagraph_skip" in key and value}
         result = "ok" if not skipped else f"cudagraphs skipped: {skipped}"
     except Exception as error:
         result = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-    return {"setting": "fake", "op": "compile reduce-overhead (a2a4d, a2a4d, all_reduce)", "what": "forward",
-            "result": result}
+    dist.destroy_process_group()
+    rows: list[dict] = []
+    _emit(rows, {"setting": "compile", "op": "reduce-overhead (a2a4d, a2a4d, all_reduce), fake W=4",
+                 "what": "forward", "result": result})
+    return rows
 
 
 def _fake() -> list[dict]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    rows = [*_capture_rows(4, "fake"), *([_compile_row(4)] if _DEVICE == "cuda" else [])]
+    rows = _capture_rows(4, "fake")
     dist.destroy_process_group()
     return rows
 
@@ -180,9 +198,9 @@ def _nccl() -> list[dict]:
     return rows
 
 
-def _gloo_job(ctx) -> list[dict]:
+def _gloo_job(ctx, rows_file: Path | None, device: str) -> list[dict]:
     """On each of two gloo ranks, one GPU: every op on CUDA tensors against the same op on CPU tensors."""
-    rows = []
+    rows: list[dict] = []
     for name, shape, dtype, call in _ops(ctx.world_size):
         if "uneven" in name:  # shapes differ by rank: the fake and nccl settings cover them
             continue
@@ -190,8 +208,8 @@ def _gloo_job(ctx) -> list[dict]:
         cpu = torch.randn(shape).to(dtype)
         try:
             results = []
-            for device in ("cpu", "cuda"):
-                x = cpu.to(device).requires_grad_(dtype.is_floating_point)
+            for where in ("cpu", device):
+                x = cpu.to(where).requires_grad_(dtype.is_floating_point)
                 out = call(x)
                 grad = torch.autograd.grad(out, x, torch.ones_like(out))[0] if x.requires_grad else None
                 results.append((out.detach().cpu().float(), None if grad is None else grad.cpu().float()))
@@ -202,64 +220,81 @@ def _gloo_job(ctx) -> list[dict]:
             result = "ok" if error <= (1e-2 if dtype == torch.bfloat16 else 1e-5) else f"differs by {error:.3g}"
         except Exception as failure:
             result = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}"
-        rows.append({"setting": "gloo", "op": name, "what": "eager cuda vs cpu", "result": result})
-        x = torch.randn(shape, device="cuda").to(dtype)
-        rows.append({"setting": "gloo", "op": name, "what": "capture (expected to fail in gloo)",
-                     "result": _capture(call, x)})
+        _emit(rows, {"setting": "gloo", "op": name, "what": f"eager {device} vs cpu", "result": result},
+              to=rows_file if ctx.rank == 0 else Path(os.devnull))
     return rows
 
 
 def _gloo() -> list[dict]:
     from commlib_torch.tools.pool import WorkerPool
 
-    with WorkerPool(2, timeout=600.0) as pool:
-        return pool.run(_gloo_job)[0]
+    with WorkerPool(2, timeout=60.0, pg_timeout=30.0) as pool:
+        return pool.run(_gloo_job, _ROWS, _DEVICE)[0]
 
 
 def _run_setting(setting: str) -> list[dict]:
     try:
-        return {"fake": _fake, "nccl": _nccl, "gloo": _gloo}[setting]()
+        return {"fake": _fake, "nccl": _nccl, "gloo": _gloo, "compile": _compile}[setting]()
     except Exception:
-        return [{"setting": setting, "op": "(setting)", "what": "setup", "result": traceback.format_exc()[-600:]}]
+        rows: list[dict] = []
+        _emit(rows, {"setting": setting, "op": "(setting)", "what": "setup", "result": traceback.format_exc()[-600:]})
+        return rows
+
+
+def _child(setting: str, out: Path, limit: float) -> list[dict]:
+    """Run one setting in a fresh process (one default process group each) for at most `limit` seconds; its
+    rows, from the rows file, with one more row when the process failed or ran out of time."""
+    rows_file, log = out / f"{setting}.jsonl", out / f"{setting}.log"
+    rows_file.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--setting", setting, "--rows", str(rows_file),
+               *(["--dry-run"] if _DEVICE == "cpu" else [])]
+    with log.open("w") as stderr:
+        try:
+            status = f"exit {subprocess.run(command, stdout=stderr, stderr=stderr, timeout=limit).returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"killed after {limit:.0f} s"
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
+    if status != "exit 0":
+        tail = log.read_text()[-400:]
+        rows.append({"setting": setting, "op": "(setting)", "what": "process",
+                     "result": f"{status} after {len(rows)} rows; log tail: {tail}"})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _DEVICE, _ROWS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--setting", choices=_SETTINGS, help="(internal) run one setting in this process")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: the fake setting's calls on the CPU")
+    parser.add_argument("--out", type=Path, default=Path("cuda-graphs"), help="folder for rows.jsonl and logs")
+    parser.add_argument("--only", choices=_SETTINGS, nargs="+", default=list(_SETTINGS), help="these settings")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: the fake (eager calls only), gloo (cpu against cpu) and compile settings "
+                             "on the CPU, to check the script itself")
+    parser.add_argument("--setting", choices=_SETTINGS, help=argparse.SUPPRESS)  # one setting, in this process
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dry_run:
-        global _DEVICE
         _DEVICE = "cpu"
-        rows = _run_setting("fake")
-        print("\n".join(f"{row['op']:40} {row['what']:20} {row['result']}" for row in rows))
-        return 0 if all(row["result"] == "ok" for row in rows) else 1
     if args.setting:
-        print(json.dumps(_run_setting(args.setting)))
+        _ROWS = args.rows
+        _run_setting(args.setting)
         return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    if _DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA device (or --dry-run)")
         return 2
-    rows = []
-    for setting in _SETTINGS:  # one process each: one default process group per process
-        done = subprocess.run([sys.executable, __file__, "--setting", setting], capture_output=True, text=True,
-                              timeout=900)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
-        if done.returncode != 0 or not lines:
-            rows.append({"setting": setting, "op": "(setting)", "what": "process",
-                         "result": f"exit {done.returncode}: {done.stderr[-600:]}"})
-        else:
-            rows += json.loads(lines[-1])
-    width = max(len(row["op"]) for row in rows)
-    for row in rows:
-        print(f"{row['setting']:5}  {row['op']:{width}}  {row['what']:36}  {row['result']}")
-    if args.json:
-        args.json.write_text(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                                         "rows": rows}, indent=1))
-    required = [row for row in rows if row["setting"] in ("fake", "nccl") or row["what"].startswith("eager")]
-    failed = [row for row in required if row["result"] != "ok"]
-    print(f"\n{len(required) - len(failed)}/{len(required)} required rows ok")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for setting in args.only:
+        if _DEVICE == "cpu" and setting == "nccl":
+            continue
+        done = _child(setting, args.out, _LIMITS[setting])
+        for row in done:
+            print(f"{row['setting']:7}  {row['op']:40}  {row['what']:18}  {row['result']}", flush=True)
+        rows += done
+    (args.out / "rows.json").write_text(json.dumps(
+        {"torch": torch.__version__, "device": torch.cuda.get_device_name() if _DEVICE == "cuda" else "cpu",
+         "rows": rows}, indent=1))
+    failed = [row for row in rows if row["result"] != "ok"]
+    print(f"\n{len(rows) - len(failed)}/{len(rows)} rows ok")
     return 1 if failed else 0
 
 

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from commlib import plans
 
-__all__ = ["CARRIED", "CARRIED_EVERYWHERE", "Group", "carried", "check_tensor", "global_rank", "group_rank",
-           "group_size", "resolve_group", "world_size"]
+__all__ = ["CARRIED", "CARRIED_EVERYWHERE", "Group", "carried", "check_tensor", "default_group", "global_rank",
+           "group_rank", "group_size", "resolve_group", "world_size"]
 
 #: What ``group=`` takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of its dims (a dim
 #: name such as "tp", or an index).
@@ -82,13 +82,15 @@ if not hasattr(_C10D_WORLD, "_default_pg"):  # another torch: the public way
     _C10D_WORLD = None
 
 
+def default_group() -> dist.ProcessGroup | None:
+    """`dist.GroupMember.WORLD` (None before `init_process_group`), read directly."""
+    return dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """`dist.get_world_size(group)`; for a process group this rank belongs to (or WORLD), read directly
     (get_world_size's checks cost a few microseconds per call)."""
-    if group is not None:
-        process_group = group
-    else:
-        process_group = dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
+    process_group = default_group() if group is None else group
     if type(process_group) is dist.ProcessGroup:
         return process_group.size()
     return dist.get_world_size(group)  # a rank outside `group` (-1), or no default group yet (raises)
@@ -96,10 +98,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """`dist.get_rank(group)`, the same way as `group_size`."""
-    if group is not None:
-        process_group = group
-    else:
-        process_group = dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
+    process_group = default_group() if group is None else group
     if type(process_group) is dist.ProcessGroup:
         return process_group.rank()
     return dist.get_rank(group)  # a rank outside `group` (-1), or no default group yet (raises)

@@ -41,7 +41,8 @@ import torch.distributed._functional_collectives as funcol
 from commlib import Collective, Plan, Rearrange, ReduceOp, dtypes, plan_cache
 from commlib.layout import permute_splits, rooted_splits
 from commlib.plan_cache import MAX_PLANS
-from commlib_torch import _pack
+from commlib_torch import _c10d, _pack
+from commlib_torch._c10d import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
 from commlib_torch._groups import global_rank, group_rank, group_size
 
@@ -55,10 +56,6 @@ _C10D_REDUCE = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
-
-# torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 #: A reduce's local reduction of the blocks it received (dim 0), under torch.compile (avg: the plan's scale).
 _LOCAL_REDUCE = {
@@ -112,18 +109,34 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     return out if out.shape == shape else out.view(shape)
 
 
-# ---- the rooted collectives and permute: (plan, packed send buffer or None, group, rank, input, buffer dtype)
-# -> the received buffer (contiguous, of the plan's recv_shape), None where this rank receives nothing ------
+# ---- the rooted collectives and permute: plan -> step, a step: (packed send buffer or None, group, rank, input,
+# buffer dtype) -> the received buffer (contiguous, of the plan's recv_shape), None where this rank receives
+# nothing ---------------------------------------------------------------------------------------------------
 
-def _reduce(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-    dist.reduce(send, dst=global_rank(group, plan.root), op=_C10D_REDUCE[plan.reduce_op], group=group)
-    return send if rank == plan.root else None
+Step = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
 
 
-def _broadcast(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-    buffer = send if rank == plan.root else x.new_empty(plan.recv_shape, dtype=dtype)
-    dist.broadcast(buffer, src=global_rank(group, plan.root), group=group)
-    return buffer
+def _reduce(plan: Plan) -> Step:
+    root = plan.root
+    reduce = _c10d.reduce(root, _C10D_REDUCE[plan.reduce_op], dtypes.is_complex(plan.dtype))
+
+    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+        reduce(send, group)
+        return send if rank == root else None
+
+    return step
+
+
+def _broadcast(plan: Plan) -> Step:
+    root, recv_shape = plan.root, plan.recv_shape
+    broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
+
+    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+        buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
+        broadcast(buffer, group)
+        return buffer
+
+    return step
 
 
 def _real(buffer: torch.Tensor | None) -> torch.Tensor | None:
@@ -132,29 +145,36 @@ def _real(buffer: torch.Tensor | None) -> torch.Tensor | None:
     return torch.view_as_real(buffer) if buffer is not None and buffer.is_complex() else buffer
 
 
-def _gather(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-    recv = x.new_empty(plan.recv_shape, dtype=dtype) if rank == plan.root else None
-    blocks = None if recv is None else list(_real(recv).unbind(0))  # type: ignore[union-attr]
-    dist.gather(_real(send), blocks, dst=global_rank(group, plan.root), group=group)
-    return recv
+def _gather(plan: Plan) -> Step:
+    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+        recv = x.new_empty(plan.recv_shape, dtype=dtype) if rank == plan.root else None
+        blocks = None if recv is None else list(_real(recv).unbind(0))  # type: ignore[union-attr]
+        dist.gather(_real(send), blocks, dst=global_rank(group, plan.root), group=group)
+        return recv
+
+    return step
 
 
-def _scatter(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-    recv = x.new_empty(plan.recv_shape, dtype=dtype)
-    blocks = None if send is None else list(_real(send).unbind(0))
-    dist.scatter(_real(recv), blocks, src=global_rank(group, plan.root), group=group)
-    return recv
+def _scatter(plan: Plan) -> Step:
+    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+        recv = x.new_empty(plan.recv_shape, dtype=dtype)
+        blocks = None if send is None else list(_real(send).unbind(0))
+        dist.scatter(_real(recv), blocks, src=global_rank(group, plan.root), group=group)
+        return recv
+
+    return step
 
 
-def _permute(plan: Plan) -> Callable[..., torch.Tensor | None]:
+def _permute(plan: Plan, compiling: bool) -> Step:
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
     of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank."""
     shape = plan.send_shape
     rows_shape = shape or (1,)
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
+    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
 
-    def step(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
         if splits is None:
             send_splits, recv_splits = permute_splits(plan.pairs, plan.world_size, rank, rows_shape[0])
@@ -165,11 +185,11 @@ def _permute(plan: Plan) -> Callable[..., torch.Tensor | None]:
             rows = rows[:0]
         if not receives:
             recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
-            dist.all_to_all_single(recv, rows, recv_splits, send_splits, group=group)
+            all_to_all(recv, rows, group, recv_splits, send_splits)
             return _nothing_received(recv, plan)
         # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
         recv = torch.empty_like(send, memory_format=_CONTIGUOUS)
-        dist.all_to_all_single(recv if shape else recv.view(rows_shape), rows, recv_splits, send_splits, group=group)
+        all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
         return recv
 
     return step
@@ -181,9 +201,13 @@ def _nothing_received(recv: torch.Tensor, plan: Plan) -> torch.Tensor | None:
     return zeros_after(recv, list(plan.recv_shape)) if torch.compiler.is_compiling() else None
 
 
-def _rooted_traceable(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+def _rooted_traceable(plan: Plan) -> Step:
     """A rooted collective in calls Dynamo traces, the same on every rank: broadcast as the functional
     collective, gather / reduce / scatter as one all_to_all_single with the spec's `rooted_splits`."""
+    return lambda send, group, rank, x, dtype: _traced(plan, send, group, rank, x, dtype)
+
+
+def _traced(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     kind, root = plan.collective, global_rank(group, plan.root)
     if kind is Collective.BROADCAST:
         return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
@@ -199,7 +223,7 @@ def _rooted_traceable(plan: Plan, send, group: Group, rank: int, x: torch.Tensor
     return blocks.view(plan.recv_shape) if kind is Collective.GATHER else _LOCAL_REDUCE[plan.reduce_op](blocks)
 
 
-_ROOTED_STEPS: dict[Collective, Callable[..., torch.Tensor | None]] = {
+_ROOTED_STEPS: dict[Collective, Callable[[Plan], Step]] = {
     Collective.REDUCE: _reduce,
     Collective.BROADCAST: _broadcast,
     Collective.GATHER: _gather,
@@ -247,7 +271,7 @@ def _make_walk(plan: Plan, compiling: bool, carried: bool = False, resolved: boo
         return local(plan)
     accum = None if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
     if plan.collective in _UNROOTED:
-        return _unrooted(plan, accum)
+        return _unrooted(plan, accum, compiling)
     return _rooted_or_permute(plan, accum, compiling)
 
 
@@ -304,18 +328,20 @@ def _finisher(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> 
     return viewed
 
 
-def _unrooted(plan: Plan, accum: torch.dtype | None) -> Walk:
+def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     """all_reduce (in place), all_to_all, all_gather and reduce_scatter (c10d's dim-0 forms: x itself along
     dim 0 ([n, ...] <-> [W * n, ...]), else flat buffers)."""
     kind, world_size = plan.collective, plan.world_size
     packed = accum is not None or not plan.pack.keeps_order  # a pass into send_shape, else x's own layout
     op = _C10D_REDUCE.get(plan.reduce_op)  # type: ignore[arg-type]
+    complex_ = dtypes.is_complex(plan.dtype)
     if kind is _ALL_REDUCE:
         send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
+        reduce = _c10d.all_reduce(op, complex_, compiling)  # type: ignore[arg-type]
 
         def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
             buffer = send(x)
-            dist.all_reduce(buffer, op=op, group=group)
+            reduce(buffer, group)
             return finish(buffer, x)
 
         return all_reduce
@@ -323,11 +349,12 @@ def _unrooted(plan: Plan, accum: torch.dtype | None) -> Walk:
         shape = _a2a_buffers(plan, packed, accum)
         send, finish = _sender(plan, accum, shape or plan.send_shape), _finisher(plan, accum, shape or plan.recv_shape)
         recv_shape = shape or plan.recv_shape
+        exchange = _c10d.all_to_all(complex_, compiling)
 
         def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
             buffer = send(x)
             recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
-            dist.all_to_all_single(recv, buffer, group=group)
+            exchange(recv, buffer, group)
             del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
             return finish(recv, x)
 
@@ -340,14 +367,13 @@ def _unrooted(plan: Plan, accum: torch.dtype | None) -> Walk:
     else:
         send_shape, recv_shape = (numel,), (numel * world_size if gathers else numel // world_size,)
     send, finish = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
+    collective = (_c10d.all_gather(complex_, compiling) if gathers
+                  else _c10d.reduce_scatter(op, complex_, compiling))  # type: ignore[arg-type]
 
     def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
         buffer = send(x)
         recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
-        if gathers:
-            all_gather_single(recv, buffer, group=group)
-        else:
-            _reduce_scatter_single(recv, buffer, op=op, group=group)
+        collective(recv, buffer, group)
         del buffer
         return finish(recv, x)
 
@@ -371,14 +397,17 @@ def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
     the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring)."""
     kind, root, out_shape = plan.collective, plan.root, plan.out_shape
-    step = _permute(plan) if kind is Collective.PERMUTE else (_rooted_traceable if compiling else _ROOTED_STEPS[kind])
+    if kind is Collective.PERMUTE:
+        step = _permute(plan, compiling)
+    else:
+        step = _rooted_traceable(plan) if compiling else _ROOTED_STEPS[kind](plan)
     receives_only = kind in _RECEIVE_ONLY and not compiling  # non-roots' input is never read: no pack pass
     send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.recv_shape)
 
     def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
         rank = group_rank(group)
         buffer = None if receives_only and rank != root else send(x)
-        recv = step(plan, buffer, group, rank, x, x.dtype if accum is None else accum)
+        recv = step(buffer, group, rank, x, x.dtype if accum is None else accum)
         del buffer
         return x.new_zeros(out_shape) if recv is None else finish(recv, x)
 

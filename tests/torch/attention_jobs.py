@@ -10,12 +10,12 @@ import torch.distributed as dist
 
 from commlib import CommError
 from commlib.tools import cases
-from commlib_torch import _walk
+from commlib_torch import _c10d
 from commlib_torch.attention import ulysses_attention
 
-#: The c10d calls a commlib collective can make (torch.distributed's and the names _walk bound at import).
+#: The c10d calls a commlib collective can make (torch.distributed's and the names _c10d bound at import).
 _COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "reduce", "gather", "scatter", "send", "recv")
-_BOUND = ("all_gather_single", "_reduce_scatter_single")
+_BOUND = ("all_gather_single", "reduce_scatter_single")
 
 
 @contextlib.contextmanager
@@ -37,7 +37,9 @@ def _counting(calls: list):
     for name in _COLLECTIVES:
         wrap(dist, name)
     for name in _BOUND:
-        wrap(_walk, name)
+        wrap(_c10d, name)
+    saved[_c10d, "_direct"] = _c10d._direct
+    _c10d._direct = lambda group, tensor: None  # every call through torch.distributed's functions, counted there
     try:
         yield
     finally:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import commlib_torch
 from commlib.errors import CommError
 from commlib.tools import cases
-from commlib_torch import DeviceCommunicator
+from commlib_torch import DeviceCommunicator, _c10d
 from commlib_torch.tools.parity_jobs import _tensor, run_case
 from commlib_torch.tools.pool import WorkerContext
 
@@ -110,17 +110,17 @@ def communicator_over_device_group(ctx: WorkerContext, members):
     if ctx.rank not in members:
         return None
     comm = DeviceCommunicator(cpu_group, device_group=device_group)
-    seen, all_reduce = [], dist.all_reduce
+    seen, direct = [], _c10d._direct  # every c10d call of a walk asks _direct which process group to call
 
-    def recording(*args, group=None, **kwargs):
+    def recording(group, tensor):
         seen.append(group)
-        return all_reduce(*args, group=group, **kwargs)
+        return direct(group, tensor)
 
-    dist.all_reduce = recording
+    _c10d._direct = recording
     try:
         out = comm.all_reduce(torch.tensor([float(ctx.rank)]))
     finally:
-        dist.all_reduce = all_reduce
+        _c10d._direct = direct
     return seen == [device_group] and comm.device_group is device_group, out.item()
 
 

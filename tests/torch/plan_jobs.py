@@ -15,7 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import commlib_torch
 
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
+#: Where the c10d calls are made: torch.distributed's functions and commlib's calls of the process group's own
+#: methods (whose ``work.wait()`` runs, for example, gloo's copy of a reduce_scatter's chunk).
+_DISTRIBUTED = (os.path.join("torch", "distributed", ""), os.path.join("commlib_torch", "_c10d.py"))
 
 #: aten ops that read a tensor into new memory (one local pass each).
 COPIES = frozenset({"copy_", "clone", "_to_copy", "cat", "stack", "contiguous", "index_select", "gather",
@@ -53,7 +55,7 @@ _VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "
 def _inside_torch_distributed() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if _DISTRIBUTED in frame.f_code.co_filename:
+        if any(place in frame.f_code.co_filename for place in _DISTRIBUTED):
             return True
         frame = frame.f_back
     return False

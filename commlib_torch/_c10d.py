@@ -1,0 +1,173 @@
+"""The c10d calls of the eager walks: the process group's own methods, their options made once per walk.
+
+``torch.distributed``'s functions (``all_reduce``, ``broadcast``, ...) wrap the process group's methods: per
+call they check their arguments, look up the default group, turn a global root into the group's, build an
+options struct and pass through two logging decorators. That is 2.2-2.9 us of host time per call on the fake
+group (``benchmarks/c10d_calls.py``: torch 2.13, the 2-core VM), as much as the rest of an eager walk. A
+walk's plan fixes the reduce op and the root, so here the options are made once, with the walk, and a call is
+the method and ``work.wait()`` -- what the wrappers do for a synchronous call (``asyncOp = False``, so NCCL
+runs on the current stream).
+
+What the wrappers do that these calls leave out, and why that is safe:
+
+- argument checks, a rank outside the group: the spec validated the call before anything is sent;
+- complex tensors: sent as their real views (``torch.view_as_real``), as the wrappers send them;
+- ``__torch_function__`` (a tensor subclass, a torch function mode such as non-strict export's), a group that
+  is not a plain ``ProcessGroup``, no default group: the call goes to the wrapper, which handles it;
+- the coalescing context (``torch.distributed._coalescing_manager``, private): not honoured.
+
+Under torch.compile the walks call the wrappers (``compiling=True``), which Dynamo maps to functional
+collectives. gather and scatter always go through the wrappers, whose list handling changes between torch
+releases (2.13 passes other lists to its torchcomms backend); so does the exact walk of uneven sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from commlib_torch._groups import default_group, global_rank
+
+__all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "reduce", "reduce_scatter",
+           "reduce_scatter_single"]
+
+Group = dist.ProcessGroup | None
+Buffers = Callable[..., None]  # (tensors..., group) -> None, the collective done
+
+_PG = dist.ProcessGroup
+# torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
+#: torch.distributed's dim-0 all_gather and reduce_scatter, by their names in this torch.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_pg_all_to_all = getattr(_PG, "all_to_all_single", None) or _PG.alltoall_base
+_pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+_pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+_has_torch_function = torch._C._has_torch_function_unary
+_as_real = torch.view_as_real
+
+
+def _options(kind: type, **fields: object) -> object:
+    """An options struct for a synchronous call, made once per walk."""
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
+
+
+def _direct(group: Group, tensor: torch.Tensor) -> dist.ProcessGroup | None:
+    """The process group whose method takes this call; None where the wrapper must (module docstring)."""
+    process_group = default_group() if group is None else group
+    if type(process_group) is not _PG or _has_torch_function(tensor):
+        return None
+    return process_group
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    return _as_real(tensor) if tensor.is_complex() else tensor
+
+
+def all_reduce(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+    """``(buffer, group)``: buffer <- the reduction over the group, in place."""
+    if compiling:
+        return lambda buffer, group: dist.all_reduce(buffer, op=op, group=group)
+    options = _options(dist.AllreduceOptions, reduceOp=op)
+
+    def call(buffer: torch.Tensor, group: Group) -> None:
+        process_group = _direct(group, buffer)
+        if process_group is None:
+            dist.all_reduce(buffer, op=op, group=group)
+        else:
+            process_group.allreduce([_real(buffer) if complex_ else buffer], options).wait()
+
+    return call
+
+
+def all_to_all(complex_: bool, compiling: bool) -> Buffers:
+    """``(recv, send, group, recv_splits=(), send_splits=())``: dim-0 blocks of send to each rank, in rank
+    order, into recv (empty splits: W equal blocks)."""
+    if compiling:
+        return lambda recv, send, group, recv_splits=None, send_splits=None: dist.all_to_all_single(
+            recv, send, recv_splits, send_splits, group=group)
+    options = _options(dist.AllToAllOptions)
+
+    def call(recv: torch.Tensor, send: torch.Tensor, group: Group, recv_splits: Sequence[int] = (),
+             send_splits: Sequence[int] = ()) -> None:
+        process_group = _direct(group, send)
+        if process_group is None:
+            dist.all_to_all_single(recv, send, recv_splits or None, send_splits or None, group=group)
+        elif complex_:
+            _pg_all_to_all(process_group, _real(recv), _real(send), recv_splits, send_splits, options).wait()
+        else:
+            _pg_all_to_all(process_group, recv, send, recv_splits, send_splits, options).wait()
+
+    return call
+
+
+def all_gather(complex_: bool, compiling: bool) -> Buffers:
+    """``(recv, send, group)``: recv <- every rank's send, concatenated along dim 0 in rank order."""
+    if compiling:
+        return lambda recv, send, group: all_gather_single(recv, send, group=group)
+    options = _options(c10d.AllgatherOptions)
+
+    def call(recv: torch.Tensor, send: torch.Tensor, group: Group) -> None:
+        process_group = _direct(group, send)
+        if process_group is None:
+            all_gather_single(recv, send, group=group)
+        elif complex_:
+            _pg_all_gather(process_group, _real(recv), _real(send), options).wait()
+        else:
+            _pg_all_gather(process_group, recv, send, options).wait()
+
+    return call
+
+
+def reduce_scatter(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+    """``(recv, send, group)``: recv <- this rank's dim-0 block of the reduction of every rank's send."""
+    if compiling:
+        return lambda recv, send, group: reduce_scatter_single(recv, send, op=op, group=group)
+    options = _options(dist.ReduceScatterOptions, reduceOp=op)
+
+    def call(recv: torch.Tensor, send: torch.Tensor, group: Group) -> None:
+        process_group = _direct(group, send)
+        if process_group is None:
+            reduce_scatter_single(recv, send, op=op, group=group)
+        elif complex_:
+            _pg_reduce_scatter(process_group, _real(recv), _real(send), options).wait()
+        else:
+            _pg_reduce_scatter(process_group, recv, send, options).wait()
+
+    return call
+
+
+def broadcast(root: int, complex_: bool) -> Buffers:
+    """``(buffer, group)``: buffer <- group rank `root`'s buffer, in place (eager only)."""
+    options = _options(dist.BroadcastOptions, rootRank=root, rootTensor=0)
+
+    def call(buffer: torch.Tensor, group: Group) -> None:
+        process_group = _direct(group, buffer)
+        if process_group is None:
+            dist.broadcast(buffer, src=global_rank(group, root), group=group)
+        else:
+            process_group.broadcast([_real(buffer) if complex_ else buffer], options).wait()
+
+    return call
+
+
+def reduce(root: int, op: dist.ReduceOp, complex_: bool) -> Buffers:
+    """``(buffer, group)``: on group rank `root`, buffer <- the reduction over the group, in place; the other
+    ranks' buffers are left undefined (eager only)."""
+    options = _options(dist.ReduceOptions, reduceOp=op, rootRank=root, rootTensor=0)
+
+    def call(buffer: torch.Tensor, group: Group) -> None:
+        process_group = _direct(group, buffer)
+        if process_group is None:
+            dist.reduce(buffer, dst=global_rank(group, root), op=op, group=group)
+        else:
+            process_group.reduce([_real(buffer) if complex_ else buffer], options).wait()
+
+    return call
