@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
-from commlib_torch import DeviceCommunicator
+from commlib_torch import DeviceCommunicator, _c10d
 
 NAN = float("nan")
 
@@ -193,3 +193,56 @@ def complex_gather_scatter(ctx, dtype: str):
     scattered = commlib_torch.scatter(x, 1, 0)
     scattered.backward(torch.ones_like(scattered))
     return _numpy(gathered), _numpy(grad_gather), _numpy(scattered), _numpy(x.grad)
+
+
+def _forward_backward(call, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, input gradient for a cotangent of ones)."""
+    x = x.detach().requires_grad_()
+    out = call(x)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    return out.detach(), grad
+
+
+def direct_against_wrappers(ctx, dtype: str) -> dict[str, object]:
+    """{op: whether output and input gradient are the same through the process group's methods (the walks'
+    eager calls, `commlib_torch._c10d`) and through torch.distributed's functions (forced), or the error}."""
+    x = ((torch.arange(8.0).reshape(4, 2) + 10 * ctx.rank) * (1 + 2j if "complex" in dtype else 1)).to(
+        getattr(torch, dtype))
+    found: dict[str, object] = {}
+    direct = _c10d._direct
+    for name, call in LAZY_VIEW_CALLS.items():
+        try:
+            mine = _forward_backward(call, x)
+            _c10d._direct = lambda group, tensor: None
+            try:
+                theirs = _forward_backward(call, x)
+            finally:
+                _c10d._direct = direct
+            found[name] = all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+        except RuntimeError as error:
+            found[name] = f"RuntimeError: {str(error).splitlines()[0]}"
+    return found
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def under_function_mode(ctx) -> tuple[bool, list[str]]:
+    """all_reduce of rank + [0, 1, 2] inside a torch function mode: (the sum is right, the torch.distributed
+    functions called): a mode (non-strict export's, for one) sees the call through the wrapper."""
+    called, wrapped = [], dist.all_reduce
+
+    def recording(*args, **kwargs):
+        called.append("all_reduce")
+        return wrapped(*args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        with _PassThrough():
+            out = commlib_torch.all_reduce(torch.arange(3.0) + ctx.rank)
+    finally:
+        dist.all_reduce = wrapped
+    expected = sum(torch.arange(3.0) + rank for rank in range(ctx.world_size))
+    return torch.equal(out, expected), called

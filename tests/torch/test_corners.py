@@ -171,3 +171,19 @@ def test_complex_gather_and_scatter(pool, dtype):
         np.testing.assert_array_equal(grad_gather, np.ones((2, 2)))  # scatter of the root's ones
         np.testing.assert_array_equal(scattered, xs[1][rank:rank + 1])
         np.testing.assert_array_equal(grad_scatter, np.ones((2, 2)) if rank == 1 else np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex64"])
+def test_process_group_methods_match_torch_distributed(pool, dtype):
+    """The eager walks call the process group's own methods (`commlib_torch._c10d`): every op's output and
+    gradient are those of the same walk through torch.distributed's functions, real and complex."""
+    for found in pool(2).run(corner_jobs.direct_against_wrappers, dtype):
+        assert found == dict.fromkeys(corner_jobs.LAZY_VIEW_CALLS, True)
+
+
+def test_torch_function_modes_see_the_collective(pool):
+    """Inside a torch function mode the c10d call goes through torch.distributed's function (which dispatches
+    to the mode) and the result is unchanged."""
+    for right, called in pool(2).run(corner_jobs.under_function_mode):
+        assert right
+        assert called == ["all_reduce"]
