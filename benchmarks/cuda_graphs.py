@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 _SETTINGS = ("fake", "nccl", "gloo", "compile")
-_LIMITS = {"fake": 150.0, "nccl": 60.0, "gloo": 90.0, "compile": 90.0}  # seconds per setting's process
+_LIMITS = {"fake": 140.0, "nccl": 50.0, "gloo": 70.0, "compile": 80.0}  # seconds per setting's process
 _DEVICE = "cuda"  # "cpu" with --dry-run
 _ROWS: Path | None = None  # a setting's process appends each row here as soon as it has it
 
