@@ -389,7 +389,7 @@ class Plan:
     is_exact: bool = dataclasses.field(init=False, repr=False, compare=False)
     is_empty: bool = dataclasses.field(init=False, repr=False, compare=False)
     copies: int = dataclasses.field(init=False, repr=False, compare=False)
-    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shared_in_shape(self) -> Shape:
@@ -406,11 +406,16 @@ class Plan:
         uneven = self.scatter_sizes is not None or self.gather_sizes is not None
         _derived(self, is_trivial=trivial, is_uneven=uneven, is_exact=uneven and self.rank is not None,
                  is_empty=0 in self.shared_in_shape,
-                 copies=int(not self.pack.is_identity) + int(not self.unpack.is_identity),
-                 _hash=hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.compare)))
+                 copies=int(not self.pack.is_identity) + int(not self.unpack.is_identity))
 
-    def __hash__(self) -> int:  # plans key the VJP-plan and fingerprint caches: hashed per call, computed once
-        return self._hash
+    def __hash__(self) -> int:  # plans key the VJP-plan, fingerprint and walk caches: hashed per call, computed
+        # once, on the first call (not when built: torch 2.11's Dynamo cannot trace hash() of a tuple, and it
+        # traces the builders; nothing it traces hashes a plan)
+        value = self._hash
+        if value is None:
+            value = hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.compare))
+            object.__setattr__(self, "_hash", value)
+        return value
 
     def __reduce__(self) -> tuple:  # rebuilt, not copied: str hashes differ between processes
         return self.__class__, tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.init)

@@ -44,7 +44,8 @@ def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not isinstance(mesh, DeviceMesh):
         raise plans.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
-    return mesh.get_group(plans.mesh_dim(op_name, tuple(mesh.shape), mesh.mesh_dim_names, dim))
+    shape = tuple(mesh.size(axis) for axis in range(mesh.ndim))  # (torch 2.11's Dynamo traces size, not shape)
+    return mesh.get_group(plans.mesh_dim(op_name, shape, mesh.mesh_dim_names, dim))
 
 
 def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:

@@ -239,9 +239,13 @@ Pass = Callable[[torch.Tensor], torch.Tensor]
 
 def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     """Output of `plan` on this rank for input `x` (any strides), in x's dtype: ``walk(plan)(x, group)``.
-    Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache."""
+    Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache, and
+    its output is a view of the walk's."""
     if torch.compiler.is_compiling():
-        return _make_walk(plan, compiling=True)(x, group)
+        out = _make_walk(plan, compiling=True)(x, group)
+        # a view: torch 2.11's Dynamo drops the gradient of an autograd.Function output that a traced in-place
+        # collective wrote (the backward graph reads zeros); free in the compiled graph
+        return out.view_as(out)
     return walk(plan)(x, group)
 
 

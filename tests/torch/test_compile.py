@@ -1,7 +1,9 @@
 """Every autograd Function stays traceable by torch.compile(fullgraph=True) and gives the eager result."""
 
 import pytest
+import torch
 
+from commlib_torch.tools.pool import WorkerError
 from tests.torch import compile_jobs
 
 
@@ -20,7 +22,15 @@ def test_rooted_ops_compile_on_three_ranks(pool, backend):
     assert all(breaks == 0 and out < 1e-6 and grad < 1e-6 for breaks, out, grad in per_rank), per_rank
 
 
-@pytest.mark.parametrize(("backend", "group_kind"), [("aot_eager", "mesh dims"), ("inductor", "process groups")])
+# torch 2.11's Inductor fails in its own CPU flash-attention backward on float64 ("expected scalar type Double but
+# found Float", pytorch/pytorch#185539; aot_eager gives the eager values there)
+_INDUCTOR_SDPA_FLOAT64 = pytest.mark.xfail(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13),
+                                           reason="pytorch/pytorch#185539", raises=WorkerError, strict=False)
+
+
+@pytest.mark.parametrize(("backend", "group_kind"), [("aot_eager", "mesh dims"),
+                                                     pytest.param("inductor", "process groups",
+                                                                  marks=_INDUCTOR_SDPA_FLOAT64)])
 def test_training_block_compiles_whole(pool, backend, group_kind):
     """The training block's forward and backward (RMSNorm, Ulysses attention over SP, Megatron f/g over TP) on a
     2 x 2 mesh: one graph, no break, the eager losses and gradients over three SGD steps (float64)."""
