@@ -68,6 +68,10 @@ _LOCAL_REDUCE = {
 
 Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
+# torch 2.11's Dynamo drops the gradient of an autograd.Function output that a traced in-place collective wrote
+# (the backward graph reduces zeros): before 2.13 the compiled walk returns a copy of its output. (A view would
+# carry the gradient too, but a view made inside a Function cannot be modified in place.) 2.13 traces it right.
+_COPY_COMPILED_OUTPUT = torch.__version__ < (2, 13)
 # Enum members read once (a member read through its class costs ~0.15 us):
 _ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
 _UNROOTED = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked by `_unrooted`
@@ -213,10 +217,13 @@ def _traced(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: t
         return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
     block = math.prod(plan.recv_shape if kind is Collective.SCATTER else plan.send_shape)
     send_splits, recv_splits = rooted_splits(kind, plan.root, plan.world_size, rank, block)
+    sent = send.reshape(-1)[: sum(send_splits)]
+    if kind is Collective.SCATTER:  # received in the output itself (a view of it would not take in-place changes)
+        out = x.new_empty(plan.recv_shape, dtype=dtype)
+        dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
+        return out
     recv = x.new_empty((sum(recv_splits),), dtype=dtype)
-    dist.all_to_all_single(recv, send.reshape(-1)[: sum(send_splits)], recv_splits, send_splits, group=group)
-    if kind is Collective.SCATTER:
-        return recv.view(plan.recv_shape)
+    dist.all_to_all_single(recv, sent, recv_splits, send_splits, group=group)
     if rank != plan.root:
         return _nothing_received(recv, plan)
     blocks = recv.view(plan.world_size, *plan.send_shape)
@@ -239,13 +246,11 @@ Pass = Callable[[torch.Tensor], torch.Tensor]
 
 def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     """Output of `plan` on this rank for input `x` (any strides), in x's dtype: ``walk(plan)(x, group)``.
-    Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache, and
-    its output is a view of the walk's."""
+    Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache
+    (before torch 2.13 its output is copied once more: `_COPY_COMPILED_OUTPUT`)."""
     if torch.compiler.is_compiling():
         out = _make_walk(plan, compiling=True)(x, group)
-        # a view: torch 2.11's Dynamo drops the gradient of an autograd.Function output that a traced in-place
-        # collective wrote (the backward graph reads zeros); free in the compiled graph
-        return out.view_as(out)
+        return out.clone() if _COPY_COMPILED_OUTPUT else out
     return walk(plan)(x, group)
 
 

@@ -59,6 +59,27 @@ def eager_vs_compiled(context, name: str, backend: str):
     return float((out - out_c).abs().max()), float((grad - grad_c).abs().max())
 
 
+#: Ops whose output eager autograd lets one modify in place (the others return a view made inside the Function,
+#: or save their output for the backward, and torch refuses the in-place change there as well).
+IN_PLACE = ("all_to_all", "all_reduce", "all_reduce_product", "permute", "shard", "broadcast", "reduce", "scatter")
+
+
+def in_place_eager_vs_compiled(context, name: str, backend: str):
+    """`eager_vs_compiled` of the op followed by an in-place change of its output (inside the compiled region)."""
+    fn = OPS[name]
+
+    def changed(x):
+        out = fn(x)
+        out.mul_(2.0)
+        return out
+
+    OPS[f"{name} *= 2"] = changed
+    try:
+        return eager_vs_compiled(context, f"{name} *= 2", backend)
+    finally:
+        del OPS[f"{name} *= 2"]
+
+
 def rooted_chain(x: torch.Tensor) -> torch.Tensor:
     """Every rooted op, roots other than 0, and a rank that receives nothing from permute (W = 3)."""
     y = cl.scatter(cl.broadcast(x, 2), 1, 1)  # [2, 4W, 3] -> [2, 4, 3]

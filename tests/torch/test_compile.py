@@ -13,6 +13,14 @@ def test_fullgraph_matches_eager(pool, name):
     assert all(out == 0.0 and grad == 0.0 for out, grad in per_rank), per_rank
 
 
+@pytest.mark.parametrize("name", compile_jobs.IN_PLACE)
+def test_outputs_modified_in_place_as_eagerly(pool, name):
+    """An output eager autograd lets one modify in place can be modified in place under torch.compile too, with
+    the eager values and gradients (the compiled walk's output is not a view)."""
+    per_rank = pool(2).run(compile_jobs.in_place_eager_vs_compiled, name, "aot_eager", timeout=300)
+    assert all(out == 0.0 and grad == 0.0 for out, grad in per_rank), per_rank
+
+
 @pytest.mark.parametrize("backend", ["inductor"])  # aot_eager: every rooted op above
 def test_rooted_ops_compile_on_three_ranks(pool, backend):
     """broadcast, scatter, gather (and reduce, broadcast's backward) with roots other than 0 and a permute that
