@@ -2,7 +2,7 @@
 
 ``torch.distributed``'s functions (``all_reduce``, ``broadcast``, ...) wrap the process group's methods: per
 call they check their arguments, look up the default group, turn a global root into the group's, build an
-options struct and pass through two logging decorators. That is 2.2-2.9 us of host time per call on the fake
+options struct and pass through two logging decorators. That is 2.4-3.2 us of host time per call on the fake
 group (``benchmarks/c10d_calls.py``: torch 2.13, the 2-core VM), as much as the rest of an eager walk. A
 walk's plan fixes the reduce op and the root, so here the options are made once, with the walk, and a call is
 the method and ``work.wait()`` -- what the wrappers do for a synchronous call (``asyncOp = False``, so NCCL
