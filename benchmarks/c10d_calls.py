@@ -18,6 +18,8 @@ from tabulate import tabulate
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from commlib_torch._c10d import _options, _pg_all_gather, _pg_all_to_all, all_gather_single
+
 
 def _us_per_call(call, calls: int) -> float:
     for _ in range(500):
@@ -31,13 +33,6 @@ def _us_per_call(call, calls: int) -> float:
     return best
 
 
-def _options(kind, **fields):
-    options = kind()
-    for name, value in {**fields, "asyncOp": False}.items():
-        setattr(options, name, value)
-    return options
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
@@ -45,10 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     group = c10d._get_default_group()
     x, out, gathered = torch.randn(256), torch.empty(256), torch.empty(1024)
-    pg = dist.ProcessGroup
-    all_to_all = getattr(pg, "all_to_all_single", None) or pg.alltoall_base
-    all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base
-    all_gather_function = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_op = dist.ReduceOp.SUM
     all_reduce_options = _options(dist.AllreduceOptions, reduceOp=reduce_op)
     broadcast_options = _options(dist.BroadcastOptions, rootRank=0, rootTensor=0)
@@ -59,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         ("broadcast", lambda: dist.broadcast(x, 0), lambda: group.broadcast([x], broadcast_options).wait()),
         ("reduce", lambda: dist.reduce(x, 0), lambda: group.reduce([x], reduce_options).wait()),
         ("all_to_all_single", lambda: dist.all_to_all_single(out, x),
-         lambda: all_to_all(group, out, x, [], [], all_to_all_options).wait()),
-        ("all_gather (dim 0)", lambda: all_gather_function(gathered, x),
-         lambda: all_gather(group, gathered, x, all_gather_options).wait()),
+         lambda: _pg_all_to_all(group, out, x, [], [], all_to_all_options).wait()),
+        ("all_gather (dim 0)", lambda: all_gather_single(gathered, x),
+         lambda: _pg_all_gather(group, gathered, x, all_gather_options).wait()),
     ]
     table = []
     for name, function, method in rows:

@@ -31,8 +31,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from commlib_torch._groups import default_group, global_rank
 
-__all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "reduce", "reduce_scatter",
-           "reduce_scatter_single"]
+__all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
+           "reduce_scatter", "reduce_scatter_single", "scatter"]
 
 Group = dist.ProcessGroup | None
 Buffers = Callable[..., None]  # (tensors..., group) -> None, the collective done
@@ -169,5 +169,29 @@ def reduce(root: int, op: dist.ReduceOp, complex_: bool) -> Buffers:
             dist.reduce(buffer, dst=global_rank(group, root), op=op, group=group)
         else:
             process_group.reduce([_real(buffer) if complex_ else buffer], options).wait()
+
+    return call
+
+
+def gather(root: int) -> Buffers:
+    """``(send, recv or None, group)``: on group rank `root`, recv's dim-0 blocks <- every rank's send, in rank
+    order (recv None elsewhere). Always torch.distributed's gather (module docstring); complex buffers as their
+    real views (c10d's gather and scatter, unlike its other collectives, hand complex tensors to the backend as
+    they are, and gloo refuses them: "Invalid scalar type")."""
+
+    def call(send: torch.Tensor, recv: torch.Tensor | None, group: Group) -> None:
+        blocks = None if recv is None else list(_real(recv).unbind(0))
+        dist.gather(_real(send), blocks, dst=global_rank(group, root), group=group)
+
+    return call
+
+
+def scatter(root: int) -> Buffers:
+    """``(send or None, recv, group)``: recv <- block r (dim 0) of group rank `root`'s send, on rank r (send
+    None elsewhere). Always torch.distributed's scatter, complex as real views (see `gather`)."""
+
+    def call(send: torch.Tensor | None, recv: torch.Tensor, group: Group) -> None:
+        blocks = None if send is None else list(_real(send).unbind(0))
+        dist.scatter(_real(recv), blocks, src=global_rank(group, root), group=group)
 
     return call

@@ -143,27 +143,25 @@ def _broadcast(plan: Plan) -> Step:
     return step
 
 
-def _real(buffer: torch.Tensor | None) -> torch.Tensor | None:
-    """A complex buffer as its real view (c10d's gather and scatter, unlike its other collectives, pass complex
-    tensors to the backend as they are, and gloo refuses them: "Invalid scalar type")."""
-    return torch.view_as_real(buffer) if buffer is not None and buffer.is_complex() else buffer
-
-
 def _gather(plan: Plan) -> Step:
+    root, recv_shape = plan.root, plan.recv_shape
+    gather = _c10d.gather(root)
+
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-        recv = x.new_empty(plan.recv_shape, dtype=dtype) if rank == plan.root else None
-        blocks = None if recv is None else list(_real(recv).unbind(0))  # type: ignore[union-attr]
-        dist.gather(_real(send), blocks, dst=global_rank(group, plan.root), group=group)
+        recv = x.new_empty(recv_shape, dtype=dtype) if rank == root else None
+        gather(send, recv, group)
         return recv
 
     return step
 
 
 def _scatter(plan: Plan) -> Step:
+    recv_shape = plan.recv_shape
+    scatter = _c10d.scatter(plan.root)
+
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-        recv = x.new_empty(plan.recv_shape, dtype=dtype)
-        blocks = None if send is None else list(_real(send).unbind(0))
-        dist.scatter(_real(recv), blocks, src=global_rank(group, plan.root), group=group)
+        recv = x.new_empty(recv_shape, dtype=dtype)
+        scatter(send, recv, group)
         return recv
 
     return step

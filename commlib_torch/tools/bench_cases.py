@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
+from commlib_torch._c10d import all_gather_single, reduce_scatter_single
 from commlib_torch.tools.baselines import SeedAllToAll4D, seed_all_to_all_4d, ulysses_by_hand
 from commlib_torch.tools.pool import WorkerContext
 
@@ -131,11 +132,10 @@ def _all_reduce(ctx, nbytes):
 def _all_gather(ctx, nbytes):
     x = _input(ctx, (_numel(nbytes),))
     funcol = _funcol_call("all_gather_single", "all_gather_tensor")
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def raw():
         out = torch.empty(ctx.world_size * x.numel())
-        gather(out, x, group=ctx.group)
+        all_gather_single(out, x, group=ctx.group)
         return out
 
     return {"commlib": lambda: commlib_torch.all_gather(x, dim=0), "torch.distributed": raw,
@@ -146,11 +146,10 @@ def _all_gather(ctx, nbytes):
 def _reduce_scatter(ctx, nbytes):
     x = _input(ctx, (_numel(nbytes),))
     funcol = _funcol_call("reduce_scatter_single", "reduce_scatter_tensor")
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def raw():
         out = torch.empty(x.numel() // ctx.world_size)
-        scatter(out, x, group=ctx.group)
+        reduce_scatter_single(out, x, group=ctx.group)
         return out
 
     return {"commlib": lambda: commlib_torch.reduce_scatter(x, dim=0), "torch.distributed": raw,

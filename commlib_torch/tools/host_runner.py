@@ -36,14 +36,13 @@ import torch.distributed as dist
 
 import commlib_torch
 from commlib.layout import permute_splits
-from commlib_torch._walk import all_gather_single
+from commlib_torch._c10d import all_gather_single, reduce_scatter_single
 from commlib_torch.tools.baselines import ByHand, ulysses_by_hand
 
 __all__ = ["CASES", "HostCase", "init_fake", "main", "time_variants"]
 
 
 NN, BY_HAND = "torch.distributed.nn", "by hand"
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 Variants = dict[str, Callable[[], object]]
 
 
@@ -105,7 +104,7 @@ def _gather_by_hand(x: torch.Tensor) -> torch.Tensor:
 
 def _scatter_by_hand(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-    _reduce_scatter_single(out, x)
+    reduce_scatter_single(out, x)
     return out
 
 

@@ -48,9 +48,12 @@ def eager_vs_compiled(context, name: str, backend: str):
     """(max |eager - compiled| of the output, of the input gradient) for one op on this rank. The compiled call
     runs first, and the only eager call before it on other values: a compiled graph that skipped a collective
     cannot pass by reading the eager result from freed memory."""
+    return _eager_vs_compiled(context, OPS[name], backend)
+
+
+def _eager_vs_compiled(context, fn, backend: str):
     torch.manual_seed(context.rank)
     x = torch.randn(2, 4, 4 * context.world_size, 3)
-    fn = OPS[name]
     cotangent = torch.randn_like(fn(x.detach() + 1.0))
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     out_c, grad_c = _value_and_grad(compiled, x, cotangent)
@@ -73,11 +76,7 @@ def in_place_eager_vs_compiled(context, name: str, backend: str):
         out.mul_(2.0)
         return out
 
-    OPS[f"{name} *= 2"] = changed
-    try:
-        return eager_vs_compiled(context, f"{name} *= 2", backend)
-    finally:
-        del OPS[f"{name} *= 2"]
+    return _eager_vs_compiled(context, changed, backend)
 
 
 def rooted_chain(x: torch.Tensor) -> torch.Tensor:
