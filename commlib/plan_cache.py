@@ -11,8 +11,8 @@ Two caches per builder, each of at most `MAX_PLANS` plans:
   with its type, so ``dim=1.0`` or ``dim=True`` (which the builder refuses) never finds the plan of
   ``dim=1``, and ``ReduceOp.SUM`` and ``"sum"`` are two keys of equal plans. Types only tell apart what is
   at the top level, so it holds only calls whose arguments are scalars or sequences of a type registered
-  with `trust_sequence_type` (``torch.Size``: its items are always ints); it never stores a call with a
-  plain tuple, so no such call can find one.
+  with `trust_sequence_type` (``torch.Size``: its items are always ints; `Pairs`, a perm of exact-int pairs
+  that `pairs` makes of a list); it never stores a call with a plain tuple, so no such call can find one.
 - the general one, a dictionary (oldest plan first out) for the rest (a plain tuple or a list as shape, perm
   or sizes): the arguments are first made hashable (`key`: sequences become tuples, every value but an exact
   int, str or None is keyed with its type), so a ``(3.0, 5)`` shape never finds the plan of ``(3, 5)``. A
@@ -38,15 +38,17 @@ import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["MAX_PLANS", "builds", "bypass_while", "cached_plan", "clear", "clear_also", "key", "trust_sequence_type"]
+__all__ = ["MAX_PLANS", "Pairs", "builds", "bypass_while", "cached_plan", "clear", "clear_also", "key", "pairs",
+           "trust_sequence_type"]
 
 MAX_PLANS = 4096  # plans kept per builder and cache
 
 _EXACT = frozenset({int, str, type(None)})  # values keyed as themselves (no other type compares equal to them)
 _INTS = frozenset({int})  # (perm pairs)
 _PAIRS = frozenset({tuple, list})
+_TWO = frozenset({2})
 _CONTAINERS = (tuple, list, dict, set, frozenset, bytearray)  # keyed item by item, unless trusted
-_trusted: set[type] = set()  # sequence types whose items are always exact ints (see trust_sequence_type)
+_trusted: set[type] = set()  # sequence types whose items are always exact ints or pairs of them (trust_sequence_type)
 _bypass: list[Callable[[], bool]] = []  # see bypass_while
 _also_cleared: list[Callable[[], object]] = []  # see clear_also
 _caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dictionary)
@@ -64,6 +66,30 @@ def trust_sequence_type(kind: type) -> None:
     ints (torch: ``torch.Size``). Registered by a frontend when it is imported."""
     _trusted.add(kind)
     _fast_types.cache_clear()
+
+
+class Pairs(tuple):
+    """A perm whose items are all ``(src, dst)`` pairs of exact ints (made by `pairs`): a sequence the fast
+    cache trusts, as it trusts ``torch.Size``."""
+
+    __slots__ = ()
+
+
+_trusted.add(Pairs)
+
+def pairs(perm: object) -> object:
+    """`perm` (a list or tuple of pairs) as `Pairs` where every item is a pair of exact ints, so a permute call
+    finds its plan in the fast cache (keying a list of pairs in the general cache costs ~2.5 us); anything else
+    as it is, for the general cache to key and the builder to judge. A frontend calls it on the user's perm."""
+    if type(perm) not in _PAIRS:
+        return perm
+    try:
+        items = tuple(map(tuple, perm))
+    except TypeError:  # an item that is no sequence
+        return perm
+    if _INTS.issuperset(map(type, itertools.chain.from_iterable(items))) and _TWO.issuperset(map(len, items)):
+        return Pairs(items)
+    return perm
 
 
 def bypass_while(predicate: Callable[[], bool]) -> None:

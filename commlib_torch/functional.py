@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from commlib import plans
+from commlib import plan_cache, plans
 from commlib_torch._groups import Group
 from commlib_torch._op import ProcessGroup, apply, at_boundary, operand
 from commlib_torch._walk import dtype_name, group_rank, run
@@ -216,7 +216,7 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
     x, group, size, dtype, carries = operand("permute", x, group)
-    return apply(plans.permute(x.shape, size, perm, dtype=dtype, carried=carries), x, group)
+    return apply(plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, carried=carries), x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:

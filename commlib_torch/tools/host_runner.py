@@ -234,7 +234,7 @@ def _permute(world_size: int) -> Variants:
 def _sum_grad(world_size: int) -> Variants:
     x = _input(256)
     return {"commlib": lambda: commlib_torch.sum_grad(x),
-            BY_HAND: _by_hand(x, lambda source: source.view_as(source), _all_reduce_by_hand)}
+            BY_HAND: _by_hand(x, lambda source: source, _all_reduce_by_hand)}  # Megatron's f returns x itself
 
 
 @_case("shard (dim 0)")
@@ -242,7 +242,7 @@ def _shard(world_size: int) -> Variants:
     x = _input(8 * world_size, 32)
 
     def slice_by_hand(source: torch.Tensor) -> torch.Tensor:  # this process is rank 0: block 0, a fresh tensor
-        return source.narrow(0, 0, source.shape[0] // world_size).clone()
+        return source[:source.shape[0] // world_size].clone()
 
     return {"commlib": lambda: commlib_torch.shard(x, 0), BY_HAND: _by_hand(x, slice_by_hand, _gather_by_hand)}
 

@@ -83,20 +83,42 @@ def test_sequences_of_pairs_and_unhashable_arguments():
         plans.permute((3,), 4, [(0.0, 1)])
 
 
-def test_trusted_sequence_types_key_as_they_are():
-    class Shape(tuple):  # like torch.Size: only ever holds ints
-        pass
+class Shape(tuple):  # like torch.Size: only ever holds ints
+    pass
 
+
+@pytest.fixture
+def trusted_shape():
     plan_cache.trust_sequence_type(Shape)
-    try:
-        plan_cache.clear()
-        plan = plans.reduce_scatter(Shape((8, 3)), 4)
-        assert plans.reduce_scatter(Shape((8, 3)), 4) is plan
-        assert plan_cache.builds() == 1
-        assert plans.reduce_scatter((8, 3), 4) == plan
-    finally:
-        plan_cache._trusted.discard(Shape)
-        plan_cache._fast_types.cache_clear()
+    yield Shape
+    plan_cache._trusted.discard(Shape)
+    plan_cache._fast_types.cache_clear()
+
+
+def test_pairs_of_exact_ints_key_the_fast_cache(trusted_shape):
+    """`plan_cache.pairs` (what the frontends pass as perm) makes a list of exact-int pairs a key of the fast
+    cache; anything else is left as it is, for the general cache and the builder."""
+    plan_cache.clear()
+    fast, general = plan_cache._caches["permute"]
+    plan = plans.permute(Shape((3,)), 4, plan_cache.pairs([(0, 1), (1, 0)]))
+    assert plans.permute(Shape((3,)), 4, plan_cache.pairs([[0, 1], [1, 0]])) is plan
+    assert plans.permute(Shape((3,)), 4, plan_cache.pairs(((0, 1), (1, 0)))) is plan
+    assert fast.cache_info().hits == 2 and not general and plan_cache.builds("permute") == 1
+    assert plans.permute((3,), 4, [(0, 1), (1, 0)]) == plan  # the general cache still keys a list
+    for other in ([(True, 1)], [(0.0, 1)], [(np.int64(0), 1)], [(0, 1, 2)], [0, 1], "01", iter([(0, 1)]), None):
+        assert plan_cache.pairs(other) is other
+    with pytest.raises(TypeError, match="src must be an int, not bool"):
+        plans.permute((3,), 4, plan_cache.pairs([(True, 1)]))
+    with pytest.raises(CommError, match=r"dst \(5\) must be in \[0, 4\)"):
+        plans.permute((3,), 4, plan_cache.pairs([(0, 1), (1, 5)]))
+
+
+def test_trusted_sequence_types_key_as_they_are(trusted_shape):
+    plan_cache.clear()
+    plan = plans.reduce_scatter(Shape((8, 3)), 4)
+    assert plans.reduce_scatter(Shape((8, 3)), 4) is plan
+    assert plan_cache.builds() == 1
+    assert plans.reduce_scatter((8, 3), 4) == plan
 
 
 def test_plans_hash_once_and_pickle_as_equals():

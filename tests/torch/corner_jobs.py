@@ -246,3 +246,24 @@ def under_function_mode(ctx) -> tuple[bool, list[str]]:
         dist.all_reduce = wrapped
     expected = sum(torch.arange(3.0) + rank for rank in range(ctx.world_size))
     return torch.equal(out, expected), called
+
+
+def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
+    """A tensor kept from inside a finished ``torch.func.grad`` (a dead functorch wrapper) as all_reduce's input,
+    through commlib and through `Function.apply` itself: (the sum is right, the output requires grad, the output
+    is still a functorch wrapper) for each. `Function.apply` unwraps it first, and so must commlib."""
+    from commlib import plans
+    from commlib_torch._op import Op
+
+    def kept(x: torch.Tensor) -> torch.Tensor:
+        inside.append(x)
+        return (x * x).sum()
+
+    inside: list[torch.Tensor] = []
+    torch.func.grad(kept)(torch.arange(3.0) + ctx.rank)
+    (dead,) = inside
+    plan = plans.all_reduce(dead.shape, ctx.world_size, "sum")
+    expected = sum(torch.arange(3.0) + rank for rank in range(ctx.world_size))
+    outs = commlib_torch.all_reduce(dead), Op.apply(dead, (plan, None, None))
+    return [(torch.equal(out, expected), out.requires_grad, torch._C._functorch.is_functorch_wrapped_tensor(out))
+            for out in outs]

@@ -187,3 +187,11 @@ def test_torch_function_modes_see_the_collective(pool):
     for right, called in pool(2).run(corner_jobs.under_function_mode):
         assert right
         assert called == ["all_reduce"]
+
+
+def test_dead_transform_wrappers_are_unwrapped_as_function_apply_does(pool):
+    """commlib calls the autograd Function's C apply itself (eager, no transform active): a tensor kept from
+    inside a finished torch.func transform comes out as through `Function.apply`, unwrapped (values right, no
+    gradient, no wrapper)."""
+    for commlib_out, function_apply in pool(2).run(corner_jobs.dead_transform_wrapper):
+        assert commlib_out == function_apply == (True, False, False)
