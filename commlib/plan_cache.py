@@ -36,7 +36,7 @@ import collections
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = ["MAX_PLANS", "Pairs", "builds", "bypass_while", "cached_plan", "clear", "clear_also", "key", "pairs",
            "trust_sequence_type"]
@@ -77,6 +77,7 @@ class Pairs(tuple):
 
 _trusted.add(Pairs)
 
+
 def pairs(perm: object) -> object:
     """`perm` (a list or tuple of pairs) as `Pairs` where every item is a pair of exact ints, so a permute call
     finds its plan in the fast cache (keying a list of pairs in the general cache costs ~2.5 us); anything else
@@ -84,7 +85,7 @@ def pairs(perm: object) -> object:
     if type(perm) not in _PAIRS:
         return perm
     try:
-        items = tuple(map(tuple, perm))
+        items = tuple(map(tuple, cast(list, perm)))
     except TypeError:  # an item that is no sequence
         return perm
     if _INTS.issuperset(map(type, itertools.chain.from_iterable(items))) and _TWO.issuperset(map(len, items)):
