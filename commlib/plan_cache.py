@@ -70,9 +70,13 @@ def trust_sequence_type(kind: type) -> None:
 
 class Pairs(tuple):
     """A perm whose items are all ``(src, dst)`` pairs of exact ints (made by `pairs`): a sequence the fast
-    cache trusts, as it trusts ``torch.Size``."""
+    cache trusts, as it trusts ``torch.Size``. Its repr is that of the perm the caller gave (`received`), so an
+    error message quotes what the caller passed, as the reference's does."""
 
-    __slots__ = ()
+    received: object  # (a tuple subclass cannot have __slots__ of its own: in the instance's __dict__)
+
+    def __repr__(self) -> str:
+        return repr(self.received)
 
 
 _trusted.add(Pairs)
@@ -89,7 +93,9 @@ def pairs(perm: object) -> object:
     except TypeError:  # an item that is no sequence
         return perm
     if _INTS.issuperset(map(type, itertools.chain.from_iterable(items))) and _TWO.issuperset(map(len, items)):
-        return Pairs(items)
+        key = Pairs(items)
+        key.received = perm
+        return key
     return perm
 
 

@@ -59,8 +59,8 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
     if step.reduce:
         out = buffer.view(len(step.sizes), *step.shape).sum(0)
         return (out if scale == 1.0 else out.mul_(scale)).to(dtype)
-    if step.is_identity:
-        return buffer.view(step.shape).to(dtype)
+    if step.is_identity:  # (received into a buffer of step.shape: `run_exact`)
+        return (buffer if buffer.shape == step.shape else buffer.view(step.shape)).to(dtype)
     if torch.compiler.is_compiling() and not step.pieces():  # receives nothing: zeros made from the buffer
         return zeros_after(buffer, list(step.shape)).to(dtype)
     out = (torch.empty if step.covers else torch.zeros)(step.shape, dtype=dtype, device=buffer.device)
@@ -69,10 +69,9 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
     return out
 
 
-def _gather_pairwise(unpack: Blocks, send: torch.Tensor, group: Group, rank: int) -> torch.Tensor:
+def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: Group, rank: int) -> None:
     """The exchange of a pack that repeats the input (all_gather): `send` itself goes to every other rank and
-    each rank's block lands in the receive buffer, pairwise -- no W-fold send buffer."""
-    recv = torch.empty(unpack.numel, dtype=send.dtype, device=send.device)
+    each rank's block lands in the flat receive buffer `recv`, pairwise -- no W-fold send buffer."""
     flat, ops, offset = send.reshape(-1), [], 0
     for peer, count in enumerate(unpack.counts):
         part = recv[offset:offset + count]
@@ -86,7 +85,6 @@ def _gather_pairwise(unpack: Blocks, send: torch.Tensor, group: Group, rank: int
             ops.append(dist.P2POp(dist.irecv, part, global_rank(group, peer), group))
     for work in dist.batch_isend_irecv(ops) if ops else ():
         work.wait()
-    return recv
 
 
 def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -98,14 +96,18 @@ def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     if plan.collective in _LOCAL:
         return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype), unpack, x.dtype, plan.scale)
     rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
+    # where the unpack is identity the buffer has the output's shape and is the output (the Function's output is
+    # then no view of a tensor made inside it, and can be modified in place); the collective receives it flat
+    shaped = unpack.is_identity and not unpack.reduce
+    recv = torch.empty(unpack.shape if shaped else (unpack.numel,), dtype=buffer_dtype, device=x.device)
+    flat = recv.view(-1) if shaped else recv
     if plan.collective is Collective.ALL_GATHER and not torch.compiler.is_compiling():  # x itself to every rank
         send = x.to(buffer_dtype, memory_format=torch.contiguous_format)  # x itself when it already is
-        recv = _gather_pairwise(unpack, scaled_first(send, x, plan.scale) if first else send, group, rank)
+        _gather_pairwise(unpack, scaled_first(send, x, plan.scale) if first else send, flat, group, rank)
     else:
         send = _pack_blocks(x, pack, buffer_dtype)
         send = scaled_first(send, x, plan.scale) if first else send
-        recv = torch.empty(unpack.numel, dtype=buffer_dtype, device=x.device)
-        dist.all_to_all_single(recv, send, list(unpack.counts), list(pack.counts), group=group)
+        dist.all_to_all_single(flat, send, list(unpack.counts), list(pack.counts), group=group)
     del send
     if plan.scale != 1.0 and not first and not unpack.reduce:
         recv.mul_(plan.scale)

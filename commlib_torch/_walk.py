@@ -1,7 +1,10 @@
 """Walk a `commlib.Plan` on torch tensors: one pack pass, the dim-0 c10d collective, one unpack pass.
 
 A pass whose permutation keeps memory order is a view (no copy); a pass that must copy writes straight
-into the buffer the collective needs, casting to the accumulation dtype in the same pass. Rooted ops
+into the buffer the collective needs, casting to the accumulation dtype in the same pass. The output is a
+tensor of its own, never a view of a buffer made inside the autograd Function (autograd would refuse to
+modify it in place): where the unpack is a view the collective receives straight into the output, through a
+view of it, and a pass writes into a fresh tensor of the output's shape. Rooted ops
 (broadcast, reduce, gather, scatter) and permute give zeros on the ranks that receive nothing. The local
 steps of gradient plans (identity, slice, pad) move no data between ranks. A dtype the backend lacks travels
 as the plan's same-size `carrier` (a bit view) or its wider `accum_dtype` (a cast).
@@ -98,29 +101,32 @@ def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
 
 def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One local pass of `step` into a contiguous tensor of `shape`: a view (or `x` itself) when nothing moves,
-    else one copy into a fresh buffer, cast to `dtype` in the same pass."""
+    else one copy into a fresh tensor of `shape` itself, cast to `dtype` in the same pass. (Not a view of a
+    fresh tensor of another shape: an autograd Function's output that is a view of a tensor made inside it
+    cannot be modified in place.)"""
     if step.is_identity and x.dtype == dtype and x.is_contiguous():
         return x if x.shape == shape else x.view(shape)
-    if step.keeps_order:  # a fresh buffer (in-place collective), a cast or a non-contiguous source: one copy
-        out = x.clone(memory_format=_CONTIGUOUS) if x.dtype == dtype else x.to(dtype, memory_format=_CONTIGUOUS)
-    elif x.is_cuda:  # a Triton kernel or a wide-word copy (commlib_torch._pack), else torch's copy_
-        out = x.new_empty(step.out_shape, dtype=dtype)
-        if not _pack.copy_into(out, x, step):
-            out.copy_(x.reshape(step.view).permute(step.perm))
-    else:  # (contiguous() of a permuted view copies: it is contiguous only where nothing moves)
-        source = x.reshape(step.view).permute(step.perm)
-        out = source.contiguous() if x.dtype == dtype else source.to(dtype, memory_format=_CONTIGUOUS)
-    return out if out.shape == shape else out.view(shape)
+    source = x if step.keeps_order else x.reshape(step.view).permute(step.perm)
+    if source.shape == shape and (step.keeps_order or not x.is_cuda):  # one call: clone, to or contiguous (of a
+        # permuted view: a copy; on CUDA the permutation goes to `_pack.copy_into` below)
+        if x.dtype != dtype:
+            return source.to(dtype, memory_format=_CONTIGUOUS)
+        return source.clone(memory_format=_CONTIGUOUS) if step.keeps_order else source.contiguous()
+    out = x.new_empty(shape, dtype=dtype)
+    target = out if out.shape == source.shape else out.view(source.shape)
+    if step.keeps_order or not x.is_cuda or not _pack.copy_into(target, x, step):  # CUDA: a Triton kernel or a
+        target.copy_(source)  # wide-word copy (commlib_torch._pack), else torch's copy_
+    return out
 
 
-# ---- the rooted collectives and permute: plan -> step, a step: (packed send buffer or None, group, rank, input,
-# buffer dtype) -> the received buffer (contiguous, of the plan's recv_shape), None where this rank receives
-# nothing ---------------------------------------------------------------------------------------------------
+# ---- the rooted collectives and permute: (plan, the received buffer's shape `made`: `_finisher`) -> step, a step:
+# (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer (contiguous, of `made`,
+# which the collective receives into as a view of the plan's recv_shape), None where this rank receives nothing
 
 Step = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
 
 
-def _reduce(plan: Plan) -> Step:
+def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send buffer, of the output's shape)
     root = plan.root
     reduce = _c10d.reduce(root, _C10D_REDUCE[plan.reduce_op], dtypes.is_complex(plan.dtype))
 
@@ -131,7 +137,7 @@ def _reduce(plan: Plan) -> Step:
     return step
 
 
-def _broadcast(plan: Plan) -> Step:
+def _broadcast(plan: Plan, made: tuple[int, ...]) -> Step:  # (recv_shape is the send shape: the root's own buffer)
     root, recv_shape = plan.root, plan.recv_shape
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
@@ -143,25 +149,25 @@ def _broadcast(plan: Plan) -> Step:
     return step
 
 
-def _gather(plan: Plan) -> Step:
-    root, recv_shape = plan.root, plan.recv_shape
+def _gather(plan: Plan, made: tuple[int, ...]) -> Step:
+    root, recv_shape, viewed = plan.root, plan.recv_shape, made != plan.recv_shape
     gather = _c10d.gather(root)
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-        recv = x.new_empty(recv_shape, dtype=dtype) if rank == root else None
-        gather(send, recv, group)
+        recv = x.new_empty(made, dtype=dtype) if rank == root else None
+        gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
 
     return step
 
 
-def _scatter(plan: Plan) -> Step:
-    recv_shape = plan.recv_shape
+def _scatter(plan: Plan, made: tuple[int, ...]) -> Step:
+    recv_shape, viewed = plan.recv_shape, made != plan.recv_shape
     scatter = _c10d.scatter(plan.root)
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-        recv = x.new_empty(recv_shape, dtype=dtype)
-        scatter(send, recv, group)
+        recv = x.new_empty(made, dtype=dtype)
+        scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
 
     return step
@@ -188,7 +194,7 @@ def _permute(plan: Plan, compiling: bool) -> Step:
         if not receives:
             recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
             all_to_all(recv, rows, group, recv_splits, send_splits)
-            return _nothing_received(recv, plan)
+            return _nothing_received(recv, shape)
         # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
         recv = torch.empty_like(send, memory_format=_CONTIGUOUS)
         all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
@@ -197,19 +203,19 @@ def _permute(plan: Plan, compiling: bool) -> Step:
     return step
 
 
-def _nothing_received(recv: torch.Tensor, plan: Plan) -> torch.Tensor | None:
-    """None (the caller returns zeros) on a rank that receives nothing; under torch.compile, zeros of
-    `plan.recv_shape` computed from the empty `recv`, so the collective stays on this rank's data path."""
-    return zeros_after(recv, list(plan.recv_shape)) if torch.compiler.is_compiling() else None
+def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """None (the caller returns zeros) on a rank that receives nothing; under torch.compile, zeros of the
+    received buffer's `shape` computed from the empty `recv`, so the collective stays on this rank's data path."""
+    return zeros_after(recv, list(shape)) if torch.compiler.is_compiling() else None
 
 
-def _rooted_traceable(plan: Plan) -> Step:
+def _rooted_traceable(plan: Plan, made: tuple[int, ...]) -> Step:
     """A rooted collective in calls Dynamo traces, the same on every rank: broadcast as the functional
     collective, gather / reduce / scatter as one all_to_all_single with the spec's `rooted_splits`."""
-    return lambda send, group, rank, x, dtype: _traced(plan, send, group, rank, x, dtype)
+    return lambda send, group, rank, x, dtype: _traced(plan, made, send, group, rank, x, dtype)
 
 
-def _traced(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
     kind, root = plan.collective, global_rank(group, plan.root)
     if kind is Collective.BROADCAST:
         return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
@@ -220,15 +226,18 @@ def _traced(plan: Plan, send, group: Group, rank: int, x: torch.Tensor, dtype: t
         out = x.new_empty(plan.recv_shape, dtype=dtype)
         dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
         return out
+    if kind is Collective.GATHER and rank == plan.root:  # received in the buffer `made` (the output, or unpacked)
+        out = x.new_empty(made, dtype=dtype)
+        dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
+        return out
     recv = x.new_empty((sum(recv_splits),), dtype=dtype)
     dist.all_to_all_single(recv, sent, recv_splits, send_splits, group=group)
     if rank != plan.root:
-        return _nothing_received(recv, plan)
-    blocks = recv.view(plan.world_size, *plan.send_shape)
-    return blocks.view(plan.recv_shape) if kind is Collective.GATHER else _LOCAL_REDUCE[plan.reduce_op](blocks)
+        return _nothing_received(recv, made)
+    return _LOCAL_REDUCE[plan.reduce_op](recv.view(plan.world_size, *plan.send_shape))
 
 
-_ROOTED_STEPS: dict[Collective, Callable[[Plan], Step]] = {
+_ROOTED_STEPS: dict[Collective, Callable[[Plan, tuple[int, ...]], Step]] = {
     Collective.REDUCE: _reduce,
     Collective.BROADCAST: _broadcast,
     Collective.GATHER: _gather,
@@ -313,9 +322,12 @@ def _sender(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Pa
     return lambda x: scaled_first(pack(x), x, scale)
 
 
-def _finisher(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Callable[..., torch.Tensor]:
-    """(received buffer of `shape`, x) -> the output: the scale (where not applied first), then the unpack pass
-    (one view at most where the plan says identity)."""
+def _finisher(plan: Plan, accum: torch.dtype | None,
+              shape: tuple[int, ...]) -> tuple[Callable[..., torch.Tensor], tuple[int, ...]]:
+    """((received buffer, x) -> the output, the shape to make the received buffer in) for a collective that
+    receives a buffer of `shape`: the scale (where not applied first), then the unpack pass. Where the plan
+    says the unpack is identity the buffer is made in the output's shape and is the output (the collective
+    receives into a view of it of `shape`: the Function's output is no view, so it can be modified in place)."""
     scale = plan.scale if plan.scale != 1.0 and not plan.scale_first else None
     unpack, out_shape = plan.unpack, plan.out_shape
     if accum is not None or not unpack.is_identity:
@@ -324,15 +336,12 @@ def _finisher(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> 
                 recv.mul_(scale)
             return rearrange(recv, unpack, out_shape, x.dtype)  # type: ignore[arg-type]
 
-        return unpacked
-    reshaped = tuple(shape) != tuple(out_shape)
+        return unpacked, shape
 
-    def viewed(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if scale is not None:
-            recv.mul_(scale)
-        return recv.view(out_shape) if reshaped else recv
+    def itself(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return recv if scale is None else recv.mul_(scale)
 
-    return viewed
+    return itself, out_shape
 
 
 def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
@@ -342,8 +351,8 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     packed = accum is not None or not plan.pack.keeps_order  # a pass into send_shape, else x's own layout
     op = _C10D_REDUCE.get(plan.reduce_op)  # type: ignore[arg-type]
     complex_ = dtypes.is_complex(plan.dtype)
-    if kind is _ALL_REDUCE:
-        send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
+    if kind is _ALL_REDUCE:  # (in place: the send buffer, a clone of x's shape, is received into)
+        send, (finish, _) = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
         reduce = _c10d.all_reduce(op, complex_, compiling)  # type: ignore[arg-type]
 
         def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -354,14 +363,15 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
         return all_reduce
     if kind is _ALL_TO_ALL:  # the send buffer's dim 0 goes out in W blocks
         shape = _a2a_buffers(plan, packed, accum)
-        send, finish = _sender(plan, accum, shape or plan.send_shape), _finisher(plan, accum, shape or plan.recv_shape)
         recv_shape = shape or plan.recv_shape
+        send, (finish, made) = _sender(plan, accum, shape or plan.send_shape), _finisher(plan, accum, recv_shape)
+        viewed = made != recv_shape  # the output is received into (a view of it)
         exchange = _c10d.all_to_all(complex_, compiling)
 
         def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
             buffer = send(x)
-            recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
-            exchange(recv, buffer, group)
+            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+            exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
             del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
             return finish(recv, x)
 
@@ -373,18 +383,20 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
         send_shape, recv_shape = plan.in_shape, plan.out_shape
     else:
         send_shape, recv_shape = (numel,), (numel * world_size if gathers else numel // world_size,)
-    send, finish = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
+    send, (finish, made) = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
+    viewed = made != recv_shape
     collective = (_c10d.all_gather(complex_, compiling) if gathers
                   else _c10d.reduce_scatter(op, complex_, compiling))  # type: ignore[arg-type]
 
     def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
         buffer = send(x)
-        recv = x.new_empty(recv_shape) if accum is None else x.new_empty(recv_shape, dtype=accum)
-        collective(recv, buffer, group)
+        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+        collective(recv.view(recv_shape) if viewed else recv, buffer, group)
         del buffer
         return finish(recv, x)
 
     return gather_or_scatter
+
 
 
 def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[int, ...] | None:
@@ -404,12 +416,12 @@ def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
     the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring)."""
     kind, root, out_shape = plan.collective, plan.root, plan.out_shape
-    if kind is Collective.PERMUTE:
+    send, (finish, made) = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.recv_shape)
+    if kind is Collective.PERMUTE:  # (its buffers have the plan's shape)
         step = _permute(plan, compiling)
     else:
-        step = _rooted_traceable(plan) if compiling else _ROOTED_STEPS[kind](plan)
+        step = (_rooted_traceable if compiling else _ROOTED_STEPS[kind])(plan, made)
     receives_only = kind in _RECEIVE_ONLY and not compiling  # non-roots' input is never read: no pack pass
-    send, finish = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.recv_shape)
 
     def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
         rank = group_rank(group)

@@ -62,9 +62,21 @@ def _eager_vs_compiled(context, fn, backend: str):
     return float((out - out_c).abs().max()), float((grad - grad_c).abs().max())
 
 
-#: Ops whose output eager autograd lets one modify in place (the others return a view made inside the Function,
-#: or save their output for the backward, and torch refuses the in-place change there as well).
-IN_PLACE = ("all_to_all", "all_reduce", "all_reduce_product", "permute", "shard", "broadcast", "reduce", "scatter")
+#: Ops whose output one may modify in place: all but sum_grad (its output is x itself, as Megatron's f returns
+#: it: autograd refuses an in-place change of an input a Function returns) and max (its backward reads its
+#: output: autograd refuses the backward after the change), eagerly and under torch.compile.
+IN_PLACE = tuple(name for name in OPS if name not in ("sum_grad", "all_reduce_max"))
+
+
+def in_place_eagerly(context, name: str):
+    """(max |out' - 2 out|, max |grad' - 2 grad|) where out' is the op's output doubled in place and grad' the
+    input gradient through it, out and grad the op's own: the change is allowed and the gradient follows it."""
+    torch.manual_seed(context.rank)
+    x = torch.randn(2, 4, 4 * context.world_size, 3)
+    cotangent = torch.randn_like(OPS[name](x + 1.0))
+    out, grad = _value_and_grad(OPS[name], x, cotangent)
+    changed, grad_changed = _value_and_grad(lambda x: OPS[name](x).mul_(2.0), x, cotangent)
+    return float((changed - 2 * out).abs().max()), float((grad_changed - 2 * grad).abs().max())
 
 
 def in_place_eager_vs_compiled(context, name: str, backend: str):

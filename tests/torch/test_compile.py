@@ -13,6 +13,14 @@ def test_fullgraph_matches_eager(pool, name):
     assert all(out == 0.0 and grad == 0.0 for out, grad in per_rank), per_rank
 
 
+def test_outputs_can_be_modified_in_place(pool):
+    """Every op's output but sum_grad's and max's is a tensor of its own (no view of a buffer made inside the
+    Function, which autograd would refuse to change in place): doubled in place, it doubles the gradient."""
+    for name in compile_jobs.IN_PLACE:
+        per_rank = pool(2).run(compile_jobs.in_place_eagerly, name)
+        assert all(out == 0.0 and grad == 0.0 for out, grad in per_rank), (name, per_rank)
+
+
 @pytest.mark.parametrize("name", compile_jobs.IN_PLACE)
 def test_outputs_modified_in_place_as_eagerly(pool, name):
     """An output eager autograd lets one modify in place can be modified in place under torch.compile too, with
