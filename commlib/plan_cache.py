@@ -85,7 +85,8 @@ _trusted.add(Pairs)
 def pairs(perm: object) -> object:
     """`perm` (a list or tuple of pairs) as `Pairs` where every item is a pair of exact ints, so a permute call
     finds its plan in the fast cache (keying a list of pairs in the general cache costs ~2.5 us); anything else
-    as it is, for the general cache to key and the builder to judge. A frontend calls it on the user's perm."""
+    (a bool or a numpy int among the ranks, an array, an iterator) as it is, for the general cache to key and
+    the builder to judge. A frontend calls it on the user's perm."""
     if type(perm) not in _PAIRS:
         return perm
     try:

@@ -99,23 +99,29 @@ def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     return default if name is None else getattr(torch, name)
 
 
-def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype, *,
+              output: bool = True) -> torch.Tensor:
     """One local pass of `step` into a contiguous tensor of `shape`: a view (or `x` itself) when nothing moves,
-    else one copy into a fresh tensor of `shape` itself, cast to `dtype` in the same pass. (Not a view of a
-    fresh tensor of another shape: an autograd Function's output that is a view of a tensor made inside it
-    cannot be modified in place.)"""
+    else one copy into a fresh buffer, cast to `dtype` in the same pass. For the op's `output` the buffer is a
+    tensor of `shape` itself, not a view of one of another shape (an autograd Function's output that is a view
+    of a tensor made inside it cannot be modified in place); a send buffer may be such a view (one call less)."""
     if step.is_identity and x.dtype == dtype and x.is_contiguous():
         return x if x.shape == shape else x.view(shape)
-    source = x if step.keeps_order else x.reshape(step.view).permute(step.perm)
-    if source.shape == shape and (step.keeps_order or not x.is_cuda):  # one call: clone, to or contiguous (of a
-        # permuted view: a copy; on CUDA the permutation goes to `_pack.copy_into` below)
-        if x.dtype != dtype:
-            return source.to(dtype, memory_format=_CONTIGUOUS)
-        return source.clone(memory_format=_CONTIGUOUS) if step.keeps_order else source.contiguous()
-    out = x.new_empty(shape, dtype=dtype)
-    target = out if out.shape == source.shape else out.view(source.shape)
-    if step.keeps_order or not x.is_cuda or not _pack.copy_into(target, x, step):  # CUDA: a Triton kernel or a
-        target.copy_(source)  # wide-word copy (commlib_torch._pack), else torch's copy_
+    moves = not step.keeps_order
+    source = x.reshape(step.view).permute(step.perm) if moves else x
+    if moves and x.dtype == dtype and not x.is_cuda and not torch.compiler.is_compiling():  # one call: contiguous()
+        out = source.contiguous() if source.shape == shape else source.reshape(shape)  # or reshape() copy what
+        if out._is_view() and (output or not out.is_contiguous()):  # moves, into a tensor of its own (where x's
+            out = out.clone(memory_format=_CONTIGUOUS)  # strides made the permutation a view: a copy)
+        return out
+    if (source.shape == shape or not output) and not (moves and x.is_cuda):  # one call: clone or to
+        same = x.dtype == dtype
+        out = source.clone(memory_format=_CONTIGUOUS) if same else source.to(dtype, memory_format=_CONTIGUOUS)
+        return out if out.shape == shape else out.view(shape)
+    out = x.new_empty(shape, dtype=dtype)  # a cast into the output, or CUDA: a Triton kernel or a wide-word copy
+    target = out if out.shape == source.shape else out.view(source.shape)  # (commlib_torch._pack), else copy_
+    if not (moves and x.is_cuda and _pack.copy_into(target, x, step)):
+        target.copy_(source)
     return out
 
 
@@ -296,12 +302,12 @@ def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...]
     moves, the source itself or one view of it (when contiguous) or one clone (when the collective needs a
     fresh buffer)."""
     if dtype is not None or not step.keeps_order:
-        return lambda x: rearrange(x, step, shape, x.dtype if dtype is None else dtype)
+        return lambda x: rearrange(x, step, shape, x.dtype if dtype is None else dtype, output=False)
     reshaped = tuple(source_shape) != tuple(shape)
     if step.is_identity:
         def itself(x: torch.Tensor) -> torch.Tensor:
             if not x.is_contiguous():
-                return rearrange(x, step, shape, x.dtype)
+                return rearrange(x, step, shape, x.dtype, output=False)
             return x.view(shape) if reshaped else x
 
         return itself

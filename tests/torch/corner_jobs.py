@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import commlib_torch
-from commlib_torch import DeviceCommunicator, _c10d
+from commlib import plans
+from commlib_torch import DeviceCommunicator, _c10d, _walk
 
 NAN = float("nan")
 
@@ -252,7 +253,6 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
     """A tensor kept from inside a finished ``torch.func.grad`` (a dead functorch wrapper) as all_reduce's input,
     through commlib and through `Function.apply` itself: (the sum is right, the output requires grad, the output
     is still a functorch wrapper) for each. `Function.apply` unwraps it first, and so must commlib."""
-    from commlib import plans
     from commlib_torch._op import Op
 
     def kept(x: torch.Tensor) -> torch.Tensor:
@@ -267,3 +267,23 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
     outs = commlib_torch.all_reduce(dead), Op.apply(dead, (plan, None, None))
     return [(torch.equal(out, expected), out.requires_grad, torch._C._functorch.is_functorch_wrapped_tensor(out))
             for out in outs]
+
+
+
+def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
+    """all_to_all(x, 1, 0) of an x [A, W] whose strides are the pack's order ([W, A] in memory, so the pack's
+    permutation of it is contiguous: sent as it is, no copy), against the same x made contiguous: (the pack sent
+    x's own memory, the outputs equal, the gradients equal, the output doubled in place is twice the output)."""
+    W, A = ctx.world_size, 3
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(W, A).t().requires_grad_()  # [A, W], strides (1, A)
+    dense = x.detach().contiguous().requires_grad_()
+    plan = plans.all_to_all(x.shape, W, 1, 0)
+    packed = _walk.rearrange(x.detach(), plan.pack, plan.send_shape, x.dtype, output=False)
+    cotangent = torch.randn(A * W, 1)
+    out, expected = commlib_torch.all_to_all(x, 1, 0), commlib_torch.all_to_all(dense, 1, 0)
+    (out * cotangent).sum().backward()
+    (expected * cotangent).sum().backward()
+    doubled = commlib_torch.all_to_all(x.detach(), 1, 0).mul_(2)
+    return (packed.data_ptr() == x.data_ptr(), torch.equal(out, expected), torch.equal(x.grad, dense.grad),
+            torch.equal(doubled, 2 * expected.detach()))

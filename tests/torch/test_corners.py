@@ -195,3 +195,10 @@ def test_dead_transform_wrappers_are_unwrapped_as_function_apply_does(pool):
     gradient, no wrapper)."""
     for commlib_out, function_apply in pool(2).run(corner_jobs.dead_transform_wrapper):
         assert commlib_out == function_apply == (True, False, False)
+
+
+def test_an_input_whose_strides_undo_the_pack(pool):
+    """The pack pass of an input already in the pack's order is no copy; values and gradients are those of the
+    contiguous input, and the output is still a tensor of its own."""
+    for found in pool(2).run(corner_jobs.strides_that_undo_the_pack):
+        assert found == (True, True, True, True)
