@@ -86,13 +86,11 @@ def pairs(perm: object) -> object:
     """`perm` (a list or tuple of pairs) as `Pairs` where every item is a pair of exact ints, so a permute call
     finds its plan in the fast cache (keying a list of pairs in the general cache costs ~2.5 us); anything else
     (a bool or a numpy int among the ranks, an array, an iterator) as it is, for the general cache to key and
-    the builder to judge. A frontend calls it on the user's perm."""
-    if type(perm) not in _PAIRS:
-        return perm
-    try:
-        items = tuple(map(tuple, cast(list, perm)))
-    except TypeError:  # an item that is no sequence
-        return perm
+    the builder to judge. The torch frontend calls it on the user's perm (JAX's shapes are plain tuples, which
+    the fast cache never holds: there it would only add a step)."""
+    if type(perm) not in _PAIRS or not _PAIRS.issuperset(map(type, cast(list, perm))):  # (read an item that is
+        return perm  # an iterator, and the builder would find it empty)
+    items = tuple(map(tuple, cast(list, perm)))
     if _INTS.issuperset(map(type, itertools.chain.from_iterable(items))) and _TWO.issuperset(map(len, items)):
         key = Pairs(items)
         key.received = perm

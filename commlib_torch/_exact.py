@@ -41,16 +41,19 @@ def _(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return received.new_empty(shape)
 
 
-def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype) -> torch.Tensor:
-    """The exact layout's pack: the blocks of `x` one after another in one flat buffer (one pass), or a view."""
+def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype,
+                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The exact layout's pack: the blocks of `x` one after another in one flat buffer (one pass), or a view; a
+    buffer of `shape` (of the same size) where given: the output of a local step whose unpack is identity."""
     if step.is_identity and dtype == x.dtype and x.is_contiguous():
         return x.reshape(-1)
     if torch.compiler.is_compiling() and not step.pieces():  # sends nothing: still read from x (module docstring)
         return x.narrow(step.dim, 0, 0).reshape(-1).to(dtype)
-    out = torch.empty(step.numel, dtype=dtype, device=x.device)
-    for start, rows, offset, count, shape in step.pieces():
-        out[offset:offset + count].view(shape).copy_(x.narrow(step.dim, start, rows))
-    return out
+    buffer = torch.empty(shape or (step.numel,), dtype=dtype, device=x.device)
+    out = buffer.view(-1) if shape else buffer
+    for start, rows, offset, count, piece in step.pieces():
+        out[offset:offset + count].view(piece).copy_(x.narrow(step.dim, start, rows))
+    return buffer
 
 
 def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -94,7 +97,8 @@ def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan
     buffer_dtype = x.dtype if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
     if plan.collective in _LOCAL:
-        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype), unpack, x.dtype, plan.scale)
+        shape = unpack.shape if unpack.is_identity and not unpack.reduce else None  # (the output is no view)
+        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype, shape), unpack, x.dtype, plan.scale)
     rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
     # where the unpack is identity the buffer has the output's shape and is the output (the Function's output is
     # then no view of a tensor made inside it, and can be modified in place); the collective receives it flat

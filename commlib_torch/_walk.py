@@ -404,7 +404,6 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     return gather_or_scatter
 
 
-
 def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[int, ...] | None:
     """One shape for both buffers of an even all_to_all_single that saves a view: c10d cuts each buffer into W
     equal parts of memory along dim 0, so any shape whose dim 0 W divides carries the same blocks. The output's

@@ -223,7 +223,7 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Identity forward; backward all_reduce(sum) of the cotangent over `group` (None: WORLD): Megatron's f,
     the conjugate of ``all_reduce(..., convention="replicated")``; JAX's ``pcast(x, to="varying")``. The output
     is x itself to autograd (no copy, as Megatron's f): autograd refuses to modify it in place (RuntimeError);
-    every other op's output is a tensor of its own.
+    every other op's output is a tensor of its own at world size 2 and more (docs/ops.md, "Layout").
 
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).

@@ -105,10 +105,13 @@ def test_pairs_of_exact_ints_key_the_fast_cache(trusted_shape):
     assert plans.permute(Shape((3,)), 4, plan_cache.pairs(((0, 1), (1, 0)))) is plan
     assert fast.cache_info().hits == 2 and not general and plan_cache.builds("permute") == 1
     assert plans.permute((3,), 4, [(0, 1), (1, 0)]) == plan  # the general cache still keys a list
-    for other in ([(True, 1)], [(0.0, 1)], [(np.int64(0), 1)], [(0, 1, 2)], [0, 1], "01", iter([(0, 1)]), None):
+    for other in ([(True, 1)], [(0.0, 1)], [(np.int64(0), 1)], [(0, 1, 2)], [0, 1], "01", iter([(0, 1)]), None,
+                  [iter((0, 1))], [np.array([0, 1])]):
         assert plan_cache.pairs(other) is other
     with pytest.raises(TypeError, match="src must be an int, not bool"):
         plans.permute((3,), 4, plan_cache.pairs([(True, 1)]))
+    with pytest.raises(TypeError, match="src must be an int, not float"):  # an item that is an iterator: unread
+        plans.permute((3,), 4, plan_cache.pairs([iter((0.5, 1))]))
     with pytest.raises(CommError, match=r"dst \(5\) must be in \[0, 4\).*perm=\[\(0, 1\), \(1, 5\)\]$"):
         plans.permute((3,), 4, plan_cache.pairs([(0, 1), (1, 5)]))  # the message quotes the caller's list
 

@@ -269,7 +269,6 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
             for out in outs]
 
 
-
 def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
     """all_to_all(x, 1, 0) of an x [A, W] whose strides are the pack's order ([W, A] in memory, so the pack's
     permutation of it is contiguous: sent as it is, no copy), against the same x made contiguous: (the pack sent
@@ -287,3 +286,18 @@ def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
     doubled = commlib_torch.all_to_all(x.detach(), 1, 0).mul_(2)
     return (packed.data_ptr() == x.data_ptr(), torch.equal(out, expected), torch.equal(x.grad, dense.grad),
             torch.equal(doubled, 2 * expected.detach()))
+
+
+def local_gradient_doubled_in_place(ctx) -> tuple[bool, bool]:
+    """The input gradient of an uneven all_gather(convention="replicated") (a local step of the exact layout:
+    this rank's block of the cotangent) taken with create_graph=True, then doubled in place: (allowed and
+    twice the block, and the second derivative through it is right)."""
+    rows = 1 + 2 * ctx.rank
+    x = torch.randn(2, rows, 3, requires_grad=True)
+    out = commlib_torch.all_gather(x, 1, sizes=(1, 3), convention="replicated")
+    cotangent = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, x, cotangent * out, create_graph=True)  # d/dx <c * out, out> / 2
+    block = cotangent[:, ctx.rank: ctx.rank + rows] if ctx.rank == 0 else cotangent[:, 1:]
+    grad.mul_(2)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    return torch.allclose(grad, 2 * block * x), torch.allclose(second, 2 * block)

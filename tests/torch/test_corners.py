@@ -202,3 +202,10 @@ def test_an_input_whose_strides_undo_the_pack(pool):
     contiguous input, and the output is still a tensor of its own."""
     for found in pool(2).run(corner_jobs.strides_that_undo_the_pack):
         assert found == (True, True, True, True)
+
+
+def test_a_local_gradient_can_be_doubled_in_place(pool):
+    """A gradient the exact layout's local step makes (uneven, replicated all_gather's backward) is a tensor of
+    its own too: doubled in place under create_graph, with the right values and second derivative."""
+    for found in pool(2).run(corner_jobs.local_gradient_doubled_in_place):
+        assert found == (True, True)
