@@ -152,11 +152,12 @@ class FunctorchOp(Op):
         _save(ctx, plan, group, x, output)
 
 
-# `Op.apply` without `Function.apply`'s Python layer (~1.2 us per call): in eager mode with no torch.func
+# `Op.apply` without `Function.apply`'s Python layer (~1.1 us per call): in eager mode with no torch.func
 # transform active, `Function.apply` checks for `setup_context` (Op has none), unwraps the arguments that are
 # dead functorch wrappers and calls the C apply of `torch._C._FunctionBase`: `apply` does the same two steps on
-# the one tensor argument. (Dynamo traces `Function.apply` itself, and the transforms take `FunctorchOp`.)
-_apply_op = torch._C._FunctionBase.__dict__["apply"].__get__(None, Op)
+# the one tensor argument. (Dynamo traces `Function.apply` itself, and the transforms take `FunctorchOp`.) That
+# layer was read in torch 2.11 and 2.13; a later torch takes `Function.apply` until it is read again.
+_apply_op = torch._C._FunctionBase.__dict__["apply"].__get__(None, Op) if torch.__version__ < (2, 14) else Op.apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
