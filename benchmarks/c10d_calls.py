@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commlib_torch._c10d import _options, _pg_all_gather, _pg_all_to_all, all_gather_single
 
 
-def _us_per_call(call, calls: int) -> float:
+def us_per_call(call, calls: int) -> float:
     for _ in range(500):
         call()
     best = float("inf")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     table = []
     for name, function, method in rows:
-        function_us, method_us = _us_per_call(function, args.calls), _us_per_call(method, args.calls)
+        function_us, method_us = us_per_call(function, args.calls), us_per_call(method, args.calls)
         table.append((name, f"{function_us:.2f}", f"{method_us:.2f}", f"{function_us - method_us:+.2f}"))
     print(tabulate(table, headers=("call", "torch.distributed function (us)", "process group method (us)",
                                    "difference (us)"), tablefmt="github"))

@@ -15,27 +15,15 @@ Each row: the best of 5 tight loops of 20000 calls, in us per call.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
+from c10d_calls import us_per_call  # (this folder: the same tight loops)
 from tabulate import tabulate
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commlib import plan_cache, plans
 from commlib_torch import _walk
-
-
-def _us_per_call(call, calls: int) -> float:
-    for _ in range(500):
-        call()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 class _Itself(torch.autograd.Function):
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, before, after in rows:
         grad = torch.enable_grad() if "Function" in name else torch.no_grad()
         with grad:
-            before_us, after_us = _us_per_call(before, args.calls), _us_per_call(after, args.calls)
+            before_us, after_us = us_per_call(before, args.calls), us_per_call(after, args.calls)
         table.append((name, f"{before_us:.2f}", f"{after_us:.2f}", f"{after_us - before_us:+.2f}"))
     print(tabulate(table, headers=("piece: before -> now", "before us", "now us", "difference us")))
     print(f"torch {torch.__version__}; best of 5 loops of {args.calls} calls")
