@@ -96,13 +96,13 @@ def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     pack, unpack = plan.pack, plan.unpack
     assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan
     buffer_dtype = x.dtype if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
-    if plan.collective in _LOCAL:
-        shape = unpack.shape if unpack.is_identity and not unpack.reduce else None  # (the output is no view)
-        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype, shape), unpack, x.dtype, plan.scale)
-    rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
     # where the unpack is identity the buffer has the output's shape and is the output (the Function's output is
     # then no view of a tensor made inside it, and can be modified in place); the collective receives it flat
     shaped = unpack.is_identity and not unpack.reduce
+    if plan.collective in _LOCAL:
+        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype, unpack.shape if shaped else None), unpack, x.dtype,
+                              plan.scale)
+    rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
     recv = torch.empty(unpack.shape if shaped else (unpack.numel,), dtype=buffer_dtype, device=x.device)
     flat = recv.view(-1) if shaped else recv
     if plan.collective is Collective.ALL_GATHER and not torch.compiler.is_compiling():  # x itself to every rank

@@ -228,12 +228,8 @@ def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x:
     block = math.prod(plan.recv_shape if kind is Collective.SCATTER else plan.send_shape)
     send_splits, recv_splits = rooted_splits(kind, plan.root, plan.world_size, rank, block)
     sent = send.reshape(-1)[: sum(send_splits)]
-    if kind is Collective.SCATTER:  # received in the output itself (a view of it would not take in-place changes)
-        out = x.new_empty(plan.recv_shape, dtype=dtype)
-        dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
-        return out
-    if kind is Collective.GATHER and rank == plan.root:  # received in the buffer `made` (the output, or unpacked)
-        out = x.new_empty(made, dtype=dtype)
+    if kind is Collective.SCATTER or (kind is Collective.GATHER and rank == plan.root):  # received in the buffer
+        out = x.new_empty(made, dtype=dtype)  # `made`: the output itself where the unpack is a view
         dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
         return out
     recv = x.new_empty((sum(recv_splits),), dtype=dtype)
