@@ -24,8 +24,9 @@ from typing import Any
 
 from commlib import attention, split_sizes, training, uneven
 from commlib.layout import Plan
+from commlib.tools import progress
 
-__all__ = ["CONTEXT_BASELINE", "CONTEXT_SHAPE", "CONTEXT_SIZES_MIB", "context_rows", "context_wire",
+__all__ = ["case_names", "CONTEXT_BASELINE", "CONTEXT_SHAPE", "CONTEXT_SIZES_MIB", "context_rows", "context_wire",
            "FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
            "plot", "rows", "run", "train_step_config", "uneven_ulysses", "wire_bytes"]
 
@@ -203,8 +204,7 @@ def _run_framework(framework: str, out: Path, options: list[str], timeout: float
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                             " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                              env=env)
+        done = progress.run(command, phase=f"{framework} {runner.replace('_runner', '')}", timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return [], {}, f"timed out after {timeout:.0f} s"
     if done.returncode != 0:
@@ -212,6 +212,17 @@ def _run_framework(framework: str, out: Path, options: list[str], timeout: float
         return [], {}, f"exit {done.returncode}: " + " | ".join(tail)
     result = json.loads(out.read_text())
     return result["records"], result["versions"], ""
+
+
+def case_names(framework: str, runner: str = "bench_runner", timeout: float = 300.0) -> list[str]:
+    """The case names ``--cases`` accepts for `framework`'s `runner`, as the runner lists them
+    (``--list-cases``); raises `RuntimeError` with the end of its output when it fails."""
+    command = [sys.executable, "-m", f"commlib_{framework}.tools.{runner}", os.devnull, "--list-cases"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"{framework} {runner} exit {done.returncode}: {tail}")
+    return done.stdout.splitlines()
 
 
 def run(world_sizes=(2, 4), sizes_mib=(1, 4, 16, 64), repeats: int = 7, warmup: int = 1, frameworks=FRAMEWORKS,

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import commlib
 from commlib.tools import bench, host_bench, parity, train_parity
 
 __all__ = ["main"]
@@ -18,8 +19,11 @@ WIDTH = 120  # columns of the printed parity table
 
 
 def _positive(text: str) -> int:
-    """argparse type: an int >= 1 (a world size)."""
-    value = int(text)
+    """argparse type: an int >= 1 (a world size, a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -110,7 +114,25 @@ def _host_bench(args: argparse.Namespace) -> int:
     return 1 if facts["failures"] or not rows else 0
 
 
+def _list_cases(args: argparse.Namespace) -> int:
+    """``commlib bench --list-cases``: the names ``--cases`` accepts, per framework (asked of each runner)."""
+    runners = [("torch", "host_runner")] if args.host else [(name, "bench_runner") for name in args.frameworks]
+    status = 0
+    for framework, runner in runners:
+        try:
+            names = bench.case_names(framework, runner)
+        except (RuntimeError, OSError) as error:
+            print(f"{framework}: could not list the cases: {error}")
+            status = 1
+            continue
+        print(f"{framework} ({'--host' if args.host else 'bench'}): {len(names)} cases (quote a name with spaces)")
+        print("".join(f"  {name}\n" for name in names), end="")
+    return status
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.list_cases:
+        return _list_cases(args)
     if args.host:
         return _host_bench(args)
     settings: dict[str, Any] = {**bench.QUICK} if args.quick else {**bench.FULL}
@@ -137,19 +159,59 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if facts["failures"] or not rows else 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (their line breaks kept), every option's default shown (but None and False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if hidden or "default" in text:
+            return text
+        default = " ".join(action.default) if isinstance(action.default, list) else "%(default)s"
+        return f"{text} (default: {default})"
+
+
+PARITY = """Run the seeded case table through the numpy reference (float64, W simulated ranks), torch (W gloo
+processes) and JAX (W CPU devices: shard_map with check_vma on and off, pmap, a 2 x 2 mesh at W = 4) and
+compare every rank's output and input gradients with the reference. Prints one row per case, framework and
+mode, then a summary line; exits 0 only when every row passes. Progress goes to stderr (a bar on a terminal,
+a line every few seconds otherwise, with the time left).
+
+examples:
+  commlib parity --world-size 4
+  commlib parity --world-size 2 --frameworks torch --json parity.json
+  commlib parity --workload train"""
+
+BENCH = """Time commlib's ops against raw collectives, the seed's code and bare jax.lax on this machine's CPU (gloo,
+XLA CPU devices) and print one row per comparison (median ms, ratio to the baseline, wire MiB, the target
+where one applies). --host times the host path of one call instead (torch's fake process group). Progress goes
+to stderr. The full run takes many minutes; --quick about a minute.
+
+examples:
+  commlib bench --quick
+  commlib bench --list-cases
+  commlib bench --world-sizes 4 --sizes-mib 16 --cases "all_to_all_4d (2, 1) B=1" --json bench.json --plot bench.png
+  commlib bench --host"""
+
+
 def _add_bench(commands) -> None:
-    timing = commands.add_parser("bench", help="time commlib against raw collectives, the seed and bare jax.lax")
-    timing.add_argument("--quick", action="store_true", help=f"a short run (under a minute): {bench.QUICK}")
+    timing = commands.add_parser("bench", help="time commlib against raw collectives, the seed and bare jax.lax",
+                                 description=BENCH, formatter_class=_HelpFormatter)
+    timing.add_argument("--quick", action="store_true", help=f"a short run (about a minute): {bench.QUICK}")
     timing.add_argument("--world-sizes", type=_positive, nargs="+", help=f"default {bench.FULL['world_sizes']}")
     timing.add_argument("--sizes-mib", type=float, nargs="+", help=f"MiB per rank, default {bench.FULL['sizes_mib']}")
     timing.add_argument("--repeats", type=int, help=f"timed rounds per variant, default {bench.FULL['repeats']}")
     timing.add_argument("--warmup", type=int, help=f"untimed rounds first, default {bench.FULL['warmup']}")
-    timing.add_argument("--frameworks", nargs="+", choices=bench.FRAMEWORKS, default=list(bench.FRAMEWORKS))
-    timing.add_argument("--cases", nargs="+", help="only the cases of these names (each framework runs those it has)")
+    timing.add_argument("--frameworks", nargs="+", choices=bench.FRAMEWORKS, default=list(bench.FRAMEWORKS),
+                        help="which frontends to time (each in a subprocess of its own)")
+    timing.add_argument("--cases", nargs="+", metavar="NAME",
+                        help="only the cases of these names (each framework runs those it has; see --list-cases)")
+    timing.add_argument("--list-cases", action="store_true",
+                        help="print the names --cases accepts, per framework (with --host: the host cases), and stop")
     timing.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows and run facts as JSON")
     timing.add_argument("--markdown", metavar="PATH", type=_writable, help="also write the table as markdown")
     timing.add_argument("--plot", metavar="PATH", type=_writable, help="also plot the ratios as PNG (needs matplotlib)")
-    timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner (default 3600)")
+    timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
     timing.add_argument("--host", action="store_true",
                         help="host time per call instead (torch, fake process group, small tensors): commlib vs "
                              "torch.distributed.nn, the raw call by hand, the hand-written Ulysses, checked mode")
@@ -157,18 +219,25 @@ def _add_bench(commands) -> None:
     timing.set_defaults(handler=_bench)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="commlib", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("parity", help="run the case table through numpy, torch and JAX and compare")
+def _add_parity(commands) -> None:
+    check = commands.add_parser("parity", help="run the case table through numpy, torch and JAX and compare",
+                                description=PARITY, formatter_class=_HelpFormatter)
     check.add_argument("--world-size", type=_positive, default=4, help="ranks (torch processes, JAX CPU devices)")
-    check.add_argument("--seed", type=int, default=0, help="seed of the case table's inputs (default 0)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the case table's inputs")
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
-    check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS))
+    check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS),
+                       help="which frontends to compare with the reference (each in a subprocess of its own)")
     check.add_argument("--workload", choices=("ops", "train", "all"), default="ops",
                        help="ops: the case table; train: the training block on every SP x TP mesh; all: both")
-    check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner (default 600)")
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commlib", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {commlib.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_parity(commands)
     _add_bench(commands)
     return parser
 

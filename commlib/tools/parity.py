@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from commlib.errors import CommError
-from commlib.tools import cases
+from commlib.tools import cases, progress
 
 __all__ = ["Row", "Results", "check", "compare", "run", "run_runner"]
 
@@ -50,6 +50,7 @@ class Results:
 
     def add(self, case: cases.Case, mode: str, outputs, gradients: dict) -> None:
         self.entries.append((case.name, mode))
+        progress.done(case.name)
         for rank, value in enumerate(outputs):
             self.arrays[cases.result_key(case, mode, "out", rank)] = np.asarray(value)
         for name, ranks in gradients.items():
@@ -59,6 +60,7 @@ class Results:
     def fail(self, case: cases.Case, mode: str, error: BaseException | str) -> None:
         """Record an error: an exception, or its ``"Type: message"`` text."""
         self.entries.append((case.name, mode))
+        progress.done(case.name)
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.errors[f"{case.name}|{mode}"] = text
 
@@ -136,13 +138,15 @@ def compare(table, framework: str, result_dir: Path) -> list[Row]:
 
 
 def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float,
-               extra: tuple[str, ...] = ()) -> Row | None:
-    """Run ``python -m commlib_<framework>.tools.parity_runner IN OUT --world-size N [extra]``; None when it
-    exited 0, else the failed "(runner)" row (timeout or exit status with the end of its output)."""
+               extra: tuple[str, ...] = (), total: int | None = None) -> Row | None:
+    """Run ``python -m commlib_<framework>.tools.parity_runner IN OUT --world-size N [extra]``, its progress
+    shown on stderr (`commlib.tools.progress`; `total`: the items it will report); None when it exited 0, else
+    the failed "(runner)" row (timeout or exit status with the end of its output)."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
     command += ["--world-size", str(world_size), *extra]
+    phase = f"{framework} parity" + (" (train)" if "train" in extra else "")
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = progress.run(command, phase=phase, timeout=timeout, total=total)
     except subprocess.TimeoutExpired:
         return Row("(runner)", framework, "-", None, None, False, f"timed out after {timeout:.0f} s")
     if done.returncode != 0:
@@ -151,8 +155,9 @@ def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, tim
     return None
 
 
-def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float) -> list[Row]:
-    failed = run_runner(framework, in_dir, out_dir, world_size, timeout)
+def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float,
+                   total: int) -> list[Row]:
+    failed = run_runner(framework, in_dir, out_dir, world_size, timeout, total=total)
     return [failed] if failed else compare(cases.read(in_dir), framework, out_dir)
 
 
@@ -162,8 +167,9 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 
         raise CommError(f"parity: world_size ({world_size}) must be >= 1")
     with tempfile.TemporaryDirectory(prefix="commlib-parity-") as tmp:
         in_dir = Path(tmp) / "cases"
-        cases.write(in_dir, cases.parity_table(world_size), seed)
+        table = cases.parity_table(world_size)
+        cases.write(in_dir, table, seed)
         rows = []
         for framework in frameworks:
-            rows += _run_framework(framework, in_dir, Path(tmp) / framework, world_size, timeout)
+            rows += _run_framework(framework, in_dir, Path(tmp) / framework, world_size, timeout, len(table))
         return rows

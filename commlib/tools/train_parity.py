@@ -20,6 +20,7 @@ import numpy as np
 
 from commlib import training
 from commlib.errors import CommError
+from commlib.tools import progress
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 
 __all__ = ["STEPS", "TOLERANCE", "UNSHARDED", "History", "TrainResults", "check", "compare", "cross", "expected",
@@ -80,10 +81,12 @@ class TrainResults:
             self.arrays[f"{key}|{step}|loss"] = np.asarray(losses, dtype=np.float64)
             self.arrays.update({f"{key}|{step}|{name}": np.asarray(value) for name, value in grads.items()})
         self.runs.append({"mode": mode, "mesh": mesh, "steps": len(history)})
+        progress.done(key)
 
     def fail(self, mode: str, mesh: tuple[int, int] | None, error: BaseException | str) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.runs.append({"mode": mode, "mesh": mesh, "error": text})
+        progress.done(f"{mode}|{_case(mesh)}")
 
     def save(self, directory: Path, versions: dict[str, str]) -> None:
         directory.mkdir(parents=True, exist_ok=True)

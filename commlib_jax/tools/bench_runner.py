@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from commlib.tools import progress
 from commlib.tools.bench import TRAIN_STEP, TRAIN_STEP_SIZES_MIB
 from commlib_jax.tools import bench_context, bench_train
 
@@ -195,27 +196,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all; others ignored)")
     parser.add_argument("--quick", action="store_true", help="only the cases marked quick")
+    parser.add_argument("--list-cases", action="store_true", help="print the case names, one a line, and stop")
     args = parser.parse_args(argv)
 
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(args.world_sizes))
     cases = _cases()
+    if args.list_cases:
+        print("\n".join([*cases, TRAIN_STEP, *map(bench_context.case_name, bench_context.KINDS)]))
+        return 0
     names = args.cases or [name for name, case in cases.items() if case.quick or not args.quick]
     train_step = TRAIN_STEP in names or not (args.cases or args.quick)  # a whole step: not in --quick
     requested, everything = set(args.cases or ()), not (args.cases or args.quick)  # the context cases: not --quick
     names = [name for name in names if name in cases]  # --cases may name the other framework's cases
     records = []
+    progress.expect(len(args.world_sizes) * (len(names) * len(args.sizes_mib) + train_step + 1))
     for world_size in args.world_sizes:
         for name in names:
             for size in args.sizes_mib:
                 seconds = time_case(cases[name], world_size, int(size * 2**20), args.repeats, args.warmup)
                 records += _records(name, cases[name], world_size, size, seconds)
+                progress.done(f"W={world_size} {name} {size:g} MiB")
         if train_step:
             records += bench_train.records(world_size, TRAIN_STEP_SIZES_MIB, args.repeats, args.warmup)
+            progress.done(f"W={world_size} {TRAIN_STEP}")
         context = [kind for kind in bench_context.KINDS if bench_context.case_name(kind) in requested or everything]
         records += bench_context.records(world_size, context,
                                          lambda calls: time_calls(calls, args.repeats, args.warmup))
+        progress.done(f"W={world_size} context attention")
     versions = {"jax": jax.__version__, "python": sys.version.split()[0]}
     args.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from commlib.tools import progress
 from commlib_torch.tools import bench_context, bench_train, bench_uneven  # noqa: F401  (register those cases)
 from commlib_torch.tools.bench_cases import CASES, time_case
 from commlib_torch.tools.pool import WorkerContext, WorkerPool
@@ -43,6 +44,7 @@ def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int,
                 records.append({"framework": "torch", "case": name, "world_size": world_size, "size_mib": size,
                                 "subject": case.subject, "baselines": list(case.baselines), "seconds": slowest,
                                 "cpu_seconds": work, "wire_bytes": wire})
+                progress.done(f"W={world_size} {name} {size:g} MiB")
     return records
 
 
@@ -56,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all; others ignored)")
     parser.add_argument("--quick", action="store_true", help="only the cases marked quick")
+    parser.add_argument("--list-cases", action="store_true", help="print the case names, one a line, and stop")
     args = parser.parse_args(argv)
+    if args.list_cases:
+        print("\n".join(CASES))
+        return 0
     names = args.cases or [name for name, case in CASES.items() if case.quick or not args.quick]
     names = [name for name in names if name in CASES]  # --cases may name the other framework's cases
+    progress.expect(len(args.world_sizes) * sum(len(CASES[name].sizes_mib or args.sizes_mib) for name in names))
     records = []
     for world_size in args.world_sizes:
         records += run(world_size, names, args.sizes_mib, args.repeats, args.warmup, args.threads)

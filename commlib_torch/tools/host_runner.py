@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import commlib_torch
 from commlib.layout import permute_splits
+from commlib.tools import progress
 from commlib_torch._c10d import all_gather_single, reduce_scatter_single
 from commlib_torch.tools.baselines import ByHand, ulysses_by_hand
 
@@ -340,6 +341,7 @@ def run(world_size: int, calls: int, names: list[str]) -> list[dict]:
         seconds = time_variants(case.build(world_size), calls)
         records.append({"framework": "torch", "case": name, "world_size": world_size, "size_mib": 0.0,
                         "subject": case.subject, "baselines": list(case.baselines), "seconds": seconds})
+        progress.done(name)
     return records
 
 
@@ -349,10 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per variant")
     parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all; others ignored)")
+    parser.add_argument("--list-cases", action="store_true", help="print the case names, one a line, and stop")
     args = parser.parse_args(argv)
+    if args.list_cases:
+        print("\n".join(CASES))
+        return 0
     torch.set_num_threads(1)
     init_fake(args.world_size)
     names = [name for name in (args.cases or CASES) if name in CASES]
+    progress.expect(len(names))
     records = run(args.world_size, args.calls, names)
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     args.out.write_text(json.dumps({"versions": versions, "records": records}))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from commlib.tools import cli, parity, train_parity
+from commlib.tools import bench, cli, parity, train_parity
 
 LONG = "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3,scatter_sizes=(3, 3, 2, 2),gather_sizes=(1, 1)]"
 ROWS = [
@@ -51,3 +51,45 @@ def test_workload_is_checked_by_argparse(capsys):
     with pytest.raises(SystemExit):
         cli.main(["parity", "--workload", "bench"])
     assert "invalid choice: 'bench'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == "commlib 0.1.0"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "2.5"])
+def test_world_size_that_is_no_positive_integer_gets_a_users_message(capsys, value):
+    with pytest.raises(SystemExit):
+        cli.main(["parity", "--world-size", value])
+    err = capsys.readouterr().err
+    assert "argument --world-size: must be" in err and "_positive" not in err
+
+
+def test_parity_help_has_a_description_every_default_and_the_frameworks(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["parity", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert "Run the seeded case table through the numpy reference" in out
+    assert "examples: commlib parity --world-size 4" in out
+    for shown in ["ranks (torch processes, JAX CPU devices) (default: 4)",
+                  "seed of the case table's inputs (default: 0)",
+                  "which frontends to compare", "(default: torch jax)", "(default: ops)", "(default: 600.0)"]:
+        assert shown in out
+
+
+def test_bench_list_cases_prints_each_frameworks_names(monkeypatch, capsys):
+    asked = []
+
+    def names(framework, runner="bench_runner"):
+        asked.append((framework, runner))
+        return ["all_reduce", "all_to_all_4d (2, 1) B=1"]
+
+    monkeypatch.setattr(bench, "case_names", names)
+    assert cli.main(["bench", "--list-cases", "--frameworks", "jax"]) == 0
+    assert cli.main(["bench", "--host", "--list-cases"]) == 0
+    assert asked == [("jax", "bench_runner"), ("torch", "host_runner")]
+    assert capsys.readouterr().out.splitlines()[:3] == [
+        "jax (bench): 2 cases (quote a name with spaces)", "  all_reduce", "  all_to_all_4d (2, 1) B=1"]
