@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -244,6 +245,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if importlib.util.find_spec("tabulate") is None:  # the spec does without; its command does not
+        print("commlib: the commlib command prints its tables with tabulate: pip install 'commlib[cli]' "
+              "(the torch, jax, test and bench extras include it)", file=sys.stderr)
+        return 2
     return args.handler(args)
 
 

@@ -1,5 +1,8 @@
 """`commlib parity`'s table and its --workload choice, with the runs replaced by given rows."""
 
+import subprocess
+import sys
+
 import pytest
 
 from commlib.tools import bench, cli, parity, train_parity
@@ -93,3 +96,11 @@ def test_bench_list_cases_prints_each_frameworks_names(monkeypatch, capsys):
     assert asked == [("jax", "bench_runner"), ("torch", "host_runner")]
     assert capsys.readouterr().out.splitlines()[:3] == [
         "jax (bench): 2 cases (quote a name with spaces)", "  all_reduce", "  all_to_all_4d (2, 1) B=1"]
+
+
+def test_the_spec_needs_no_tabulate_and_the_command_says_how_to_get_it():
+    probe = ("import sys; sys.modules['tabulate'] = None; import commlib, commlib.tools.cli as cli; "
+             "sys.exit(cli.main(['parity', '--world-size', '2']))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "pip install 'commlib[cli]'" in done.stderr
