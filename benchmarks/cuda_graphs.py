@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         _run_setting(args.setting)
         return 0
     if _DEVICE == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA device (or --dry-run)")
+        print("cuda_graphs.py needs a CUDA GPU and a CUDA build of torch (or --dry-run to check the script on the CPU)",
+              file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

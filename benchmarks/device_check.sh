@@ -6,6 +6,7 @@
 set -o pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/commlib-device}"
+command -v nvidia-smi > /dev/null || { echo "device_check.sh needs a machine with an NVIDIA GPU" >&2; exit 2; }
 mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda needs a CUDA GPU and a CUDA build of torch; this torch ({torch.__version__}) "
+                     "sees none (leave --device out to time the CPU)")
     repeats = args.repeats or (50 if device.type == "cuda" else 7)
     facts = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(device)
              if device.type == "cuda" else f"cpu ({os.cpu_count()} cpus)", "torch": torch.__version__,

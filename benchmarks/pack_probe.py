@@ -2,7 +2,7 @@
 ``[A, B, C] -> [B, A, C]`` (bf16), to choose `commlib_torch._pack`'s path. Each is checked against torch's
 eager permute copy first.
 
-    python benchmarks/pack_probe.py [--repeats 50] [--json PATH]
+    python benchmarks/pack_probe.py [--repeats 50] [--json PATH]     # needs a GPU (exit 2 without one)
 
 Device time: events around the call while a sleep kernel keeps the GPU busy (launch time excluded); host
 time: the host's time to enqueue one call (the launch overhead that shows when the GPU is not ahead).
@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pack_probe.py needs a CUDA GPU and a CUDA build of torch (it times the CUDA pack pass); "
+              f"this torch ({torch.__version__}) sees none", file=sys.stderr)
+        return 2
     rows = []
     cases = {"B=1 pack (2, 1)": (plans.all_to_all_4d((1, 32768, 24, 128), 8, 2, 1), "pack"),
              "B=2 unpack (2, 1)": (plans.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),

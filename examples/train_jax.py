@@ -9,6 +9,13 @@ differs by more than 1e-10 relative.
     python examples/train_jax.py --num-processes 2 --process-id 0 --coordinator 127.0.0.1:29600
     python examples/train_jax.py --num-processes 2 --process-id 1 --coordinator 127.0.0.1:29600
 
+    # GPUs (not run by CI; a CUDA jaxlib, pip install "jax[cuda13]"): every GPU of this machine, XLA's NCCL
+    python examples/train_jax.py --device cuda
+    # several nodes: one process per node, each with its node's GPUs
+    python examples/train_jax.py --device cuda --num-processes 2 --process-id 0 --coordinator node0:29600
+
+Every process prints its verdict line (PASS/FAIL); process 0 also prints the steps. The gloo lines JAX's CPU
+collectives print as processes connect ("[Gloo] Rank 0 is connected to 1 peer ranks...") are start-up noise.
 The block (commlib_jax/tools/train_block.py) is the torch one line for line: f = sum_grad, g =
 all_reduce(convention="replicated"), Ulysses attention. The step is torch's too: each rank's gradient, summed
 over SP. commlib_jax.training.value_and_grad takes it that way under shard_map (check_vma on or off) and pmap;
@@ -35,16 +42,29 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--coordinator", default="127.0.0.1:29600", help="host:port of process 0")
     parser.add_argument("--local-devices", type=int, help="CPU devices per process (default: 4 / processes)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: simulated CPU devices (gloo between processes); cuda: the GPUs (NCCL)")
     return parser
 
 
 def start(args: argparse.Namespace) -> None:
-    """CPU devices and float64 before JAX starts; jax.distributed when there are several processes."""
-    jax.config.update("jax_num_cpu_devices", args.local_devices or max(1, 4 // args.num_processes))
+    """The platform (CPU devices, or the GPUs) and float64 before JAX starts; jax.distributed when there are
+    several processes."""
+    if args.device == "cuda":
+        jax.config.update("jax_platforms", "cuda")
+    else:
+        jax.config.update("jax_num_cpu_devices", args.local_devices or max(1, 4 // args.num_processes))
     jax.config.update("jax_enable_x64", True)
     if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if args.device == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    if args.device == "cuda":
+        try:
+            jax.devices()
+        except Exception as error:  # jax raises RuntimeError or AssertionError when no backend starts
+            raise SystemExit(f"--device cuda needs a CUDA jaxlib (pip install 'jax[cuda13]') and a GPU; JAX found "
+                             f"none ({type(error).__name__}: {error})") from None
 
 
 def relative(array, want: np.ndarray) -> float:

@@ -11,6 +11,10 @@ parameter differs by more than 1e-10 relative.
     torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29500 \\
         examples/train_torch.py
 
+    # GPUs (not run by CI): one process per GPU, NCCL, each process on GPU LOCAL_RANK
+    torchrun --standalone --nproc-per-node 4 examples/train_torch.py --device cuda
+
+Rank 0 prints the steps and the verdict (on two nodes: node 0's log); every rank's exit status is the verdict.
 The block (commlib_torch/tools/train_block.py): RMSNorm, Ulysses attention over the SP group, a Megatron MLP
 over the TP group (f = sum_grad before the column-parallel matmul, g = all_reduce(convention="replicated")
 after the row-parallel one), residuals. The recipe is the step below: each rank's backward, then every
@@ -46,13 +50,27 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def my_block(name: str, value: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     """This TP rank's block of an unsharded parameter (w_in: columns, w_out: rows; the rest whole)."""
-    return torch.from_numpy(training.shard_parameter(name, value.numpy(), tp, tp_rank))
+    return torch.from_numpy(training.shard_parameter(name, value.cpu().numpy(), tp, tp_rank)).to(value.device)
+
+
+def start(device_type: str) -> torch.device:
+    """This process's device: the CPU (gloo), or GPU LOCAL_RANK (NCCL; torchrun sets LOCAL_RANK), made current
+    before any process group is made so NCCL binds each rank to its own GPU."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA build of torch and a GPU per process; this machine has none")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    return device
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", type=int, help="sequence-parallel size (default: world size / tp)")
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 if the world size is even, else 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo process groups; cuda: NCCL, one GPU per process (default: cpu)")
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"])
     try:
@@ -60,19 +78,20 @@ def main() -> int:
     except CommError as error:
         parser.error(str(error))
     torch.set_default_dtype(torch.float64)
+    device = start(args.device)
 
-    mesh = init_device_mesh("cpu", (sp, tp), mesh_dim_names=("sp", "tp"))  # gloo process groups
+    mesh = init_device_mesh(args.device, (sp, tp), mesh_dim_names=("sp", "tp"))  # cpu: gloo, cuda: NCCL
     groups = ((mesh, "sp"), (mesh, "tp"))  # commlib's group=: a mesh dim (a ProcessGroup works too)
     sp_group = mesh.get_group("sp")  # torch.distributed's own calls take the process group
     s, t = mesh.get_local_rank("sp"), mesh.get_local_rank("tp")
 
     config = training.BlockConfig.for_world_size(world_size)
     params, x, target = training.init(config, seed=0)  # numpy, the same on every rank
-    mine = {name: torch.tensor(training.shard_parameter(name, value, tp, t), requires_grad=True)
+    mine = {name: torch.tensor(training.shard_parameter(name, value, tp, t), device=device, requires_grad=True)
             for name, value in params.items()}
-    x_mine, target_mine = (torch.tensor(training.shard_sequence(a, sp, s)) for a in (x, target))
-    unsharded = {name: torch.tensor(value, requires_grad=True) for name, value in params.items()}
-    x, target = torch.tensor(x), torch.tensor(target)
+    x_mine, target_mine = (torch.tensor(training.shard_sequence(a, sp, s), device=device) for a in (x, target))
+    unsharded = {name: torch.tensor(value, device=device, requires_grad=True) for name, value in params.items()}
+    x, target = torch.tensor(x, device=device), torch.tensor(target, device=device)
 
     worst = 0.0
     for step in range(1, config.steps + 1):
@@ -97,7 +116,7 @@ def main() -> int:
             print(f"step {step:2d}  loss {float(total):.12f}  unsharded {float(expected):.12f}  "
                   f"relative difference: loss {loss_error:.1e}, parameters {param_error:.1e}", flush=True)
 
-    everyone = torch.tensor(worst)
+    everyone = torch.tensor(worst, device=device)
     dist.all_reduce(everyone, op=dist.ReduceOp.MAX)  # the worst over every rank
     passed = float(everyone) <= TOLERANCE
     if dist.get_rank() == 0:
