@@ -278,9 +278,55 @@ def markdown(result: list[Row]) -> str:
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+#: The op families `plot` gives a panel each: a case belongs to the first whose prefix its name starts with.
+FAMILIES = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather",), "reduce_scatter": ("reduce_scatter",),
+            "all_to_all": ("all_to_all",), "attention layers": ("ring", "usp", "ulysses"), "train step": ("train",)}
+
+
+def family(case: str) -> str:
+    """The `FAMILIES` panel of a case name ("other" for none)."""
+    return next((name for name, prefixes in FAMILIES.items() if case.startswith(prefixes)), "other")
+
+
+def _series(result: list[Row]) -> dict[tuple[str, str], dict[tuple[str, int], list[Row]]]:
+    """(family, framework) -> (case, world size) -> its rows against the case's main (first) baseline."""
+    main: dict[tuple[str, str], str] = {}
+    for row in result:
+        main.setdefault((row.framework, row.case), row.baseline)
+    panels: dict[tuple[str, str], dict[tuple[str, int], list[Row]]] = {}
+    for row in result:
+        if row.ratio is not None and row.baseline == main[(row.framework, row.case)]:
+            panel = panels.setdefault((family(row.case), row.framework), {})
+            panel.setdefault((row.case, row.world_size), []).append(row)
+    order = [*FAMILIES, "other"]
+    return dict(sorted(panels.items(), key=lambda item: (order.index(item[0][0]), item[0][1] != "torch")))
+
+
+def _panel(axis, legend, series: dict[tuple[str, int], list[Row]], markers: dict[int, str], title: str) -> None:
+    """One panel: a colour per case, a marker per world size; its legend (one entry a case) in `legend`."""
+    from matplotlib.lines import Line2D
+
+    cases = sorted({case for case, _ in series})
+    colours = {case: f"C{index % 10}" for index, case in enumerate(cases)}
+    styles = {case: ("-", "--", ":")[index // 10 % 3] for index, case in enumerate(cases)}
+    for (case, world_size), points in sorted(series.items()):
+        points.sort(key=lambda row: row.size_mib)
+        axis.plot([p.size_mib for p in points], [p.ratio for p in points], color=colours[case],
+                  linestyle=styles[case], marker=markers[world_size])
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set(xscale="log", xlabel="MiB per rank", ylabel="commlib / baseline", title=title)
+    baselines = {case: rows[0].baseline for (case, _), rows in series.items()}
+    handles = [Line2D([], [], color=colours[c], linestyle=styles[c]) for c in cases]
+    handles += [Line2D([], [], color="black", marker=m, linestyle="") for m in markers.values()]
+    labels = [f"{case} / {baselines[case]}" for case in cases] + [f"world size {w}" for w in markers]
+    legend.legend(handles, labels, loc="center left", fontsize=7, frameon=False)
+    legend.axis("off")
+
+
 def plot(result: list[Row], path: str | Path) -> bool:
-    """Ratio against size for each case and its main (first) baseline, one panel per framework and world
-    size; False without matplotlib (``pip install commlib[bench]``)."""
+    """Ratio (commlib / the case's main baseline, median times) against size: a row of panels per op family
+    (`FAMILIES`), one panel per framework, a colour per case, a marker per world size, each panel's legend
+    beside it; False without matplotlib (``pip install commlib[bench]``)."""
     try:
         import matplotlib
 
@@ -288,29 +334,21 @@ def plot(result: list[Row], path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    main: dict[tuple[str, str], str] = {}  # (framework, case) -> its first baseline
-    for row in result:
-        main.setdefault((row.framework, row.case), row.baseline)
-    frameworks = sorted({row.framework for row in result})
-    world_sizes = sorted({row.world_size for row in result})
-    figure, axes = plt.subplots(max(1, len(frameworks)), max(1, len(world_sizes)), squeeze=False,
-                                figsize=(6.5 * max(1, len(world_sizes)) + 3.5, 4.2 * max(1, len(frameworks))))
-    for row_axes, framework in zip(axes, frameworks, strict=False):
-        for axis, world_size in zip(row_axes, world_sizes, strict=False):
-            lines: dict[str, list[Row]] = {}
-            for row in result:
-                if ((row.framework, row.world_size) == (framework, world_size) and row.ratio is not None
-                        and row.baseline == main[(row.framework, row.case)]):
-                    lines.setdefault(f"{row.case} / {row.baseline}", []).append(row)
-            for index, (label, points) in enumerate(sorted(lines.items())):
-                points.sort(key=lambda row: row.size_mib)
-                axis.plot([p.size_mib for p in points], [p.ratio for p in points], marker="o", label=label,
-                          linestyle=("-", "--", ":")[index // 10 % 3])  # the colour cycle repeats after 10
-            axis.axhline(1.0, color="grey", linewidth=0.8)
-            axis.set(xscale="log", xlabel="MiB per rank", ylabel="commlib / baseline (median time)",
-                     title=f"{framework}, world size {world_size}")
-        row_axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    panels = _series(result)
+    families = list(dict.fromkeys(name for name, _ in panels))
+    frameworks = [name for name in ("torch", "jax") if any(f == name for _, f in panels)]
+    markers = dict(zip(sorted({row.world_size for row in result}), "osD^v", strict=False))
+    figure, axes = plt.subplots(max(1, len(families)), 2 * max(1, len(frameworks)), squeeze=False,
+                                figsize=(8.5 * max(1, len(frameworks)), 3.4 * max(1, len(families))),
+                                gridspec_kw={"width_ratios": [3, 2] * max(1, len(frameworks))})
+    for axis in axes.flat:
+        axis.set_visible(False)
+    for (name, framework), series in panels.items():
+        row, column = families.index(name), 2 * frameworks.index(framework)
+        axes[row, column].set_visible(True)
+        axes[row, column + 1].set_visible(True)
+        _panel(axes[row, column], axes[row, column + 1], series, markers, f"{name}, {framework}")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
     return True
