@@ -1,0 +1,140 @@
+"""Numbers the docs quote, made from stored results: ``python -m commlib.tools.quotes [--write]``.
+
+A quoted number sits in README.md or docs/*.md between two markers, ``<!-- quote NAME -->TEXT<!-- /quote -->``
+(invisible once rendered; TEXT may be a code span, the markers outside its backticks). `QUOTES` makes each
+NAME's TEXT from a stored result in the repository (a command's output or JSON under ``docs/results/`` or
+``benchmarks/results/``). Without ``--write`` it exits 1 and names each quote whose text differs from what its
+result gives (``tests/spec/test_docs_numbers.py`` checks the same); ``--write`` puts the results' text into the
+docs. To refresh a number: rerun the command named beside it in the docs into its result file, then
+``--write``. A number that is no quote is stated as an example, with the command that gives it. Reads the
+docs of a clone (the repository around this package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["DOCUMENTS", "QUOTES", "ROOT", "check", "quoted", "write"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = ("README.md", "docs/*.md")
+RESULTS = "docs/results"  # the results this module reads that are not benchmarks (commands' output)
+# A quote's text may sit in a code span: <!-- quote NAME -->`TEXT`<!-- /quote --> (markers outside the backticks,
+# where markdown hides them).
+_MARKED = re.compile(r"<!-- quote (?P<name>[\w.-]+) -->(?P<tick>`?)(?P<text>.*?)(?P=tick)<!-- /quote -->", re.DOTALL)
+
+
+def _text(name: str) -> str:
+    return (ROOT / RESULTS / name).read_text(encoding="utf-8")
+
+
+def _line(name: str, start: str) -> str:
+    """The last line of the stored output `name` that starts with `start`."""
+    return [line for line in _text(name).splitlines() if line.startswith(start)][-1].strip()
+
+
+def _json(path: str):
+    return json.loads((ROOT / path).read_text(encoding="utf-8"))
+
+
+def _seconds(path: str) -> str:
+    """A bench run's own time (its facts: the runners'), in seconds."""
+    return f"{_json(path)['facts']['seconds']:.1f} s"
+
+
+def _largest_error(path: str) -> str:
+    """The largest error over every row of a stored ``commlib parity --json`` (both columns)."""
+    errors = [row[key] for row in _json(path) for key in ("out_error", "grad_error") if row[key] is not None]
+    return f"{max(errors):.2e}"
+
+
+def _bench_table(path: str) -> str:
+    """The table ``commlib bench`` prints for a stored run, from its rows."""
+    from commlib.tools import bench
+
+    return "\n" + bench.markdown([bench.Row(**row) for row in _json(path)["rows"]]) + "\n"
+
+
+_TARGET = "benchmarks/results/cpu-2026-11-30/target-0138.json"
+_FULL = "benchmarks/results/cpu-2026-11-30/full.json"
+
+#: NAME -> the text its stored result gives.
+QUOTES: dict[str, Callable[[], str]] = {
+    "parity-ops": lambda: _line("parity-ops.txt", "world_size="),
+    "train-example-torch": lambda: _line("train-torch.txt", "PASS"),
+    "train-example-jax": lambda: _line("train-jax.txt", "PASS"),
+    "parity-train": lambda: _line("parity-train.txt", "world_size="),
+    "parity-train-largest": lambda: _largest_error(f"{RESULTS}/parity-train.json"),
+    "bench-quick": lambda: _line("bench-quick.txt", f"{len(_json(f'{RESULTS}/bench-quick.json')['rows'])} comparisons"),
+    "bench-quick-table": lambda: _bench_table(f"{RESULTS}/bench-quick.json"),
+    "bench-host": lambda: _line("bench-host.txt", f"{len(_json(f'{RESULTS}/bench-host.json')['rows'])} comparisons"),
+    "bench-target-seconds": lambda: _seconds(_TARGET),
+    "bench-target-table": lambda: _bench_table(_TARGET),
+    "bench-host-stored-seconds": lambda: _seconds("benchmarks/results/cpu-2026-12-01-host/host.json"),
+    "bench-full-seconds": lambda: _seconds(_FULL),
+    "bench-full-comparisons": lambda: str(len(_json(_FULL)["rows"])),
+}
+
+
+def _documents() -> list[Path]:
+    return sorted(path for pattern in DOCUMENTS for path in ROOT.glob(pattern))
+
+
+def quoted() -> dict[Path, list[tuple[str, str]]]:
+    """Every document's quotes, (NAME, TEXT) in order."""
+    return {path: [(m["name"], m["text"]) for m in _MARKED.finditer(path.read_text(encoding="utf-8"))]
+            for path in _documents()}
+
+
+def check() -> list[str]:
+    """What is wrong: a quote whose text is not its result's, an unknown NAME, a NAME no document quotes."""
+    problems, used = [], set()
+    for path, quotes in quoted().items():
+        for name, text in quotes:
+            used.add(name)
+            if name not in QUOTES:
+                problems.append(f"{path.relative_to(ROOT)}: unknown quote {name!r}")
+            elif text != (want := QUOTES[name]()):
+                problems.append(f"{path.relative_to(ROOT)}: quote {name!r} says {text!r}, its result gives {want!r}")
+    problems += [f"no document quotes {name!r}" for name in QUOTES if name not in used]
+    return problems
+
+
+def _filled(marked: re.Match) -> str:
+    """A quote with its result's text (an unknown NAME as it was: `check` names it)."""
+    name = marked["name"]
+    tick = marked["tick"]
+    return f"<!-- quote {name} -->{tick}{QUOTES[name]()}{tick}<!-- /quote -->" if name in QUOTES else marked[0]
+
+
+def write() -> list[Path]:
+    """Put each result's text between its markers; the documents changed."""
+    changed = []
+    for path in _documents():
+        text = path.read_text(encoding="utf-8")
+        new = _MARKED.sub(_filled, text)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m commlib.tools.quotes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="update the docs from the stored results")
+    args = parser.parse_args(argv)
+    if args.write:
+        for path in write():
+            print(f"updated {path.relative_to(ROOT)}")
+    problems = check()
+    print("\n".join(problems) or f"every quoted number matches its stored result ({len(QUOTES)} quotes)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
