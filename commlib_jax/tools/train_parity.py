@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from commlib import training
-from commlib.tools import train_parity
+from commlib.tools import progress, train_parity
 from commlib_jax.tools.train_block import block_loss, parameter_specs
 from commlib_jax.training import value_and_grad
 
@@ -96,6 +96,7 @@ def record(in_dir, results) -> None:
     """Every mesh in every mode, and the unsharded block, into `results` (a `train_parity.TrainResults`);
     a run that raises becomes its error."""
     config, params, x, target, meshes = train_parity.read(in_dir)
+    progress.expect(len(meshes) * len(MODES) + 1)
     for sp, tp in meshes:
         for mode in MODES:
             try:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from commlib import training
-from commlib.tools import train_parity
+from commlib.tools import progress, train_parity
 from commlib_torch.tools.pool import WorkerError, WorkerPool
 from commlib_torch.tools.train_block import block_loss
 
@@ -89,6 +89,7 @@ def _unsharded(config: training.BlockConfig, params, x, target) -> train_parity.
 def record(pool: WorkerPool, in_dir, results: train_parity.TrainResults) -> None:
     """Every mesh (mode "gloo") and the unsharded block into `results`; a run whose ranks failed is its error."""
     config, params, x, target, meshes = train_parity.read(in_dir)
+    progress.expect(len(meshes) + 1)
     torch.set_default_dtype(torch.float64)
     for sp, tp in meshes:
         try:
