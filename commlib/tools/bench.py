@@ -308,7 +308,7 @@ def _panel(axis, legend, series: dict[tuple[str, int], list[Row]], markers: dict
 
     cases = sorted({case for case, _ in series})
     colours = {case: f"C{index % 10}" for index, case in enumerate(cases)}
-    styles = {case: ("-", "--", ":")[index // 10 % 3] for index, case in enumerate(cases)}
+    styles: dict[str, Any] = {case: ("-", "--", ":")[index // 10 % 3] for index, case in enumerate(cases)}
     for (case, world_size), points in sorted(series.items()):
         points.sort(key=lambda row: row.size_mib)
         axis.plot([p.size_mib for p in points], [p.ratio for p in points], color=colours[case],

@@ -118,7 +118,7 @@ def _columns() -> int:
 
 def _read(path: Path) -> tuple[int | None, list[str]]:
     """(declared total or None, distinct labels done, in order) from a progress file."""
-    total, labels = None, {}
+    total, labels = None, dict[str, None]()  # an ordered set
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     for line in text.splitlines():
         kind, _, value = line.partition(" ")
