@@ -30,13 +30,14 @@ def test_context_bench_variants_compute_the_reference():
     """The ring case and its all-gather-KV baseline (`commlib_jax.tools.bench_context`) both compute causal GQA
     attention on the whole zigzag sequence and its gradients (the float64 reference), so their times compare the
     same work; the wire bytes are the spec's counts."""
-    from commlib import context, shard_positions
+    from commlib import shard_positions
+    from commlib.ring_reference import reference
     from commlib.tools.bench import context_rows, context_wire
     from commlib_jax.tools import bench_context
 
     W, rows = 4, 4
     inputs = bench_context._inputs(W, rows)
-    expected = context.reference(*[list(np.asarray(x, np.float64)) for x in inputs], W, causal=True, layout="zigzag")
+    expected = reference(*[list(np.asarray(x, np.float64)) for x in inputs], W, causal=True, layout="zigzag")
     baseline = bench_context._all_gather_kv(shard_positions(rows * W, W, "zigzag"))
     for name, attend in (("ring", bench_context._attend("ring")), ("all-gather KV", baseline)):
         got = bench_context._step(attend, W, usp=False)(*inputs)

@@ -1,5 +1,5 @@
 """`commlib_jax.attention.ring_attention` and `usp_attention` on simulated CPU devices: every rank's output and dq,
-dk, dv against the float64 reference (`commlib.context.reference`: unsharded GQA attention at the shards' global
+dk, dv against the float64 reference (`commlib.ring_reference.reference`: unsharded GQA attention at the shards' global
 positions), the handed case, the parity table's ring and USP rows, what the custom_vjp saves for backward, the
 collectives of the program and their shapes (k/v travel with H_kv heads) and the modes the table leaves out.
 Bad input: the table of tests/bad_input.py (tests/test_bad_input.py), the same text in both frontends.
@@ -13,7 +13,7 @@ from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from commlib import CommError, context, shard_positions, shard_sequence
+from commlib import CommError, ring, ring_reference, shard_positions, shard_sequence
 from commlib.tools import cases, parity
 from commlib_jax.attention import ring_attention
 from commlib_jax.tools import parity_runner
@@ -61,7 +61,7 @@ def _run(mapped, whole, ring_size, layout, ulysses_size=1, dtype=jnp.float64):
 def _errors(got, whole, ring_size, layout, causal, ulysses_size=1):
     """Max abs error of (out, dq, dk, dv) over every shard against the float64 reference."""
     shards = [shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in whole]
-    expected = context.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
+    expected = ring_reference.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
     return [max(float(np.abs(mine[i] - theirs[i]).max()) for i in range(len(theirs)))
             for mine, theirs in zip(got, expected, strict=True)]
 
@@ -204,6 +204,6 @@ def test_permutes_and_wire():
     assert _permutes(gradient.jaxpr) == [block] * (2 * (W - 1) + 2 * (W - 1) + 2 * W)
     text = jax.jit(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum())).lower(inputs).as_text()
     assert [name for name in _COLLECTIVES if f'"stablehlo.{name}"' in text] == ["collective_permute"]
-    plan = context.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
-                             layout="zigzag")
+    plan = ring.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
+                          layout="zigzag")
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
