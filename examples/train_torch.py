@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commlib import CommError, training
+from commlib import CommError
+from commlib.tools import train_block
 from commlib_torch.tools.train_block import block_loss
 
 TOLERANCE = 1e-10
@@ -46,7 +47,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def my_block(name: str, value: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     """This TP rank's block of an unsharded parameter (w_in: columns, w_out: rows; the rest whole)."""
-    return torch.from_numpy(training.shard_parameter(name, value.numpy(), tp, tp_rank))
+    return torch.from_numpy(train_block.shard_parameter(name, value.numpy(), tp, tp_rank))
 
 
 def main() -> int:
@@ -56,7 +57,7 @@ def main() -> int:
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"])
     try:
-        sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+        sp, tp = train_block.mesh_shape(world_size, args.sp, args.tp)
     except CommError as error:
         parser.error(str(error))
     torch.set_default_dtype(torch.float64)
@@ -66,11 +67,11 @@ def main() -> int:
     sp_group = mesh.get_group("sp")  # torch.distributed's own calls take the process group
     s, t = mesh.get_local_rank("sp"), mesh.get_local_rank("tp")
 
-    config = training.BlockConfig.for_world_size(world_size)
-    params, x, target = training.init(config, seed=0)  # numpy, the same on every rank
-    mine = {name: torch.tensor(training.shard_parameter(name, value, tp, t), requires_grad=True)
+    config = train_block.BlockConfig.for_world_size(world_size)
+    params, x, target = train_block.init(config, seed=0)  # numpy, the same on every rank
+    mine = {name: torch.tensor(train_block.shard_parameter(name, value, tp, t), requires_grad=True)
             for name, value in params.items()}
-    x_mine, target_mine = (torch.tensor(training.shard_sequence(a, sp, s)) for a in (x, target))
+    x_mine, target_mine = (torch.tensor(train_block.sequence_block(a, sp, s)) for a in (x, target))
     unsharded = {name: torch.tensor(value, requires_grad=True) for name, value in params.items()}
     x, target = torch.tensor(x), torch.tensor(target)
 

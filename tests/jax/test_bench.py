@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from commlib import training
+from commlib.tools import train_block
 from commlib.tools.bench import train_step_config
 from commlib_jax.tools import bench_train
 
@@ -14,8 +14,8 @@ from commlib_jax.tools import bench_train
 def test_train_step_variants_compute_the_unsharded_step():
     config = train_step_config(4096, 2)  # [1, 4, 256] activations per rank
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("sp", "tp"))
-    params, x, target = training.init(config, seed=0)
-    want_loss, want_grads = training.loss_and_grads(config, params, x, target)
+    params, x, target = train_block.init(config, seed=0)
+    want_loss, want_grads = train_block.loss_and_grads(config, params, x, target)
     args = ({name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
             jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
     for name, step in bench_train.steps(config, mesh).items():
