@@ -121,6 +121,21 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     hand-written backward that passes dk and dv around the ring (W hops) and recomputes each step's scores from
     the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W).
 
+    Four devices in a ring, each given its zigzag shard of the whole sequence (``commlib.shard_positions``),
+    give the rows of attention on the whole sequence:
+
+    >>> import jax, numpy as np, commlib
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from commlib_jax.attention import attention, ring_attention
+    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("ring",))
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))  # whole sequence
+    >>> rows = commlib.shard_positions(16, 4, "zigzag").reshape(-1)  # rank 0's rows, then rank 1's, ...
+    >>> ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "ring", causal=True, layout="zigzag"),
+    ...                      mesh=mesh, in_specs=P(None, "ring"), out_specs=P(None, "ring"))
+    >>> out = ring(q[:, rows], k[:, rows], v[:, rows])
+    >>> bool(np.allclose(out, attention(q, k, v, causal=True)[:, rows], atol=1e-5))
+    True
+
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
             by W (contiguous) or 2W (zigzag), an unknown layout, unequal dtypes; `axis_name` not bound.
@@ -149,6 +164,20 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
     three.
+
+    A 2 x 2 mesh (ring index r, Ulysses index u: shard ``r * U + u``, the mesh's row-major order):
+
+    >>> import jax, numpy as np, commlib
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from commlib_jax.attention import attention, usp_attention
+    >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "ulysses"))
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 4, 8)) for i in range(3))
+    >>> rows = commlib.shard_positions(16, 2, "zigzag", ulysses_size=2).reshape(-1)
+    >>> usp = jax.shard_map(lambda q, k, v: usp_attention(q, k, v, "ulysses", "ring", causal=True, layout="zigzag"),
+    ...                     mesh=mesh, in_specs=P(None, ("ring", "ulysses")), out_specs=P(None, ("ring", "ulysses")))
+    >>> out = usp(q[:, rows], k[:, rows], v[:, rows])
+    >>> bool(np.allclose(out, attention(q, k, v, causal=True)[:, rows], atol=1e-5))
+    True
 
     Raises:
         CommError: as `ring_attention` (S divisible by R U, or 2 R U for zigzag), and U larger than H or not

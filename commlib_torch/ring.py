@@ -240,6 +240,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     around the ring with k/v (W permutes, dk/dv in the compute dtype). Saved for backward: q, k, v, the
     output and the LSE (``[B, S/W, H]``).
 
+    On one rank (WORLD of size 1) it is attention on the whole sequence; with W ranks each passes its shard
+    ``commlib.shard_sequence(x, 1, W, layout)[rank]`` of q, k and v and gets those rows of it:
+
+    >>> import torch
+    >>> from commlib_torch.attention import attention, ring_attention
+    >>> q, k, v = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)  # GQA: 2 kv heads
+    >>> out = ring_attention(q, k, v, causal=True, layout="zigzag")
+    >>> out.shape
+    torch.Size([2, 8, 4, 16])
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
+    True
+
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
             layout, an odd shard in the zigzag layout, unequal dtypes, a rank outside `group`.
@@ -281,6 +293,18 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     ``H % U == 0`` and ``H_kv % U == 0``), `ring_attention`'s walk runs over `ring_group` on it, and
     ``all_to_all_4d(out, 1, 2)`` returns ``[B, S/(W U), H, D_v]``. `causal`, `scale`, `layout` as in
     `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward).
+
+    On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
+    included:
+
+    >>> import torch
+    >>> from commlib_torch.attention import attention, usp_attention
+    >>> q, k, v = (torch.randn(1, 8, 4, 16, requires_grad=True) for _ in range(3))
+    >>> out = usp_attention(q, k, v, None, None, causal=True)
+    >>> dq, = torch.autograd.grad(out.sum(), q)
+    >>> want, = torch.autograd.grad(attention(q, k, v, causal=True).sum(), q)
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5), torch.allclose(dq, want, atol=1e-5)
+    (True, True)
 
     Raises:
         CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U.
