@@ -207,3 +207,53 @@ def test_permutes_and_wire():
     plan = ring.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
                           layout="zigzag")
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
+
+
+def _subjaxprs(eqn):
+    """(jaxpr, the eqn's invars feeding its invars) of every jaxpr inside `eqn` (cond: the branches take the
+    operands after the index)."""
+    for value in eqn.params.values():
+        for inner in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(inner, (core.Jaxpr, core.ClosedJaxpr)):
+                jaxpr = getattr(inner, "jaxpr", inner)
+                yield jaxpr, eqn.invars[len(eqn.invars) - len(jaxpr.invars):]
+
+
+def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
+    """For every ``ppermute`` the program runs (in order), whether its operand depends on a ``dot_general`` (the
+    attention of a step); `tainted`: the invars of `jaxpr` that do."""
+    found = []
+    for eqn in jaxpr.eqns:
+        computed = any(not isinstance(var, core.Literal) and var in tainted for var in eqn.invars)
+        if eqn.primitive.name == "ppermute":
+            found.append(computed)
+        out_tainted = computed or eqn.primitive.name == "dot_general"
+        for inner, feeding in _subjaxprs(eqn):
+            inner_tainted = {var for var, outer in zip(inner.invars, feeding, strict=True)
+                             if not isinstance(outer, core.Literal) and outer in tainted}
+            found += _permute_inputs_computed(inner, inner_tainted)
+            out_tainted = out_tainted or _computes(inner)
+        if out_tainted:
+            tainted.update(eqn.outvars)
+    return found
+
+
+def _computes(jaxpr) -> bool:
+    return any(eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in _subjaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_forward_permutes_do_not_wait_for_the_step(layout):
+    """The forward's permute of step t reads the k/v block step t attends with, never a result of that (or any)
+    step's attention: XLA may overlap them (the DESIGN's Overlap); the backward's dk/dv permutes do depend on it."""
+    W, B, S, H, H_kv, D = 4, 2, 16, 4, 2, 3
+    mesh, spec = _ring_mesh(W)
+    call = lambda q, k, v: ring_attention(q, k, v, "i", causal=True, layout=layout)  # noqa: E731
+    mapped = _mapped(call, mesh, spec)
+    inputs = [jnp.zeros((W, B, S // W, heads, D)) for heads in (H, H_kv, H_kv)]
+    cotangent = jnp.zeros((W, B, S // W, H, D))
+    forward = jax.make_jaxpr(lambda *xs: mapped(cotangent, *xs)[0])(*inputs)
+    assert _permute_inputs_computed(forward.jaxpr, set()) == [False] * 2 * (W - 1)
+    gradient = jax.make_jaxpr(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum()))(inputs)
+    assert any(_permute_inputs_computed(gradient.jaxpr, set()))
