@@ -207,7 +207,9 @@ class RingBackend(Protocol):
     reference's W ranks at once). Arrays are ``[B, rows, heads, dim]`` (the LSE ``[B, rows, H]``); `rows` slices
     dim 1. A backend may update an array in place and return it."""
 
-    math: ArrayMath  # the array namespace of `commlib.blockwise.merge` / `delta`
+    @property
+    def math(self) -> ArrayMath:
+        """The array namespace of `commlib.blockwise.merge` / `delta`."""
 
     def compute(self, x: Any) -> Any:
         """`x` in the plan's compute dtype."""
