@@ -6,9 +6,11 @@
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
   attention reference;
-- `commlib.context`: context-parallel attention (ring, USP): the sequence layouts (`shard_positions`,
-  `shard_sequence`, `unshard_sequence`), the ring schedule (`ring_plan`), the online-softmax step rules and the
-  float64 reference;
+- `commlib.sequence`: the sequence layouts of ring attention and USP (`shard_positions`, `shard_sequence`,
+  `unshard_sequence`);
+- `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
+  that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
+  `commlib.ring_reference`: the float64 references (unsharded, and the ring on simulated numpy ranks);
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
@@ -18,11 +20,11 @@
 Frontends: `commlib_torch`, `commlib_jax`. Importing this package never imports torch or jax.
 """
 
-from commlib.context import shard_positions, shard_sequence, unshard_sequence
 from commlib.errors import CommError, CommFailure, CommTimeout
 from commlib.layout import Collective, Convention, Plan, Rearrange
 from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
+from commlib.sequence import shard_positions, shard_sequence, unshard_sequence
 from commlib.uneven import split_sizes
 
 __all__ = [

@@ -6,8 +6,8 @@ of the collectives; this module walks that plan: one all-to-all for q, k and v t
 full sequence, one all-to-all back. Every rank runs the same program, so rank-dependent head counts are padded
 to the largest rank's.
 
-Ring and USP: the spec (`commlib.context.ring_plan`) validates the call and gives the ring's schedule and step
-math; `commlib_jax._ring` walks it (k/v around the ring with `permute`, a hand-written backward).
+Ring and USP: `commlib_jax.ring` (the spec's walk of `commlib.ring`: k/v around the ring with `permute`, a
+hand-written backward).
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
-from commlib import context
 from commlib_jax._op import axis_size
-from commlib_jax._ring import ring
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import all_to_all, all_to_all_4d
+from commlib_jax.ring import ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 
@@ -118,68 +117,3 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
     bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
     out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale)
     return all_to_all_4d(out, axis_name, 1, 2, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))
-
-
-def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous"):
-    """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
-    `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
-    q's dtype; equal to `attention` on the whole sequence, cut back the same way.
-
-    Args:
-        q, k, v: this rank's shard of the sequence: the global positions ``commlib.shard_positions(S, W,
-            layout)[rank]`` (`commlib.shard_sequence` cuts a whole array so). ``H % H_kv == 0`` (MHA, GQA, MQA).
-        axis_name: a mesh axis name of the enclosing ``shard_map`` / ``pmap``, or a tuple of them (ranks
-            row-major in the order given); W ranks.
-        causal: a query sees the keys at global positions <= its own. Pairs of blocks the mask hides entirely
-            are skipped.
-        scale: the softmax scale (default ``1 / sqrt(D)``).
-        layout: "contiguous" (rank r holds positions ``[r S/W, (r+1) S/W)``) or "zigzag" (the sequence cut into
-            2W chunks, rank r holds chunk r then chunk 2W-1-r: the same causal work on every rank).
-
-    W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
-    float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
-    hand-written backward that passes dk and dv around the ring (W hops) and recomputes each step's scores from
-    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W).
-
-    Raises:
-        CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
-            by W (contiguous) or 2W (zigzag), an unknown layout, unequal dtypes; `axis_name` not bound.
-        TypeError: wrong kinds (causal not a bool, scale not a number, axis names).
-    """
-    axes = axes_of(axis_name)
-    size = axis_size(context.RING_OP, axes)
-    plan = context.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
-                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return ring(plan, axes, q, k, v)
-
-
-def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, scale: float | None = None,
-                  layout: str = "contiguous"):
-    """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
-    D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
-    to `attention` on the whole sequence, cut back the same way.
-
-    Args:
-        q, k, v: this rank's shard: at Ulysses index u and ring index r, shard ``r U + u``, the global positions
-            ``commlib.shard_positions(S, R, layout, ulysses_size=U)[r * U + u]``. H and H_kv divisible by U.
-        ulysses_axis: the mesh axis (or tuple of axes) of the U ranks of one Ulysses group.
-        ring_axis: the mesh axis (or tuple of axes) of the R ranks of one ring.
-        causal, scale, layout: as in `ring_attention` (the layout of the ring blocks).
-
-    ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
-    H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
-    three.
-
-    Raises:
-        CommError: as `ring_attention` (S divisible by R U, or 2 R U for zigzag), and U larger than H or not
-            dividing H and H_kv.
-        TypeError: as `ring_attention`.
-    """
-    ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
-    ulysses_size = axis_size(context.USP_OP, ulysses_axes)
-    plan = context.ring_plan(q.shape, k.shape, v.shape, axis_size(context.USP_OP, ring_axes), causal=causal,
-                             scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                             ulysses_size=ulysses_size, op_name=context.USP_OP)
-    q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
-    return all_to_all_4d(ring(plan, ring_axes, q, k, v), ulysses_axis, 1, 2)

@@ -1,12 +1,14 @@
 """Ring attention and USP over `torch.distributed`: context parallelism past the head count.
 
-The spec (`commlib.context.ring_plan`) validates the call and owns the schedule (which k/v block each rank holds
-at each step, which pieces of each (q block, kv block) pair the causal mask leaves, the permute pairs) and the
-step rules (`attend`, `merge`, `attend_vjp`); this module walks them in one autograd Function whose backward
-is written by hand: dk/dv travel around the ring with k/v and the probabilities are recomputed blockwise from
-the saved log-sum-exp, so a rank saves q, k, v, the output and the LSE for backward -- O(S/W) -- and no k/v
-block or score matrix of any step. Every ring step is one `permute` of commlib's own (the plan walked at
-commlib's boundary: checked mode and failure translation included) per dtype of what travels.
+The spec (`commlib.ring`) validates the call, owns the schedule (which k/v block each rank holds at each step,
+which pieces of each (q block, kv block) pair the causal mask leaves, the permute pairs) and walks it, forward
+and backward (`commlib.ring.forward` / `backward`); this module gives that walk its torch backend (`_RankBackend`:
+torch's fused CPU flash kernels where they apply, else `commlib.blockwise`'s einsum rules) inside one autograd
+Function whose backward is written by hand: dk/dv travel around the ring with k/v and the probabilities are
+recomputed blockwise from the saved log-sum-exp, so a rank saves q, k, v, the output and the LSE for backward
+-- O(S/W) -- and no k/v block or score matrix of any step. Every ring step is one `permute` of commlib's own
+(the plan walked at commlib's boundary: checked mode and failure translation included) per dtype of what
+travels.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import context as spec
-from commlib import plans
+from commlib import blockwise, plans
+from commlib import ring as spec
 from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
@@ -24,8 +26,8 @@ from commlib_torch.functional import all_to_all, all_to_all_4d
 __all__ = ["ring_attention", "usp_attention"]
 
 
-class _TorchMath(spec.ArrayMath):
-    """`commlib.context.ArrayMath` on torch tensors: the causal mask built on the scores' device."""
+class _TorchMath(blockwise.ArrayMath):
+    """`commlib.blockwise.ArrayMath` on torch tensors: the causal mask built on the scores' device."""
 
     def __init__(self) -> None:
         super().__init__(torch)
@@ -42,7 +44,7 @@ _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 
 def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a piece runs on torch's fused CPU flash kernels (CPU tensors, ``D_v == D``) rather than the spec's
-    einsum rules: the same math (`commlib.context.attend` / `attend_vjp`: the kernels return and take the LSE,
+    einsum rules: the same math (`commlib.blockwise.attend` / `attend_vjp`: the kernels return and take the LSE,
     and their backward recomputes P from the LSE we pass, the final one), fused, about twice as fast."""
     return _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
@@ -55,18 +57,18 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
 
 
 def _attend(plan: spec.RingPlan, q, k, v, mask: str):
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.context.attend`)."""
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`)."""
     if not _flash(q, v):
-        return spec.attend(_MATH, q, k, v, plan.scale, mask)
+        return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           mask == "causal-diagonal", scale=plan.scale)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
-    """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.context.attend_vjp`)."""
+    """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
     if not _flash(q, v):
-        return spec.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
+        return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
                                      _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
                                      mask == "causal-diagonal", scale=plan.scale)
@@ -91,47 +93,55 @@ def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessG
     return moved  # type: ignore[return-value]
 
 
+class _RankBackend:
+    """`commlib.ring.RingBackend` on this rank's tensors: the pieces on the fused CPU flash kernels where they
+    apply (`_attend`), rows written in place, a ring step one `permute` per dtype (`_pass`), the case picked
+    by the rank."""
+
+    math = _MATH
+
+    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int) -> None:
+        self.plan, self.group, self.rank = plan, group, rank
+        self.dtype = getattr(torch, plan.compute_dtype)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+    def restore(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return x.to(like.dtype)
+
+    def zeros(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
+
+    def attend(self, q, k, v, mask: str):
+        return _attend(self.plan, q, k, v, mask)
+
+    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+        return _attend_vjp(self.plan, q, k, v, out, d_out, lse, delta, mask)
+
+    def set_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
+        x[:, rows] = value
+        return x
+
+    def add_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
+        x[:, rows] += value
+        return x
+
+    def send(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _pass(self.plan, tensors, self.group)
+
+    def switch(self, step: int, function, *operands):
+        return function(self.plan.cases[self.plan.case_index[step][self.rank]], *operands)
+
+
 def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)``: W steps of online softmax,
-    W - 1 permutes of k/v (in their own dtype: the wire carries B * S_r * H_kv * (D + D_v) elements a step)."""
-    compute = getattr(torch, plan.compute_dtype)
-    q_c = q.to(compute)
-    out = lse = torch.empty(0)
-    held = [k, v]
-    for step in range(plan.ring_size):
-        keys, values = (x.to(compute) for x in held)
-        for piece in plan.cases[plan.case_index[step][rank]]:
-            rows, cols = slice(*piece.q), slice(*piece.kv)
-            part = _attend(plan, q_c[:, rows], keys[:, cols], values[:, cols], piece.mask)
-            if step == 0:  # the own block: one piece over every row
-                out, lse = part
-            else:
-                out[:, rows], lse[:, rows] = spec.merge(_MATH, out[:, rows], lse[:, rows], *part)
-        if step < plan.ring_size - 1:
-            held = _pass(plan, held, group)
-    return out.to(q.dtype), lse
+    """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`)."""
+    return spec.forward(plan, _RankBackend(plan, group, rank), q, k, v)
 
 
 def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
-    """``(dq, dk, dv)``: the forward's walk again, dk/dv (in the compute dtype) travelling with k/v, one more
-    permute of dk/dv at the end to bring them home."""
-    compute = getattr(torch, plan.compute_dtype)
-    q_c, d_out_c, out_c = q.to(compute), d_out.to(compute), out.to(compute)
-    delta = spec.delta(_MATH, out_c, d_out_c)
-    dq = torch.zeros_like(q_c)
-    held = [k, v, torch.zeros(k.shape, dtype=compute, device=k.device),
-            torch.zeros(v.shape, dtype=compute, device=v.device)]
-    for step in range(plan.ring_size):
-        keys, values, dk, dv = held[0].to(compute), held[1].to(compute), held[2], held[3]
-        for piece in plan.cases[plan.case_index[step][rank]]:
-            rows, cols = slice(*piece.q), slice(*piece.kv)
-            grads = _attend_vjp(plan, q_c[:, rows], keys[:, cols], values[:, cols], out_c[:, rows], d_out_c[:, rows],
-                                lse[:, rows], delta[:, rows], piece.mask)
-            dq[:, rows] += grads[0]
-            dk[:, cols] += grads[1]
-            dv[:, cols] += grads[2]
-        held = _pass(plan, held, group) if step < plan.ring_size - 1 else [*held[:2], *_pass(plan, held[2:], group)]
-    return dq.to(q.dtype), held[2].to(k.dtype), held[3].to(v.dtype)
+    """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
+    return spec.backward(plan, _RankBackend(plan, group, rank), q, k, v, out, lse, d_out)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -224,11 +234,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             2W: every rank does the same causal work).
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
-    mask hides, `commlib.context.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
+    mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
     float64 for float64); W - 1 `permute`\\ s of k and v, unrepeated (``B * S/W * H_kv * (D + D_v)`` elements
     a step). Gradient: exact; the backward recomputes the scores blockwise from the saved LSE and passes dk/dv
     around the ring with k/v (W permutes, dk/dv in the compute dtype). Saved for backward: q, k, v, the
     output and the LSE (``[B, S/W, H]``).
+
+    On one rank (WORLD of size 1) it is attention on the whole sequence; with W ranks each passes its shard
+    ``commlib.shard_sequence(x, 1, W, layout)[rank]`` of q, k and v and gets those rows of it:
+
+    >>> import torch
+    >>> from commlib_torch.attention import attention, ring_attention
+    >>> q, k, v = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)  # GQA: 2 kv heads
+    >>> out = ring_attention(q, k, v, causal=True, layout="zigzag")
+    >>> out.shape
+    torch.Size([2, 8, 4, 16])
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
+    True
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
@@ -271,6 +293,18 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     ``H % U == 0`` and ``H_kv % U == 0``), `ring_attention`'s walk runs over `ring_group` on it, and
     ``all_to_all_4d(out, 1, 2)`` returns ``[B, S/(W U), H, D_v]``. `causal`, `scale`, `layout` as in
     `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward).
+
+    On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
+    included:
+
+    >>> import torch
+    >>> from commlib_torch.attention import attention, usp_attention
+    >>> q, k, v = (torch.randn(1, 8, 4, 16, requires_grad=True) for _ in range(3))
+    >>> out = usp_attention(q, k, v, None, None, causal=True)
+    >>> dq, = torch.autograd.grad(out.sum(), q)
+    >>> want, = torch.autograd.grad(attention(q, k, v, causal=True).sum(), q)
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5), torch.allclose(dq, want, atol=1e-5)
+    (True, True)
 
     Raises:
         CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U.

@@ -1,4 +1,4 @@
-"""Train the transformer block of commlib.training with JAX over an SP x TP mesh, and check every step against
+"""Train the transformer block of commlib.tools.train_block with JAX over an SP x TP mesh, and check every step against
 the same model trained unsharded in this process (float64). Exit status 1 if any step's loss or any parameter
 differs by more than 1e-10 relative.
 
@@ -80,17 +80,18 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from commlib import CommError, training
+    from commlib import CommError
+    from commlib.tools import train_block
     from commlib_jax.tools.train_block import block_loss, parameter_specs
     from commlib_jax.training import value_and_grad
 
     world_size = jax.device_count()
     try:
-        sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+        sp, tp = train_block.mesh_shape(world_size, args.sp, args.tp)
     except CommError as error:
         arguments.error(str(error))
     mesh = Mesh(np.array(jax.devices()).reshape(sp, tp), ("sp", "tp"))
-    config = training.BlockConfig.for_world_size(world_size)
+    config = train_block.BlockConfig.for_world_size(world_size)
     specs, sequence = parameter_specs("tp"), P(None, "sp")
 
     # The torch step: each rank's loss on its tokens, its own gradient, summed over "sp"; then SGD.
@@ -108,7 +109,7 @@ def main() -> int:
         loss, grads = jax.value_and_grad(functools.partial(block_loss, config=config))(params, x, target)
         return loss, jax.tree.map(lambda p, g: p - config.lr * g, params, grads)
 
-    params, x, target = training.init(config, seed=0)  # numpy, the same on every process
+    params, x, target = train_block.init(config, seed=0)  # numpy, the same on every process
     place = lambda value, spec: jax.make_array_from_callback(  # noqa: E731
         value.shape, NamedSharding(mesh, spec), lambda index: value[index])
     sharded = {name: place(value, specs[name]) for name, value in params.items()}

@@ -1,4 +1,4 @@
-"""Train the transformer block of commlib.training with torchrun over an SP x TP mesh, and check every step
+"""Train the transformer block of commlib.tools.train_block with torchrun over an SP x TP mesh, and check every step
 against the same model trained unsharded in this process (float64). Exit status 1 if any step's loss or any
 parameter differs by more than 1e-10 relative.
 
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commlib import CommError, training
+from commlib import CommError
+from commlib.tools import train_block
 from commlib_torch.tools.train_block import block_loss
 
 TOLERANCE = 1e-10
@@ -50,7 +51,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def my_block(name: str, value: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     """This TP rank's block of an unsharded parameter (w_in: columns, w_out: rows; the rest whole)."""
-    return torch.from_numpy(training.shard_parameter(name, value.cpu().numpy(), tp, tp_rank)).to(value.device)
+    return torch.from_numpy(train_block.shard_parameter(name, value.cpu().numpy(), tp, tp_rank)).to(value.device)
 
 
 def start(device_type: str) -> torch.device:
@@ -74,7 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"])
     try:
-        sp, tp = training.mesh_shape(world_size, args.sp, args.tp)
+        sp, tp = train_block.mesh_shape(world_size, args.sp, args.tp)
     except CommError as error:
         parser.error(str(error))
     torch.set_default_dtype(torch.float64)
@@ -85,11 +86,11 @@ def main() -> int:
     sp_group = mesh.get_group("sp")  # torch.distributed's own calls take the process group
     s, t = mesh.get_local_rank("sp"), mesh.get_local_rank("tp")
 
-    config = training.BlockConfig.for_world_size(world_size)
-    params, x, target = training.init(config, seed=0)  # numpy, the same on every rank
-    mine = {name: torch.tensor(training.shard_parameter(name, value, tp, t), device=device, requires_grad=True)
+    config = train_block.BlockConfig.for_world_size(world_size)
+    params, x, target = train_block.init(config, seed=0)  # numpy, the same on every rank
+    mine = {name: torch.tensor(train_block.shard_parameter(name, value, tp, t), device=device, requires_grad=True)
             for name, value in params.items()}
-    x_mine, target_mine = (torch.tensor(training.shard_sequence(a, sp, s), device=device) for a in (x, target))
+    x_mine, target_mine = (torch.tensor(train_block.sequence_block(a, sp, s), device=device) for a in (x, target))
     unsharded = {name: torch.tensor(value, device=device, requires_grad=True) for name, value in params.items()}
     x, target = torch.tensor(x, device=device), torch.tensor(target, device=device)
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from commlib import attention, split_sizes, training, uneven
+from commlib import attention, split_sizes, uneven
 from commlib.layout import Plan
-from commlib.tools import progress
+from commlib.tools import progress, train_block
 
 __all__ = ["case_names", "CONTEXT_BASELINE", "CONTEXT_SHAPE", "CONTEXT_SIZES_MIB", "context_rows", "context_wire",
            "FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
@@ -35,8 +35,8 @@ FRAMEWORKS = ("torch", "jax")
 FULL = {"world_sizes": [2, 4], "sizes_mib": [1, 4, 16, 64], "repeats": 9, "warmup": 1}
 QUICK = {"world_sizes": [4], "sizes_mib": [4], "repeats": 9, "warmup": 1}
 
-#: The whole-step case: the training block (`commlib.training`) forward and backward on an SP x TP mesh
-#: (`commlib.training.mesh_shape`), at its own sizes -- the bytes of each rank's activations -- whatever
+#: The whole-step case: the training block (`commlib.tools.train_block`) forward and backward on an SP x TP mesh
+#: (`commlib.tools.train_block.mesh_shape`), at its own sizes -- the bytes of each rank's activations -- whatever
 #: --sizes-mib says: the smaller one is bound by per-call overhead, the larger one by attention and matmuls.
 TRAIN_STEP = "train-step"
 TRAIN_STEP_SIZES_MIB = (0.0625, 0.25)
@@ -82,7 +82,7 @@ def train_step_config(nbytes: int, sp: int):
     (512, 256, 256, 1024)
     """
     dim = 256
-    return training.BlockConfig(batch=1, seq=sp * max(1, nbytes // (4 * dim)), dim=dim, heads=8, head_dim=32,
+    return train_block.BlockConfig(batch=1, seq=sp * max(1, nbytes // (4 * dim)), dim=dim, heads=8, head_dim=32,
                                 hidden=4 * dim)
 
 

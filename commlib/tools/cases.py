@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib import attention, context, plans, reference, uneven
+from commlib import attention, plans, reference, ring, ring_reference, sequence, uneven
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
 from commlib.uneven import split_sizes
@@ -57,7 +57,7 @@ ATTENTION = "ulysses_attention"
 #: Keywords of an attention case that shape its inputs (the others are `ulysses_attention`'s own).
 ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
 
-#: Context-parallel attention (`commlib.context`): rows of `context_table`, not of `case_table` (whose readers
+#: Context-parallel attention (`commlib.ring`): rows of `context_table`, not of `case_table` (whose readers
 #: walk `case.plan()`); `commlib parity` runs both (`parity_table`).
 CONTEXT_OPS = ("ring_attention", "usp_attention")
 
@@ -294,14 +294,14 @@ def context_kwargs(case: Case) -> dict[str, object]:
     return {key: value for key, value in case.kwargs if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size")}
 
 
-def context_plan(case: Case) -> context.RingPlan:
+def context_plan(case: Case) -> ring.RingPlan:
     """The row's plan (every rank's is the same): the spec's error for an invalid row."""
     ring_size, ulysses_size, _ = context_layout(case)
     rows = case.shape[1] // case.world_size
     shapes = _attention_global_shapes(case)
     q, k, v = ((*shapes[name][:1], rows, *shapes[name][2:]) for name in "qkv")
-    return context.ring_plan(q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size,
-                             op_name=case.op, **context_kwargs(case))
+    return ring.ring_plan(q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size,
+                          op_name=case.op, **context_kwargs(case))
 
 
 def _context_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
@@ -309,7 +309,7 @@ def _context_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
     contiguous cuts, so that every rank still has inputs to be refused with)."""
     ring_size, ulysses_size, layout = context_layout(case)
     try:
-        return context.shard_sequence(whole, 1, ring_size, layout, ulysses_size)
+        return sequence.shard_sequence(whole, 1, ring_size, layout, ulysses_size)
     except CommError:
         return np.array_split(whole, case.world_size, axis=1)
 
@@ -489,7 +489,7 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
     if case.op in CONTEXT_OPS:
         ring_size, ulysses_size, layout = context_layout(case)
         kwargs = context_kwargs(case)
-        outs, *grads = context.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
+        outs, *grads = ring_reference.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
                                          causal=kwargs.get("causal", False), scale=kwargs.get("scale"),
                                          layout=layout, ulysses_size=ulysses_size)
         return outs, dict(zip("qkv", grads, strict=True))

@@ -1,4 +1,4 @@
-"""``commlib parity --workload train``: the block of `commlib.training` trained a few SGD steps in float64 on
+"""``commlib parity --workload train``: the block of `commlib.tools.train_block` trained a few SGD steps in float64 on
 every SP x TP mesh, through torch (W gloo ranks) and JAX (shard_map with check_vma on and off, pmap), each
 rank's loss and every parameter's gradient per step compared with the numpy reference, and torch with JAX.
 
@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from commlib import training
 from commlib.errors import CommError
-from commlib.tools import progress
+from commlib.tools import progress, train_block
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 
 __all__ = ["STEPS", "TOLERANCE", "UNSHARDED", "History", "TrainResults", "check", "compare", "cross", "expected",
@@ -40,12 +39,12 @@ def _case(mesh: tuple[int, int] | None) -> str:
 
 def write(directory: Path, world_size: int, seed: int) -> None:
     """The workload's inputs for the runners: the block's sizes, the meshes, the initial parameters and data."""
-    config = training.BlockConfig.for_world_size(world_size, steps=STEPS)
-    params, x, target = training.init(config, seed)
+    config = train_block.BlockConfig.for_world_size(world_size, steps=STEPS)
+    params, x, target = train_block.init(config, seed)
     directory.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, Any] = {"x": x, "target": target, **{f"param|{name}": value for name, value in params.items()}}
     np.savez(directory / "train.npz", **arrays)
-    meta = {"config": dataclasses.asdict(config), "meshes": training.meshes(world_size), "seed": seed}
+    meta = {"config": dataclasses.asdict(config), "meshes": train_block.meshes(world_size), "seed": seed}
     (directory / "train.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -53,16 +52,16 @@ def read(directory: Path):
     """``(config, params, x, target, meshes)`` as `write` stored them."""
     meta = json.loads((directory / "train.json").read_text())
     with np.load(directory / "train.npz") as data:
-        params = {name: data[f"param|{name}"] for name in training.TP_DIM}
+        params = {name: data[f"param|{name}"] for name in train_block.TP_DIM}
         x, target = data["x"], data["target"]
-    return training.BlockConfig(**meta["config"]), params, x, target, [tuple(mesh) for mesh in meta["meshes"]]
+    return train_block.BlockConfig(**meta["config"]), params, x, target, [tuple(mesh) for mesh in meta["meshes"]]
 
 
 def unshard_gradients(grads: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
     """The unsharded gradients from SP rank 0's TP ranks: ``{name: [sp, tp, ...]} -> {name: full}``."""
     full = {}
     for name, ranks in grads.items():
-        dim = training.TP_DIM[name]
+        dim = train_block.TP_DIM[name]
         full[name] = ranks[0, 0] if dim is None else np.concatenate([ranks[0, t] for t in range(tp)], axis=dim)
     return full
 
@@ -106,18 +105,18 @@ def _load(directory: Path) -> tuple[list[dict], dict[str, History]]:
             continue
         key = f"{entry['mode']}|{_case(entry['mesh'] and tuple(entry['mesh']))}"
         histories[key] = [(stored[f"{key}|{step}|loss"], {name: stored[f"{key}|{step}|{name}"]
-                                                          for name in training.TP_DIM})
+                                                          for name in train_block.TP_DIM})
                           for step in range(entry["steps"])]
     return meta["runs"], histories
 
 
-def reference(config: training.BlockConfig, params, x, target, steps: int) -> list[tuple[float, dict]]:
+def reference(config: train_block.BlockConfig, params, x, target, steps: int) -> list[tuple[float, dict]]:
     """The numpy block's (loss, gradients) at each of `steps` SGD steps."""
     trajectory = []
     for _ in range(steps):
-        loss, grads = training.loss_and_grads(config, params, x, target)
+        loss, grads = train_block.loss_and_grads(config, params, x, target)
         trajectory.append((loss, grads))
-        params = training.sgd(params, grads, config.lr)
+        params = train_block.sgd(params, grads, config.lr)
     return trajectory
 
 
@@ -136,7 +135,7 @@ def _errors(history: History, want: History) -> tuple[float, float, str]:
     loss_error, grad_error, worst = 0.0, 0.0, ""
     for step, ((losses, grads), (want_losses, want_grads)) in enumerate(zip(history, want, strict=True)):
         loss_error = max(loss_error, _relative(losses, want_losses))
-        for name in training.TP_DIM:
+        for name in train_block.TP_DIM:
             error = _relative(grads[name], want_grads[name])
             if error > grad_error:
                 grad_error, worst = error, f"worst: {name} at step {step + 1}"
@@ -148,7 +147,7 @@ def expected(trajectory, mesh: tuple[int, int] | None) -> History:
     sp, tp = mesh or (1, 1)
     history = []
     for loss, grads in trajectory:
-        ranks = {name: np.stack([np.stack([training.shard_parameter(name, value, tp, t) for t in range(tp)])] * sp)
+        ranks = {name: np.stack([np.stack([train_block.shard_parameter(name, value, tp, t) for t in range(tp)])] * sp)
                  for name, value in grads.items()}
         history.append((np.full((sp, tp), loss), ranks))
     return history

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from commlib import training
+from commlib.tools import train_block
 from commlib.tools.bench import TRAIN_STEP, train_step_config
 
 __all__ = ["bare_block_loss", "records", "steps"]
 
 
-def bare_block_loss(params: dict, x, target, config: training.BlockConfig):
+def bare_block_loss(params: dict, x, target, config: train_block.BlockConfig):
     """`commlib_jax.tools.train_block.block_loss` on the ("sp", "tp") axes, written on bare `jax.lax`."""
     import jax
     import jax.numpy as jnp
@@ -40,7 +40,7 @@ def bare_block_loss(params: dict, x, target, config: training.BlockConfig):
     return 0.5 * jnp.sum((y + m - target) ** 2) / config.tokens
 
 
-def steps(config: training.BlockConfig, mesh) -> dict[str, Callable]:
+def steps(config: train_block.BlockConfig, mesh) -> dict[str, Callable]:
     """{variant: jitted (params, x, target) -> (unsharded loss, gradients)} over `mesh`."""
     import jax
     from jax import lax
@@ -72,10 +72,10 @@ def _time(world_size: int, nbytes: int, repeats: int, warmup: int) -> dict[str, 
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    sp, tp = training.mesh_shape(world_size)
+    sp, tp = train_block.mesh_shape(world_size)
     config = train_step_config(nbytes, sp)
     mesh = Mesh(np.array(jax.devices()[:world_size]).reshape(sp, tp), ("sp", "tp"))
-    params, x, target = training.init(config, seed=0)
+    params, x, target = train_block.init(config, seed=0)
     args = ({name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
             jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
     compiled = steps(config, mesh)

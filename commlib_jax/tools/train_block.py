@@ -1,7 +1,7 @@
-"""The transformer block of `commlib.training` in JAX, for the examples, `commlib parity --workload train` and
+"""The transformer block of `commlib.tools.train_block` in JAX, for the examples, `commlib parity --workload train` and
 the tests: RMSNorm, Ulysses attention over the SP axis, a Megatron MLP over the TP axis (f = `sum_grad`
 before the column-parallel matmul, g = ``all_reduce(..., convention="replicated")`` after the row-parallel
-one) and the residuals. Parameters are a dict of arrays named as `commlib.training.TP_DIM`.
+one) and the residuals. Parameters are a dict of arrays named as `commlib.tools.train_block.TP_DIM`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import commlib_jax as cj
-from commlib import training
+from commlib.tools import train_block
 from commlib_jax.attention import attention, ulysses_attention
 
 __all__ = ["block_loss", "parameter_specs", "rms_norm"]
@@ -25,10 +25,10 @@ def rms_norm(x, weight, eps: float):
 def parameter_specs(tp_axis: str) -> dict[str, P]:
     """shard_map specs of the parameters: w_in split by columns and w_out by rows over `tp_axis`, the rest P()."""
     specs = {None: P(), 0: P(tp_axis, None), 1: P(None, tp_axis)}
-    return {name: specs[dim] for name, dim in training.TP_DIM.items()}
+    return {name: specs[dim] for name, dim in train_block.TP_DIM.items()}
 
 
-def block_loss(params: dict, x, target, config: training.BlockConfig, axes: tuple[str, str] | None = None):
+def block_loss(params: dict, x, target, config: train_block.BlockConfig, axes: tuple[str, str] | None = None):
     """This rank's loss: ``0.5 * sum((block(x) - target)^2) / (B * S)`` over its tokens.
 
     x, target: ``[B, S/SP, D]``, this rank's sequence block. `axes`: the (SP, TP) axis names of the enclosing

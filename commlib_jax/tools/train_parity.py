@@ -1,5 +1,5 @@
-"""JAX side of ``commlib parity --workload train``: the block of `commlib.training` trained on every SP x TP mesh
-in every mode, each rank's loss and gradients recorded per step (run by `commlib_jax.tools.parity_runner`).
+"""JAX side of ``commlib parity --workload train``: the block of `commlib.tools.train_block` trained on every SP x
+TP mesh in every mode, each rank's loss and gradients recorded per step (run by `commlib_jax.tools.parity_runner`).
 
 Modes: ``shard_map`` with check_vma on and off over a ("sp", "tp") mesh, and ``pmap`` (over the axis with more
 than one rank; on a 2-D mesh over SP with TP a ``vmap``, as jax has no nested pmap). The step is
@@ -16,8 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from commlib import training
-from commlib.tools import progress, train_parity
+from commlib.tools import progress, train_block, train_parity
 from commlib_jax.tools.train_block import block_loss, parameter_specs
 from commlib_jax.training import value_and_grad
 
@@ -35,7 +34,7 @@ def _split(x, parts: int, dim: int):
 def _pmapped(body, sp: int, tp: int):
     """`body` under ``jax.pmap`` over the mesh's devices: pmap over TP when SP is 1, else over SP with TP a
     ``jax.vmap`` (jax has no nested pmap). Arguments: params split over TP, x and target over SP."""
-    tp_axes = {name: None if dim is None else 0 for name, dim in training.TP_DIM.items()}
+    tp_axes = {name: None if dim is None else 0 for name, dim in train_block.TP_DIM.items()}
     if sp == 1 and tp > 1:
         inner = jax.pmap(body, axis_name="tp", in_axes=(tp_axes, None, None))
         return jax.vmap(inner, axis_name="sp", in_axes=(None, 0, 0))
@@ -50,7 +49,7 @@ def per_rank(body, mode: str, sp: int, tp: int):
         mapped = _pmapped(body, sp, tp)
 
         def split(params, x, target):
-            params = {name: value if training.TP_DIM[name] is None else _split(value, tp, training.TP_DIM[name])
+            params = {name: value if train_block.TP_DIM[name] is None else _split(value, tp, train_block.TP_DIM[name])
                       for name, value in params.items()}
             return mapped(params, _split(x, sp, 1), _split(target, sp, 1))
 
@@ -62,12 +61,12 @@ def per_rank(body, mode: str, sp: int, tp: int):
                          out_specs=P("sp", "tp"), check_vma=mode != "shard_map[check_vma=False]")
 
 
-def train_step(config: training.BlockConfig):
+def train_step(config: train_block.BlockConfig):
     """This rank's ``(params, x, target) -> (loss, grads)``: the torch recipe (`value_and_grad` over "sp")."""
     return value_and_grad(functools.partial(block_loss, config=config, axes=AXES), "sp")
 
 
-def run(config: training.BlockConfig, params: dict, x, target, mode: str, sp: int, tp: int, steps: int):
+def run(config: train_block.BlockConfig, params: dict, x, target, mode: str, sp: int, tp: int, steps: int):
     """`steps` SGD steps; per step every rank's (loss [sp, tp], {name: grads [sp, tp, ...]})."""
     step = jax.jit(per_rank(train_step(config), mode, sp, tp))
     params = {name: jnp.asarray(value) for name, value in params.items()}
@@ -80,7 +79,7 @@ def run(config: training.BlockConfig, params: dict, x, target, mode: str, sp: in
     return history
 
 
-def _unsharded(config: training.BlockConfig, params: dict, x, target, steps: int):
+def _unsharded(config: train_block.BlockConfig, params: dict, x, target, steps: int):
     """The block without communication on one device: the history of a 1 x 1 mesh."""
     step = jax.jit(jax.value_and_grad(functools.partial(block_loss, config=config)))
     history = []

@@ -1,7 +1,7 @@
-"""The transformer block of `commlib.training` in torch, for the examples, `commlib parity --workload train`
+"""The transformer block of `commlib.tools.train_block` in torch, for the examples, `commlib parity --workload train`
 and the tests: RMSNorm, Ulysses attention over the SP group, a Megatron MLP over the TP group (f =
 `sum_grad` before the column-parallel matmul, g = ``all_reduce(..., convention="replicated")`` after the
-row-parallel one) and the residuals. Parameters are a dict of tensors named as `commlib.training.TP_DIM`.
+row-parallel one) and the residuals. Parameters are a dict of tensors named as `commlib.tools.train_block.TP_DIM`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import commlib_torch as ct
-from commlib import training
+from commlib.tools import train_block
 from commlib_torch._groups import Group
 from commlib_torch.attention import attention, ulysses_attention
 
@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
-               config: training.BlockConfig,
+               config: train_block.BlockConfig,
                groups: tuple[Group, Group] | None = None) -> torch.Tensor:
     """This rank's loss: ``0.5 * sum((block(x) - target)^2) / (B * S)`` over its tokens.
 

@@ -1,4 +1,4 @@
-"""Torch side of ``commlib parity --workload train``: the block of `commlib.training` trained on every SP x TP
+"""Torch side of ``commlib parity --workload train``: the block of `commlib.tools.train_block` trained on every SP x TP
 mesh of a `WorkerPool`'s gloo ranks (groups from ``init_device_mesh``), each rank's loss and gradients recorded
 per step (run by `commlib_torch.tools.parity_runner`), and the unsharded block in the runner's own process.
 """
@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commlib import training
-from commlib.tools import progress, train_parity
+from commlib.tools import progress, train_block, train_parity
 from commlib_torch.tools.pool import WorkerError, WorkerPool
 from commlib_torch.tools.train_block import block_loss
 
@@ -25,7 +24,7 @@ def mesh_groups(sp: int, tp: int):
     return (mesh.get_group("sp"), mesh.get_group("tp")), (mesh.get_local_rank("sp"), mesh.get_local_rank("tp"))
 
 
-def train_step(params: dict[str, torch.Tensor], x, target, config: training.BlockConfig, groups):
+def train_step(params: dict[str, torch.Tensor], x, target, config: train_block.BlockConfig, groups):
     """One SGD step the torch way: this rank's backward, every gradient all_reduced over SP, then the update.
     Returns (the unsharded loss, {name: the unsharded gradient's block on this rank})."""
     loss = block_loss(params, x, target, config, groups)
@@ -41,13 +40,13 @@ def train_step(params: dict[str, torch.Tensor], x, target, config: training.Bloc
 
 def _local(config, params, x, target, sp, tp, coordinate):
     s, t = coordinate
-    tensors = {name: torch.from_numpy(training.shard_parameter(name, value, tp, t).copy()).requires_grad_()
+    tensors = {name: torch.from_numpy(train_block.shard_parameter(name, value, tp, t).copy()).requires_grad_()
                for name, value in params.items()}
-    block = lambda a: torch.from_numpy(training.shard_sequence(a, sp, s).copy())  # noqa: E731
+    block = lambda a: torch.from_numpy(train_block.sequence_block(a, sp, s).copy())  # noqa: E731
     return tensors, block(x), block(target)
 
 
-def run_mesh(context, config: training.BlockConfig, params, x, target, sp: int, tp: int):
+def run_mesh(context, config: train_block.BlockConfig, params, x, target, sp: int, tp: int):
     """A `WorkerPool` job: `config.steps` steps on the (sp, tp) mesh; this rank's ((s, t), [(loss, grads)])."""
     groups, coordinate = mesh_groups(sp, tp)
     tensors, x_local, target_local = _local(config, params, x, target, sp, tp, coordinate)
@@ -66,12 +65,12 @@ def _stacked(replies, sp: int, tp: int) -> train_parity.History:
     for step in range(steps):
         losses = np.array([[by_coordinate[(s, t)][step][0] for t in range(tp)] for s in range(sp)])
         grads = {name: np.stack([np.stack([by_coordinate[(s, t)][step][1][name] for t in range(tp)])
-                                 for s in range(sp)]) for name in training.TP_DIM}
+                                 for s in range(sp)]) for name in train_block.TP_DIM}
         history.append((losses, grads))
     return history
 
 
-def _unsharded(config: training.BlockConfig, params, x, target) -> train_parity.History:
+def _unsharded(config: train_block.BlockConfig, params, x, target) -> train_parity.History:
     tensors = {name: torch.from_numpy(value.copy()).requires_grad_() for name, value in params.items()}
     x, target = torch.from_numpy(x), torch.from_numpy(target)
     history = []

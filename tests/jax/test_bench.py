@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from commlib import training
+from commlib.tools import train_block
 from commlib.tools.bench import train_step_config
 from commlib_jax.tools import bench_train
 
@@ -14,8 +14,8 @@ from commlib_jax.tools import bench_train
 def test_train_step_variants_compute_the_unsharded_step():
     config = train_step_config(4096, 2)  # [1, 4, 256] activations per rank
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("sp", "tp"))
-    params, x, target = training.init(config, seed=0)
-    want_loss, want_grads = training.loss_and_grads(config, params, x, target)
+    params, x, target = train_block.init(config, seed=0)
+    want_loss, want_grads = train_block.loss_and_grads(config, params, x, target)
     args = ({name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
             jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
     for name, step in bench_train.steps(config, mesh).items():
@@ -30,13 +30,14 @@ def test_context_bench_variants_compute_the_reference():
     """The ring case and its all-gather-KV baseline (`commlib_jax.tools.bench_context`) both compute causal GQA
     attention on the whole zigzag sequence and its gradients (the float64 reference), so their times compare the
     same work; the wire bytes are the spec's counts."""
-    from commlib import context, shard_positions
+    from commlib import shard_positions
+    from commlib.ring_reference import reference
     from commlib.tools.bench import context_rows, context_wire
     from commlib_jax.tools import bench_context
 
     W, rows = 4, 4
     inputs = bench_context._inputs(W, rows)
-    expected = context.reference(*[list(np.asarray(x, np.float64)) for x in inputs], W, causal=True, layout="zigzag")
+    expected = reference(*[list(np.asarray(x, np.float64)) for x in inputs], W, causal=True, layout="zigzag")
     baseline = bench_context._all_gather_kv(shard_positions(rows * W, W, "zigzag"))
     for name, attend in (("ring", bench_context._attend("ring")), ("all-gather KV", baseline)):
         got = bench_context._step(attend, W, usp=False)(*inputs)

@@ -1,5 +1,5 @@
 """`commlib_jax.attention.ring_attention` and `usp_attention` on simulated CPU devices: every rank's output and dq,
-dk, dv against the float64 reference (`commlib.context.reference`: unsharded GQA attention at the shards' global
+dk, dv against the float64 reference (`commlib.ring_reference.reference`: unsharded GQA attention at the shards' global
 positions), the handed case, the parity table's ring and USP rows, what the custom_vjp saves for backward, the
 collectives of the program and their shapes (k/v travel with H_kv heads) and the modes the table leaves out.
 Bad input: the table of tests/bad_input.py (tests/test_bad_input.py), the same text in both frontends.
@@ -13,7 +13,7 @@ from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from commlib import CommError, context, shard_positions, shard_sequence
+from commlib import CommError, ring, ring_reference, shard_positions, shard_sequence
 from commlib.tools import cases, parity
 from commlib_jax.attention import ring_attention
 from commlib_jax.tools import parity_runner
@@ -61,7 +61,7 @@ def _run(mapped, whole, ring_size, layout, ulysses_size=1, dtype=jnp.float64):
 def _errors(got, whole, ring_size, layout, causal, ulysses_size=1):
     """Max abs error of (out, dq, dk, dv) over every shard against the float64 reference."""
     shards = [shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in whole]
-    expected = context.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
+    expected = ring_reference.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
     return [max(float(np.abs(mine[i] - theirs[i]).max()) for i in range(len(theirs)))
             for mine, theirs in zip(got, expected, strict=True)]
 
@@ -204,6 +204,56 @@ def test_permutes_and_wire():
     assert _permutes(gradient.jaxpr) == [block] * (2 * (W - 1) + 2 * (W - 1) + 2 * W)
     text = jax.jit(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum())).lower(inputs).as_text()
     assert [name for name in _COLLECTIVES if f'"stablehlo.{name}"' in text] == ["collective_permute"]
-    plan = context.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
-                             layout="zigzag")
+    plan = ring.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
+                          layout="zigzag")
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
+
+
+def _subjaxprs(eqn):
+    """(jaxpr, the eqn's invars feeding its invars) of every jaxpr inside `eqn` (cond: the branches take the
+    operands after the index)."""
+    for value in eqn.params.values():
+        for inner in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(inner, (core.Jaxpr, core.ClosedJaxpr)):
+                jaxpr = getattr(inner, "jaxpr", inner)
+                yield jaxpr, eqn.invars[len(eqn.invars) - len(jaxpr.invars):]
+
+
+def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
+    """For every ``ppermute`` the program runs (in order), whether its operand depends on a ``dot_general`` (the
+    attention of a step); `tainted`: the invars of `jaxpr` that do."""
+    found = []
+    for eqn in jaxpr.eqns:
+        computed = any(not isinstance(var, core.Literal) and var in tainted for var in eqn.invars)
+        if eqn.primitive.name == "ppermute":
+            found.append(computed)
+        out_tainted = computed or eqn.primitive.name == "dot_general"
+        for inner, feeding in _subjaxprs(eqn):
+            inner_tainted = {var for var, outer in zip(inner.invars, feeding, strict=True)
+                             if not isinstance(outer, core.Literal) and outer in tainted}
+            found += _permute_inputs_computed(inner, inner_tainted)
+            out_tainted = out_tainted or _computes(inner)
+        if out_tainted:
+            tainted.update(eqn.outvars)
+    return found
+
+
+def _computes(jaxpr) -> bool:
+    return any(eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in _subjaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_forward_permutes_do_not_wait_for_the_step(layout):
+    """The forward's permute of step t reads the k/v block step t attends with, never a result of that (or any)
+    step's attention: XLA may overlap them (the DESIGN's Overlap); the backward's dk/dv permutes do depend on it."""
+    W, B, S, H, H_kv, D = 4, 2, 16, 4, 2, 3
+    mesh, spec = _ring_mesh(W)
+    call = lambda q, k, v: ring_attention(q, k, v, "i", causal=True, layout=layout)  # noqa: E731
+    mapped = _mapped(call, mesh, spec)
+    inputs = [jnp.zeros((W, B, S // W, heads, D)) for heads in (H, H_kv, H_kv)]
+    cotangent = jnp.zeros((W, B, S // W, H, D))
+    forward = jax.make_jaxpr(lambda *xs: mapped(cotangent, *xs)[0])(*inputs)
+    assert _permute_inputs_computed(forward.jaxpr, set()) == [False] * 2 * (W - 1)
+    gradient = jax.make_jaxpr(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum()))(inputs)
+    assert any(_permute_inputs_computed(gradient.jaxpr, set()))

@@ -1,4 +1,4 @@
-"""docs/training.md, JAX side: the block of `commlib.training` with the torch recipe (f = sum_grad, g =
+"""docs/training.md, JAX side: the block of `commlib.tools.train_block` with the torch recipe (f = sum_grad, g =
 all_reduce(replicated), gradients summed over "sp"), on the 4 CPU devices of tests/jax/conftest.py.
 
 `commlib_jax.training.value_and_grad` gives the unsharded gradients in every mode and mesh; every row of the
@@ -18,15 +18,16 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commlib_jax as cj
-from commlib import CommError, training
+from commlib import CommError
+from commlib.tools import train_block
 from commlib.tools import train_parity as spec_parity
 from commlib_jax.tools import train_parity
 from commlib_jax.tools.train_block import block_loss, parameter_specs
 from commlib_jax.training import value_and_grad
 
-CONFIG = training.BlockConfig.for_world_size(4)
-PARAMS, X, TARGET = training.init(CONFIG, seed=0)
-LOSS, GRADS = training.loss_and_grads(CONFIG, PARAMS, X, TARGET)
+CONFIG = train_block.BlockConfig.for_world_size(4)
+PARAMS, X, TARGET = train_block.init(CONFIG, seed=0)
+LOSS, GRADS = train_block.loss_and_grads(CONFIG, PARAMS, X, TARGET)
 MODES = train_parity.MODES
 AXES = ("sp", "tp")
 #: The mesh of each mode's factor rows: pmap maps one axis, so its rows use SP 1 x TP 4 (pmap over TP).
@@ -53,7 +54,7 @@ def no_f_and_g_sum(monkeypatch):
 def _assert_factors(grads, replicated: float, sharded: float):
     """Every parameter's gradient is exactly `replicated` (or, for w_in / w_out, `sharded`) times the unsharded one."""
     for name, value in grads.items():
-        factor = replicated if training.TP_DIM[name] is None else sharded
+        factor = replicated if train_block.TP_DIM[name] is None else sharded
         np.testing.assert_allclose(np.asarray(value), factor * GRADS[name], rtol=1e-10, atol=1e-13, err_msg=name)
 
 

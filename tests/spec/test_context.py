@@ -1,4 +1,5 @@
-"""`commlib.context`: the sequence layouts, the ring schedule and its step rules, on W simulated numpy ranks.
+"""`commlib.sequence`, `commlib.ring`, `commlib.blockwise`, `commlib.ring_reference`: the sequence layouts, the
+ring schedule and its step rules, on W simulated numpy ranks.
 
 The layouts are checked against their definitions written here (chunk lists); the case table against the causal
 mask at global positions (every piece exactly the visible part of its pair, nothing visible left out); the
@@ -14,7 +15,10 @@ from hypothesis import strategies as st
 import commlib
 from commlib import CommError
 from commlib import attention as A
-from commlib import context as C
+from commlib.blockwise import NUMPY, attend, attend_vjp, delta, merge
+from commlib.ring import USP_OP, ring_plan
+from commlib.ring_reference import reference, simulate_ring
+from commlib.sequence import SEQUENCE_LAYOUTS
 
 TOLERANCE = 1e-10
 
@@ -32,7 +36,7 @@ def _chunks(seq, ring_size, layout):
 def _layouts(draw):
     """(S, W, layout, U) with S cut evenly."""
     ring_size, ulysses_size = draw(st.integers(1, 4)), draw(st.integers(1, 3))
-    layout = draw(st.sampled_from(C.SEQUENCE_LAYOUTS))
+    layout = draw(st.sampled_from(SEQUENCE_LAYOUTS))
     unit = ring_size * ulysses_size * (2 if layout == "zigzag" else 1)
     return unit * draw(st.integers(1, 3)), ring_size, layout, ulysses_size
 
@@ -70,13 +74,13 @@ def test_shard_unshard(setting, dim):
     np.testing.assert_array_equal(commlib.unshard_sequence(shards, dim, ring_size, layout, ulysses_size), x)
 
 
-@given(st.integers(1, 5), st.sampled_from(C.SEQUENCE_LAYOUTS), st.booleans(), st.integers(1, 3))
+@given(st.integers(1, 5), st.sampled_from(SEQUENCE_LAYOUTS), st.booleans(), st.integers(1, 3))
 def test_cases_are_the_visible_parts(ring_size, layout, causal, half):
     """Every (q block, kv block) pair: the pieces of its case cover exactly the pairs of positions the mask lets
     through, each piece's own mask exactly so; a rank's own block (step 0) gives every row a visible key."""
     rows = 2 * half
     shape = (1, rows, 2, 2)
-    plan = C.ring_plan(shape, shape, shape, ring_size, causal=causal, layout=layout)
+    plan = ring_plan(shape, shape, shape, ring_size, causal=causal, layout=layout)
     assert plan.case_table.shape == (ring_size, ring_size) and plan.case_table.dtype == np.int32
     assert plan.perm == tuple((r, (r + 1) % ring_size) for r in range(ring_size))
     for step in range(ring_size):
@@ -104,7 +108,7 @@ def test_cases_are_the_visible_parts(ring_size, layout, causal, half):
 def _rings(draw):
     """A ring call: W 1-4, layout, causal, kv heads 1-2 with a GQA group 1-3, batch 1-2, D 1-3, D_v 1-3."""
     ring_size = draw(st.integers(1, 4))
-    layout = draw(st.sampled_from(C.SEQUENCE_LAYOUTS))
+    layout = draw(st.sampled_from(SEQUENCE_LAYOUTS))
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     rows = draw(st.integers(1, 3)) * (2 if layout == "zigzag" else 1)
     return dict(ring_size=ring_size, layout=layout, causal=draw(st.booleans()), heads=kv_heads * group,
@@ -130,9 +134,9 @@ def test_simulated_ring_equals_attention(call, seed):
     whole = _draw_inputs(np.random.default_rng(seed), call["batch"], call["seq"], call["heads"], call["kv_heads"],
                          call["head_dim"], call["value_dim"])
     shards = [commlib.shard_sequence(x, 1, W, layout) for x in whole]
-    plan = C.ring_plan(*(s[0].shape for s in shards[:3]), W, causal=causal, layout=layout, dtypes=("float64",) * 3)
-    got = C.simulate_ring(plan, *shards)
-    want = C.reference(*shards, W, causal=causal, layout=layout)
+    plan = ring_plan(*(s[0].shape for s in shards[:3]), W, causal=causal, layout=layout, dtypes=("float64",) * 3)
+    got = simulate_ring(plan, *shards)
+    want = reference(*shards, W, causal=causal, layout=layout)
     assert max(_errors(got, want)) <= TOLERANCE
     # and the reference itself is attention at the shards' positions
     positions = commlib.shard_positions(call["seq"], W, layout)
@@ -145,16 +149,16 @@ def test_handed_case():
     """W=4, B=2, S=16, H=4, H_kv=2, D=3, float64, causal, zigzag (rank 0 holds positions 0, 1, 14, 15)."""
     whole = _draw_inputs(np.random.default_rng(12), 2, 16, 4, 2, 3, 3)
     shards = [commlib.shard_sequence(x, 1, 4, "zigzag") for x in whole]
-    plan = C.ring_plan(shards[0][0].shape, shards[1][0].shape, shards[2][0].shape, 4, causal=True, layout="zigzag",
+    plan = ring_plan(shards[0][0].shape, shards[1][0].shape, shards[2][0].shape, 4, causal=True, layout="zigzag",
                        dtypes=("float64",) * 3)
     assert plan.case_names == ("diagonal", "first-half", "second-half")
     assert plan.wire_elements() == 2 * 4 * 2 * (3 + 3)  # k and v unrepeated: B * S/W * H_kv * (D + D_v)
-    errors = _errors(C.simulate_ring(plan, *shards), C.reference(*shards, 4, causal=True, layout="zigzag"))
+    errors = _errors(simulate_ring(plan, *shards), reference(*shards, 4, causal=True, layout="zigzag"))
     print("handed case (simulated ranks) max errors out, dq, dk, dv:", errors)
     assert max(errors) <= TOLERANCE
 
 
-@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from(C.SEQUENCE_LAYOUTS), st.booleans(),
+@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from(SEQUENCE_LAYOUTS), st.booleans(),
        st.integers(0, 2**16))
 def test_simulated_usp_equals_attention(ring_size, ulysses_size, layout, causal, seed):
     """USP on W * U numpy ranks: the Ulysses all-to-all over the U shards of ring index r gathers ring block r
@@ -163,16 +167,16 @@ def test_simulated_usp_equals_attention(ring_size, ulysses_size, layout, causal,
     rows = 2 * ulysses_size
     whole = _draw_inputs(np.random.default_rng(seed), 2, rows * ring_size, heads, kv_heads, 2, 2)
     shards = [commlib.shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in whole]
-    plan = C.ring_plan(*(s[0].shape for s in shards[:3]), ring_size, causal=causal, layout=layout,
-                       ulysses_size=ulysses_size, op_name=C.USP_OP, dtypes=("float64",) * 3)
+    plan = ring_plan(*(s[0].shape for s in shards[:3]), ring_size, causal=causal, layout=layout,
+                       ulysses_size=ulysses_size, op_name=USP_OP, dtypes=("float64",) * 3)
     assert (plan.rows, plan.heads, plan.kv_heads) == (rows, 2, 1)
     gathered = [[[np.concatenate([np.array_split(x[r * ulysses_size + u], ulysses_size, axis=2)[h]
                                   for u in range(ulysses_size)], axis=1) for r in range(ring_size)]
                  for h in range(ulysses_size)] for x in shards]
-    results = [C.simulate_ring(plan, *(gathered[i][h] for i in range(4))) for h in range(ulysses_size)]
+    results = [simulate_ring(plan, *(gathered[i][h] for i in range(4))) for h in range(ulysses_size)]
     got = [[np.concatenate([np.array_split(results[h][i][r], ulysses_size, axis=1)[u] for h in range(ulysses_size)],
                            axis=2) for r in range(ring_size) for u in range(ulysses_size)] for i in range(4)]
-    want = C.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
+    want = reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
     assert max(_errors(got, want)) <= TOLERANCE
 
 
@@ -181,43 +185,43 @@ def test_step_rules_on_one_piece():
     halves of the keys equals attention over both."""
     rng = np.random.default_rng(3)
     q, k, v, d_out = _draw_inputs(rng, 2, 5, 4, 2, 3, 2)
-    out, lse = C.attend(C.NUMPY, q, k, v, 0.5, "causal-diagonal")
+    out, lse = attend(NUMPY, q, k, v, 0.5, "causal-diagonal")
     np.testing.assert_allclose(out, A.attention(q, k, v, causal=True, scale=0.5), atol=TOLERANCE)
-    grads = C.attend_vjp(C.NUMPY, q, k, v, d_out, lse, C.delta(C.NUMPY, out, d_out), 0.5, "causal-diagonal")
+    grads = attend_vjp(NUMPY, q, k, v, d_out, lse, delta(NUMPY, out, d_out), 0.5, "causal-diagonal")
     for got, want in zip(grads, A.attention_vjp(q, k, v, d_out, causal=True, scale=0.5), strict=True):
         np.testing.assert_allclose(got, want, atol=TOLERANCE)
-    first, second = C.attend(C.NUMPY, q, k[:, :2], v[:, :2], 0.5, "full"), C.attend(C.NUMPY, q, k[:, 2:], v[:, 2:],
+    first, second = attend(NUMPY, q, k[:, :2], v[:, :2], 0.5, "full"), attend(NUMPY, q, k[:, 2:], v[:, 2:],
                                                                                     0.5, "full")
-    merged, _ = C.merge(C.NUMPY, *first, *second)
+    merged, _ = merge(NUMPY, *first, *second)
     np.testing.assert_allclose(merged, A.attention(q, k, v, scale=0.5), atol=TOLERANCE)
 
 
 def test_compute_dtype():
     shape = (1, 2, 2, 2)
-    assert C.ring_plan(shape, shape, shape, 2, dtypes=("bfloat16",) * 3).compute_dtype == "float32"
-    assert C.ring_plan(shape, shape, shape, 2, dtypes=("float64",) * 3).compute_dtype == "float64"
+    assert ring_plan(shape, shape, shape, 2, dtypes=("bfloat16",) * 3).compute_dtype == "float32"
+    assert ring_plan(shape, shape, shape, 2, dtypes=("float64",) * 3).compute_dtype == "float64"
 
 
 _Q, _KV = (1, 4, 4, 2), (1, 4, 2, 2)
 
 
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda: C.ring_plan((1, 3, 2, 2), (1, 3, 2, 2), (1, 3, 2, 2), 2, layout="zigzag"),
+    (lambda: ring_plan((1, 3, 2, 2), (1, 3, 2, 2), (1, 3, 2, 2), 2, layout="zigzag"),
      "ring_attention: seq (6) must be divisible by 2 * ring_size * ulysses_size (4) for layout 'zigzag'"),
-    (lambda: C.ring_plan(_Q, _KV, _KV, 2, layout="ring"),
+    (lambda: ring_plan(_Q, _KV, _KV, 2, layout="ring"),
      "ring_attention: layout ('ring') must be one of contiguous, zigzag"),
-    (lambda: C.ring_plan(_Q, (1, 4, 3, 2), (1, 4, 3, 2), 2),
+    (lambda: ring_plan(_Q, (1, 4, 3, 2), (1, 4, 3, 2), 2),
      "ring_attention: heads (4) must be divisible by kv heads (3)"),
-    (lambda: C.ring_plan(_Q, _KV, _KV, 2, ulysses_size=8, op_name=C.USP_OP),
+    (lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=8, op_name=USP_OP),
      "usp_attention: ulysses_size (8) must be <= heads (4)"),
-    (lambda: C.ring_plan(_Q, _KV, _KV, 2, ulysses_size=4, op_name=C.USP_OP),
+    (lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=4, op_name=USP_OP),
      "usp_attention: kv heads (2) must be divisible by ulysses_size (4)"),
-    (lambda: C.ring_plan((1, 4, 6, 2), (1, 4, 6, 2), (1, 4, 6, 2), 2, ulysses_size=4, op_name=C.USP_OP),
+    (lambda: ring_plan((1, 4, 6, 2), (1, 4, 6, 2), (1, 4, 6, 2), 2, ulysses_size=4, op_name=USP_OP),
      "usp_attention: heads (6) must be divisible by ulysses_size (4)"),
-    (lambda: C.ring_plan(_Q, _KV, _KV, 0), "ring_attention: ring_size (0) must be >= 1"),
-    (lambda: C.ring_plan((1, 0, 4, 2), (1, 0, 2, 2), (1, 0, 2, 2), 2), "ring_attention: seq (0) must be >= 1"),
-    (lambda: C.ring_plan(_Q, (1, 3, 2, 2), _KV, 2), "ring_attention: k seq (3) must equal q seq (4)"),
-    (lambda: C.ring_plan(_Q, _KV, _KV, 2, dtypes=("float32", "float64", "float32")),
+    (lambda: ring_plan(_Q, _KV, _KV, 0), "ring_attention: ring_size (0) must be >= 1"),
+    (lambda: ring_plan((1, 0, 4, 2), (1, 0, 2, 2), (1, 0, 2, 2), 2), "ring_attention: seq (0) must be >= 1"),
+    (lambda: ring_plan(_Q, (1, 3, 2, 2), _KV, 2), "ring_attention: k seq (3) must equal q seq (4)"),
+    (lambda: ring_plan(_Q, _KV, _KV, 2, dtypes=("float32", "float64", "float32")),
      "ring_attention: q, k, v dtypes (float32, float64, float32) must be equal"),
     (lambda: commlib.shard_positions(10, 4),
      "shard_positions: seq (10) must be divisible by ring_size * ulysses_size (4)"),
@@ -234,6 +238,6 @@ def test_errors(call, message):
 
 def test_kind_errors():
     with pytest.raises(TypeError, match="ring_attention: causal must be a bool, not int"):
-        C.ring_plan(_Q, _KV, _KV, 2, causal=1)
+        ring_plan(_Q, _KV, _KV, 2, causal=1)
     with pytest.raises(TypeError, match="shard_positions: ring_size must be an int, not float"):
         commlib.shard_positions(8, 2.0)

@@ -8,21 +8,21 @@ import numpy as np
 import pytest
 
 from commlib import CommError, training
-from commlib.tools import train_parity
+from commlib.tools import train_block, train_parity
 
-CONFIG = training.BlockConfig.for_world_size(4)
-PARAMS, X, TARGET = training.init(CONFIG, seed=0)
+CONFIG = train_block.BlockConfig.for_world_size(4)
+PARAMS, X, TARGET = train_block.init(CONFIG, seed=0)
 
 
-@pytest.mark.parametrize("name", list(training.TP_DIM))
+@pytest.mark.parametrize("name", list(train_block.TP_DIM))
 def test_reference_gradient_matches_finite_differences(name):
     """The directional derivative along a random direction, central differences, float64."""
-    _, grads = training.loss_and_grads(CONFIG, PARAMS, X, TARGET)
+    _, grads = train_block.loss_and_grads(CONFIG, PARAMS, X, TARGET)
     direction = np.random.default_rng(1).standard_normal(PARAMS[name].shape)
     step = 1e-6
 
     def loss(scale):
-        return training.loss_and_grads(CONFIG, {**PARAMS, name: PARAMS[name] + scale * direction}, X, TARGET)[0]
+        return train_block.loss_and_grads(CONFIG, {**PARAMS, name: PARAMS[name] + scale * direction}, X, TARGET)[0]
 
     numeric = (loss(step) - loss(-step)) / (2 * step)
     np.testing.assert_allclose(np.sum(grads[name] * direction), numeric, rtol=1e-7)
@@ -33,20 +33,20 @@ def test_reference_loss_is_a_mean_over_tokens_and_training_lowers_it():
     losses = [loss for loss, _ in trajectory]
     assert all(later < earlier for earlier, later in itertools.pairwise(losses))
     zero_output = {**PARAMS, "wo": np.zeros_like(PARAMS["wo"]), "w_out": np.zeros_like(PARAMS["w_out"])}
-    loss, _ = training.loss_and_grads(CONFIG, zero_output, X, TARGET)  # the block is the identity: z = x
+    loss, _ = train_block.loss_and_grads(CONFIG, zero_output, X, TARGET)  # the block is the identity: z = x
     np.testing.assert_allclose(loss, 0.5 * np.sum((X - TARGET) ** 2) / CONFIG.tokens, rtol=1e-14)
 
 
 def test_meshes_and_shards():
-    assert training.meshes(4) == [(4, 1), (2, 2), (1, 4)]
-    assert training.meshes(1) == [(1, 1)]
-    assert training.meshes(6) == [(6, 1), (3, 2), (2, 3), (1, 6)]
+    assert train_block.meshes(4) == [(4, 1), (2, 2), (1, 4)]
+    assert train_block.meshes(1) == [(1, 1)]
+    assert train_block.meshes(6) == [(6, 1), (3, 2), (2, 3), (1, 6)]
     for name, value in PARAMS.items():
-        blocks = [training.shard_parameter(name, value, 4, t) for t in range(4)]
-        dim = training.TP_DIM[name]
+        blocks = [train_block.shard_parameter(name, value, 4, t) for t in range(4)]
+        dim = train_block.TP_DIM[name]
         whole = blocks[0] if dim is None else np.concatenate(blocks, axis=dim)
         np.testing.assert_array_equal(whole, value)
-    np.testing.assert_array_equal(np.concatenate([training.shard_sequence(X, 4, s) for s in range(4)], axis=1), X)
+    np.testing.assert_array_equal(np.concatenate([train_block.sequence_block(X, 4, s) for s in range(4)], axis=1), X)
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
@@ -56,15 +56,15 @@ def test_meshes_and_shards():
 ])
 def test_mesh_shape_errors(arguments, message):
     with pytest.raises(CommError) as raised:
-        training.mesh_shape(*arguments)
+        train_block.mesh_shape(*arguments)
     assert str(raised.value) == message
 
 
 def test_shard_errors():
     with pytest.raises(CommError, match=r"training: seq \(8\) must be divisible by the mesh size \(3\)"):
-        training.shard_sequence(X, 3, 0)
+        train_block.sequence_block(X, 3, 0)
     with pytest.raises(CommError, match=r"training: rank \(4\) must be in \[0, 4\)"):
-        training.shard_parameter("w_in", PARAMS["w_in"], 4, 4)
+        train_block.shard_parameter("w_in", PARAMS["w_in"], 4, 4)
 
 
 def test_reduction_axes():

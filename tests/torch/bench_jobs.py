@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from commlib import training
+from commlib.tools import train_block
 from commlib.tools.bench import TRAIN_STEP, train_step_config
 from commlib_torch.tools import bench_train
 from commlib_torch.tools.bench_cases import CASES
@@ -18,14 +18,14 @@ def train_step_variants(ctx, nbytes: int):
     variants = CASES[TRAIN_STEP].build(ctx, nbytes)
     flat = {name: call() for name, call in variants.items()}
     difference = float((flat["commlib"] - flat["torch.distributed"]).abs().max())
-    sp, tp = training.mesh_shape(ctx.world_size)
+    sp, tp = train_block.mesh_shape(ctx.world_size)
     sp_group = bench_train._mesh(sp, tp).get_group("sp")
     summed = flat["commlib"].clone()
     dist.all_reduce(summed, group=sp_group)
     config = train_step_config(nbytes, sp)
     grads, offset = {}, 1
     for name, shape in config.shapes().items():  # the order of the case's parameters
-        local = training.shard_parameter(name, np.zeros(shape), tp, 0).shape
+        local = train_block.shard_parameter(name, np.zeros(shape), tp, 0).shape
         grads[name] = summed[offset:offset + int(np.prod(local))].reshape(local).double().numpy()
         offset += int(np.prod(local))
     return difference, float(summed[0]), grads

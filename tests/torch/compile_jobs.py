@@ -120,19 +120,19 @@ def block_eager_vs_compiled(context, backend: str, group_kind: str, steps: int =
     for `steps` SGD steps on this rank's parameters. `group_kind`: "process groups" (``mesh.get_group``) or
     "mesh dims" (``(mesh, "sp")``: resolved while tracing). Returns (graph breaks, graphs compiled, max relative
     loss difference, max relative gradient difference)."""
-    from commlib import training
+    from commlib.tools import train_block
     from commlib_torch.tools.train_block import block_loss
     from tests.torch.mesh_jobs import mesh
 
-    config = training.BlockConfig.for_world_size(4)
+    config = train_block.BlockConfig.for_world_size(4)
     grid = mesh()
     s, t = grid.get_local_rank("sp"), grid.get_local_rank("tp")
     groups = ((grid, "sp"), (grid, "tp")) if group_kind == "mesh dims" else (grid.get_group("sp"), grid.get_group("tp"))
-    params, x, target = training.init(config, seed=0)
-    x, target = (torch.from_numpy(training.shard_sequence(a, 2, s).copy()) for a in (x, target))
+    params, x, target = train_block.init(config, seed=0)
+    x, target = (torch.from_numpy(train_block.sequence_block(a, 2, s).copy()) for a in (x, target))
 
     def parameters():
-        return {name: torch.from_numpy(training.shard_parameter(name, value, 2, t).copy()).requires_grad_()
+        return {name: torch.from_numpy(train_block.shard_parameter(name, value, 2, t).copy()).requires_grad_()
                 for name, value in params.items()}
 
     def train(loss_fn, tensors):

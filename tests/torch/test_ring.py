@@ -93,7 +93,7 @@ def test_handed_case(pool):
                                   cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True,
                                                      layout="zigzag")], ids=lambda case: case.name)
 def test_spec_rules(pool, case):
-    """The pieces on the spec's einsum rules (`commlib.context.attend` / `attend_vjp`: CUDA's path, and CPU's
+    """The pieces on the spec's einsum rules (`commlib.blockwise.attend` / `attend_vjp`: CUDA's path, and CPU's
     where ``D_v != D``) instead of torch's CPU flash kernels: the same results."""
     replies = pool(4).run(jobs.spec_rules_call, case, cases.make_arrays(case, 0))
     row = _row(case, replies)

@@ -1,0 +1,305 @@
+"""The ring of ring attention and USP: its schedule (`ring_plan` -> `RingPlan`) and the one walk of it,
+forward and backward (`forward`, `backward`), over a small `RingBackend` that torch, JAX and the numpy
+reference implement.
+
+The schedule: the `permute` pairs of one ring step (rank r sends its current k/v block to r+1, so at step t
+rank r holds ring block ``(r - t) % W``), and for each step and rank the *case* of the (q block, kv block)
+pair: an index into a small table of static cases, each a tuple of `Piece`\\ s (q rows, kv rows, mask), the
+pieces the causal mask hides entirely left out. At step 0 every rank attends its own block with case 0, one
+piece over every row. The backward passes dk/dv with k/v the same way and one final hop brings them home.
+
+The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, sends a list of
+arrays one ring step, and picks the case of a step for its rank (torch and the reference know the rank; JAX
+switches on the traced axis index). The step math is `commlib.blockwise`'s.
+
+>>> plan = ring_plan((2, 4, 4, 3), (2, 4, 2, 3), (2, 4, 2, 3), 4, causal=True, layout="zigzag")
+>>> [plan.case_names[case] for case in plan.case_table[1]]  # step 1: rank r holds ring block r - 1
+['second-half', 'first-half', 'first-half', 'first-half']
+>>> plan.shared_case  # the case every rank has at each step (None: it depends on the rank)
+(0, None, None, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from commlib.attention import _check_int, _check_options, _check_shapes, _shown
+from commlib.blockwise import ArrayMath, delta, merge
+from commlib.errors import comm_error, kind_error
+from commlib.sequence import SEQUENCE_LAYOUTS, check_layout, positions
+
+__all__ = [
+    "RING_OP",
+    "USP_OP",
+    "Piece",
+    "RingPlan",
+    "ring_plan",
+    "second_order",
+    "RingBackend",
+    "forward",
+    "backward",
+]
+
+RING_OP = "ring_attention"
+USP_OP = "usp_attention"
+
+
+def second_order(op_name: str) -> TypeError:
+    """The error of differentiating ring / USP attention twice (torch: its backward is hand-written).
+
+    >>> print(second_order("ring_attention"))  # doctest: +ELLIPSIS
+    ring_attention: a second derivative is not supported: the backward is hand-written (first order); ...
+    """
+    message = ("a second derivative is not supported: the backward is hand-written (first order); take one "
+               "gradient, or use ulysses_attention, whose backward is autograd's own")
+    return kind_error(op_name, message, order=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schedule
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Part of one (q block, kv block) step: q rows ``q[0]:q[1]`` attend to kv rows ``kv[0]:kv[1]`` (local rows of
+    the blocks) under `mask` (one of `commlib.blockwise.MASKS`)."""
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    mask: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    """A validated `ring_attention` (or the ring of a `usp_attention`) call, the same on every rank; `forward`
+    and `backward` walk it."""
+
+    op_name: str
+    ring_size: int  # W, ranks of the ring
+    layout: str  # one of SEQUENCE_LAYOUTS
+    causal: bool
+    scale: float
+    batch: int
+    rows: int  # rows of q, k, v the ring walks on each rank (USP: the gathered ring block, S / W)
+    heads: int  # q heads on each rank (USP: H / U)
+    kv_heads: int  # k/v heads on each rank (USP: H_kv / U); they travel unrepeated
+    head_dim: int
+    value_dim: int
+    dtype: str
+    ulysses_size: int  # U (1: plain ring attention)
+    cases: tuple[tuple[Piece, ...], ...]  # the static cases; () where the mask hides the whole pair
+    case_names: tuple[str, ...]
+    case_index: tuple[tuple[int, ...], ...]  # [step][rank] -> index into `cases`
+    shared_case: tuple[int | None, ...]  # [step] -> the case of every rank at that step; None where ranks differ
+
+    @property
+    def perm(self) -> tuple[tuple[int, int], ...]:
+        """The `permute` pairs of one ring step: rank r sends to rank r + 1."""
+        return tuple((rank, (rank + 1) % self.ring_size) for rank in range(self.ring_size))
+
+    @property
+    def case_table(self) -> np.ndarray:
+        """int32 ``[W, W]``: ``case_table[t, r]`` is the case of rank r at step t (JAX indexes it with the traced
+        axis index and switches over `cases`)."""
+        return np.asarray(self.case_index, dtype=np.int32).reshape(self.ring_size, self.ring_size)
+
+    @property
+    def compute_dtype(self) -> str:
+        """Scores, the softmax and its LSE, the accumulated output and dk/dv: float64 for float64, else float32."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def group(self) -> int:
+        """q heads per kv head."""
+        return self.heads // self.kv_heads
+
+    def kv_block(self, step: int, rank: int) -> int:
+        """The ring block whose k/v rank `rank` holds at step `step`."""
+        return (rank - step) % self.ring_size
+
+    def positions(self, block: int) -> np.ndarray:
+        """Global positions of ring block `block`'s rows, in the order its rows hold them."""
+        return positions(self.rows * self.ring_size, self.ring_size, self.layout, 1)[block]
+
+    def wire_elements(self) -> int:
+        """Elements of k and v one rank sends per forward step: ``B * rows * H_kv * (D + D_v)`` (GQA: unrepeated)."""
+        return self.batch * self.rows * self.kv_heads * (self.head_dim + self.value_dim)
+
+
+def _cases(rows: int, causal: bool, layout: str) -> tuple[tuple[str, tuple[Piece, ...]], ...]:
+    """(name, pieces) of every static case of the layout; the index of each is what `case_table` holds. Case 0
+    (a rank's own block) is one piece over every row."""
+    every, half = (0, rows), rows // 2
+    full = ("full", (Piece(every, every, "full"),))
+    if not causal:
+        return (full,)
+    diagonal = ("diagonal", (Piece(every, every, "causal-diagonal"),))
+    if layout == "contiguous":
+        return diagonal, full, ("skip", ())
+    # zigzag: q chunks (r, 2W-1-r) against kv chunks (s, 2W-1-s)
+    return (diagonal,
+            ("first-half", (Piece(every, (0, half), "full"),)),  # s < r: every q row sees kv chunk s only
+            ("second-half", (Piece((half, rows), every, "full"),)))  # s > r: q chunk 2W-1-r sees both kv chunks
+
+
+def _case_of(causal: bool, rank: int, block: int) -> int:
+    """Index into `_cases`: 0 for the own block (and every non-causal pair), 1 for an earlier block, 2 later."""
+    if not causal or block == rank:
+        return 0
+    return 1 if block < rank else 2
+
+
+def _check_heads(op_name: str, heads: int, kv_heads: int, ulysses_size: int, received: dict) -> None:
+    if ulysses_size > heads:
+        raise comm_error(op_name, f"ulysses_size ({ulysses_size}) must be <= heads ({heads})", **received)
+    for name, count in (("heads", heads), ("kv heads", kv_heads)):
+        if count % ulysses_size:
+            raise comm_error(op_name, f"{name} ({count}) must be divisible by ulysses_size ({ulysses_size})",
+                             **received)
+
+
+def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None, layout="contiguous",
+              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP) -> RingPlan:
+    """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
+    ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
+
+    Shapes are one rank's inputs as the user holds them: q ``[B, S_r, H, D]``, k ``[B, S_r, H_kv, D]``, v
+    ``[B, S_r, H_kv, D_v]``, ``S = S_r * W * U``. The ring walks ``rows = S_r * U`` rows with ``H / U`` q and
+    ``H_kv / U`` kv heads (USP: after the Ulysses all-to-all).
+
+    >>> ring_plan((1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4), 2, layout="zigzag")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: ring_attention: seq (6) must be divisible by 2 * ring_size * ulysses_size (4) for layout 'zigzag'. Received: q_shape=(1, 3, 2, 4), k_shape=(1, 3, 2, 4), v_shape=(1, 3, 2, 4), ring_size=2, layout='zigzag', ulysses_size=1
+    """
+    shapes = dict(q=q_shape, k=k_shape, v=v_shape)
+    received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
+    received.update(ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
+    ring_size = _check_int("ring_size", ring_size, received, op_name)
+    ulysses_size = _check_int("ulysses_size", ulysses_size, received, op_name)
+    if layout not in SEQUENCE_LAYOUTS:
+        raise comm_error(op_name, f"layout ({layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}", **received)
+    checked = _check_shapes(shapes, received, op_name)
+    q, k, v = checked["q"], checked["k"], checked["v"]
+    _check_heads(op_name, q[2], k[2], ulysses_size, received)
+    check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
+    scale = _check_options(tuple(dtypes), causal, scale, q[3], received, op_name)
+    rows = q[1] * ulysses_size
+    named = _cases(rows, causal, layout)
+    index = tuple(tuple(_case_of(causal, rank, (rank - step) % ring_size) for rank in range(ring_size))
+                  for step in range(ring_size))
+    shared = tuple(step[0] if len(set(step)) == 1 else None for step in index)
+    return RingPlan(op_name, ring_size, layout, causal, scale, q[0], rows, q[2] // ulysses_size,
+                    k[2] // ulysses_size, q[3], v[3], str(dtypes[0]), ulysses_size,
+                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The walk
+# ---------------------------------------------------------------------------------------------------------
+
+class RingBackend(Protocol):
+    """What a walker of the ring implements, on one rank's arrays (a frontend's tensors, or the numpy
+    reference's W ranks at once). Arrays are ``[B, rows, heads, dim]`` (the LSE ``[B, rows, H]``); `rows` slices
+    dim 1. A backend may update an array in place and return it."""
+
+    @property
+    def math(self) -> ArrayMath:
+        """The array namespace of `commlib.blockwise.merge` / `delta`."""
+
+    def compute(self, x: Any) -> Any:
+        """`x` in the plan's compute dtype."""
+
+    def restore(self, x: Any, like: Any) -> Any:
+        """`x` (compute dtype) back in the dtype of `like` (the walk's outputs)."""
+
+    def zeros(self, like: Any) -> Any:
+        """Zeros of `like`'s shape in the compute dtype (the dq, dk, dv accumulators)."""
+
+    def attend(self, q: Any, k: Any, v: Any, mask: str) -> tuple[Any, Any]:
+        """One piece's ``(out, lse)`` (`commlib.blockwise.attend` at the plan's scale)."""
+
+    def attend_vjp(self, q: Any, k: Any, v: Any, out: Any, d_out: Any, lse: Any, delta: Any,
+                   mask: str) -> tuple[Any, Any, Any]:
+        """One piece's ``(dq, dk, dv)`` from the final `out` and `lse` (`commlib.blockwise.attend_vjp`)."""
+
+    def set_rows(self, x: Any, rows: slice, value: Any) -> Any:
+        """`x` with ``x[:, rows] = value``."""
+
+    def add_rows(self, x: Any, rows: slice, value: Any) -> Any:
+        """`x` with ``x[:, rows] += value``."""
+
+    def send(self, arrays: list[Any]) -> list[Any]:
+        """One ring step: every array of `arrays` from rank r to rank r + 1 (`RingPlan.perm`)."""
+
+    def switch(self, step: int, function: Callable[..., Any], *operands: Any) -> Any:
+        """``function(pieces, *operands)`` with the pieces of this rank's case at `step`."""
+
+
+def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any) -> Any:
+    """`function` (a case rule) on this rank's case at `step`: static where every rank has the same case."""
+    shared = plan.shared_case[step]
+    if shared is not None:
+        return function(backend, plan.cases[shared], *operands)
+    return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
+
+
+def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse):
+    """Merge the pieces of one case into this rank's (out, lse); `out` None: the first piece (step 0's own
+    block, every row) is the start."""
+    for piece in pieces:
+        rows, keys = slice(*piece.q), slice(*piece.kv)
+        part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], piece.mask)
+        if out is None:
+            out, lse = part_out, part_lse
+            continue
+        merged_out, merged_lse = merge(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
+        out, lse = backend.set_rows(out, rows, merged_out), backend.set_rows(lse, rows, merged_lse)
+    return out, lse
+
+
+def forward(plan: RingPlan, backend: RingBackend, q, k, v):
+    """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
+    softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step)."""
+    query = backend.compute(q)
+    out = lse = None
+    held = [k, v]
+    for step in range(plan.ring_size):
+        keys, values = backend.compute(held[0]), backend.compute(held[1])
+        out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse)
+        if step < plan.ring_size - 1:
+            held = backend.send(held)
+    return backend.restore(out, q), lse
+
+
+def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv):
+    """Add the pieces of one case to this rank's dq and the travelling dk, dv."""
+    for piece in pieces:
+        rows, keys = slice(*piece.q), slice(*piece.kv)
+        grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows], lse[:, rows],
+                                   delta[:, rows], piece.mask)
+        dq = backend.add_rows(dq, rows, grads[0])
+        dk, dv = backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
+    return dq, dk, dv
+
+
+def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out):
+    """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
+    (compute dtype) travelling with k/v, one more send of dk/dv at the end to bring them home."""
+    query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
+    rowsums = delta(backend.math, out_c, d_out_c)
+    dq = backend.zeros(q)
+    held = [k, v, backend.zeros(k), backend.zeros(v)]
+    for step in range(plan.ring_size):
+        keys, values = backend.compute(held[0]), backend.compute(held[1])
+        dq, dk, dv = _at_step(plan, backend, step, _backward_case, query, keys, values, out_c, d_out_c, lse,
+                              rowsums, dq, held[2], held[3])
+        if step < plan.ring_size - 1:
+            held = backend.send([held[0], held[1], dk, dv])
+        else:
+            held = [held[0], held[1], *backend.send([dk, dv])]
+    return backend.restore(dq, q), backend.restore(held[2], k), backend.restore(held[3], v)

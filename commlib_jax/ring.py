@@ -1,0 +1,193 @@
+"""Ring attention and USP over `jax.lax` (inside ``shard_map`` / ``pmap``): context parallelism past the head
+count.
+
+The spec (`commlib.ring`) validates the call, owns the schedule and walks it, forward and backward
+(`commlib.ring.forward` / `backward`); this module gives that walk its JAX backend (`_AxisBackend`) inside one
+`jax.custom_vjp`: the forward passes k/v around the ring with `permute` and merges each step's partial attention
+into (out, lse), the backward passes dk/dv the same way, recomputing the probabilities of each step from the
+saved LSE. What it saves for backward is q, k, v, out and the LSE: O(S/W) per rank.
+
+The walk is unrolled (W steps in the program); the `permute` of a step reads the block the step computes with,
+never its result, so XLA may overlap them. The plan is the same on every rank; where ranks differ in the case
+of a step, ``plan.case_table[t, rank]`` is indexed with the traced ``lax.axis_index`` and dispatched by
+``lax.switch`` over the plan's static cases (a skipped case is a branch that returns its accumulators
+unchanged). The step math is `commlib.blockwise`'s over jax.numpy, in `RingPlan.compute_dtype`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from commlib import blockwise
+from commlib import ring as spec
+from commlib_jax._op import axis_size
+from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
+from commlib_jax._walk import dtype_name, rank
+from commlib_jax.functional import all_to_all_4d, permute
+
+__all__ = ["ring_attention", "usp_attention", "ring"]
+
+MATH = blockwise.ArrayMath(jnp)
+
+
+def ring(plan: spec.RingPlan, axes: tuple, q, k, v):
+    """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
+    q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block."""
+    varying = tuple(sorted(set(axes) | varying_axes(q) | varying_axes(k) | varying_axes(v), key=str))
+    q, k, v = (to_varying(x, varying) for x in (q, k, v))
+    return _ring(plan, axes, q, k, v)
+
+
+class _AxisBackend:
+    """`commlib.ring.RingBackend` on this device's arrays: functional row updates, a ring step one `permute`
+    per array, the case of a step switched on the traced rank."""
+
+    math = MATH
+
+    def __init__(self, plan: spec.RingPlan, axes: tuple) -> None:
+        self.plan, self.axes = plan, axes
+
+    def compute(self, x):
+        return x.astype(self.plan.compute_dtype)
+
+    def restore(self, x, like):
+        return x.astype(like.dtype)
+
+    def zeros(self, like):
+        """Zeros typed varying as `like` (the branches of ``lax.switch`` must agree on it)."""
+        return to_varying(jnp.zeros(like.shape, self.plan.compute_dtype), tuple(varying_axes(like)))
+
+    def attend(self, q, k, v, mask: str):
+        return blockwise.attend(MATH, q, k, v, self.plan.scale, mask)
+
+    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+        return blockwise.attend_vjp(MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask)
+
+    def set_rows(self, x, rows: slice, value):
+        return x.at[:, rows].set(value)
+
+    def add_rows(self, x, rows: slice, value):
+        return x.at[:, rows].add(value)
+
+    def send(self, arrays: list) -> list:
+        return [permute(x, axis_arg(self.axes), self.plan.perm) for x in arrays]
+
+    def switch(self, step: int, function, *operands):
+        case = jnp.asarray(self.plan.case_table[step])[rank(self.axes)]
+        branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
+        return jax.lax.switch(case, branches, *operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(plan: spec.RingPlan, axes: tuple, q, k, v):
+    return spec.forward(plan, _AxisBackend(plan, axes), q, k, v)[0]
+
+
+def _ring_forward(plan: spec.RingPlan, axes: tuple, q, k, v):
+    out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals, cotangent):
+    q, k, v, out, lse = residuals
+    return spec.backward(plan, _AxisBackend(plan, axes), q, k, v, out, lse, cotangent)
+
+
+_ring.defvjp(_ring_forward, _ring_backward)
+
+
+def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None,
+                   layout: str = "contiguous"):
+    """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
+    `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
+    q's dtype; equal to `attention` on the whole sequence, cut back the same way.
+
+    Args:
+        q, k, v: this rank's shard of the sequence: the global positions ``commlib.shard_positions(S, W,
+            layout)[rank]`` (`commlib.shard_sequence` cuts a whole array so). ``H % H_kv == 0`` (MHA, GQA, MQA).
+        axis_name: a mesh axis name of the enclosing ``shard_map`` / ``pmap``, or a tuple of them (ranks
+            row-major in the order given); W ranks.
+        causal: a query sees the keys at global positions <= its own. Pairs of blocks the mask hides entirely
+            are skipped.
+        scale: the softmax scale (default ``1 / sqrt(D)``).
+        layout: "contiguous" (rank r holds positions ``[r S/W, (r+1) S/W)``) or "zigzag" (the sequence cut into
+            2W chunks, rank r holds chunk r then chunk 2W-1-r: the same causal work on every rank).
+
+    W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
+    float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
+    hand-written backward that passes dk and dv around the ring (W hops) and recomputes each step's scores from
+    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W).
+
+    Four devices in a ring, each given its zigzag shard of the whole sequence (``commlib.shard_positions``),
+    give the rows of attention on the whole sequence:
+
+    >>> import jax, numpy as np, commlib
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from commlib_jax.attention import attention, ring_attention
+    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("ring",))
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))  # whole sequence
+    >>> rows = commlib.shard_positions(16, 4, "zigzag").reshape(-1)  # rank 0's rows, then rank 1's, ...
+    >>> ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "ring", causal=True, layout="zigzag"),
+    ...                      mesh=mesh, in_specs=P(None, "ring"), out_specs=P(None, "ring"))
+    >>> out = ring(q[:, rows], k[:, rows], v[:, rows])
+    >>> bool(np.allclose(out, attention(q, k, v, causal=True)[:, rows], atol=1e-5))
+    True
+
+    Raises:
+        CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
+            by W (contiguous) or 2W (zigzag), an unknown layout, unequal dtypes; `axis_name` not bound.
+        TypeError: wrong kinds (causal not a bool, scale not a number, axis names).
+    """
+    axes = axes_of(axis_name)
+    size = axis_size(spec.RING_OP, axes)
+    plan = spec.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
+                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
+    return ring(plan, axes, q, k, v)
+
+
+def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, scale: float | None = None,
+                  layout: str = "contiguous"):
+    """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
+    D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
+    to `attention` on the whole sequence, cut back the same way.
+
+    Args:
+        q, k, v: this rank's shard: at Ulysses index u and ring index r, shard ``r U + u``, the global positions
+            ``commlib.shard_positions(S, R, layout, ulysses_size=U)[r * U + u]``. H and H_kv divisible by U.
+        ulysses_axis: the mesh axis (or tuple of axes) of the U ranks of one Ulysses group.
+        ring_axis: the mesh axis (or tuple of axes) of the R ranks of one ring.
+        causal, scale, layout: as in `ring_attention` (the layout of the ring blocks).
+
+    ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
+    H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
+    three.
+
+    A 2 x 2 mesh (ring index r, Ulysses index u: shard ``r * U + u``, the mesh's row-major order):
+
+    >>> import jax, numpy as np, commlib
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from commlib_jax.attention import attention, usp_attention
+    >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "ulysses"))
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 4, 8)) for i in range(3))
+    >>> rows = commlib.shard_positions(16, 2, "zigzag", ulysses_size=2).reshape(-1)
+    >>> usp = jax.shard_map(lambda q, k, v: usp_attention(q, k, v, "ulysses", "ring", causal=True, layout="zigzag"),
+    ...                     mesh=mesh, in_specs=P(None, ("ring", "ulysses")), out_specs=P(None, ("ring", "ulysses")))
+    >>> out = usp(q[:, rows], k[:, rows], v[:, rows])
+    >>> bool(np.allclose(out, attention(q, k, v, causal=True)[:, rows], atol=1e-5))
+    True
+
+    Raises:
+        CommError: as `ring_attention` (S divisible by R U, or 2 R U for zigzag), and U larger than H or not
+            dividing H and H_kv.
+        TypeError: as `ring_attention`.
+    """
+    ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
+    ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
+    plan = spec.ring_plan(q.shape, k.shape, v.shape, axis_size(spec.USP_OP, ring_axes), causal=causal,
+                             scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+                             ulysses_size=ulysses_size, op_name=spec.USP_OP)
+    q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
+    return all_to_all_4d(ring(plan, ring_axes, q, k, v), ulysses_axis, 1, 2)
