@@ -10,8 +10,8 @@ same text for the same mistake.
 Shapes below: W = world_size; ``s`` = this rank's input shape.
 
 >>> plan = all_to_all_4d((2, 8, 12, 64), 4, scatter_dim=2, gather_dim=1)
->>> plan.out_shape, plan.collective.value, plan.copies
-((2, 32, 3, 64), 'all_to_all', 2)
+>>> plan.out_shape, plan.step, plan.copies
+((2, 32, 3, 64), AllToAll(scatter_dim=2, gather_dim=1), 2)
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from commlib import uneven
 from commlib.dtypes import carrier, kind
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.layout import (
-    Collective,
+    PLAIN,
+    Arithmetic,
     Convention,
+    Exact,
+    Layout,
+    Padded,
     Plan,
     all_gather_layout,
     all_to_all_layout,
@@ -35,6 +39,20 @@ from commlib.layout import (
 )
 from commlib.plan_cache import cached_plan
 from commlib.reduce_op import FLOAT_FORMATS, ReduceOp, is_floating, parse_reduce_op
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+    Step,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -168,21 +186,22 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
     return None if accum == dtype else accum
 
 
-def _reduction_fields(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, carried, received: dict,
-                      world_size: int) -> dict:
-    """The Plan fields of a reduction's dtypes and scale: the accumulation dtype (the user's, or a wider
-    carrier), the same-size carrier, the scale (1/W for avg) and whether it applies before the sum."""
+def _reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, carried, received: dict,
+               world_size: int) -> tuple[Arithmetic, str | None]:
+    """A reduction's arithmetic -- the accumulation dtype (the user's, or a wider one the backend carries), the
+    scale (1/W for avg) and whether it applies before the sum -- and its wire view (`Plan.wire_view`)."""
     accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
     view, cast = carrier(op_name, dtype, reduce_op, carried, received)
     is_avg = reduce_op is ReduceOp.AVG
-    return dict(accum_dtype=cast or accum, carrier=view, scale=1.0 / world_size if is_avg else 1.0,
-                scale_first=is_avg and dtype in HALF_DTYPES)
+    arithmetic = Arithmetic(scale=1.0 / world_size if is_avg else 1.0, scale_first=is_avg and dtype in HALF_DTYPES,
+                            accum_dtype=cast or accum)
+    return arithmetic, view
 
 
-def _movement_fields(op_name: str, dtype: str, carried, received: dict) -> dict:
-    """The Plan field of data movement: the same-size dtype the backend carries `dtype`'s bits in, if any."""
+def _wire_view(op_name: str, dtype: str, carried, received: dict) -> str | None:
+    """Data movement's `Plan.wire_view`: the same-size dtype the backend moves `dtype`'s bits as, if any."""
     view, _ = carrier(op_name, dtype, None, carried, received)
-    return dict(carrier=view)
+    return view
 
 
 def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
@@ -320,16 +339,17 @@ def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) ->
     return tuple((int(source), int(destination)) for source, destination in pairs)
 
 
-def _uneven(fields: dict, shape: tuple[int, ...], rank: object, received: dict, *, scatter: uneven.Sizes | None = None,
-            gather: uneven.Sizes | None = None) -> Plan | None:
-    """The uneven plan of a call with sizes (`commlib.uneven.plan`), None where they are all equal: exact on
-    `rank`, padded where `rank` is None."""
-    op_name, world_size = fields["op_name"], fields["world_size"]
+def _uneven(op_name: str, step: Step, shape: tuple[int, ...], world_size: int, rank: object, received: dict, *,
+            scatter: uneven.Sizes | None = None,
+            gather: uneven.Sizes | None = None) -> tuple[Layout, Exact | Padded] | None:
+    """The layout and sizes of a call with uneven sizes (`commlib.uneven.plan`), None where they are all equal:
+    exact on `rank`, padded where `rank` is None."""
     arguments = {key: value for key, value in received.items() if key != "shape"}  # the same on every rank
     arguments.update({sizes.keyword: sizes.shown for sizes in (scatter, gather) if sizes is not None})
     if rank is not None:
         rank = check_rank(op_name, "rank", rank, world_size, {**arguments, "rank": rank})
-    return uneven.plan(fields, shape, scatter=scatter, gather=gather, rank=rank, received=arguments)
+    return uneven.plan(op_name, step, shape, world_size, scatter=scatter, gather=gather, rank=rank,
+                       received=arguments)
 
 
 def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
@@ -344,16 +364,16 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
                op_name="all_reduce", carried=None) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
-    >>> all_reduce((3,), 4, "avg").scale
+    >>> all_reduce((3,), 4, "avg").arithmetic.scale
     0.25
     """
     received = dict(shape=tuple(shape), op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
-    fields = _reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
-    return Plan(op_name=op_name, collective=Collective.ALL_REDUCE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, reduce_op=reduce_op, convention=_check_convention(op_name, convention, received),
-                **fields, **flat_layout(shape, in_place=True))
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
+    return Plan(op_name=op_name, step=AllReduce(reduce_op), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), dtype=dtype,
+                convention=_check_convention(op_name, convention, received), arithmetic=arithmetic, wire_view=view)
 
 
 @cached_plan
@@ -372,13 +392,13 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  convention=_check_convention(op_name, convention, received),
-                  **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
+    step, checked = AllGather(dim), _check_convention(op_name, convention, received)
+    view = _wire_view(op_name, dtype, carried, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, convention=checked, wire_view=view, uneven=held)
 
 
 @cached_plan
@@ -400,14 +420,15 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    fields = dict(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, dims=(dim,),
-                  dtype=dtype, reduce_op=reduce_op,
-                  **_reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
+    step = ReduceScatter(dim, reduce_op)
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    if not sized:
+        _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, dtype=dtype,
+                arithmetic=arithmetic, wire_view=view, uneven=held)
 
 
 @cached_plan
@@ -440,16 +461,16 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
     if scatter_sizes is None:
         _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
-    fields = dict(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size,
-                  dims=(scatter_axis, gather_axis), dtype=dtype, **_movement_fields(op_name, dtype, carried, received))
+    step, view = AllToAll(scatter_axis, gather_axis), _wire_view(op_name, dtype, carried, received)
+    sized = None
     if scatter_sizes is not None or gather_sizes is not None:
         gathered = dim_names[gather_axis] if dim_names else f"size of gather_dim {gather_axis}"
-        plan = _uneven(fields, shape, rank, received,
-                       scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
-                       gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
-        if plan is not None:
-            return plan
-    return Plan(**fields, in_shape=shape, **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
+        sized = _uneven(op_name, step, shape, world_size, rank, received,
+                        scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
+                        gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
+    layout, held = sized or (all_to_all_layout(shape, world_size, scatter_axis, gather_axis), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
@@ -484,15 +505,15 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
 def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
-    >>> broadcast((3,), 2, src=1).root
+    >>> broadcast((3,), 2, src=1).step.root
     1
     """
     received = dict(shape=tuple(shape), src=src)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
-    return Plan(op_name=op_name, collective=Collective.BROADCAST, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=True))
+    return Plan(op_name=op_name, step=Broadcast(root), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, carried, received))
 
 
 @cached_plan
@@ -508,12 +529,12 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "dst", dst, world_size, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  root=root, **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
+    step, view = Gather(dim, root), _wire_view(op_name, dtype, carried, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
@@ -529,13 +550,14 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
     dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  root=root, **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
+    step, view = Scatter(dim, root), _wire_view(op_name, dtype, carried, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    if not sized:
+        _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
@@ -543,15 +565,15 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carr
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
 
-    >>> permute((3,), 4, [(0, 1), (1, 0)]).pairs
+    >>> permute((3,), 4, [(0, 1), (1, 0)]).step.pairs
     ((0, 1), (1, 0))
     """
     received = dict(shape=tuple(shape), perm=perm)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     pairs = _check_pairs(op_name, perm, world_size, received)
-    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, pairs=pairs, **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Permute(pairs), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, carried, received))
 
 
 @cached_plan
@@ -564,8 +586,9 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=
     """
     received = dict(shape=tuple(shape))
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    return Plan(op_name=op_name, collective=Collective.IDENTITY, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, convention=Convention.REPLICATED_INPUT, **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Identity(), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                convention=Convention.REPLICATED_INPUT)
 
 
 @cached_plan
@@ -574,7 +597,7 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
     the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
     compares them.
 
-    >>> point_to_point((3,), 2, 0, 1, op_name="recv").pairs
+    >>> point_to_point((3,), 2, 0, 1, op_name="recv").step.pairs
     ((0, 1),)
     """
     received = dict(shape=tuple(shape), src=src, dst=dst)
@@ -584,9 +607,9 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
     if source == destination:
         raise comm_error(op_name, f"dst ({destination}) must differ from src ({source}): a rank cannot send to itself",
                          **received)
-    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, pairs=((source, destination),), **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Permute(((source, destination),)), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, carried, received))
 
 
 @cached_plan
@@ -596,7 +619,7 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
     replicated input -- divided by W when `scale_grad`.
 
     >>> plan = shard((2, 8), 4, scale_grad=True)
-    >>> plan.out_shape, plan.collective.value, plan.convention, plan.grad_scale
+    >>> plan.out_shape, plan.step.name, plan.convention, plan.arithmetic.grad_scale
     ((2, 2), 'slice', 'replicated_input', 0.25)
     """
     received = dict(shape=tuple(shape), dim=dim)
@@ -606,9 +629,10 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
         raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
-    return Plan(op_name=op_name, collective=Collective.SLICE, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, convention=Convention.REPLICATED_INPUT, grad_scale=1.0 / world_size if scale_grad else 1.0,
-                **_movement_fields(op_name, dtype, carried, received), **local_layout(shape, chunk))
+    return Plan(op_name=op_name, step=Slice(dim), world_size=world_size, in_shape=shape,
+                layout=local_layout(shape, chunk), dtype=dtype, convention=Convention.REPLICATED_INPUT,
+                arithmetic=Arithmetic(grad_scale=1.0 / world_size if scale_grad else 1.0),
+                wire_view=_wire_view(op_name, dtype, carried, received))
 
 
 @cached_plan
@@ -617,7 +641,7 @@ def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="redu
     {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 
     >>> plan = reduce((3,), 4, dst=2, op="avg")
-    >>> plan.root, plan.scale
+    >>> plan.step.root, plan.arithmetic.scale
     (2, 0.25)
     >>> reduce((3,), 4, op="max")
     Traceback (most recent call last):
@@ -630,6 +654,6 @@ def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="redu
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    fields = _reduction_fields(op_name, reduce_op, dtype, None, carried, received, world_size)
-    return Plan(op_name=op_name, collective=Collective.REDUCE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, reduce_op=reduce_op, root=root, **fields, **flat_layout(shape, in_place=True))
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, None, carried, received, world_size)
+    return Plan(op_name=op_name, step=Reduce(reduce_op, root), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), dtype=dtype, arithmetic=arithmetic, wire_view=view)

@@ -77,7 +77,7 @@ def at_boundary(step, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
     if torch.compiler.is_dynamo_compiling():
         return step(plan, x, group)
     try:
-        if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
+        if is_checked() and not plan.step.is_local and not torch.compiler.is_compiling():
             subject, phase = origin or (plan, "forward")
             exchange(subject, x, group, phase)
         return step(plan, x, group)

@@ -130,12 +130,12 @@ class DeviceCommunicator:
         return tensor
 
     def _transfer(self, plan: Plan, tensor: torch.Tensor, peer: int) -> None:
-        """send (this rank is the plan's source) or recv into `tensor`, as the plan's carrier if it has one."""
+        """send (the plan of a "send") or recv into `tensor`, viewed as the plan's wire dtype if it has one."""
         group = self.device_group
         if is_checked():
             exchange_pair(plan, tensor, group)
-        wire = tensor if plan.carrier is None else tensor.view(getattr(torch, plan.carrier))
-        transfer = dist.send if plan.pairs[0][0] == self.rank else dist.recv
+        wire = tensor if plan.wire_view is None else tensor.view(getattr(torch, plan.wire_view))
+        transfer = dist.send if plan.op_name == "send" else dist.recv
         transfer(wire, global_rank(group, peer), group)
 
     def destroy(self) -> None:

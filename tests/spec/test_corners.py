@@ -39,11 +39,12 @@ def test_nan_gradient_goes_to_the_nan_holders_split_equally(op, convention, fact
 @pytest.mark.parametrize("op_name", ["all_reduce", "reduce_scatter"])
 def test_half_precision_avg_scales_before_the_sum_and_so_does_its_backward(dtype, op_name):
     plan = getattr(plans, op_name)((4,), 2, op="avg", dtype=dtype)
-    assert plan.scale == 0.5 and plan.scale_first
+    assert plan.arithmetic.scale == 0.5 and plan.arithmetic.scale_first
     dual = gradients.vjp_plan(plan)
-    assert dual.scale == 0.5 and dual.scale_first  # the summed cotangent of all_reduce avg's backward too
-    assert not getattr(plans, op_name)((4,), 2, op="avg", dtype="float32").scale_first
-    assert not getattr(plans, op_name)((4,), 2, op="sum", dtype="float16").scale_first
+    # the summed cotangent of all_reduce avg's backward too
+    assert dual.arithmetic.scale == 0.5 and dual.arithmetic.scale_first
+    assert not getattr(plans, op_name)((4,), 2, op="avg", dtype="float32").arithmetic.scale_first
+    assert not getattr(plans, op_name)((4,), 2, op="sum", dtype="float16").arithmetic.scale_first
 
 
 def test_half_precision_avg_reference_value():
@@ -63,7 +64,7 @@ def test_complex_avg_forward_and_gradient():
     cotangents = [np.array([1j, 2.0]), np.array([2.0, 1j])]
     for grad in reference.vjp(plan, xs, cotangents):  # real coefficients: the same map, no conjugation
         np.testing.assert_allclose(grad, [1 + 0.5j, 1 + 0.5j])
-    assert plans.reduce_scatter((4,), 2, op="avg", dtype="complex128").scale == 0.5
+    assert plans.reduce_scatter((4,), 2, op="avg", dtype="complex128").arithmetic.scale == 0.5
 
 
 @pytest.mark.parametrize("op", ["max", "min", "product"])
@@ -84,7 +85,7 @@ def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
     view, cast = dtypes.carrier("all_gather", dtype, None, GLOO)
     assert cast is None and view in GLOO and dtypes.bits(view) == dtypes.bits(dtype)
     plan = plans.all_gather((2, 3), 2, 0, dtype=dtype, carried=GLOO)
-    assert plan.carrier == view and plan.dtype == dtype
+    assert plan.wire_view == view and plan.dtype == dtype
 
 
 @pytest.mark.parametrize(("dtype", "op", "expected"), [
@@ -122,16 +123,16 @@ def test_inexact_reductions_are_refused(dtype, op, message):
 
 def test_float8_reductions_follow_the_spec_on_every_backend():
     """float8 max/min run in float32 and sum is refused even where the backend carries float8 (NCCL, XLA)."""
-    assert plans.all_reduce((3,), 2, "max", dtype="float8_e4m3fn").accum_dtype == "float32"
+    assert plans.all_reduce((3,), 2, "max", dtype="float8_e4m3fn").arithmetic.accum_dtype == "float32"
     with pytest.raises(CommError, match="not supported"):
         plans.all_reduce((3,), 2, "sum", dtype="float8_e4m3fn")
-    assert plans.all_gather((3,), 2, dtype="float8_e4m3fn").carrier is None  # movement: as it is
+    assert plans.all_gather((3,), 2, dtype="float8_e4m3fn").wire_view is None  # movement: as it is
 
 
 def test_carried_dtypes_need_no_carrier():
     for dtype in sorted(GLOO):
         assert dtypes.carrier("all_gather", dtype, None, GLOO) == (None, None)
-    assert plans.all_reduce((3,), 2, dtype="int16").carrier is None  # carried=None: every dtype
+    assert plans.all_reduce((3,), 2, dtype="int16").wire_view is None  # carried=None: every dtype
 
 
 def test_movement_without_a_same_size_dtype_is_refused():
@@ -157,7 +158,7 @@ def test_messages():
 def test_point_to_point_plans_of_both_ends_agree():
     send = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="send", carried=GLOO)
     recv = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="recv", carried=GLOO)
-    assert send.pairs == recv.pairs == ((1, 3),) and send.carrier == "float16"
+    assert send.step.pairs == recv.step.pairs == ((1, 3),) and send.wire_view == "float16"
     with pytest.raises(CommError, match=r"send: dst \(4\) must be in \[0, 4\)"):
         plans.point_to_point((2,), 4, 1, 4, op_name="send")
     with pytest.raises(CommError, match=r"recv: dst \(2\) must differ from src \(2\)"):
