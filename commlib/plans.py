@@ -22,7 +22,7 @@ import numpy as np
 
 from commlib import uneven
 from commlib.dtypes import carrier, kind
-from commlib.errors import CommError, comm_error, kind_error
+from commlib.errors import comm_error, kind_error
 from commlib.layout import (
     PLAIN,
     Arithmetic,
@@ -70,14 +70,9 @@ __all__ = [
     "sum_grad",
     "shard",
     "reduce",
+    "check_dim",
     "check_rank",
     "point_to_point",
-    "not_a_member",
-    "wrong_type",
-    "check_axis_names",
-    "no_vmap",
-    "unbound_axis",
-    "mesh_dim",
     "HALF_DTYPES",
 ]
 
@@ -135,7 +130,7 @@ def _check_world_size(op_name: str, world_size: object, received: dict) -> int:
     return size
 
 
-def _check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
+def check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
     """Normalise a possibly negative dim into [0, ndim)."""
     value = _check_int(op_name, name, dim, received)
     if not -ndim <= value < ndim:
@@ -202,108 +197,6 @@ def _wire_view(op_name: str, dtype: str, carried, received: dict) -> str | None:
     """Data movement's `Plan.wire_view`: the same-size dtype the backend moves `dtype`'s bits as, if any."""
     view, _ = carrier(op_name, dtype, None, carried, received)
     return view
-
-
-def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
-    """The error of a collective called on a rank outside its group (torch: the group's world size is -1 there).
-
-    >>> not_a_member("all_reduce", 2, [0, 1])
-    CommError('all_reduce: this rank (global rank 2) is not a member of the group (global ranks [0, 1]): only its members may call its collectives. Received: rank=2, group_ranks=[0, 1]')
-    """
-    ranks = [int(member) for member in group_ranks]
-    message = (f"this rank (global rank {rank}) is not a member of the group (global ranks {ranks}): only its "
-               f"members may call its collectives")
-    return comm_error(op_name, message, rank=rank, group_ranks=ranks)
-
-
-def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeError:
-    """The error of an op given something that is not the frontend's array type (a numpy array or a list given
-    to a torch op, a list given to a JAX op).
-
-    >>> wrong_type("all_reduce", "x", [1.0], "torch.Tensor")
-    TypeError("all_reduce: x must be a torch.Tensor, not list. Received: type='list'")
-    """
-    cls = type(value)
-    type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
-    return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
-
-
-def no_vmap(op_name: str) -> TypeError:
-    """The error of a torch op under ``torch.func.vmap`` (JAX's vmap is supported: its batch rules see the
-    axis names).
-
-    >>> print(no_vmap("all_reduce"))  # doctest: +ELLIPSIS
-    all_reduce: torch.func.vmap is not supported: each rank runs the collective once, not once per batch ...
-    """
-    message = ("torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; "
-               "put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and "
-               "functional_call work")
-    return kind_error(op_name, message, transform="vmap")
-
-
-def check_axis_names(op_name: str, axes: tuple) -> None:
-    """Raise unless `axes` (a JAX op's ``axis_name`` as a tuple) is one or more distinct mesh axis names (str).
-
-    >>> check_axis_names("all_reduce", ("sp", "sp"))
-    Traceback (most recent call last):
-    commlib.errors.CommError: all_reduce: axis_name (('sp', 'sp')) names 'sp' twice. Received: axis_name=('sp', 'sp')
-    """
-    shown = axes if len(axes) != 1 else axes[0]
-    for axis in axes:
-        if not isinstance(axis, str):
-            message = f"axis_name must be a mesh axis name (str) or a tuple of them, not {type(axis).__name__}"
-            raise kind_error(op_name, message, axis_name=shown)
-    if not axes:
-        raise comm_error(op_name, "axis_name (()) must name at least one mesh axis", axis_name=shown)
-    for axis in axes:
-        if axes.count(axis) > 1:
-            raise comm_error(op_name, f"axis_name ({shown!r}) names {axis!r} twice", axis_name=shown)
-
-
-def unbound_axis(op_name: str, axis_name: object) -> CommError:
-    """The error of a JAX op whose axis name no enclosing ``jax.shard_map`` / ``jax.pmap`` binds (JAX's own is
-    ``NameError: unbound axis name``).
-
-    >>> unbound_axis("all_reduce", "i")
-    CommError("all_reduce: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
-    """
-    message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
-               f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
-    return comm_error(op_name, message, axis_name=axis_name)
-
-
-def mesh_dim(op_name: str, mesh_shape, dim_names, dim: object = None) -> int:
-    """The dim of a device mesh a collective runs over (torch: ``group=mesh`` or ``group=(mesh, dim)``): `dim`, a
-    dim name or an index, found in the mesh's `dim_names`; without one the mesh must be 1-D.
-
-    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"), "tp")
-    1
-    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"))
-    Traceback (most recent call last):
-    ...
-    commlib.errors.CommError: all_reduce: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name one of ('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')
-    """
-    shape, names = tuple(int(size) for size in mesh_shape), None if dim_names is None else tuple(dim_names)
-    received: dict[str, object] = dict(mesh_shape=shape, mesh_dim_names=names)
-    if dim is None:
-        if len(shape) != 1:
-            how = f"(mesh, name) with name one of {names}" if names else (
-                f"(mesh, index) with index in [0, {len(shape)}) (the mesh has no dim names)")
-            raise comm_error(op_name, f"mesh ndim ({len(shape)}) must be 1 when group is a mesh without a dim: pass "
-                             f"{how}", **received)
-        return 0
-    received["dim"] = dim
-    if isinstance(dim, str):
-        if not names:
-            raise comm_error(op_name, f"mesh dim ({dim!r}) must be an index in [0, {len(shape)}): the mesh has no "
-                             "dim names", **received)
-        if dim not in names:
-            raise comm_error(op_name, f"mesh dim ({dim!r}) must be one of the mesh's dim names {names}", **received)
-        return names.index(dim)
-    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-        raise kind_error(op_name, f"mesh dim must be a dim name (str) or an index (int), not {type(dim).__name__}",
-                         **received)
-    return _check_dim(op_name, "mesh dim", dim, len(shape), received)
 
 
 def check_rank(op_name: str, name: str, rank: object, world_size: int, received: dict | None = None) -> int:
@@ -391,7 +284,7 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     """
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, checked = AllGather(dim), _check_convention(op_name, convention, received)
     view = _wire_view(op_name, dtype, carried, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
@@ -416,7 +309,7 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
     """
     received = dict(shape=tuple(shape), dim=dim, op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
@@ -453,8 +346,8 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     """
     received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
-    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
+    scatter_axis = check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
+    gather_axis = check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
     if scatter_axis == gather_axis and (scatter_sizes is not None or gather_sizes is not None):
         message = f"scatter_dim ({scatter_axis}) must differ from gather_dim ({gather_axis}) with uneven sizes"
         raise comm_error(op_name, message, **received)
@@ -492,8 +385,8 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
     dims = _check_shape(op_name, shape)
     if len(dims) != 4:
         raise comm_error(op_name, f"ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])", **received)
-    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, 4, received)
-    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, 4, received)
+    scatter_axis = check_dim(op_name, "scatter_dim", scatter_dim, 4, received)
+    gather_axis = check_dim(op_name, "gather_dim", gather_dim, 4, received)
     if (scatter_axis, gather_axis) not in ((2, 1), (1, 2)):
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
@@ -528,7 +421,7 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     received = dict(shape=tuple(shape), dst=dst, dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "dst", dst, world_size, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, view = Gather(dim, root), _wire_view(op_name, dtype, carried, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
@@ -549,7 +442,7 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     received = dict(shape=tuple(shape), src=src, dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, view = Scatter(dim, root), _wire_view(op_name, dtype, carried, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
@@ -624,7 +517,7 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
     """
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     if not isinstance(scale_grad, (bool, np.bool_)):
         raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)

@@ -1,7 +1,7 @@
 """What only the torch frontend can see about a call, handed to the spec: which process group a ``group=``
 argument names (a ProcessGroup, None, a DeviceMesh or ``(mesh, dim)``), whether the operand is a tensor, whether
 this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the carrier or
-refuses). The messages are the spec's (`commlib.plans.mesh_dim`, `wrong_type`, `not_a_member`). Also the
+refuses). The messages are the spec's (`commlib.frontend_errors.mesh_dim`, `wrong_type`, `not_a_member`). Also the
 group's size and this rank in it as a call reads them: from the group itself (`group_size`, `group_rank`).
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from commlib import plans
+from commlib import frontend_errors
 
 __all__ = ["CARRIED", "CARRIED_EVERYWHERE", "Group", "carried", "check_tensor", "default_group", "global_rank",
            "group_rank", "group_size", "resolve_group", "world_size"]
@@ -43,15 +43,15 @@ def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
         return group
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not isinstance(mesh, DeviceMesh):
-        raise plans.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
+        raise frontend_errors.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
     shape = tuple(mesh.size(axis) for axis in range(mesh.ndim))  # (torch 2.11's Dynamo traces size, not shape)
-    return mesh.get_group(plans.mesh_dim(op_name, shape, mesh.mesh_dim_names, dim))
+    return mesh.get_group(frontend_errors.mesh_dim(op_name, shape, mesh.mesh_dim_names, dim))
 
 
 def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:
     """`x` itself if it is a tensor; else the spec's TypeError naming the op and the type received."""
     if not isinstance(x, torch.Tensor):
-        raise plans.wrong_type(op_name, name, x, "torch.Tensor")
+        raise frontend_errors.wrong_type(op_name, name, x, "torch.Tensor")
     return x
 
 
@@ -59,7 +59,7 @@ def world_size(op_name: str, group: dist.ProcessGroup | None) -> int:
     """The group's size; the spec's CommError on a rank outside the group (where torch answers -1)."""
     size = dist.get_world_size(group)
     if size < 0:
-        raise plans.not_a_member(op_name, dist.get_rank(), dist.get_process_group_ranks(group))
+        raise frontend_errors.not_a_member(op_name, dist.get_rank(), dist.get_process_group_ranks(group))
     return size
 
 

@@ -15,7 +15,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from commlib import gradients, plan_cache, plans
+from commlib import frontend_errors, gradients, plan_cache
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
@@ -127,7 +127,7 @@ class Op(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, call: Call):
-        raise plans.no_vmap(call[0].op_name)
+        raise frontend_errors.no_vmap(call[0].op_name)
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):

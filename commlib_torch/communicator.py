@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import plans
+from commlib import frontend_errors, plans
 from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
@@ -119,7 +119,7 @@ class DeviceCommunicator:
         """Receive a tensor of `size` (an int or a shape) and `dtype` from group-local rank `src` (default: the
         previous rank). Checked mode as in `send`."""
         if not isinstance(dtype, torch.dtype):
-            raise plans.wrong_type("recv", "dtype", dtype, "torch.dtype")
+            raise frontend_errors.wrong_type("recv", "dtype", dtype, "torch.dtype")
         world = world_size("recv", self.device_group)
         src = (self.rank - 1) % world if src is None else src
         shape = (size,) if isinstance(size, int) else tuple(size)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commlib import context as spec
-from commlib import plans
+from commlib import frontend_errors, plans
 from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
@@ -191,7 +191,7 @@ class _FunctorchRing(_Ring):
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int):
-        raise plans.no_vmap(plan.op_name)
+        raise frontend_errors.no_vmap(plan.op_name)
 
     @staticmethod
     def backward(ctx, d_out, d_lse):  # type: ignore[override]

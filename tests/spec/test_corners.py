@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commlib import CommError, check, dtypes, gradients, plans, reference
+from commlib import CommError, check, dtypes, frontend_errors, gradients, plans, reference
 from commlib.reduce_op import ReduceOp
 
 NAN = np.nan
@@ -145,12 +145,12 @@ def test_movement_without_a_same_size_dtype_is_refused():
 
 
 def test_messages():
-    assert str(plans.not_a_member("all_reduce", 1, [0])) == (
+    assert str(frontend_errors.not_a_member("all_reduce", 1, [0])) == (
         "all_reduce: this rank (global rank 1) is not a member of the group (global ranks [0]): only its members "
         "may call its collectives. Received: rank=1, group_ranks=[0]")
-    assert str(plans.wrong_type("all_gather", "x", np.ones(2), "torch.Tensor")) == (
+    assert str(frontend_errors.wrong_type("all_gather", "x", np.ones(2), "torch.Tensor")) == (
         "all_gather: x must be a torch.Tensor, not numpy.ndarray. Received: type='numpy.ndarray'")
-    assert str(plans.unbound_axis("permute", ("x", "y"))) == (
+    assert str(frontend_errors.unbound_axis("permute", ("x", "y"))) == (
         "permute: axis_name (('x', 'y')) is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
         "with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name=('x', 'y')")
 

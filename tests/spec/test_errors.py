@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from commlib import CommError, plans, reference, steps
+from commlib import CommError, frontend_errors, plans, reference, steps
 
 SHAPE = (2, 8, 6, 64)
 
@@ -387,7 +387,7 @@ _MESH = dict(mesh_shape=(2, 2), dim_names=("sp", "tp"))
 )
 def test_mesh_dim(mesh, dim, expected):
     """The dim a ``group=mesh`` / ``group=(mesh, dim)`` argument names: by name or index; none for a 1-D mesh."""
-    assert plans.mesh_dim("all_gather", **mesh, dim=dim) == expected
+    assert frontend_errors.mesh_dim("all_gather", **mesh, dim=dim) == expected
 
 
 @pytest.mark.parametrize(
@@ -415,6 +415,6 @@ def test_mesh_dim(mesh, dim, expected):
 )
 def test_mesh_dim_messages(mesh, dim, exception, message):
     """A mesh that is not 1-D needs a dim; an unknown name or index names the mesh's shape and dim names."""
-    text = _raises(exception, lambda: plans.mesh_dim("all_gather", **mesh, dim=dim))
+    text = _raises(exception, lambda: frontend_errors.mesh_dim("all_gather", **mesh, dim=dim))
     assert text == message
     _check_format(text, "all_gather")
