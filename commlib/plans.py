@@ -21,7 +21,7 @@ import operator
 import numpy as np
 
 from commlib import uneven
-from commlib.dtypes import carrier, kind
+from commlib.dtypes import kind, wire_dtypes
 from commlib.errors import comm_error, kind_error
 from commlib.layout import (
     PLAIN,
@@ -159,7 +159,7 @@ def _check_dtype(op_name: str, name: str, dtype: object, received: dict) -> str:
 def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object,
                      received: dict) -> str | None:
     """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
-    if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `carrier` says
+    if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `wire_dtypes` says
         message = f"op ('avg') needs a floating or complex dtype, not {dtype}"
         raise comm_error(op_name, message, **received, dtype=dtype)
     if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
@@ -181,21 +181,21 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
     return None if accum == dtype else accum
 
 
-def _reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, carried, received: dict,
+def _reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, backend_dtypes, received: dict,
                world_size: int) -> tuple[Arithmetic, str | None]:
     """A reduction's arithmetic -- the accumulation dtype (the user's, or a wider one the backend carries), the
     scale (1/W for avg) and whether it applies before the sum -- and its wire view (`Plan.wire_view`)."""
     accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
-    view, cast = carrier(op_name, dtype, reduce_op, carried, received)
+    view, cast = wire_dtypes(op_name, dtype, reduce_op, backend_dtypes, received)
     is_avg = reduce_op is ReduceOp.AVG
     arithmetic = Arithmetic(scale=1.0 / world_size if is_avg else 1.0, scale_first=is_avg and dtype in HALF_DTYPES,
                             accum_dtype=cast or accum)
     return arithmetic, view
 
 
-def _wire_view(op_name: str, dtype: str, carried, received: dict) -> str | None:
+def _wire_view(op_name: str, dtype: str, backend_dtypes, received: dict) -> str | None:
     """Data movement's `Plan.wire_view`: the same-size dtype the backend moves `dtype`'s bits as, if any."""
-    view, _ = carrier(op_name, dtype, None, carried, received)
+    view, _ = wire_dtypes(op_name, dtype, None, backend_dtypes, received)
     return view
 
 
@@ -254,7 +254,7 @@ def _common(op_name: str, shape: object, world_size: object, dtype: object, rece
 
 @cached_plan
 def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
-               op_name="all_reduce", carried=None) -> Plan:
+               op_name="all_reduce", backend_dtypes=None) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
     >>> all_reduce((3,), 4, "avg").arithmetic.scale
@@ -263,7 +263,7 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
     received = dict(shape=tuple(shape), op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
-    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
     return Plan(op_name=op_name, step=AllReduce(reduce_op), world_size=world_size, in_shape=shape,
                 layout=flat_layout(shape, in_place=True), dtype=dtype,
                 convention=_check_convention(op_name, convention, received), arithmetic=arithmetic, wire_view=view)
@@ -271,7 +271,7 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
 
 @cached_plan
 def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float32", convention="sum",
-               op_name="all_gather", carried=None) -> Plan:
+               op_name="all_gather", backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
 
     `sizes` (uneven, see `commlib.uneven`): rank r contributes ``sizes[r]`` rows, ``s[dim] = sum(sizes)`` on
@@ -286,7 +286,7 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, checked = AllGather(dim), _check_convention(op_name, convention, received)
-    view = _wire_view(op_name, dtype, carried, received)
+    view = _wire_view(op_name, dtype, backend_dtypes, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
     layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
@@ -296,7 +296,7 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
 
 @cached_plan
 def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None, dtype="float32", accum_dtype=None,
-                   op_name="reduce_scatter", carried=None) -> Plan:
+                   op_name="reduce_scatter", backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
     `sizes` (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) = s[dim]``), exactly (`rank` given) or
@@ -314,7 +314,7 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
     step = ReduceScatter(dim, reduce_op)
-    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
     if not sized:
@@ -326,7 +326,7 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
 
 @cached_plan
 def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, rank=None,
-               dtype="float32", op_name="all_to_all", dim_names=None, carried=None) -> Plan:
+               dtype="float32", op_name="all_to_all", dim_names=None, backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
@@ -354,7 +354,7 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
     if scatter_sizes is None:
         _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
-    step, view = AllToAll(scatter_axis, gather_axis), _wire_view(op_name, dtype, carried, received)
+    step, view = AllToAll(scatter_axis, gather_axis), _wire_view(op_name, dtype, backend_dtypes, received)
     sized = None
     if scatter_sizes is not None or gather_sizes is not None:
         gathered = dim_names[gather_axis] if dim_names else f"size of gather_dim {gather_axis}"
@@ -368,7 +368,7 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
 
 @cached_plan
 def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, rank=None,
-                  dtype="float32", carried=None) -> Plan:
+                  dtype="float32", backend_dtypes=None) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
     ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
@@ -391,11 +391,11 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
     return all_to_all(dims, world_size, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, carried=carried)
+                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, backend_dtypes=backend_dtypes)
 
 
 @cached_plan
-def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
+def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", backend_dtypes=None) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
     >>> broadcast((3,), 2, src=1).step.root
@@ -406,12 +406,12 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast",
     root = check_rank(op_name, "src", src, world_size, received)
     return Plan(op_name=op_name, step=Broadcast(root), world_size=world_size, in_shape=shape,
                 layout=flat_layout(shape, in_place=True), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, carried, received))
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
 def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather",
-           carried=None) -> Plan:
+           backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
     `sizes` (uneven): as in `all_gather`.
 
@@ -422,7 +422,7 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "dst", dst, world_size, received)
     dim = check_dim(op_name, "dim", dim, len(shape), received)
-    step, view = Gather(dim, root), _wire_view(op_name, dtype, carried, received)
+    step, view = Gather(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
     layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
@@ -432,7 +432,7 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
 
 @cached_plan
 def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter",
-            carried=None) -> Plan:
+            backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
     `sizes` (uneven): as in `reduce_scatter`.
 
@@ -443,7 +443,7 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
     dim = check_dim(op_name, "dim", dim, len(shape), received)
-    step, view = Scatter(dim, root), _wire_view(op_name, dtype, carried, received)
+    step, view = Scatter(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
     sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
                                           scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
     if not sized:
@@ -454,7 +454,7 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
 
 
 @cached_plan
-def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carried=None) -> Plan:
+def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", backend_dtypes=None) -> Plan:
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
 
@@ -466,11 +466,11 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carr
     pairs = _check_pairs(op_name, perm, world_size, received)
     return Plan(op_name=op_name, step=Permute(pairs), world_size=world_size, in_shape=shape,
                 layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, carried, received))
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=None) -> Plan:
+def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", backend_dtypes=None) -> Plan:
     """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
     (Megatron's f).
 
@@ -485,7 +485,7 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=
 
 
 @cached_plan
-def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", carried=None) -> Plan:
+def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", backend_dtypes=None) -> Plan:
     """One transfer of ``s`` from rank `src` to rank `dst` (`DeviceCommunicator.send` / `recv`, each end naming
     the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
     compares them.
@@ -502,11 +502,12 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
                          **received)
     return Plan(op_name=op_name, step=Permute(((source, destination),)), world_size=world_size, in_shape=shape,
                 layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, carried, received))
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", carried=None) -> Plan:
+def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard",
+          backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
     FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
     replicated input -- divided by W when `scale_grad`.
@@ -525,11 +526,11 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
     return Plan(op_name=op_name, step=Slice(dim), world_size=world_size, in_shape=shape,
                 layout=local_layout(shape, chunk), dtype=dtype, convention=Convention.REPLICATED_INPUT,
                 arithmetic=Arithmetic(grad_scale=1.0 / world_size if scale_grad else 1.0),
-                wire_view=_wire_view(op_name, dtype, carried, received))
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", carried=None) -> Plan:
+def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", backend_dtypes=None) -> Plan:
     """``s -> s``: rank `dst` gets the reduction over ranks (avg = sum / W), the other ranks zeros. op in
     {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 
@@ -547,6 +548,6 @@ def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="redu
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    arithmetic, view = _reduction(op_name, reduce_op, dtype, None, carried, received, world_size)
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, None, backend_dtypes, received, world_size)
     return Plan(op_name=op_name, step=Reduce(reduce_op, root), world_size=world_size, in_shape=shape,
                 layout=flat_layout(shape, in_place=True), dtype=dtype, arithmetic=arithmetic, wire_view=view)

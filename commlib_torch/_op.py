@@ -19,7 +19,7 @@ from commlib import frontend_errors, gradients, plan_cache
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
-from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._groups import COMMON_DTYPES, Group, backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
 
 __all__ = ["ProcessGroup", "Op", "FunctorchOp", "apply", "at_boundary", "operand", "transforms_active"]
@@ -185,4 +185,4 @@ def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, Proces
     size = group_size(group)
     if size < 0:
         world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
-    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in CARRIED_EVERYWHERE else carried(group, x)
+    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in COMMON_DTYPES else backend_dtypes(group, x)

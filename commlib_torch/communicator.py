@@ -14,7 +14,7 @@ from commlib import frontend_errors, plans
 from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
-from commlib_torch._groups import carried, check_tensor, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._walk import dtype_name, global_rank
 
 __all__ = ["DeviceCommunicator"]
@@ -112,7 +112,7 @@ class DeviceCommunicator:
         size = world_size("send", self.device_group)
         dst = (self.rank + 1) % size if dst is None else dst
         plan = plans.point_to_point(tensor.shape, size, self.rank, dst, dtype=dtype_name(tensor.dtype),
-                                    op_name="send", carried=carried(self.device_group, tensor))
+                                    op_name="send", backend_dtypes=backend_dtypes(self.device_group, tensor))
         self._transfer(plan, tensor.contiguous(), dst)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
@@ -125,7 +125,7 @@ class DeviceCommunicator:
         shape = (size,) if isinstance(size, int) else tuple(size)
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         plan = plans.point_to_point(shape, world, src, self.rank, dtype=dtype_name(dtype), op_name="recv",
-                                    carried=carried(self.device_group, tensor))
+                                    backend_dtypes=backend_dtypes(self.device_group, tensor))
         self._transfer(plan, tensor, src)
         return tensor
 

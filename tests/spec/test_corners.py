@@ -82,9 +82,9 @@ TORCH_DTYPES_GLOO_LACKS = ["int16", "uint16", "uint32", "uint64", "float8_e4m3fn
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES_GLOO_LACKS)
 def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
-    view, cast = dtypes.carrier("all_gather", dtype, None, GLOO)
+    view, cast = dtypes.wire_dtypes("all_gather", dtype, None, GLOO)
     assert cast is None and view in GLOO and dtypes.bits(view) == dtypes.bits(dtype)
-    plan = plans.all_gather((2, 3), 2, 0, dtype=dtype, carried=GLOO)
+    plan = plans.all_gather((2, 3), 2, 0, dtype=dtype, backend_dtypes=GLOO)
     assert plan.wire_view == view and plan.dtype == dtype
 
 
@@ -101,7 +101,7 @@ def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
     ("float8_e5m2", "min", (None, "float32")),
 ])
 def test_reduction_carriers(dtype, op, expected):
-    assert dtypes.carrier("all_reduce", dtype, ReduceOp(op), GLOO) == expected
+    assert dtypes.wire_dtypes("all_reduce", dtype, ReduceOp(op), GLOO) == expected
 
 
 @pytest.mark.parametrize(("dtype", "op", "message"), [
@@ -117,7 +117,7 @@ def test_reduction_carriers(dtype, op, expected):
 ])
 def test_inexact_reductions_are_refused(dtype, op, message):
     with pytest.raises(CommError) as raised:
-        plans.all_reduce((3,), 2, op, dtype=dtype, carried=GLOO)
+        plans.all_reduce((3,), 2, op, dtype=dtype, backend_dtypes=GLOO)
     assert str(raised.value).startswith(message)
 
 
@@ -131,14 +131,14 @@ def test_float8_reductions_follow_the_spec_on_every_backend():
 
 def test_carried_dtypes_need_no_carrier():
     for dtype in sorted(GLOO):
-        assert dtypes.carrier("all_gather", dtype, None, GLOO) == (None, None)
-    assert plans.all_reduce((3,), 2, dtype="int16").wire_view is None  # carried=None: every dtype
+        assert dtypes.wire_dtypes("all_gather", dtype, None, GLOO) == (None, None)
+    assert plans.all_reduce((3,), 2, dtype="int16").wire_view is None  # backend_dtypes=None: every dtype
 
 
 def test_movement_without_a_same_size_dtype_is_refused():
     with pytest.raises(CommError, match=r"all_gather: data movement of int16 has no carrier: the backend lacks "
                                         r"int16 and every dtype of its size"):
-        plans.all_gather((3,), 2, dtype="int16", carried=frozenset({"float32"}))
+        plans.all_gather((3,), 2, dtype="int16", backend_dtypes=frozenset({"float32"}))
 
 
 # --- messages of the calls only a frontend can detect ----------------------------------------------------
@@ -156,8 +156,8 @@ def test_messages():
 
 
 def test_point_to_point_plans_of_both_ends_agree():
-    send = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="send", carried=GLOO)
-    recv = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="recv", carried=GLOO)
+    send = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="send", backend_dtypes=GLOO)
+    recv = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="recv", backend_dtypes=GLOO)
     assert send.step.pairs == recv.step.pairs == ((1, 3),) and send.wire_view == "float16"
     with pytest.raises(CommError, match=r"send: dst \(4\) must be in \[0, 4\)"):
         plans.point_to_point((2,), 4, 1, 4, op_name="send")
