@@ -17,6 +17,18 @@ gather_dim=b``::
 Uneven sizes (`commlib.uneven`) add two kinds of local pass: `Blocks` (the exact layout: W slices of different
 sizes into or out of one flat buffer, around an all_to_all_v) and `Take` (the padded layout: a static index map
 around the even collective on padded shapes).
+
+A `Plan` is composed of typed records, not one record of optional fields: its `step` (`commlib.steps`: which
+collective or local step, with only that kind's dims, root, reduce op or pairs), its `Layout` (the pack and
+unpack passes, which every plan has and every walk reads the same way), its `Arithmetic` (scales and the
+accumulation dtype, `PLAIN` for most plans) and, for uneven sizes only, `Exact` or `Padded`. Why this cut:
+each walk has one question per record, asked once -- which kind (one ``match`` on the step, in the walk's
+builder, never per call), which passes (the layout, the same code for every kind), which arithmetic (the same
+code too), which uneven layout (the exact or the padded walk) -- so no walk reads a field whose meaning depends
+on another, and a new step kind is a mypy error in every ``match`` that does not handle it. Fields every
+plan has (op name, world size, shapes, dtype, convention, the wire view of a dtype the backend lacks) stay
+the plan's own. Per call, torch reads a derived field (`Plan.is_trivial`) and the step's type and reduce op
+(`commlib.gradients.needs_primal`); the rest is read once, when it makes the plan's walk.
 """
 
 from __future__ import annotations
