@@ -42,23 +42,23 @@ def _rows() -> list[tuple[str, object, object]]:
     unwrap = torch._C._functorch.unwrap_if_dead
     ring = [(rank, (rank + 1) % 4) for rank in range(4)]
     plan = plans.all_to_all_4d((2, 8, 8, 16), 4, 2, 1)
-    step, out_shape, recv = plan.unpack, plan.out_shape, torch.randn(plan.recv_shape)
+    step, out_shape, recv = plan.layout.unpack, plan.out_shape, torch.randn(plan.layout.recv_shape)
 
     def copy_into_output():
         out = recv.new_empty(out_shape)
-        out.view(step.out_shape).copy_(recv.reshape(step.view).permute(step.perm))
+        out.view(step.out_shape).copy_(recv.reshape(step.split_shape).permute(step.perm))
         return out
 
     return [
         ("autograd Function: Function.apply -> C apply", lambda: _Itself.apply(x, None),
          lambda: c_apply(unwrap(x), None)),
         ("permute plan (list perm): general cache -> pairs + fast cache",
-         lambda: plans.permute(x.shape, 4, ring, dtype="float32", carried=None),
-         lambda: plans.permute(x.shape, 4, plan_cache.pairs(ring), dtype="float32", carried=None)),
+         lambda: plans.permute(x.shape, 4, ring, dtype="float32", backend_dtypes=None),
+         lambda: plans.permute(x.shape, 4, plan_cache.pairs(ring), dtype="float32", backend_dtypes=None)),
         ("Ulysses unpack: contiguous + view -> new_empty + copy_",
-         lambda: recv.reshape(step.view).permute(step.perm).contiguous().view(out_shape), copy_into_output),
+         lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape), copy_into_output),
         ("Ulysses unpack: contiguous + view -> rearrange (reshape's copy)",
-         lambda: recv.reshape(step.view).permute(step.perm).contiguous().view(out_shape),
+         lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape),
          lambda: _walk.rearrange(recv, step, out_shape, recv.dtype)),
     ]
 

@@ -59,11 +59,11 @@ def _local(output: torch.Tensor, input_: torch.Tensor) -> None:
 
 def commlib_layout(x: torch.Tensor, plan, exchange=_skip, rearrange=_walk.rearrange) -> torch.Tensor:
     """commlib's walk of `plan` with the collective replaced by `exchange(recv, send)`."""
-    send = rearrange(x, plan.pack, plan.send_shape, x.dtype)
-    recv = torch.empty(plan.recv_shape, dtype=x.dtype, device=x.device)
+    send = rearrange(x, plan.layout.pack, plan.layout.send_shape, x.dtype)
+    recv = torch.empty(plan.layout.recv_shape, dtype=x.dtype, device=x.device)
     exchange(recv, send)
     del send  # as `_walk.run` does: the unpack's output can take the send buffer's memory
-    return rearrange(recv, plan.unpack, plan.out_shape, x.dtype)
+    return rearrange(recv, plan.layout.unpack, plan.out_shape, x.dtype)
 
 
 def _in_mode(mode: str, fn: Callable) -> Callable:
@@ -86,7 +86,7 @@ def _inductor_rearrange():
 
     @torch.compile(dynamic=False)
     def rearrange(x, step, shape, dtype):
-        return x.reshape(step.view).permute(step.perm).contiguous().view(shape)
+        return x.reshape(step.split_shape).permute(step.perm).contiguous().view(shape)
 
     return lambda x, step, shape, dtype: x.view(shape) if step.is_identity else rearrange(x, step, shape, dtype)
 
@@ -209,9 +209,9 @@ def bench(device: torch.device, repeats: int, warmup: int, do_check: bool, induc
 def sweep(device: torch.device, repeats: int) -> list[dict]:
     """The kernel's time for the batch-1 pack over tile sizes and warps (CUDA)."""
     plan = plans.all_to_all_4d(SHAPES[0], WORLD_SIZE, 2, 1)
-    rows_, columns, size = _pack.row_transpose(plan.pack)
+    rows_, columns, size = _pack.row_transpose(plan.layout.pack)
     x = torch.randn(SHAPES[0], device=device).to(torch.bfloat16)
-    out = torch.empty(plan.pack.out_shape, dtype=x.dtype, device=device)
+    out = torch.empty(plan.layout.pack.out_shape, dtype=x.dtype, device=device)
     calls = {(tile, warps): (lambda tile=tile, warps=warps: _pack.transpose_rows(
         x, out, rows_, columns, size, tile_words=tile, num_warps=warps))
         for tile in (1024, 2048, 4096, 8192) for warps in (4, 8)}

@@ -75,7 +75,7 @@ def _launch_only(x: torch.Tensor, out: torch.Tensor, dims: tuple[int, int, int])
 def probes(x: torch.Tensor, step, shape) -> dict:
     dims = _pack.row_transpose(step)
     out = torch.empty(step.out_shape, dtype=x.dtype, device=x.device)
-    source = x.reshape(step.view).permute(step.perm)
+    source = x.reshape(step.split_shape).permute(step.perm)
     result = {"copy (reference)": lambda: out.view(-1).copy_(x.view(-1)),
               "eager copy_ (bf16)": lambda: out.copy_(source),
               "eager copy_ (int32 words)": _wide(x, out, dims, torch.int32),
@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
              "B=2 unpack (2, 1)": (plans.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),
              "small B=1 pack": (plans.all_to_all_4d((1, 64, 24, 128), 8, 2, 1), "pack")}
     for case, (plan, part) in cases.items():
-        step, shape, source_shape = ((plan.pack, plan.send_shape, plan.in_shape) if part == "pack"
-                                     else (plan.unpack, plan.out_shape, plan.recv_shape))
+        step, shape, source_shape = ((plan.layout.pack, plan.layout.send_shape, plan.in_shape) if part == "pack"
+                                     else (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape))
         x = torch.randn(source_shape, device="cuda").to(torch.bfloat16)
-        expected = x.reshape(step.view).permute(step.perm).contiguous()
+        expected = x.reshape(step.split_shape).permute(step.perm).contiguous()
         out, calls = probes(x, step, shape)
         for name, fn in calls.items():
             checked = ""

@@ -2,7 +2,9 @@
 
 - `commlib.plans`: one plan builder per public op (validation, shapes, the layout plan) -- what both
   frontends call first;
-- `commlib.layout`: `Plan`, `Rearrange`, the `Collective` and `Convention` enums, and the pack/unpack plans;
+- `commlib.layout`: `Plan` (composed of a step, a layout, its arithmetic and uneven sizes), `Rearrange`, the
+  `Convention` enum, and the pack/unpack plans;
+- `commlib.steps`: the step kinds of a plan (`Step`): the collectives and the local steps;
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
   attention reference;
@@ -21,10 +23,11 @@ Frontends: `commlib_torch`, `commlib_jax`. Importing this package never imports 
 """
 
 from commlib.errors import CommError, CommFailure, CommTimeout
-from commlib.layout import Collective, Convention, Plan, Rearrange
+from commlib.layout import Convention, Plan, Rearrange
 from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
 from commlib.sequence import shard_positions, shard_sequence, unshard_sequence
+from commlib.steps import Step
 from commlib.uneven import split_sizes
 
 __all__ = [
@@ -32,7 +35,7 @@ __all__ = [
     "CommFailure",
     "CommTimeout",
     "ReduceOp",
-    "Collective",
+    "Step",
     "Convention",
     "Plan",
     "Rearrange",

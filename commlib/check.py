@@ -19,14 +19,31 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Sequence
+from typing import assert_never
 
 import numpy as np
 
+from commlib import steps
 from commlib.dtypes import KINDS
 from commlib.errors import comm_error
 from commlib.layout import Convention, Plan
 from commlib.plans import OP_NAMES
 from commlib.reduce_op import ReduceOp
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+    Step,
+)
 
 __all__ = [
     "FINGERPRINT_SIZE",
@@ -89,6 +106,23 @@ def _sizes_slots(sizes: tuple[int, ...] | None) -> list[int]:
     return [_NONE, *[_NONE] * _SIZE_SLOTS] if sizes is None else [_hash(sizes), *_slots(sizes, _SIZE_SLOTS)]
 
 
+def _step_slots(step: Step) -> tuple[ReduceOp | None, int | None, tuple[tuple[int, int], ...]]:
+    """What a step adds to its dims: (reduce op, root, pairs), None / () where it has none."""
+    match step:
+        case AllReduce(op=op) | ReduceScatter(op=op):
+            return op, None, ()
+        case Reduce(op=op, root=root):
+            return op, root, ()
+        case Broadcast(root=root) | Gather(root=root) | Scatter(root=root):
+            return None, root, ()
+        case Permute(pairs=pairs):
+            return None, None, pairs
+        case AllGather() | AllToAll() | Identity() | Slice() | Pad():
+            return None, None, ()
+        case _:
+            assert_never(step)
+
+
 def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases;
     `dtype` the tensor's, which a backward's cotangent may change).
@@ -99,21 +133,21 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     ('all_gather backward', (2, 3), 'bfloat16', (0,))
     """
     row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
-    shape, pairs = plan.shared_in_shape, plan.pairs
-    dims = _slots(plan.dims, 2)
+    shape, (reduce_op, root, pairs) = plan.shared_in_shape, _step_slots(plan.step)
+    dims, sized = _slots(steps.dims(plan.step), 2), plan.uneven
     row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op_name), PHASES.index(phase), plan.world_size,
                                                    len(shape)]
     row[_SHAPE:_SHAPE_HASH] = _slots(shape, _SHAPE_SLOTS)
     row[_SHAPE_HASH] = _hash(shape)
     row[[_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH]] = [
-        _code(dtype), *dims, _code(plan.reduce_op), _code(plan.convention),
-        _NONE if plan.root is None else plan.root, _code(plan.accum_dtype), len(pairs), _hash(pairs),
+        _code(dtype), *dims, _code(reduce_op), _code(plan.convention),
+        _NONE if root is None else root, _code(plan.arithmetic.accum_dtype), len(pairs), _hash(pairs),
     ]
     row[_PAIRS:_PAIRS + _PAIR_SLOTS] = _slots([(source << 32) | destination for source, destination in pairs],
                                               _PAIR_SLOTS)
-    row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(plan.scatter_sizes)
-    row[_GATHER_SIZES:_GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(plan.gather_sizes)
-    row[_GRAD_SCALE] = np.float64(plan.grad_scale).view(np.int64)
+    row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(None if sized is None else sized.scatter_sizes)
+    row[_GATHER_SIZES:_GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(None if sized is None else sized.gather_sizes)
+    row[_GRAD_SCALE] = np.float64(plan.arithmetic.grad_scale).view(np.int64)
     return row
 
 

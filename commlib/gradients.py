@@ -9,7 +9,7 @@ forward plan                               VJP plan
 =========================================  ==============================================================
 all_reduce sum/avg, convention "sum"       all_reduce(sum), the same scale (1/W for avg)
 all_reduce sum/avg, "replicated"           identity times the scale (the cotangent is already the total)
-all_gather, "sum" / "replicated"           reduce_scatter(sum) / this rank's block (`SLICE`)
+all_gather, "sum" / "replicated"           reduce_scatter(sum) / this rank's block (`Slice`)
 reduce_scatter                             all_gather, the same scale
 all_to_all (scatter_dim a, gather_dim b)   all_to_all (scatter_dim b, gather_dim a); a == b: itself
 broadcast / reduce sum/avg (root r)        reduce(sum) / broadcast, the same scale (root r)
@@ -38,13 +38,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from commlib import plans, uneven
 from commlib.dtypes import has_nan
 from commlib.layout import (
-    Collective,
+    PLAIN,
+    Arithmetic,
     Convention,
+    Exact,
+    Layout,
+    Padded,
     Plan,
     all_gather_layout,
     all_to_all_layout,
@@ -53,12 +57,26 @@ from commlib.layout import (
     reduce_scatter_layout,
 )
 from commlib.reduce_op import ReduceOp
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+    Step,
+)
 
 __all__ = ["Backend", "forward", "needs_output", "needs_primal", "vjp", "vjp_plan"]
 
 _EXTREMA = frozenset({ReduceOp.MAX, ReduceOp.MIN})
 _READS_PRIMAL = _EXTREMA | {ReduceOp.PRODUCT}
-_ALL_REDUCE = Collective.ALL_REDUCE  # per-call tests: a member read through its enum class costs ~0.15 us
 
 
 class Backend(Protocol):
@@ -93,107 +111,130 @@ def vjp_plan(plan: Plan) -> Plan:
 
     >>> from commlib import plans
     >>> dual = vjp_plan(plans.all_gather((3, 5), 4, dim=0))
-    >>> dual.collective.value, dual.in_shape, dual.out_shape
-    ('reduce_scatter', (12, 5), (3, 5))
-    >>> vjp_plan(plans.all_gather((3, 5), 4, dim=0, convention="replicated")).collective.value
+    >>> dual.step, dual.in_shape, dual.out_shape
+    (ReduceScatter(dim=0, op='sum'), (12, 5), (3, 5))
+    >>> vjp_plan(plans.all_gather((3, 5), 4, dim=0, convention="replicated")).step.name
     'slice'
     """
-    convention = plan.convention
-    if plan.reduce_op is not None and plan.reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise NotImplementedError(f"{plan.op_name}: op {plan.reduce_op.value!r} is not linear: use gradients.vjp")
+    convention, step = plan.convention, plan.step
+    if isinstance(step, (AllReduce, Reduce, ReduceScatter)) and step.op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise NotImplementedError(f"{plan.op_name}: op {step.op.value!r} is not linear: use gradients.vjp")
     if convention is Convention.REPLICATED:
         return _replicated_dual(plan)
     if convention is Convention.REPLICATED_INPUT:
         return _replicated_input_dual(plan)
-    return _transpose(plan)
+    if plan.uneven is not None:
+        return _uneven_dual(plan, _transposed_step(step))
+    return _dual(plan, _transposed_step(step), _transposed_layout(plan))
 
 
-def _dual(plan: Plan, collective: Collective, **changes: object) -> Plan:
-    """`plan`'s dual: input shape = `plan`'s output shape, convention "sum" (a plain linear map)."""
-    return plan.replace(collective=collective, in_shape=plan.out_shape, convention=Convention.SUM, grad_scale=1.0,
-                        **changes)
+def _dual(plan: Plan, step: Step, layout: Layout, arithmetic: Arithmetic | None = None,
+          sized: Exact | Padded | None = None) -> Plan:
+    """`plan`'s dual: input shape = `plan`'s output shape, convention "sum" (a plain linear map); the same
+    arithmetic less the VJP's extra factor, unless given; `sized`: the dual's uneven sizes (None: even)."""
+    if arithmetic is None:
+        arithmetic = plan.arithmetic if plan.arithmetic.grad_scale == 1.0 else (
+            Arithmetic(plan.arithmetic.scale, plan.arithmetic.scale_first, 1.0, plan.arithmetic.accum_dtype))
+    return plan.replace(step=step, in_shape=plan.out_shape, layout=layout, convention=Convention.SUM,
+                        arithmetic=arithmetic, uneven=sized)
 
 
 def _replicated_dual(plan: Plan) -> Plan:
     """The output is replicated: the cotangent is already the gradient of the one loss."""
-    shape = plan.out_shape
-    if plan.collective is Collective.ALL_REDUCE:
-        return _dual(plan, Collective.IDENTITY, reduce_op=None, accum_dtype=None, **local_layout(shape, shape))
-    if plan.collective is Collective.ALL_GATHER:
-        if plan.is_uneven:
-            return _uneven_dual(plan, Collective.SLICE)
-        return _dual(plan, Collective.SLICE, **local_layout(shape, plan.in_shape))
-    raise NotImplementedError(f"{plan.op_name}: no replicated rule for {plan.collective.value}")
+    shape, step = plan.out_shape, plan.step
+    if isinstance(step, AllReduce):  # identity times the scale, in the input's dtype
+        arithmetic = Arithmetic(plan.arithmetic.scale, plan.arithmetic.scale_first)
+        return _dual(plan, Identity(), local_layout(shape, shape), arithmetic)
+    if isinstance(step, AllGather):
+        if plan.uneven is not None:
+            return _uneven_dual(plan, Slice(step.dim))
+        return _dual(plan, Slice(step.dim), local_layout(shape, plan.in_shape))
+    raise NotImplementedError(f"{plan.op_name}: no replicated rule for {step.name}")
 
 
 def _replicated_input_dual(plan: Plan) -> Plan:
     """The input is replicated: its gradient is the sum over ranks of the transpose."""
-    shape = plan.out_shape
-    if plan.collective is Collective.IDENTITY:
-        return _dual(plan, Collective.ALL_REDUCE, reduce_op=ReduceOp.SUM, **flat_layout(shape, in_place=True))
-    if plan.collective is Collective.SLICE:  # shard: the sum over ranks of each rank's padded block
-        (dim,) = plan.dims
-        return _dual(plan, Collective.ALL_GATHER, scale=plan.scale * plan.grad_scale,
-                     **all_gather_layout(shape, plan.world_size, dim))
-    raise NotImplementedError(f"{plan.op_name}: no replicated-input rule for {plan.collective.value}")
+    shape, step, arithmetic = plan.out_shape, plan.step, plan.arithmetic
+    if isinstance(step, Identity):
+        return _dual(plan, AllReduce(ReduceOp.SUM), flat_layout(shape, in_place=True))
+    if isinstance(step, Slice):  # shard: the sum over ranks of each rank's padded block
+        scaled = Arithmetic(arithmetic.scale * arithmetic.grad_scale, arithmetic.scale_first, 1.0,
+                            arithmetic.accum_dtype)
+        return _dual(plan, AllGather(step.dim), all_gather_layout(shape, plan.world_size, step.dim), scaled)
+    raise NotImplementedError(f"{plan.op_name}: no replicated-input rule for {step.name}")
 
 
-_UNEVEN_DUALS = {
-    Collective.ALL_GATHER: Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
-    Collective.GATHER: Collective.SCATTER, Collective.SCATTER: Collective.GATHER,
-    Collective.ALL_TO_ALL: Collective.ALL_TO_ALL, Collective.SLICE: Collective.PAD, Collective.PAD: Collective.SLICE,
-}
+def _transposed_step(step: Step) -> Step:
+    """The step of the transpose over all ranks (convention "sum"): the module table's dual, the same dims."""
+    match step:
+        case AllReduce():
+            return AllReduce(ReduceOp.SUM)
+        case AllGather(dim=dim):
+            return ReduceScatter(dim, ReduceOp.SUM)
+        case Gather(dim=dim, root=root):
+            return Scatter(dim, root)
+        case ReduceScatter(dim=dim):
+            return AllGather(dim)
+        case Scatter(dim=dim, root=root):
+            return Gather(dim, root)
+        case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
+            return AllToAll(gather_dim, scatter_dim)
+        case Broadcast(root=root):
+            return Reduce(ReduceOp.SUM, root)
+        case Reduce(root=root):
+            return Broadcast(root)
+        case Permute(pairs=pairs):
+            return Permute(tuple((destination, source) for source, destination in pairs))
+        case Identity():
+            return step
+        case Slice(dim=dim):
+            return Pad(dim)
+        case Pad(dim=dim):
+            return Slice(dim)
+        case _:
+            assert_never(step)
 
 
-def _uneven_dual(plan: Plan, kind: Collective) -> Plan:
-    """The uneven `kind` that transposes `plan`: sizes swapped, dims reversed, the same layout and rank."""
-    dims, scatter_sizes, gather_sizes = plan.dims[::-1], plan.gather_sizes, plan.scatter_sizes
-    reduce_op = ReduceOp.SUM if kind is Collective.REDUCE_SCATTER else None
-    fields = uneven.layout(kind, plan.out_shape, plan.world_size, dims, scatter_sizes, gather_sizes, plan.rank,
-                           plan.root)
-    return _dual(plan, kind, dims=dims, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, reduce_op=reduce_op,
-                 **fields)
+def _transposed_layout(plan: Plan) -> Layout:
+    """The layout of the transpose of an even `plan`: its input is `plan`'s output."""
+    W, shape, step = plan.world_size, plan.out_shape, plan.step
+    match step:
+        case AllReduce() | Broadcast() | Reduce():
+            return flat_layout(shape, in_place=True)
+        case Permute():
+            return plan.layout
+        case AllGather(dim=dim) | Gather(dim=dim):
+            return reduce_scatter_layout(shape, W, dim)
+        case ReduceScatter(dim=dim) | Scatter(dim=dim):
+            return all_gather_layout(shape, W, dim)
+        case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
+            return all_to_all_layout(shape, W, gather_dim, scatter_dim)
+        case Identity() | Slice() | Pad():
+            return local_layout(shape, plan.in_shape)
+        case _:
+            assert_never(step)
 
 
-def _transpose(plan: Plan) -> Plan:
-    """The exact transpose of the collective over all ranks (convention "sum")."""
-    W, shape, kind = plan.world_size, plan.out_shape, plan.collective
-    if plan.is_uneven:
-        return _uneven_dual(plan, _UNEVEN_DUALS[kind])
-    if kind is Collective.ALL_REDUCE:
-        return _dual(plan, kind, reduce_op=ReduceOp.SUM, **flat_layout(shape, in_place=True))
-    if kind in (Collective.ALL_GATHER, Collective.GATHER):
-        (dim,) = plan.dims
-        dual = Collective.REDUCE_SCATTER if kind is Collective.ALL_GATHER else Collective.SCATTER
-        reduce_op = ReduceOp.SUM if dual is Collective.REDUCE_SCATTER else None
-        return _dual(plan, dual, reduce_op=reduce_op, **reduce_scatter_layout(shape, W, dim))
-    if kind in (Collective.REDUCE_SCATTER, Collective.SCATTER):
-        (dim,) = plan.dims
-        dual = Collective.ALL_GATHER if kind is Collective.REDUCE_SCATTER else Collective.GATHER
-        return _dual(plan, dual, reduce_op=None, **all_gather_layout(shape, W, dim))
-    if kind is Collective.ALL_TO_ALL:
-        scatter_dim, gather_dim = plan.dims
-        return _dual(plan, kind, dims=(gather_dim, scatter_dim),
-                     **all_to_all_layout(shape, W, gather_dim, scatter_dim))
-    if kind is Collective.BROADCAST:
-        return _dual(plan, Collective.REDUCE, reduce_op=ReduceOp.SUM, **flat_layout(shape, in_place=True))
-    if kind is Collective.REDUCE:
-        return _dual(plan, Collective.BROADCAST, reduce_op=None, **flat_layout(shape, in_place=True))
-    if kind is Collective.PERMUTE:
-        return _dual(plan, kind, pairs=tuple((dst, src) for src, dst in plan.pairs))
-    locals_ = {Collective.IDENTITY: Collective.IDENTITY, Collective.SLICE: Collective.PAD,
-               Collective.PAD: Collective.SLICE}
-    return _dual(plan, locals_[kind], **local_layout(shape, plan.in_shape))
+def _uneven_dual(plan: Plan, step: Step) -> Plan:
+    """The uneven `step` that transposes `plan`: sizes swapped (its dims are `plan`'s reversed), the same
+    layout and rank."""
+    sized = plan.uneven
+    assert sized is not None, plan
+    rank = sized.rank if isinstance(sized, Exact) else None
+    layout, held = uneven.layout(step, plan.out_shape, plan.world_size, sized.gather_sizes, sized.scatter_sizes, rank)
+    return _dual(plan, step, layout, sized=held)
 
 
 def needs_primal(plan: Plan) -> bool:
     """True when the VJP reads the input (max, min, product), so a frontend must save it."""
-    return plan.reduce_op in _READS_PRIMAL and plan.collective is _ALL_REDUCE
+    step = plan.step
+    return type(step) is AllReduce and step.op in _READS_PRIMAL
 
 
 def needs_output(plan: Plan) -> bool:
     """True when the VJP reads the output too (max, min), so a frontend must save it."""
-    return plan.reduce_op in _EXTREMA and plan.collective is _ALL_REDUCE
+    step = plan.step
+    return type(step) is AllReduce and step.op in _EXTREMA
 
 
 def forward(backend: Backend, plan: Plan, x: Any) -> Any:
@@ -204,7 +245,7 @@ def forward(backend: Backend, plan: Plan, x: Any) -> Any:
     Where not `needs_primal(plan)` this is ``backend.collective(plan, x)`` alone: a frontend may walk such a
     plan directly."""
     out = backend.collective(plan, x)
-    if plan.collective is not Collective.ALL_REDUCE or plan.reduce_op not in _EXTREMA or not has_nan(plan.dtype):
+    if not needs_output(plan) or not has_nan(plan.dtype):
         return out
     mask = plans.all_reduce(plan.in_shape, plan.world_size, ReduceOp.MAX, dtype="uint8", op_name=plan.op_name)
     any_nan = backend.collective(mask, backend.astype(backend.isnan(x), "uint8"))
@@ -217,7 +258,7 @@ def vjp(backend: Backend, plan: Plan, x: Any, out: Any, cotangent: Any) -> Any:
     if not needs_primal(plan):
         return backend.collective(vjp_plan(plan), cotangent)
     incoming = backend.collective(_incoming_plan(plan), cotangent)
-    if plan.reduce_op is ReduceOp.PRODUCT:
+    if not needs_output(plan):  # product
         return incoming * _others_product(backend, plan, x)
     hits = backend.astype((x == out) | (backend.isnan(x) & backend.isnan(out)), cotangent)
     count = plans.all_reduce(plan.in_shape, plan.world_size, dtype=plan.dtype, op_name=plan.op_name)
@@ -229,10 +270,10 @@ def _incoming_plan(plan: Plan) -> Plan:
     """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated")."""
     shape = plan.out_shape
     if plan.convention is Convention.REPLICATED:
-        return plan.replace(collective=Collective.IDENTITY, reduce_op=None, scale=1.0, accum_dtype=None,
-                            convention=Convention.SUM, **local_layout(shape, shape))
-    return plans.all_reduce(shape, plan.world_size, ReduceOp.SUM, dtype=plan.dtype, accum_dtype=plan.accum_dtype,
-                            op_name=plan.op_name)
+        return plan.replace(step=Identity(), layout=local_layout(shape, shape), convention=Convention.SUM,
+                            arithmetic=PLAIN)
+    return plans.all_reduce(shape, plan.world_size, ReduceOp.SUM, dtype=plan.dtype,
+                            accum_dtype=plan.arithmetic.accum_dtype, op_name=plan.op_name)
 
 
 def _others_product(backend: Backend, plan: Plan, x: Any) -> Any:

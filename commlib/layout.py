@@ -1,7 +1,7 @@
 """Layout plans: how a local tensor becomes the contiguous dim-0 buffer a collective sends, and back.
 
 Every collective of the project is run as ``pack -> dim-0 collective -> unpack``. A `Rearrange` is one
-local pass (view the source as `view`, permute its axes by `perm`, lay the result out contiguously); when
+local pass (view the source as `split_shape`, permute its axes by `perm`, lay the result out contiguously); when
 the permutation keeps the memory order of every axis longer than 1 the pass is a view, not a copy. The
 torch frontend and the numpy reference both walk these plans, so the reference tests the plans themselves.
 JAX hands the dims to `lax` and lets XLA choose the layout.
@@ -17,6 +17,18 @@ gather_dim=b``::
 Uneven sizes (`commlib.uneven`) add two kinds of local pass: `Blocks` (the exact layout: W slices of different
 sizes into or out of one flat buffer, around an all_to_all_v) and `Take` (the padded layout: a static index map
 around the even collective on padded shapes).
+
+A `Plan` is composed of typed records, not one record of optional fields: its `step` (`commlib.steps`: which
+collective or local step, with only that kind's dims, root, reduce op or pairs), its `Layout` (the pack and
+unpack passes, which every plan has and every walk reads the same way), its `Arithmetic` (scales and the
+accumulation dtype, `PLAIN` for most plans) and, for uneven sizes only, `Exact` or `Padded`. Why this cut:
+each walk has one question per record, asked once -- which kind (one ``match`` on the step, in the walk's
+builder, never per call), which passes (the layout, the same code for every kind), which arithmetic (the same
+code too), which uneven layout (the exact or the padded walk) -- so no walk reads a field whose meaning depends
+on another, and a new step kind is a mypy error in every ``match`` that does not handle it. Fields every
+plan has (op name, world size, shapes, dtype, convention, the wire view of a dtype the backend lacks) stay
+the plan's own. Per call, torch reads a derived field (`Plan.is_trivial`) and the step's type and reduce op
+(`commlib.gradients.needs_primal`); the rest is read once, when it makes the plan's walk.
 """
 
 from __future__ import annotations
@@ -28,11 +40,15 @@ import math
 
 import numpy as np
 
-from commlib.reduce_op import ReduceOp
+from commlib.steps import Gather, Permute, Reduce, Scatter, Step, gathered_dim
 
 __all__ = [
-    "Collective",
+    "Arithmetic",
     "Convention",
+    "Exact",
+    "Layout",
+    "Padded",
+    "PLAIN",
     "Rearrange",
     "Blocks",
     "Take",
@@ -50,46 +66,6 @@ __all__ = [
 ]
 
 Shape = tuple[int, ...]
-
-
-class Collective(str, enum.Enum):
-    """What a plan does between its pack and unpack passes: a dim-0 collective, or a local step.
-
-    The local steps move no data between ranks: `IDENTITY` (with the plan's scale: a multiply), `SLICE`
-    (rank r keeps block r of `dims[0]`) and `PAD` (rank r's input becomes block r of zeros along
-    `dims[0]`, the transpose of `SLICE`). They are what the gradient rules of `commlib.gradients` are made of
-    besides the collectives, so every backward is a plan the frontends walk; `SLICE` is also `shard`'s forward.
-    """
-
-    ALL_REDUCE = "all_reduce"
-    REDUCE = "reduce"
-    BROADCAST = "broadcast"
-    ALL_GATHER = "all_gather"
-    GATHER = "gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    SCATTER = "scatter"
-    ALL_TO_ALL = "all_to_all"
-    PERMUTE = "permute"
-    IDENTITY = "identity"
-    SLICE = "slice"
-    PAD = "pad"
-
-    @property
-    def is_local(self) -> bool:
-        """True for the steps that move no data between ranks."""
-        return self._value_ in _LOCAL_STEPS  # (a member read through its class costs ~0.1 us: read per call)
-
-    @property
-    def is_rooted(self) -> bool:
-        """True for the collectives with a `root` rank (src or dst)."""
-        return self._value_ in _ROOTED
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-_LOCAL_STEPS = frozenset({"identity", "slice", "pad"})
-_ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 
 
 class Convention(str, enum.Enum):
@@ -120,16 +96,16 @@ def _derived(value: object, **fields: object) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Rearrange:
-    """One local pass: ``source.reshape(view).permute(perm)``, laid out contiguously.
+    """One local pass: ``source.reshape(split_shape).permute(perm)``, laid out contiguously.
 
-    >>> Rearrange(view=(1, 4, 3), perm=(1, 0, 2)).is_identity  # moves only a size-1 axis
+    >>> Rearrange(split_shape=(1, 4, 3), perm=(1, 0, 2)).is_identity  # moves only a size-1 axis
     True
-    >>> Rearrange(view=(2, 4, 3), perm=(1, 0, 2)).is_identity
+    >>> Rearrange(split_shape=(2, 4, 3), perm=(1, 0, 2)).is_identity
     False
     """
 
-    view: Shape  # the source viewed with at most one axis split in two (always a view, any strides)
-    perm: tuple[int, ...]  # destination axis order over `view`'s axes
+    split_shape: Shape  # the source's shape with at most one axis split in two (always a view, any strides)
+    perm: tuple[int, ...]  # destination axis order over `split_shape`'s axes
     always_copy: bool = False  # True when the collective writes in place and needs a fresh buffer
     # Derived when built (`_derived`): the shape after the permutation (before any final reshape); whether the
     # permutation keeps memory order (moves only size-1 axes); whether a contiguous source needs no pass.
@@ -138,9 +114,9 @@ class Rearrange:
     is_identity: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        moved = [axis for axis in self.perm if self.view[axis] != 1]
+        moved = [axis for axis in self.perm if self.split_shape[axis] != 1]
         keeps_order = moved == sorted(moved)
-        _derived(self, out_shape=tuple(self.view[axis] for axis in self.perm), keeps_order=keeps_order,
+        _derived(self, out_shape=tuple(self.split_shape[axis] for axis in self.perm), keeps_order=keeps_order,
                  is_identity=keeps_order and not self.always_copy)
 
     def merged(self) -> tuple[Shape, tuple[int, ...]]:
@@ -149,25 +125,25 @@ class Rearrange:
         E.g. the Ulysses pack ``[B, S/W, W, H/W, D]`` by ``(2, 0, 1, 3, 4)`` merges to
         ``[B*S/W, W, H/W*D]`` by ``(1, 0, 2)``: a single batched transpose, the shape a pack kernel takes.
 
-        >>> Rearrange(view=(2, 8, 4, 3, 16), perm=(2, 0, 1, 3, 4)).merged()
+        >>> Rearrange(split_shape=(2, 8, 4, 3, 16), perm=(2, 0, 1, 3, 4)).merged()
         ((16, 4, 48), (1, 0, 2))
         """
-        order = [axis for axis in self.perm if self.view[axis] != 1]
+        order = [axis for axis in self.perm if self.split_shape[axis] != 1]
         groups: list[list[int]] = []
         for axis in order:
-            if groups and groups[-1][-1] == axis - 1 - _ones_between(self.view, groups[-1][-1], axis):
+            if groups and groups[-1][-1] == axis - 1 - _ones_between(self.split_shape, groups[-1][-1], axis):
                 groups[-1].append(axis)
             else:
                 groups.append([axis])
         by_source = sorted(range(len(groups)), key=lambda g: groups[g][0])
-        shape = tuple(math.prod(self.view[axis] for axis in groups[g]) for g in by_source)
+        shape = tuple(math.prod(self.split_shape[axis] for axis in groups[g]) for g in by_source)
         perm = tuple(by_source.index(g) for g in range(len(groups)))
         return shape, perm
 
 
-def _ones_between(view: Shape, left: int, right: int) -> int:
+def _ones_between(shape: Shape, left: int, right: int) -> int:
     """Number of size-1 axes strictly between `left` and `right` (they do not break adjacency)."""
-    return sum(1 for axis in range(left + 1, right) if view[axis] == 1)
+    return sum(1 for axis in range(left + 1, right) if shape[axis] == 1)
 
 
 def offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -288,6 +264,12 @@ class Take:
         most = max(self.sizes, default=0)
         return {"unpad": len(self.sizes) * most, "place": most}.get(self.kind, sum(self.sizes))
 
+    @property
+    def rows(self) -> int:
+        """Rows of `dim` after the map."""
+        most = max(self.sizes, default=0)
+        return {"pad": len(self.sizes) * most, "slice": most}.get(self.kind, sum(self.sizes))
+
     def index(self, rank: int | None = None) -> np.ndarray:
         """The map as an int array (read-only); `rank` is needed for the per-rank kinds."""
         if self.per_rank and rank is None:
@@ -341,11 +323,72 @@ def _index(kind: str, sizes: tuple[int, ...], rank: int | None) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """The local passes around a plan's step: input -> send buffer, and received buffer -> output.
+
+    Returned by the layout helpers below (for valid, normalised arguments) and by `commlib.uneven`.
+    """
+
+    pack: Rearrange | Blocks  # input -> contiguous send buffer of `send_shape` (Blocks: the exact layout)
+    send_shape: Shape
+    recv_shape: Shape  # what the step returns on this rank
+    unpack: Rearrange | Blocks  # recv buffer -> a tensor of `out_shape`
+    out_shape: Shape  # the unpack's output: the plan's output (before the padded layout's `after` map)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arithmetic:
+    """What a plan multiplies by and the dtype it reduces in (the defaults: nothing, the input's)."""
+
+    scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
+    scale_first: bool = False  # multiply every rank's value by `scale` before the step instead (half-precision avg)
+    grad_scale: float = 1.0  # an extra factor of the VJP only, not of this plan (1/W for shard's scale_grad)
+    accum_dtype: str | None = None  # dtype the reduction runs in (and the buffers travel in), None = the input's
+
+
+#: The arithmetic of a plan that scales nothing and reduces (if at all) in the input's dtype. (A plan always
+#: names its arithmetic: torch 2.13's Dynamo, which traces the builders, cannot wrap a dataclass instance
+#: given as a field's default.)
+PLAIN = Arithmetic()
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """Uneven sizes held exactly (`commlib.uneven`; torch): the plan of one `rank`, whose sharded dim has
+    ``sizes[rank]`` rows; pack and unpack are `Blocks` and the wire an all_to_all_v."""
+
+    scatter_sizes: tuple[int, ...] | None  # rows of the scattered dim each rank keeps (None: that side is even)
+    gather_sizes: tuple[int, ...] | None  # rows of the gathered dim each rank contributes
+    rank: int  # the rank this plan is for
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """Uneven sizes held padded (`commlib.uneven`; JAX): every rank's sharded dim has ``max(sizes)`` rows; the
+    plan is the even one on the padded shapes between two static index maps."""
+
+    scatter_sizes: tuple[int, ...] | None
+    gather_sizes: tuple[int, ...] | None
+    before: Take | None  # the map before the step (whole dim -> W padded blocks), None: none
+    after: Take | None  # the map after the step (W padded blocks -> whole dim), None: none
+
+
+Uneven = Exact | Padded
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A validated collective on one rank: pack, the dim-0 collective (or a local step), unpack.
 
-    Built only by `commlib.plans` (validated first) and `commlib.gradients` (the plans of backward passes);
-    the frontends and the reference walk it and never re-check.
+    Composed of small typed records, each with only the fields it needs, so a walk reads what its step has and
+    nothing has a meaning that depends on a kind: the `step` (`commlib.steps`: which collective or local step,
+    with its dims, root, reduce op or pairs), the `layout` (the pack and unpack passes around it, every plan has
+    them), the `arithmetic` (scales and the accumulation dtype; `PLAIN` for most plans) and, for uneven sizes
+    only, `uneven` (`Exact` or `Padded`, the layout's sizes and rank or index maps). What every plan has
+    besides (op name, world size, shapes, dtype, convention) is a field of its own. The walks dispatch on
+    `step` (one ``match``), then read `layout` and `arithmetic` the same way for every kind; `uneven` picks the
+    walk of the exact or padded layout. Built only by `commlib.plans` (validated first) and `commlib.gradients`
+    (the plans of backward passes); the frontends and the reference walk it and never re-check.
 
     >>> from commlib import plans
     >>> [plans.all_to_all_4d((batch, 8, 12, 16), 4).copies for batch in (1, 2)]  # local passes
@@ -353,37 +396,21 @@ class Plan:
     """
 
     op_name: str  # the public op this plan belongs to, for messages
-    collective: Collective
+    step: Step  # the collective (or local step) between pack and unpack
     world_size: int
     in_shape: Shape  # this rank's input
-    out_shape: Shape  # this rank's output
-    dims: tuple[int, ...]  # normalised dims: (scatter_dim, gather_dim), (dim,) or ()
-    pack: Rearrange | Blocks  # input -> contiguous send buffer of `send_shape` (Blocks: the exact layout)
-    send_shape: Shape
-    recv_shape: Shape  # what the collective returns on this rank
-    unpack: Rearrange | Blocks  # recv buffer -> output of `out_shape`
+    layout: Layout
+    arithmetic: Arithmetic  # `PLAIN` for most plans
     dtype: str = "float32"  # the input's dtype name ("bfloat16", "int32", ...)
-    reduce_op: ReduceOp | None = None  # for reductions, else None
-    scale: float = 1.0  # multiply the received buffer by this (1/W for avg), in the accumulation dtype
-    grad_scale: float = 1.0  # an extra factor of the VJP only, not of this plan (1/W for shard's scale_grad)
     convention: Convention = Convention.SUM  # how the gradient counts the ranks
-    accum_dtype: str | None = None  # dtype the reduction runs in, None = the input's
-    root: int | None = None  # group-local src/dst rank of rooted ops
-    pairs: tuple[tuple[int, int], ...] = ()  # permute: (source, destination) group-local rank pairs
-    scale_first: bool = False  # multiply every rank's value by `scale` before the collective (half-precision avg)
-    carrier: str | None = None  # same-size dtype the backend carries `dtype`'s bits in (it lacks `dtype`)
-    # Uneven sizes (`commlib.uneven`): None = the even rule. The scattered dim is whole on input, rank r keeps
-    # scatter_sizes[r] rows of it; the gathered dim has gather_sizes[r] rows on rank r's input, whole on output.
-    scatter_sizes: tuple[int, ...] | None = None
-    gather_sizes: tuple[int, ...] | None = None
-    rank: int | None = None  # uneven: the rank this plan is for (exact layout, torch); None: the padded layout
-    before: Take | None = None  # padded layout: the static index map before the collective, or None
-    after: Take | None = None  # padded layout: the static index map after the collective, or None
+    wire_view: str | None = None  # same-size dtype the backend moves `dtype`'s bits as (it lacks `dtype`)
+    uneven: Exact | Padded | None = None  # uneven sizes (`commlib.uneven`): None = the even rule
 
-    # Derived when built (plans are built once and walked on every call): the identity on every rank (world
-    # size 1, a permute that keeps rank 0); uneven sizes (`commlib.uneven`: the walk is the exact or the padded
+    # Derived when built (plans are built once and walked on every call): this rank's output; the identity on
+    # every rank (world size 1, a permute that keeps rank 0); uneven sizes (the walk is the exact or the padded
     # layout's); uneven sizes held exactly (torch: pack and unpack are `Blocks`, the wire an all_to_all_v); a
     # zero-size dim (no data moves on any rank); the local passes on a contiguous input (0, 1 or 2).
+    out_shape: Shape = dataclasses.field(init=False, repr=False, compare=False)
     is_trivial: bool = dataclasses.field(init=False, repr=False, compare=False)
     is_uneven: bool = dataclasses.field(init=False, repr=False, compare=False)
     is_exact: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -395,18 +422,20 @@ class Plan:
     def shared_in_shape(self) -> Shape:
         """The input shape every rank agrees on: `in_shape`, its gathered dim at ``max(gather_sizes)`` in the
         exact layout (the padded layout's shape; checked mode compares it)."""
-        if self.rank is None or self.gather_sizes is None:
+        uneven = self.uneven
+        if not isinstance(uneven, Exact) or uneven.gather_sizes is None:
             return self.in_shape
-        dim = self.dims[-1]
-        return (*self.in_shape[:dim], max(self.gather_sizes), *self.in_shape[dim + 1:])
+        return resized(self.in_shape, gathered_dim(self.step), max(uneven.gather_sizes))  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
-        trivial = self.scale == 1.0 and self.grad_scale == 1.0 and self.world_size == 1 and (
-            self.collective is not Collective.PERMUTE or self.pairs == ((0, 0),))
-        uneven = self.scatter_sizes is not None or self.gather_sizes is not None
-        _derived(self, is_trivial=trivial, is_uneven=uneven, is_exact=uneven and self.rank is not None,
-                 is_empty=0 in self.shared_in_shape,
-                 copies=int(not self.pack.is_identity) + int(not self.unpack.is_identity))
+        step, arithmetic, uneven, layout = self.step, self.arithmetic, self.uneven, self.layout
+        trivial = arithmetic.scale == 1.0 and arithmetic.grad_scale == 1.0 and self.world_size == 1 and (
+            not isinstance(step, Permute) or step.pairs == ((0, 0),))
+        after = uneven.after if isinstance(uneven, Padded) else None
+        out_shape = layout.out_shape if after is None else resized(layout.out_shape, after.dim, after.rows)
+        _derived(self, out_shape=out_shape, is_trivial=trivial, is_uneven=uneven is not None,
+                 is_exact=isinstance(uneven, Exact), is_empty=0 in self.shared_in_shape,
+                 copies=int(not layout.pack.is_identity) + int(not layout.unpack.is_identity))
 
     def __hash__(self) -> int:  # plans key the VJP-plan, fingerprint and walk caches: hashed per call, computed
         # once, on the first call (not when built: torch 2.11's Dynamo cannot trace hash() of a tuple, and it
@@ -426,18 +455,18 @@ class Plan:
 
 
 def _identity(shape: Shape, always_copy: bool = False) -> Rearrange:
-    return Rearrange(view=shape, perm=tuple(range(len(shape))), always_copy=always_copy)
+    return Rearrange(split_shape=shape, perm=tuple(range(len(shape))), always_copy=always_copy)
 
 
 def _split_front(shape: Shape, dim: int, world_size: int) -> Rearrange:
     """Split `dim` into (world_size, size / world_size) and move the world_size axis first."""
-    view = (*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1:])
-    return Rearrange(view=view, perm=(dim, *range(dim), *range(dim + 1, len(view))))
+    split = (*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1:])
+    return Rearrange(split_shape=split, perm=(dim, *range(dim), *range(dim + 1, len(split))))
 
 
 def _front_to(recv_shape: Shape, dim: int) -> Rearrange:
     """Move the leading world_size axis of `recv_shape` to just before chunk axis `dim`."""
-    return Rearrange(view=recv_shape, perm=(*range(1, dim + 1), 0, *range(dim + 1, len(recv_shape))))
+    return Rearrange(split_shape=recv_shape, perm=(*range(1, dim + 1), 0, *range(dim + 1, len(recv_shape))))
 
 
 def _chunk(shape: Shape, dim: int, world_size: int) -> Shape:
@@ -449,8 +478,8 @@ def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
 
 
 @functools.lru_cache(maxsize=4096)
-def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_dim: int) -> dict:
-    """Fields of the all-to-all plan for valid, normalised arguments (see module docstring).
+def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_dim: int) -> Layout:
+    """The all-to-all's layout for valid, normalised arguments (see module docstring).
 
     ``scatter_dim == gather_dim = d`` (torch's ``all_to_all_single``, lax's split == concat) is the same
     geometry: the pack moves block s of d to the front, the unpack puts the block received from rank r back
@@ -458,71 +487,46 @@ def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_di
     local pass at all; on another d, one before and one after (none where the dims before d are all 1).
 
     >>> layout = all_to_all_layout((8, 3), 4, 0, 0)
-    >>> layout["pack"].is_identity, layout["unpack"].is_identity, layout["out_shape"]
+    >>> layout.pack.is_identity, layout.unpack.is_identity, layout.out_shape
     (True, True, (8, 3))
     >>> layout = all_to_all_layout((3, 8), 4, 1, 1)
-    >>> layout["pack"].is_identity, layout["unpack"].is_identity, layout["out_shape"]
+    >>> layout.pack.is_identity, layout.unpack.is_identity, layout.out_shape
     (False, False, (3, 8))
     """
     chunk = _chunk(shape, scatter_dim, world_size)
     recv = (world_size, *chunk)
-    return dict(
-        pack=_split_front(shape, scatter_dim, world_size),
-        send_shape=recv,
-        recv_shape=recv,
-        unpack=_front_to(recv, gather_dim),
-        out_shape=_grown(chunk, gather_dim, world_size),
-    )
+    return Layout(pack=_split_front(shape, scatter_dim, world_size), send_shape=recv, recv_shape=recv,
+                  unpack=_front_to(recv, gather_dim), out_shape=_grown(chunk, gather_dim, world_size))
 
 
 @functools.lru_cache(maxsize=4096)
-def all_gather_layout(shape: Shape, world_size: int, dim: int) -> dict:
+def all_gather_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Gather into [W, *shape] (dim 0 = source rank), then move that axis in front of `dim`."""
     recv = (world_size, *shape)
-    return dict(
-        pack=_identity(shape),
-        send_shape=shape,
-        recv_shape=recv,
-        unpack=_front_to(recv, dim),
-        out_shape=_grown(shape, dim, world_size),
-    )
+    return Layout(pack=_identity(shape), send_shape=shape, recv_shape=recv, unpack=_front_to(recv, dim),
+                  out_shape=_grown(shape, dim, world_size))
 
 
 @functools.lru_cache(maxsize=4096)
-def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> dict:
+def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Pack to [W, *chunk] (chunk r for rank r), reduce-scatter on dim 0; the result is already laid out."""
     chunk = _chunk(shape, dim, world_size)
-    return dict(
-        pack=_split_front(shape, dim, world_size),
-        send_shape=(world_size, *chunk),
-        recv_shape=chunk,
-        unpack=_identity(chunk),
-        out_shape=chunk,
-    )
+    return Layout(pack=_split_front(shape, dim, world_size), send_shape=(world_size, *chunk), recv_shape=chunk,
+                  unpack=_identity(chunk), out_shape=chunk)
 
 
 @functools.lru_cache(maxsize=4096)
-def flat_layout(shape: Shape, in_place: bool) -> dict:
+def flat_layout(shape: Shape, in_place: bool) -> Layout:
     """Same-shape collectives (all_reduce, broadcast, permute): no layout change; a fresh buffer if in place."""
-    return dict(
-        pack=_identity(shape, always_copy=in_place),
-        send_shape=shape,
-        recv_shape=shape,
-        unpack=_identity(shape),
-        out_shape=shape,
-    )
+    return Layout(pack=_identity(shape, always_copy=in_place), send_shape=shape, recv_shape=shape,
+                  unpack=_identity(shape), out_shape=shape)
 
 
 @functools.lru_cache(maxsize=4096)
-def local_layout(in_shape: Shape, out_shape: Shape) -> dict:
+def local_layout(in_shape: Shape, out_shape: Shape) -> Layout:
     """Local steps (identity, slice, pad): no pack or unpack pass; the step itself maps `in_shape` to `out_shape`."""
-    return dict(
-        pack=_identity(in_shape),
-        send_shape=in_shape,
-        recv_shape=out_shape,
-        unpack=_identity(out_shape),
-        out_shape=out_shape,
-    )
+    return Layout(pack=_identity(in_shape), send_shape=in_shape, recv_shape=out_shape, unpack=_identity(out_shape),
+                  out_shape=out_shape)
 
 
 def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: int,
@@ -541,25 +545,24 @@ def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: in
     return send, recv
 
 
-def rooted_splits(collective: Collective, root: int, world_size: int, rank: int,
+def rooted_splits(step: Gather | Reduce | Scatter, world_size: int, rank: int,
                   block: int) -> tuple[list[int], list[int]]:
     """``(send_splits, recv_splits)``: a gather, reduce or scatter as one uneven all-to-all of flat buffers, each
     rank's block `block` elements -- the same bytes on the wire as the rooted collective.
 
-    Gather and reduce: every rank sends its block to `root`, which receives one block from each rank (a reduce
-    then reduces them). Scatter: the transpose, `root` sends block r to rank r. (Frontends that cannot trace
+    Gather and reduce: every rank sends its block to the root, which receives one block from each rank (a reduce
+    then reduces them). Scatter: the transpose, the root sends block r to rank r. (Frontends that cannot trace
     the rooted collectives run them this way: the all-to-all is the same call on every rank.)
 
-    >>> rooted_splits(Collective.GATHER, 1, 3, 0, 4), rooted_splits(Collective.GATHER, 1, 3, 1, 4)
+    >>> rooted_splits(Gather(dim=0, root=1), 3, 0, 4), rooted_splits(Gather(dim=0, root=1), 3, 1, 4)
     (([0, 4, 0], [0, 0, 0]), ([0, 4, 0], [4, 4, 4]))
-    >>> rooted_splits(Collective.SCATTER, 1, 3, 1, 4)
+    >>> rooted_splits(Scatter(dim=0, root=1), 3, 1, 4)
     ([4, 4, 4], [0, 4, 0])
     """
-    if collective not in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):
-        raise ValueError(f"rooted_splits: {collective!r} is not a gather, reduce or scatter")
+    root = step.root
     to_root = [block if peer == root else 0 for peer in range(world_size)]
     from_every_rank = [block if rank == root else 0] * world_size
-    return (from_every_rank, to_root) if collective is Collective.SCATTER else (to_root, from_every_rank)
+    return (from_every_rank, to_root) if isinstance(step, Scatter) else (to_root, from_every_rank)
 
 
 def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],

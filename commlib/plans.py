@@ -10,8 +10,8 @@ same text for the same mistake.
 Shapes below: W = world_size; ``s`` = this rank's input shape.
 
 >>> plan = all_to_all_4d((2, 8, 12, 64), 4, scatter_dim=2, gather_dim=1)
->>> plan.out_shape, plan.collective.value, plan.copies
-((2, 32, 3, 64), 'all_to_all', 2)
+>>> plan.out_shape, plan.step, plan.copies
+((2, 32, 3, 64), AllToAll(scatter_dim=2, gather_dim=1), 2)
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ import operator
 import numpy as np
 
 from commlib import uneven
-from commlib.dtypes import carrier, kind
-from commlib.errors import CommError, comm_error, kind_error
+from commlib.dtypes import kind, wire_dtypes
+from commlib.errors import comm_error, kind_error
 from commlib.layout import (
-    Collective,
+    PLAIN,
+    Arithmetic,
     Convention,
+    Exact,
+    Layout,
+    Padded,
     Plan,
     all_gather_layout,
     all_to_all_layout,
@@ -35,6 +39,20 @@ from commlib.layout import (
 )
 from commlib.plan_cache import cached_plan
 from commlib.reduce_op import FLOAT_FORMATS, ReduceOp, is_floating, parse_reduce_op
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+    Step,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -52,14 +70,9 @@ __all__ = [
     "sum_grad",
     "shard",
     "reduce",
+    "check_dim",
     "check_rank",
     "point_to_point",
-    "not_a_member",
-    "wrong_type",
-    "check_axis_names",
-    "no_vmap",
-    "unbound_axis",
-    "mesh_dim",
     "HALF_DTYPES",
 ]
 
@@ -117,7 +130,7 @@ def _check_world_size(op_name: str, world_size: object, received: dict) -> int:
     return size
 
 
-def _check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
+def check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
     """Normalise a possibly negative dim into [0, ndim)."""
     value = _check_int(op_name, name, dim, received)
     if not -ndim <= value < ndim:
@@ -146,7 +159,7 @@ def _check_dtype(op_name: str, name: str, dtype: object, received: dict) -> str:
 def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object,
                      received: dict) -> str | None:
     """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
-    if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `carrier` says
+    if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `wire_dtypes` says
         message = f"op ('avg') needs a floating or complex dtype, not {dtype}"
         raise comm_error(op_name, message, **received, dtype=dtype)
     if reduce_op is ReduceOp.SUM and dtype == "bool":  # gloo gives the OR, numpy the count: say which
@@ -168,123 +181,22 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
     return None if accum == dtype else accum
 
 
-def _reduction_fields(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, carried, received: dict,
-                      world_size: int) -> dict:
-    """The Plan fields of a reduction's dtypes and scale: the accumulation dtype (the user's, or a wider
-    carrier), the same-size carrier, the scale (1/W for avg) and whether it applies before the sum."""
+def _reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, backend_dtypes, received: dict,
+               world_size: int) -> tuple[Arithmetic, str | None]:
+    """A reduction's arithmetic -- the accumulation dtype (the user's, or a wider one the backend carries), the
+    scale (1/W for avg) and whether it applies before the sum -- and its wire view (`Plan.wire_view`)."""
     accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
-    view, cast = carrier(op_name, dtype, reduce_op, carried, received)
+    view, cast = wire_dtypes(op_name, dtype, reduce_op, backend_dtypes, received)
     is_avg = reduce_op is ReduceOp.AVG
-    return dict(accum_dtype=cast or accum, carrier=view, scale=1.0 / world_size if is_avg else 1.0,
-                scale_first=is_avg and dtype in HALF_DTYPES)
+    arithmetic = Arithmetic(scale=1.0 / world_size if is_avg else 1.0, scale_first=is_avg and dtype in HALF_DTYPES,
+                            accum_dtype=cast or accum)
+    return arithmetic, view
 
 
-def _movement_fields(op_name: str, dtype: str, carried, received: dict) -> dict:
-    """The Plan field of data movement: the same-size dtype the backend carries `dtype`'s bits in, if any."""
-    view, _ = carrier(op_name, dtype, None, carried, received)
-    return dict(carrier=view)
-
-
-def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
-    """The error of a collective called on a rank outside its group (torch: the group's world size is -1 there).
-
-    >>> not_a_member("all_reduce", 2, [0, 1])
-    CommError('all_reduce: this rank (global rank 2) is not a member of the group (global ranks [0, 1]): only its members may call its collectives. Received: rank=2, group_ranks=[0, 1]')
-    """
-    ranks = [int(member) for member in group_ranks]
-    message = (f"this rank (global rank {rank}) is not a member of the group (global ranks {ranks}): only its "
-               f"members may call its collectives")
-    return comm_error(op_name, message, rank=rank, group_ranks=ranks)
-
-
-def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeError:
-    """The error of an op given something that is not the frontend's array type (a numpy array or a list given
-    to a torch op, a list given to a JAX op).
-
-    >>> wrong_type("all_reduce", "x", [1.0], "torch.Tensor")
-    TypeError("all_reduce: x must be a torch.Tensor, not list. Received: type='list'")
-    """
-    cls = type(value)
-    type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
-    return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
-
-
-def no_vmap(op_name: str) -> TypeError:
-    """The error of a torch op under ``torch.func.vmap`` (JAX's vmap is supported: its batch rules see the
-    axis names).
-
-    >>> print(no_vmap("all_reduce"))  # doctest: +ELLIPSIS
-    all_reduce: torch.func.vmap is not supported: each rank runs the collective once, not once per batch ...
-    """
-    message = ("torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; "
-               "put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and "
-               "functional_call work")
-    return kind_error(op_name, message, transform="vmap")
-
-
-def check_axis_names(op_name: str, axes: tuple) -> None:
-    """Raise unless `axes` (a JAX op's ``axis_name`` as a tuple) is one or more distinct mesh axis names (str).
-
-    >>> check_axis_names("all_reduce", ("sp", "sp"))
-    Traceback (most recent call last):
-    commlib.errors.CommError: all_reduce: axis_name (('sp', 'sp')) names 'sp' twice. Received: axis_name=('sp', 'sp')
-    """
-    shown = axes if len(axes) != 1 else axes[0]
-    for axis in axes:
-        if not isinstance(axis, str):
-            message = f"axis_name must be a mesh axis name (str) or a tuple of them, not {type(axis).__name__}"
-            raise kind_error(op_name, message, axis_name=shown)
-    if not axes:
-        raise comm_error(op_name, "axis_name (()) must name at least one mesh axis", axis_name=shown)
-    for axis in axes:
-        if axes.count(axis) > 1:
-            raise comm_error(op_name, f"axis_name ({shown!r}) names {axis!r} twice", axis_name=shown)
-
-
-def unbound_axis(op_name: str, axis_name: object) -> CommError:
-    """The error of a JAX op whose axis name no enclosing ``jax.shard_map`` / ``jax.pmap`` binds (JAX's own is
-    ``NameError: unbound axis name``).
-
-    >>> unbound_axis("all_reduce", "i")
-    CommError("all_reduce: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
-    """
-    message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
-               f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
-    return comm_error(op_name, message, axis_name=axis_name)
-
-
-def mesh_dim(op_name: str, mesh_shape, dim_names, dim: object = None) -> int:
-    """The dim of a device mesh a collective runs over (torch: ``group=mesh`` or ``group=(mesh, dim)``): `dim`, a
-    dim name or an index, found in the mesh's `dim_names`; without one the mesh must be 1-D.
-
-    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"), "tp")
-    1
-    >>> mesh_dim("all_reduce", (2, 2), ("sp", "tp"))
-    Traceback (most recent call last):
-    ...
-    commlib.errors.CommError: all_reduce: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name one of ('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')
-    """
-    shape, names = tuple(int(size) for size in mesh_shape), None if dim_names is None else tuple(dim_names)
-    received: dict[str, object] = dict(mesh_shape=shape, mesh_dim_names=names)
-    if dim is None:
-        if len(shape) != 1:
-            how = f"(mesh, name) with name one of {names}" if names else (
-                f"(mesh, index) with index in [0, {len(shape)}) (the mesh has no dim names)")
-            raise comm_error(op_name, f"mesh ndim ({len(shape)}) must be 1 when group is a mesh without a dim: pass "
-                             f"{how}", **received)
-        return 0
-    received["dim"] = dim
-    if isinstance(dim, str):
-        if not names:
-            raise comm_error(op_name, f"mesh dim ({dim!r}) must be an index in [0, {len(shape)}): the mesh has no "
-                             "dim names", **received)
-        if dim not in names:
-            raise comm_error(op_name, f"mesh dim ({dim!r}) must be one of the mesh's dim names {names}", **received)
-        return names.index(dim)
-    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-        raise kind_error(op_name, f"mesh dim must be a dim name (str) or an index (int), not {type(dim).__name__}",
-                         **received)
-    return _check_dim(op_name, "mesh dim", dim, len(shape), received)
+def _wire_view(op_name: str, dtype: str, backend_dtypes, received: dict) -> str | None:
+    """Data movement's `Plan.wire_view`: the same-size dtype the backend moves `dtype`'s bits as, if any."""
+    view, _ = wire_dtypes(op_name, dtype, None, backend_dtypes, received)
+    return view
 
 
 def check_rank(op_name: str, name: str, rank: object, world_size: int, received: dict | None = None) -> int:
@@ -320,16 +232,17 @@ def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) ->
     return tuple((int(source), int(destination)) for source, destination in pairs)
 
 
-def _uneven(fields: dict, shape: tuple[int, ...], rank: object, received: dict, *, scatter: uneven.Sizes | None = None,
-            gather: uneven.Sizes | None = None) -> Plan | None:
-    """The uneven plan of a call with sizes (`commlib.uneven.plan`), None where they are all equal: exact on
-    `rank`, padded where `rank` is None."""
-    op_name, world_size = fields["op_name"], fields["world_size"]
+def _uneven(op_name: str, step: Step, shape: tuple[int, ...], world_size: int, rank: object, received: dict, *,
+            scatter: uneven.Sizes | None = None,
+            gather: uneven.Sizes | None = None) -> tuple[Layout, Exact | Padded] | None:
+    """The layout and sizes of a call with uneven sizes (`commlib.uneven.plan`), None where they are all equal:
+    exact on `rank`, padded where `rank` is None."""
     arguments = {key: value for key, value in received.items() if key != "shape"}  # the same on every rank
     arguments.update({sizes.keyword: sizes.shown for sizes in (scatter, gather) if sizes is not None})
     if rank is not None:
         rank = check_rank(op_name, "rank", rank, world_size, {**arguments, "rank": rank})
-    return uneven.plan(fields, shape, scatter=scatter, gather=gather, rank=rank, received=arguments)
+    return uneven.plan(op_name, step, shape, world_size, scatter=scatter, gather=gather, rank=rank,
+                       received=arguments)
 
 
 def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
@@ -341,24 +254,24 @@ def _common(op_name: str, shape: object, world_size: object, dtype: object, rece
 
 @cached_plan
 def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
-               op_name="all_reduce", carried=None) -> Plan:
+               op_name="all_reduce", backend_dtypes=None) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
-    >>> all_reduce((3,), 4, "avg").scale
+    >>> all_reduce((3,), 4, "avg").arithmetic.scale
     0.25
     """
     received = dict(shape=tuple(shape), op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
-    fields = _reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size)
-    return Plan(op_name=op_name, collective=Collective.ALL_REDUCE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, reduce_op=reduce_op, convention=_check_convention(op_name, convention, received),
-                **fields, **flat_layout(shape, in_place=True))
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
+    return Plan(op_name=op_name, step=AllReduce(reduce_op), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), dtype=dtype,
+                convention=_check_convention(op_name, convention, received), arithmetic=arithmetic, wire_view=view)
 
 
 @cached_plan
 def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float32", convention="sum",
-               op_name="all_gather", carried=None) -> Plan:
+               op_name="all_gather", backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
 
     `sizes` (uneven, see `commlib.uneven`): rank r contributes ``sizes[r]`` rows, ``s[dim] = sum(sizes)`` on
@@ -371,19 +284,19 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     """
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.ALL_GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  convention=_check_convention(op_name, convention, received),
-                  **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
+    step, checked = AllGather(dim), _check_convention(op_name, convention, received)
+    view = _wire_view(op_name, dtype, backend_dtypes, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, convention=checked, wire_view=view, uneven=held)
 
 
 @cached_plan
 def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None, dtype="float32", accum_dtype=None,
-                   op_name="reduce_scatter", carried=None) -> Plan:
+                   op_name="reduce_scatter", backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
     `sizes` (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) = s[dim]``), exactly (`rank` given) or
@@ -396,23 +309,24 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
     """
     received = dict(shape=tuple(shape), dim=dim, op=op)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    fields = dict(op_name=op_name, collective=Collective.REDUCE_SCATTER, world_size=world_size, dims=(dim,),
-                  dtype=dtype, reduce_op=reduce_op,
-                  **_reduction_fields(op_name, reduce_op, dtype, accum_dtype, carried, received, world_size))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
+    step = ReduceScatter(dim, reduce_op)
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    if not sized:
+        _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, dtype=dtype,
+                arithmetic=arithmetic, wire_view=view, uneven=held)
 
 
 @cached_plan
 def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, rank=None,
-               dtype="float32", op_name="all_to_all", dim_names=None, carried=None) -> Plan:
+               dtype="float32", op_name="all_to_all", dim_names=None, backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
@@ -432,29 +346,29 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     """
     received = dict(shape=tuple(shape), scatter_dim=scatter_dim, gather_dim=gather_dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
-    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
+    scatter_axis = check_dim(op_name, "scatter_dim", scatter_dim, len(shape), received)
+    gather_axis = check_dim(op_name, "gather_dim", gather_dim, len(shape), received)
     if scatter_axis == gather_axis and (scatter_sizes is not None or gather_sizes is not None):
         message = f"scatter_dim ({scatter_axis}) must differ from gather_dim ({gather_axis}) with uneven sizes"
         raise comm_error(op_name, message, **received)
     quantity = dim_names[scatter_axis] if dim_names else f"size of scatter_dim {scatter_axis}"
     if scatter_sizes is None:
         _check_divisible(op_name, quantity, shape[scatter_axis], world_size, received)
-    fields = dict(op_name=op_name, collective=Collective.ALL_TO_ALL, world_size=world_size,
-                  dims=(scatter_axis, gather_axis), dtype=dtype, **_movement_fields(op_name, dtype, carried, received))
+    step, view = AllToAll(scatter_axis, gather_axis), _wire_view(op_name, dtype, backend_dtypes, received)
+    sized = None
     if scatter_sizes is not None or gather_sizes is not None:
         gathered = dim_names[gather_axis] if dim_names else f"size of gather_dim {gather_axis}"
-        plan = _uneven(fields, shape, rank, received,
-                       scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
-                       gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
-        if plan is not None:
-            return plan
-    return Plan(**fields, in_shape=shape, **all_to_all_layout(shape, world_size, scatter_axis, gather_axis))
+        sized = _uneven(op_name, step, shape, world_size, rank, received,
+                        scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
+                        gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
+    layout, held = sized or (all_to_all_layout(shape, world_size, scatter_axis, gather_axis), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
 def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, rank=None,
-                  dtype="float32", carried=None) -> Plan:
+                  dtype="float32", backend_dtypes=None) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
     ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
@@ -471,33 +385,33 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
     dims = _check_shape(op_name, shape)
     if len(dims) != 4:
         raise comm_error(op_name, f"ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])", **received)
-    scatter_axis = _check_dim(op_name, "scatter_dim", scatter_dim, 4, received)
-    gather_axis = _check_dim(op_name, "gather_dim", gather_dim, 4, received)
+    scatter_axis = check_dim(op_name, "scatter_dim", scatter_dim, 4, received)
+    gather_axis = check_dim(op_name, "gather_dim", gather_dim, 4, received)
     if (scatter_axis, gather_axis) not in ((2, 1), (1, 2)):
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
     return all_to_all(dims, world_size, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, carried=carried)
+                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, backend_dtypes=backend_dtypes)
 
 
 @cached_plan
-def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", carried=None) -> Plan:
+def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", backend_dtypes=None) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
-    >>> broadcast((3,), 2, src=1).root
+    >>> broadcast((3,), 2, src=1).step.root
     1
     """
     received = dict(shape=tuple(shape), src=src)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
-    return Plan(op_name=op_name, collective=Collective.BROADCAST, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, root=root, **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=True))
+    return Plan(op_name=op_name, step=Broadcast(root), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
 def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather",
-           carried=None) -> Plan:
+           backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
     `sizes` (uneven): as in `all_gather`.
 
@@ -507,18 +421,18 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     received = dict(shape=tuple(shape), dst=dst, dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "dst", dst, world_size, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.GATHER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  root=root, **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    return Plan(**fields, in_shape=shape, **all_gather_layout(shape, world_size, dim))
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
+    step, view = Gather(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
 def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter",
-            carried=None) -> Plan:
+            backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
     `sizes` (uneven): as in `reduce_scatter`.
 
@@ -528,34 +442,35 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     received = dict(shape=tuple(shape), src=src, dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
-    fields = dict(op_name=op_name, collective=Collective.SCATTER, world_size=world_size, dims=(dim,), dtype=dtype,
-                  root=root, **_movement_fields(op_name, dtype, carried, received))
-    if sizes is not None and (plan := _uneven(fields, shape, rank, received,
-                                              scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))):
-        return plan
-    _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    return Plan(**fields, in_shape=shape, **reduce_scatter_layout(shape, world_size, dim))
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
+    step, view = Scatter(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
+    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
+                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    if not sized:
+        _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
+    layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
+    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
+                dtype=dtype, wire_view=view, uneven=held)
 
 
 @cached_plan
-def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", carried=None) -> Plan:
+def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", backend_dtypes=None) -> Plan:
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
 
-    >>> permute((3,), 4, [(0, 1), (1, 0)]).pairs
+    >>> permute((3,), 4, [(0, 1), (1, 0)]).step.pairs
     ((0, 1), (1, 0))
     """
     received = dict(shape=tuple(shape), perm=perm)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     pairs = _check_pairs(op_name, perm, world_size, received)
-    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, pairs=pairs, **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Permute(pairs), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=None) -> Plan:
+def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", backend_dtypes=None) -> Plan:
     """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
     (Megatron's f).
 
@@ -564,17 +479,18 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", carried=
     """
     received = dict(shape=tuple(shape))
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    return Plan(op_name=op_name, collective=Collective.IDENTITY, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, convention=Convention.REPLICATED_INPUT, **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Identity(), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                convention=Convention.REPLICATED_INPUT)
 
 
 @cached_plan
-def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", carried=None) -> Plan:
+def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", backend_dtypes=None) -> Plan:
     """One transfer of ``s`` from rank `src` to rank `dst` (`DeviceCommunicator.send` / `recv`, each end naming
     the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
     compares them.
 
-    >>> point_to_point((3,), 2, 0, 1, op_name="recv").pairs
+    >>> point_to_point((3,), 2, 0, 1, op_name="recv").step.pairs
     ((0, 1),)
     """
     received = dict(shape=tuple(shape), src=src, dst=dst)
@@ -584,40 +500,42 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
     if source == destination:
         raise comm_error(op_name, f"dst ({destination}) must differ from src ({source}): a rank cannot send to itself",
                          **received)
-    return Plan(op_name=op_name, collective=Collective.PERMUTE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, pairs=((source, destination),), **_movement_fields(op_name, dtype, carried, received),
-                **flat_layout(shape, in_place=False))
+    return Plan(op_name=op_name, step=Permute(((source, destination),)), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", carried=None) -> Plan:
+def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard",
+          backend_dtypes=None) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
     FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
     replicated input -- divided by W when `scale_grad`.
 
     >>> plan = shard((2, 8), 4, scale_grad=True)
-    >>> plan.out_shape, plan.collective.value, plan.convention, plan.grad_scale
+    >>> plan.out_shape, plan.step.name, plan.convention, plan.arithmetic.grad_scale
     ((2, 2), 'slice', 'replicated_input', 0.25)
     """
     received = dict(shape=tuple(shape), dim=dim)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    dim = _check_dim(op_name, "dim", dim, len(shape), received)
+    dim = check_dim(op_name, "dim", dim, len(shape), received)
     if not isinstance(scale_grad, (bool, np.bool_)):
         raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
-    return Plan(op_name=op_name, collective=Collective.SLICE, world_size=world_size, in_shape=shape, dims=(dim,),
-                dtype=dtype, convention=Convention.REPLICATED_INPUT, grad_scale=1.0 / world_size if scale_grad else 1.0,
-                **_movement_fields(op_name, dtype, carried, received), **local_layout(shape, chunk))
+    return Plan(op_name=op_name, step=Slice(dim), world_size=world_size, in_shape=shape,
+                layout=local_layout(shape, chunk), dtype=dtype, convention=Convention.REPLICATED_INPUT,
+                arithmetic=Arithmetic(grad_scale=1.0 / world_size if scale_grad else 1.0),
+                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
 
 
 @cached_plan
-def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", carried=None) -> Plan:
+def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", backend_dtypes=None) -> Plan:
     """``s -> s``: rank `dst` gets the reduction over ranks (avg = sum / W), the other ranks zeros. op in
     {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 
     >>> plan = reduce((3,), 4, dst=2, op="avg")
-    >>> plan.root, plan.scale
+    >>> plan.step.root, plan.arithmetic.scale
     (2, 0.25)
     >>> reduce((3,), 4, op="max")
     Traceback (most recent call last):
@@ -630,6 +548,6 @@ def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="redu
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
-    fields = _reduction_fields(op_name, reduce_op, dtype, None, carried, received, world_size)
-    return Plan(op_name=op_name, collective=Collective.REDUCE, world_size=world_size, in_shape=shape, dims=(),
-                dtype=dtype, reduce_op=reduce_op, root=root, **fields, **flat_layout(shape, in_place=True))
+    arithmetic, view = _reduction(op_name, reduce_op, dtype, None, backend_dtypes, received, world_size)
+    return Plan(op_name=op_name, step=Reduce(reduce_op, root), world_size=world_size, in_shape=shape,
+                layout=flat_layout(shape, in_place=True), dtype=dtype, arithmetic=arithmetic, wire_view=view)

@@ -24,13 +24,27 @@ array([5.])
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import numpy as np
 
 from commlib import gradients, plans, uneven
-from commlib.layout import Blocks, Collective, Plan, Rearrange, Take, resized
+from commlib.layout import Blocks, Exact, Padded, Plan, Rearrange, Take, resized
 from commlib.reduce_op import ReduceOp
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+)
 
 __all__ = [
     "forward",
@@ -54,7 +68,7 @@ Arrays = list[np.ndarray]
 
 
 def _rearrange(x: np.ndarray, step: Rearrange, shape: tuple[int, ...]) -> np.ndarray:
-    return np.ascontiguousarray(x.reshape(step.view).transpose(step.perm)).reshape(shape)
+    return np.ascontiguousarray(x.reshape(step.split_shape).transpose(step.perm)).reshape(shape)
 
 
 def _wide(x: np.ndarray) -> np.ndarray:
@@ -81,53 +95,51 @@ _REDUCE = {
 def _collective(plan: Plan, sends: Arrays) -> Arrays:
     """The dim-0 collective (or local step) on every rank, with the plan's scale before it (`scale_first`) or
     after it, as the frontends apply it."""
-    if plan.scale_first and plan.scale != 1.0:
-        sends = [send * plan.scale for send in sends]
-    recvs = _local(plan, sends) if plan.collective.is_local else _exchange(plan, sends)
-    return recvs if plan.scale == 1.0 or plan.scale_first else [recv * plan.scale for recv in recvs]
+    scale, first = plan.arithmetic.scale, plan.arithmetic.scale_first
+    if first and scale != 1.0:
+        sends = [send * scale for send in sends]
+    recvs = _step(plan, sends)
+    return recvs if scale == 1.0 or first else [recv * scale for recv in recvs]
 
 
-def _local(plan: Plan, sends: Arrays) -> Arrays:
-    W, kind = plan.world_size, plan.collective
-    if kind is Collective.IDENTITY:
-        return list(sends)
-    (dim,) = plan.dims
-    if kind is Collective.SLICE:
-        return [np.split(send, W, axis=dim)[rank] for rank, send in enumerate(sends)]
-    padded = []
-    for rank, send in enumerate(sends):
-        blocks = [send if block == rank else np.zeros_like(send) for block in range(W)]
-        padded.append(np.concatenate(blocks, axis=dim))
-    return padded
-
-
-def _exchange(plan: Plan, sends: Arrays) -> Arrays:
-    W, kind = plan.world_size, plan.collective
-    root = -1 if plan.root is None else plan.root
-    if kind is Collective.ALL_TO_ALL:
-        return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
-    if kind in (Collective.ALL_GATHER, Collective.GATHER):
-        gathered = np.stack(sends)
-        keep = [kind is Collective.ALL_GATHER or rank == root for rank in range(W)]
-        return [gathered if kept else np.zeros_like(gathered) for kept in keep]
-    if kind is Collective.BROADCAST:
-        return [sends[root].copy() for _ in range(W)]
-    if kind is Collective.SCATTER:
-        return [sends[root][rank] for rank in range(W)]
-    if kind is Collective.PERMUTE:
-        received = [np.zeros_like(send) for send in sends]
-        for source, destination in plan.pairs:
-            received[destination] = sends[source].copy()
-        return received
-    assert plan.reduce_op is not None, plan
-    reduced = _REDUCE[plan.reduce_op](np.stack(sends))
-    if kind is Collective.ALL_REDUCE:
-        return [reduced.copy() for _ in range(W)]
-    if kind is Collective.REDUCE:
-        return [reduced if rank == root else np.zeros_like(reduced) for rank in range(W)]
-    if kind is Collective.REDUCE_SCATTER:
-        return [reduced[rank] for rank in range(W)]
-    raise NotImplementedError(kind)
+def _step(plan: Plan, sends: Arrays) -> Arrays:
+    """The plan's step on every rank's send buffer: every rank's received buffer."""
+    W, step = plan.world_size, plan.step
+    match step:
+        case Identity():
+            return list(sends)
+        case Slice(dim=dim):
+            return [np.split(send, W, axis=dim)[rank] for rank, send in enumerate(sends)]
+        case Pad(dim=dim):
+            return [np.concatenate([send if block == rank else np.zeros_like(send) for block in range(W)], axis=dim)
+                    for rank, send in enumerate(sends)]
+        case AllToAll():
+            return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
+        case AllGather():
+            return [np.stack(sends) for _ in range(W)]
+        case Gather(root=root):
+            gathered = np.stack(sends)
+            return [gathered if rank == root else np.zeros_like(gathered) for rank in range(W)]
+        case Broadcast(root=root):
+            return [sends[root].copy() for _ in range(W)]
+        case Scatter(root=root):
+            return [sends[root][rank] for rank in range(W)]
+        case Permute(pairs=pairs):
+            received = [np.zeros_like(send) for send in sends]
+            for source, destination in pairs:
+                received[destination] = sends[source].copy()
+            return received
+        case AllReduce(op=op):
+            reduced = _REDUCE[op](np.stack(sends))
+            return [reduced.copy() for _ in range(W)]
+        case Reduce(op=op, root=root):
+            reduced = _REDUCE[op](np.stack(sends))
+            return [reduced if rank == root else np.zeros_like(reduced) for rank in range(W)]
+        case ReduceScatter(op=op):
+            reduced = _REDUCE[op](np.stack(sends))
+            return [reduced[rank] for rank in range(W)]
+        case _:
+            assert_never(step)
 
 
 def _take(x: np.ndarray, step: Take | None, rank: int) -> np.ndarray:
@@ -161,16 +173,18 @@ def _unpack_blocks(buffer: np.ndarray, step: Blocks) -> np.ndarray:
 
 def _pack(x: np.ndarray, plan: Plan) -> np.ndarray:
     """The plan's pack pass: a `Rearrange` into the send buffer, or the exact layout's `Blocks`."""
-    if isinstance(plan.pack, Blocks):
-        return _pack_blocks(x, plan.pack)
-    return _rearrange(x, plan.pack, plan.send_shape)
+    pack = plan.layout.pack
+    if isinstance(pack, Blocks):
+        return _pack_blocks(x, pack)
+    return _rearrange(x, pack, plan.layout.send_shape)
 
 
-def _unpack(recv: np.ndarray, plan: Plan, shape: tuple[int, ...]) -> np.ndarray:
-    """The plan's unpack pass into an output of `shape`."""
-    if isinstance(plan.unpack, Blocks):
-        return _unpack_blocks(recv, plan.unpack)
-    return _rearrange(recv, plan.unpack, shape)
+def _unpack(recv: np.ndarray, plan: Plan) -> np.ndarray:
+    """The plan's unpack pass into an output of the layout's `out_shape`."""
+    unpack = plan.layout.unpack
+    if isinstance(unpack, Blocks):
+        return _unpack_blocks(recv, unpack)
+    return _rearrange(recv, unpack, plan.layout.out_shape)
 
 
 def _counts(step: Rearrange | Blocks) -> tuple[int, ...]:
@@ -180,43 +194,49 @@ def _counts(step: Rearrange | Blocks) -> tuple[int, ...]:
 
 def _exchange_blocks(plans_: list[Plan], sends: Arrays) -> Arrays:
     """all_to_all_v of flat buffers: rank r receives block r of every rank's buffer, in rank order."""
-    blocks = [np.split(send, np.cumsum(_counts(plan.pack))[:-1]) for plan, send in zip(plans_, sends, strict=True)]
+    blocks = [np.split(send, np.cumsum(_counts(plan.layout.pack))[:-1])
+              for plan, send in zip(plans_, sends, strict=True)]
     recvs = []
     for rank, plan in enumerate(plans_):
         parts = [blocks[source][rank] for source in range(len(plans_))]
-        assert [part.size for part in parts] == list(_counts(plan.unpack)), (rank, plan)
+        assert [part.size for part in parts] == list(_counts(plan.layout.unpack)), (rank, plan)
         recvs.append(np.concatenate(parts))
     return recvs
 
 
-def _run_uneven(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
-    """Both layouts of uneven sizes: exact (every rank's own plan, blocks and an all_to_all_v) or padded."""
-    W, local = plan.world_size, plan.collective.is_local
-    xs = [_wide(np.asarray(x)) for x in xs]
-    if plan.is_exact:
-        ranks = [uneven.for_rank(plan, rank) for rank in range(W)]
-        for rank, (x, mine) in enumerate(zip(xs, ranks, strict=True)):
-            if x.shape != mine.in_shape:
-                raise ValueError(f"{plan.op_name}: rank {rank}'s input {x.shape} is not {mine.in_shape}")
-        sends = [_pack(x, mine) for x, mine in zip(xs, ranks, strict=True)]
-        recvs = sends if local else _exchange_blocks(ranks, sends)
-        outs = [_unpack(recv, mine, mine.out_shape) for recv, mine in zip(recvs, ranks, strict=True)]
-        return outs if plan.scale == 1.0 else [out * plan.scale for out in outs]
-    wire = plan.out_shape if plan.after is None else resized(plan.out_shape, plan.after.dim, plan.after.source_size)
-    sends = [_pack(_take(x, plan.before, rank), plan) for rank, x in enumerate(xs)]
-    recvs = [send * plan.scale for send in sends] if local else _collective(plan, sends)
-    return [_take(_unpack(recv, plan, wire), plan.after, rank) for rank, recv in enumerate(recvs)]
+def _run_exact(plan: Plan, xs: Arrays) -> Arrays:
+    """Uneven sizes held exactly: every rank's own plan, blocks and an all_to_all_v (none for a local step)."""
+    ranks = [uneven.for_rank(plan, rank) for rank in range(plan.world_size)]
+    for rank, (x, mine) in enumerate(zip(xs, ranks, strict=True)):
+        if x.shape != mine.in_shape:
+            raise ValueError(f"{plan.op_name}: rank {rank}'s input {x.shape} is not {mine.in_shape}")
+    sends = [_pack(x, mine) for x, mine in zip(xs, ranks, strict=True)]
+    recvs = sends if plan.step.is_local else _exchange_blocks(ranks, sends)
+    outs = [_unpack(recv, mine) for recv, mine in zip(recvs, ranks, strict=True)]
+    scale = plan.arithmetic.scale
+    return outs if scale == 1.0 else [out * scale for out in outs]
+
+
+def _run_padded(plan: Plan, sized: Padded, xs: Arrays) -> Arrays:
+    """Uneven sizes held padded: the `Take` maps around the even step on the padded shapes (an uneven local
+    step is its map alone)."""
+    sends = [_pack(_take(x, sized.before, rank), plan) for rank, x in enumerate(xs)]
+    scale = plan.arithmetic.scale
+    recvs = [send * scale for send in sends] if plan.step.is_local else _collective(plan, sends)
+    return [_take(_unpack(recv, plan), sized.after, rank) for rank, recv in enumerate(recvs)]
 
 
 def run(plan: Plan, xs: Sequence[np.ndarray]) -> Arrays:
     """Walk `plan` on every rank's input; returns every rank's output (float64 / int64)."""
     if len(xs) != plan.world_size:
         raise ValueError(f"{plan.op_name}: reference got {len(xs)} ranks for world_size {plan.world_size}")
-    if plan.is_uneven:
-        return _run_uneven(plan, xs)
-    sends = [_pack(_wide(np.asarray(x)), plan) for x in xs]
-    recvs = _collective(plan, sends)
-    return [_unpack(recv, plan, plan.out_shape) for recv in recvs]
+    wide = [_wide(np.asarray(x)) for x in xs]
+    sized = plan.uneven
+    if isinstance(sized, Exact):
+        return _run_exact(plan, wide)
+    if isinstance(sized, Padded):
+        return _run_padded(plan, sized, wide)
+    return [_unpack(recv, plan) for recv in _collective(plan, [_pack(x, plan) for x in wide])]
 
 
 class _Ranks:

@@ -19,17 +19,18 @@ The two layouts of a sharded dim (a full dim is exact in both):
   and output rows past it are zeros. The collective is the even one on padded shapes, with a static index map
   (`Take`) before it (whole dim -> W blocks of ``max`` rows) and after it (W padded blocks -> whole dim).
 
-`layout` gives a plan's fields in either layout, `for_rank` / `padded` convert a plan between them (the
-reference simulates both), `rows` says which rows of a padded array are valid on a rank.
+`layout` gives a plan's layout and sizes record (`Exact` or `Padded`) in either layout, `for_rank` / `padded`
+convert a plan between them (the reference simulates both), `rows` says which rows of a padded array are valid on
+a rank.
 
 >>> split_sizes(63, 4)
 (16, 16, 16, 15)
 >>> from commlib import plans
 >>> plan = plans.all_to_all_4d((2, 16, 6, 3), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=split_sizes(63, 4))
->>> plan.out_shape, plan.before.kind, plan.after.kind  # padded: [B, 16, H, D] -> [B, 63, 2, D]
+>>> plan.out_shape, plan.uneven.before.kind, plan.uneven.after.kind  # padded: [B, 16, H, D] -> [B, 63, 2, D]
 ((2, 63, 2, 3), 'pad', 'unpad')
 >>> exact = for_rank(plan, 3)  # torch on rank 3: [B, 15, H, D] -> [B, 63, 1, D]
->>> exact.in_shape, exact.out_shape, exact.pack.counts, exact.unpack.counts
+>>> exact.in_shape, exact.out_shape, exact.layout.pack.counts, exact.layout.unpack.counts
 ((2, 15, 6, 3), (2, 63, 1, 3), (180, 180, 90, 90), (96, 96, 96, 90))
 """
 
@@ -38,11 +39,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from typing import assert_never
 
 from commlib.errors import comm_error, kind_error
 from commlib.layout import (
     Blocks,
-    Collective,
+    Exact,
+    Layout,
+    Padded,
     Plan,
     Shape,
     Take,
@@ -52,6 +56,23 @@ from commlib.layout import (
     offsets,
     reduce_scatter_layout,
     resized,
+)
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+    Step,
+    gathered_dim,
+    scattered_dim,
 )
 
 __all__ = [
@@ -65,10 +86,6 @@ __all__ = [
     "sent_elements",
     "split_sizes",
 ]
-
-_GATHERING = (Collective.ALL_GATHER, Collective.GATHER)
-_SCATTERING = (Collective.REDUCE_SCATTER, Collective.SCATTER)
-
 
 def split_sizes(n: int, world_size: int) -> tuple[int, ...]:
     """The balanced split of `n` rows over `world_size` ranks: the first ``n % world_size`` ranks get one row
@@ -94,100 +111,110 @@ def _one_hot(world_size: int, index: int, value: int) -> tuple[int, ...]:
     return tuple(value if rank == index else 0 for rank in range(world_size))
 
 
-def _exact(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter, gather, rank: int,
-           root: int | None) -> dict:
-    """Fields of the exact layout on `rank` (`shape`: this rank's input)."""
+Sizes_ = tuple[int, ...]
+
+
+def _blocks(step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: Sizes_,
+            rank: int) -> tuple[Blocks, Blocks, Shape]:
+    """(pack, unpack, output shape) of the exact layout on `rank` (`shape`: this rank's input)."""
     none = (0,) * world_size
-    if kind is Collective.ALL_TO_ALL:
-        scatter_dim, gather_dim = dims
-        out = resized(resized(shape, scatter_dim, scatter[rank]), gather_dim, sum(gather))
-        pack = Blocks(shape, scatter_dim, offsets(scatter), scatter)
-        unpack = Blocks(out, gather_dim, offsets(gather), gather)
-    elif kind in _GATHERING:
-        (dim,) = dims
-        out = resized(shape, dim, sum(gather))
-        everyone = kind is Collective.ALL_GATHER
-        sends = (gather[rank],) * world_size if everyone else _one_hot(world_size, root, gather[rank])  # type: ignore[arg-type]
-        pack = Blocks(shape, dim, none, sends)
-        unpack = Blocks(out, dim, offsets(gather), gather if everyone or rank == root else none)
-    elif kind in _SCATTERING:
-        (dim,) = dims
-        out = resized(shape, dim, scatter[rank])
-        if kind is Collective.REDUCE_SCATTER:
-            pack = Blocks(shape, dim, offsets(scatter), scatter)
-            unpack = Blocks(out, dim, none, (scatter[rank],) * world_size, reduce=True)
-        else:
-            pack = Blocks(shape, dim, offsets(scatter), scatter if rank == root else none)
-            unpack = Blocks(out, dim, none, _one_hot(world_size, root, scatter[rank]))  # type: ignore[arg-type]
-    elif kind is Collective.SLICE:  # keep this rank's rows of the whole dim
-        (dim,) = dims
-        out, rows = resized(shape, dim, scatter[rank]), (scatter[rank],)
-        pack, unpack = Blocks(shape, dim, (offsets(scatter)[rank],), rows), Blocks(out, dim, (0,), rows)
-    elif kind is Collective.PAD:  # this rank's rows in place in the whole dim, zeros elsewhere
-        (dim,) = dims
-        out, rows = resized(shape, dim, sum(gather)), (gather[rank],)
-        pack, unpack = Blocks(shape, dim, (0,), rows), Blocks(out, dim, (offsets(gather)[rank],), rows)
-    else:
-        raise NotImplementedError(f"no uneven layout for {kind.value}")
-    return dict(pack=pack, send_shape=(pack.numel,), recv_shape=(unpack.numel,), unpack=unpack, out_shape=out,
-                before=None, after=None)
+    match step:
+        case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
+            out = resized(resized(shape, scatter_dim, scatter[rank]), gather_dim, sum(gather))
+            return (Blocks(shape, scatter_dim, offsets(scatter), scatter),
+                    Blocks(out, gather_dim, offsets(gather), gather), out)
+        case AllGather(dim=dim):
+            out = resized(shape, dim, sum(gather))
+            sends = (gather[rank],) * world_size
+            return Blocks(shape, dim, none, sends), Blocks(out, dim, offsets(gather), gather), out
+        case Gather(dim=dim, root=root):
+            out = resized(shape, dim, sum(gather))
+            received = gather if rank == root else none
+            return (Blocks(shape, dim, none, _one_hot(world_size, root, gather[rank])),
+                    Blocks(out, dim, offsets(gather), received), out)
+        case ReduceScatter(dim=dim):
+            out = resized(shape, dim, scatter[rank])
+            return (Blocks(shape, dim, offsets(scatter), scatter),
+                    Blocks(out, dim, none, (scatter[rank],) * world_size, reduce=True), out)
+        case Scatter(dim=dim, root=root):
+            out = resized(shape, dim, scatter[rank])
+            return (Blocks(shape, dim, offsets(scatter), scatter if rank == root else none),
+                    Blocks(out, dim, none, _one_hot(world_size, root, scatter[rank])), out)
+        case Slice(dim=dim):  # keep this rank's rows of the whole dim
+            out, rows = resized(shape, dim, scatter[rank]), (scatter[rank],)
+            return Blocks(shape, dim, (offsets(scatter)[rank],), rows), Blocks(out, dim, (0,), rows), out
+        case Pad(dim=dim):  # this rank's rows in place in the whole dim, zeros elsewhere
+            out, rows = resized(shape, dim, sum(gather)), (gather[rank],)
+            return Blocks(shape, dim, (0,), rows), Blocks(out, dim, (offsets(gather)[rank],), rows), out
+        case AllReduce() | Reduce() | Broadcast() | Permute() | Identity():
+            raise NotImplementedError(f"no uneven layout for {step.name}")
+        case _:
+            assert_never(step)
 
 
-def _padded(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter, gather) -> dict:
-    """Fields of the padded layout (`shape`: every rank's input): the even layout on the padded shapes between
-    the `Take` maps."""
+def _exact(step: Step, shape: Shape, world_size: int, scatter, gather, rank: int) -> Layout:
+    """The exact layout on `rank` (`shape`: this rank's input)."""
+    pack, unpack, out = _blocks(step, shape, world_size, scatter, gather, rank)
+    return Layout(pack=pack, send_shape=(pack.numel,), recv_shape=(unpack.numel,), unpack=unpack, out_shape=out)
+
+
+def _padded(step: Step, shape: Shape, world_size: int, scatter, gather) -> tuple[Layout, Take | None, Take | None]:
+    """The padded layout (`shape`: every rank's input): the even layout on the padded shapes, and the `Take`
+    maps before and after it."""
     W = world_size
-    if kind is Collective.ALL_TO_ALL:
-        scatter_dim, gather_dim = dims
-        fields = all_to_all_layout(resized(shape, scatter_dim, W * max(scatter)), W, scatter_dim, gather_dim)
-        before, after = _take(scatter_dim, "pad", scatter), _take(gather_dim, "unpad", gather)
-        out = resized(fields["out_shape"], gather_dim, sum(gather))
-    elif kind in _GATHERING:
-        (dim,) = dims
-        fields, before, after = all_gather_layout(shape, W, dim), None, _take(dim, "unpad", gather)
-        out = resized(shape, dim, sum(gather))
-    elif kind in _SCATTERING:
-        (dim,) = dims
-        fields = reduce_scatter_layout(resized(shape, dim, W * max(scatter)), W, dim)
-        before, after, out = _take(dim, "pad", scatter), None, fields["out_shape"]
-    elif kind in (Collective.SLICE, Collective.PAD):
-        (dim,) = dims
-        out = resized(shape, dim, max(scatter) if kind is Collective.SLICE else sum(gather))
-        fields = local_layout(out, out)
-        before, after = Take(dim, "slice", scatter) if kind is Collective.SLICE else Take(dim, "place", gather), None
-    else:
-        raise NotImplementedError(f"no uneven layout for {kind.value}")
-    return {**fields, "out_shape": out, "before": before, "after": after}
+    match step:
+        case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
+            layout = all_to_all_layout(resized(shape, scatter_dim, W * max(scatter)), W, scatter_dim, gather_dim)
+            return layout, _take(scatter_dim, "pad", scatter), _take(gather_dim, "unpad", gather)
+        case AllGather(dim=dim) | Gather(dim=dim):
+            return all_gather_layout(shape, W, dim), None, _take(dim, "unpad", gather)
+        case ReduceScatter(dim=dim) | Scatter(dim=dim):
+            layout = reduce_scatter_layout(resized(shape, dim, W * max(scatter)), W, dim)
+            return layout, _take(dim, "pad", scatter), None
+        case Slice(dim=dim):
+            out = resized(shape, dim, max(scatter))
+            return local_layout(out, out), Take(dim, "slice", scatter), None
+        case Pad(dim=dim):
+            out = resized(shape, dim, sum(gather))
+            return local_layout(out, out), Take(dim, "place", gather), None
+        case AllReduce() | Reduce() | Broadcast() | Permute() | Identity():
+            raise NotImplementedError(f"no uneven layout for {step.name}")
+        case _:
+            assert_never(step)
 
 
-def layout(kind: Collective, shape: Shape, world_size: int, dims: tuple[int, ...], scatter_sizes, gather_sizes,
-           rank: int | None = None, root: int | None = None) -> dict:
-    """The layout fields of an uneven plan (pack, send_shape, recv_shape, unpack, out_shape, before, after) for
-    valid, normalised arguments: exact on `rank`, padded when `rank` is None. `shape` is the input's."""
+def layout(step: Step, shape: Shape, world_size: int, scatter_sizes, gather_sizes,
+           rank: int | None = None) -> tuple[Layout, Exact | Padded]:
+    """The layout of an uneven plan and its sizes record, for valid, normalised arguments: `Exact` on `rank`,
+    `Padded` when `rank` is None. `shape` is the input's."""
     if rank is None:
-        return _padded(kind, shape, world_size, dims, scatter_sizes, gather_sizes)
-    return _exact(kind, shape, world_size, dims, scatter_sizes, gather_sizes, rank, root)
+        padded_layout, before, after = _padded(step, shape, world_size, scatter_sizes, gather_sizes)
+        return padded_layout, Padded(scatter_sizes, gather_sizes, before, after)
+    return (_exact(step, shape, world_size, scatter_sizes, gather_sizes, rank),
+            Exact(scatter_sizes, gather_sizes, rank))
 
 
 def for_rank(plan: Plan, rank: int) -> Plan:
     """`plan` (exact on any rank, or padded) as the exact plan of `rank`: the plan torch builds there (an even
     plan is the same on every rank)."""
-    if not plan.is_uneven:
+    sized = plan.uneven
+    if sized is None:
         return plan
     shape = plan.shared_in_shape
-    if plan.gather_sizes is not None:
-        shape = resized(shape, plan.dims[-1], plan.gather_sizes[rank])
-    return plan.replace(rank=rank, in_shape=shape, **layout(plan.collective, shape, plan.world_size, plan.dims,
-                                                            plan.scatter_sizes, plan.gather_sizes, rank, plan.root))
+    if sized.gather_sizes is not None:
+        shape = resized(shape, gathered_dim(plan.step), sized.gather_sizes[rank])  # type: ignore[arg-type]
+    exact, held = layout(plan.step, shape, plan.world_size, sized.scatter_sizes, sized.gather_sizes, rank)
+    return plan.replace(in_shape=shape, layout=exact, uneven=held)
 
 
 def padded(plan: Plan) -> Plan:
     """`plan` in the padded layout: the plan JAX builds (an even plan is its own)."""
-    if not plan.is_uneven:
+    sized = plan.uneven
+    if sized is None:
         return plan
     shape = plan.shared_in_shape
-    return plan.replace(rank=None, in_shape=shape, **layout(plan.collective, shape, plan.world_size, plan.dims,
-                                                            plan.scatter_sizes, plan.gather_sizes))
+    padded_layout, held = layout(plan.step, shape, plan.world_size, sized.scatter_sizes, sized.gather_sizes)
+    return plan.replace(in_shape=shape, layout=padded_layout, uneven=held)
 
 
 def rows(plan: Plan, rank: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
@@ -198,9 +225,13 @@ def rows(plan: Plan, rank: int) -> tuple[tuple[int, int] | None, tuple[int, int]
     >>> rows(plans.all_to_all((6, 4), 4, 0, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(4, 4, 3, 0)), 2)
     ((1, 3), (0, 1))
     """
-    before = None if plan.gather_sizes is None else (plan.dims[-1], plan.gather_sizes[rank])
-    after = None if plan.scatter_sizes is None else (plan.dims[0], plan.scatter_sizes[rank])
-    return before, after
+    sized = plan.uneven
+    if sized is None:
+        return None, None
+    gathered, scattered = gathered_dim(plan.step), scattered_dim(plan.step)
+    before = None if sized.gather_sizes is None else (gathered, sized.gather_sizes[rank])
+    after = None if sized.scatter_sizes is None else (scattered, sized.scatter_sizes[rank])
+    return before, after  # type: ignore[return-value]
 
 
 def sent_elements(plan: Plan, rank: int) -> int:
@@ -211,16 +242,20 @@ def sent_elements(plan: Plan, rank: int) -> int:
     >>> sent_elements(plans.all_to_all_4d((1, 4, 8, 2), 4), 0)  # 3 of the 4 blocks of 16
     48
     """
-    if plan.is_exact:
-        pack = (plan if plan.rank == rank else for_rank(plan, rank)).pack
+    if isinstance(plan.uneven, Exact):
+        pack = (plan if plan.uneven.rank == rank else for_rank(plan, rank)).layout.pack
         assert isinstance(pack, Blocks), pack
         return pack.numel - (pack.counts[rank] if len(pack.counts) == plan.world_size else 0)
-    W, sent = plan.world_size, math.prod(plan.send_shape)
-    if plan.collective is Collective.ALL_GATHER:
-        return (W - 1) * sent
-    if plan.collective in (Collective.ALL_TO_ALL, Collective.REDUCE_SCATTER):
-        return sent * (W - 1) // W
-    raise NotImplementedError(f"sent_elements: {plan.collective.value}")
+    W, sent = plan.world_size, math.prod(plan.layout.send_shape)
+    match plan.step:
+        case AllGather():
+            return (W - 1) * sent
+        case AllToAll() | ReduceScatter():
+            return sent * (W - 1) // W
+        case Gather() | Scatter() | Slice() | Pad() | AllReduce() | Reduce() | Broadcast() | Permute() | Identity():
+            raise NotImplementedError(f"sent_elements: {plan.step.name}")
+        case _:
+            assert_never(plan.step)
 
 
 # ---- validation and the plan builder ----------------------------------------------------------------------
@@ -267,10 +302,11 @@ def check_sizes(op_name: str, sizes: Sizes, world_size: int, received: dict) -> 
     return values
 
 
-def plan(fields: dict, shape: Shape, *, scatter: Sizes | None = None, gather: Sizes | None = None,
-         rank: int | None = None, received: dict) -> Plan | None:
-    """The uneven plan of a validated call (`fields`: the Plan's other fields, `dims` normalised, the scattered
-    dim first and the gathered dim last), or None when the sizes are all equal (the even plan is the same op).
+def plan(op_name: str, step: Step, shape: Shape, world_size: int, *, scatter: Sizes | None = None,
+         gather: Sizes | None = None, rank: int | None = None,
+         received: dict) -> tuple[Layout, Exact | Padded] | None:
+    """The layout and sizes record of a validated uneven call (`step`'s dims normalised), or None when the sizes
+    are all equal (the even plan is the same op).
 
     `rank` (checked by the caller): this rank, for the exact layout; None for the padded one. Raises `CommError`
     / ``TypeError`` before any communication: sizes not ints, not W of them, negative, a scattered dim whose
@@ -278,20 +314,19 @@ def plan(fields: dict, shape: Shape, *, scatter: Sizes | None = None, gather: Si
     ``max(sizes)`` (padded layout). `received` holds the op's arguments other than the shape (the same on
     every rank in both layouts, the sizes as `Sizes.shown` included).
     """
-    op_name, world_size, dims = fields["op_name"], fields["world_size"], fields["dims"]
     given = [sizes for sizes in (scatter, gather) if sizes is not None]
     values = {sizes.keyword: check_sizes(op_name, sizes, world_size, received) for sizes in given}
     scatter_sizes = gather_sizes = None
     if scatter is not None:
         scatter_sizes = values[scatter.keyword]
-        total = shape[dims[0]]
+        total = shape[scattered_dim(step)]  # type: ignore[index]
         if sum(scatter_sizes) != total:
             whole = f"the {scatter.quantity}" if scatter.quantity.startswith("size of") else scatter.quantity
             message = f"sum({scatter.keyword}) ({sum(scatter_sizes)}) must equal {whole} ({total})"
             raise comm_error(op_name, message, **received)
     if gather is not None:
         gather_sizes = values[gather.keyword]
-        have = shape[dims[-1]]
+        have = shape[gathered_dim(step)]  # type: ignore[index]
         if rank is None:
             want, which = max(gather_sizes), f"max({gather.keyword}) ({max(gather_sizes)}) in the padded layout"
         else:
@@ -300,9 +335,7 @@ def plan(fields: dict, shape: Shape, *, scatter: Sizes | None = None, gather: Si
             raise comm_error(op_name, f"{gather.quantity} ({have}) must equal {which}", shape=shape, **received)
     if all(len(set(sizes)) <= 1 for sizes in (scatter_sizes, gather_sizes) if sizes is not None):
         return None
-    kind, dims = fields["collective"], tuple(dims)
-    if kind is Collective.ALL_TO_ALL:  # the side left None is even: make it explicit
-        scatter_sizes = scatter_sizes or (shape[dims[0]] // world_size,) * world_size
-        gather_sizes = gather_sizes or (shape[dims[1]],) * world_size
-    return Plan(**fields, in_shape=shape, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=rank,
-                **layout(kind, shape, world_size, dims, scatter_sizes, gather_sizes, rank, fields.get("root")))
+    if isinstance(step, AllToAll):  # the side left None is even: make it explicit
+        scatter_sizes = scatter_sizes or (shape[step.scatter_dim] // world_size,) * world_size
+        gather_sizes = gather_sizes or (shape[step.gather_dim],) * world_size
+    return layout(step, shape, world_size, scatter_sizes, gather_sizes, rank)

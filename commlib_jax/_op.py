@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from commlib import gradients, plans
+from commlib import frontend_errors, gradients
 from commlib.layout import Plan
 from commlib_jax._vma import axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
@@ -82,17 +82,17 @@ def apply(plan: Plan, axes: tuple, x):
 def axis_size(op_name: str, axes: tuple) -> int:
     """The size of `axes`, after the spec's checks of what only JAX can see: `axes` names of mesh axes, bound
     by an enclosing shard_map / pmap (JAX's own error is ``NameError: unbound axis name``)."""
-    plans.check_axis_names(op_name, axes)
+    frontend_errors.check_axis_names(op_name, axes)
     try:
         return lax.axis_size(axis_arg(axes))
     except NameError:
-        raise plans.unbound_axis(op_name, axis_arg(axes)) from None
+        raise frontend_errors.unbound_axis(op_name, axis_arg(axes)) from None
 
 
 def world_size(op_name: str, x, axes: tuple) -> int:
     """`axis_size`, after checking that `x` is an array."""
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        raise plans.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+        raise frontend_errors.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
     return axis_size(op_name, axes)
 
 

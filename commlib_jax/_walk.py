@@ -11,11 +11,27 @@ static index maps (`commlib.layout.Take`) run before and after the even collecti
 
 from __future__ import annotations
 
+from typing import assert_never
+
 import jax.numpy as jnp
 from jax import lax
 
-from commlib import Collective, Plan, ReduceOp
-from commlib.layout import Take, reorder_pairs
+from commlib import Plan, ReduceOp
+from commlib.layout import Padded, Take, reorder_pairs
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+)
 from commlib_jax._vma import axis_arg, mesh_order, to_varying
 
 __all__ = ["dtype_name", "run", "rank"]
@@ -31,58 +47,56 @@ def rank(axes: tuple):
     return lax.axis_index(axis_arg(axes))
 
 
-def _on_root(plan: Plan, axes: tuple, x):
-    return jnp.where(rank(axes) == plan.root, x, jnp.zeros_like(x))
+def _on_root(root: int, axes: tuple, x):
+    return jnp.where(rank(axes) == root, x, jnp.zeros_like(x))
 
 
-def _reduce(plan: Plan, axes: tuple, x):
+def _reduce(op: ReduceOp, axes: tuple, x):
     name = axis_arg(axes)
-    if plan.reduce_op in (ReduceOp.SUM, ReduceOp.AVG):
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
         return lax.psum(x, name)
-    if plan.reduce_op is ReduceOp.MAX:
+    if op is ReduceOp.MAX:
         return lax.pmax(x, name)
-    if plan.reduce_op is ReduceOp.MIN:
+    if op is ReduceOp.MIN:
         return lax.pmin(x, name)
     return jnp.prod(lax.all_gather(x, name), axis=0, dtype=x.dtype)  # product: no lax primitive
 
 
-def _collective(plan: Plan, axes: tuple, x):
-    name, kind = axis_arg(axes), plan.collective
-    if kind is Collective.ALL_REDUCE:
-        return _reduce(plan, axes, x)
-    if kind is Collective.REDUCE:
-        return _on_root(plan, axes, lax.psum(x, name))
-    if kind is Collective.BROADCAST:
-        return lax.psum(_on_root(plan, axes, x), name)
-    if kind in (Collective.ALL_GATHER, Collective.GATHER):
-        (dim,) = plan.dims
-        gathered = lax.all_gather(x, name, axis=dim, tiled=True)
-        return gathered if kind is Collective.ALL_GATHER else _on_root(plan, axes, gathered)
-    if kind in (Collective.REDUCE_SCATTER, Collective.SCATTER):
-        (dim,) = plan.dims
-        source = x if kind is Collective.REDUCE_SCATTER else _on_root(plan, axes, x)
-        return lax.psum_scatter(source, name, scatter_dimension=dim, tiled=True)
-    if kind is Collective.ALL_TO_ALL:
-        scatter_dim, gather_dim = plan.dims
-        return lax.all_to_all(x, name, split_axis=scatter_dim, concat_axis=gather_dim, tiled=True)
-    if kind is Collective.PERMUTE:
-        return _ppermute(plan, axes, x)
-    return _local(plan, axes, x)
+def _step(plan: Plan, axes: tuple, x):
+    """The plan's step on this rank's buffer."""
+    name, step = axis_arg(axes), plan.step
+    match step:
+        case AllReduce(op=op):
+            return _reduce(op, axes, x)
+        case Reduce(root=root):
+            return _on_root(root, axes, lax.psum(x, name))
+        case Broadcast(root=root):
+            return lax.psum(_on_root(root, axes, x), name)
+        case AllGather(dim=dim):
+            return lax.all_gather(x, name, axis=dim, tiled=True)
+        case Gather(dim=dim, root=root):
+            return _on_root(root, axes, lax.all_gather(x, name, axis=dim, tiled=True))
+        case ReduceScatter(dim=dim):
+            return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+        case Scatter(dim=dim, root=root):
+            return lax.psum_scatter(_on_root(root, axes, x), name, scatter_dimension=dim, tiled=True)
+        case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
+            return lax.all_to_all(x, name, split_axis=scatter_dim, concat_axis=gather_dim, tiled=True)
+        case Permute(pairs=pairs):
+            return _ppermute(pairs, axes, x)
+        case Identity():
+            return x
+        case Slice(dim=dim):  # this rank's block
+            block = plan.out_shape[dim]
+            return lax.dynamic_slice_in_dim(x, rank(axes) * block, block, axis=dim)
+        case Pad(dim=dim):  # this rank's block of zeros
+            block = x.shape[dim]
+            return lax.dynamic_update_slice_in_dim(jnp.zeros(plan.out_shape, x.dtype), x, rank(axes) * block, axis=dim)
+        case _:
+            assert_never(step)
 
 
-def _local(plan: Plan, axes: tuple, x):
-    """identity, slice (this rank's block) or pad (this rank's block of zeros)."""
-    if plan.collective is Collective.IDENTITY:
-        return x
-    (dim,) = plan.dims
-    if plan.collective is Collective.SLICE:
-        block = plan.out_shape[dim]
-        return lax.dynamic_slice_in_dim(x, rank(axes) * block, block, axis=dim)
-    block = x.shape[dim]
-    return lax.dynamic_update_slice_in_dim(jnp.zeros(plan.out_shape, x.dtype), x, rank(axes) * block, axis=dim)
-
-
-def _ppermute(plan: Plan, axes: tuple, x):
+def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
     """``lax.ppermute`` with commlib's ranks (row-major over `axes` in the order given, as ``axis_index``).
 
     jax numbers a tuple of axes' ranks for ppermute row-major in the *mesh's* axis order, whatever the
@@ -91,10 +105,10 @@ def _ppermute(plan: Plan, axes: tuple, x):
     """
     order = mesh_order(axes)
     if order == axes:
-        return lax.ppermute(x, axis_arg(axes), perm=plan.pairs)
+        return lax.ppermute(x, axis_arg(axes), perm=pairs)
     sizes = tuple(lax.axis_size(axis) for axis in axes)
-    pairs = reorder_pairs(plan.pairs, sizes, tuple(axes.index(axis) for axis in order))
-    return lax.ppermute(x, axis_arg(order), perm=pairs)
+    renumbered = reorder_pairs(pairs, sizes, tuple(axes.index(axis) for axis in order))
+    return lax.ppermute(x, axis_arg(order), perm=renumbered)
 
 
 def _take(step: Take | None, axes: tuple, x):
@@ -114,12 +128,14 @@ def _take(step: Take | None, axes: tuple, x):
 
 def run(plan: Plan, axes: tuple, x):
     """This rank's output of `plan` for input `x`, typed varying over `axes`, in x's dtype."""
-    buffer = _take(plan.before, axes, x if plan.accum_dtype is None else x.astype(plan.accum_dtype))
-    scale = jnp.asarray(plan.scale, buffer.dtype)
-    if plan.scale_first and plan.scale != 1.0:  # half-precision avg: scale before the sum, which could overflow
-        buffer = buffer * scale
-    uneven_local = plan.is_uneven and plan.collective.is_local  # the map was the step
-    out = _take(plan.after, axes, buffer if uneven_local else _collective(plan, axes, buffer))
-    if plan.scale != 1.0 and not plan.scale_first:
+    arithmetic, sized = plan.arithmetic, plan.uneven
+    before, after = (sized.before, sized.after) if isinstance(sized, Padded) else (None, None)
+    buffer = _take(before, axes, x if arithmetic.accum_dtype is None else x.astype(arithmetic.accum_dtype))
+    scale = jnp.asarray(arithmetic.scale, buffer.dtype)
+    if arithmetic.scale_first and arithmetic.scale != 1.0:  # half-precision avg: scale before the sum, which could
+        buffer = buffer * scale  # overflow
+    uneven_local = sized is not None and plan.step.is_local  # the map was the step
+    out = _take(after, axes, buffer if uneven_local else _step(plan, axes, buffer))
+    if arithmetic.scale != 1.0 and not arithmetic.scale_first:
         out = out * scale
     return to_varying(out.astype(x.dtype), axes)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from commlib import check
 from commlib.layout import Plan
+from commlib.steps import Permute
 from commlib_torch._walk import all_gather_single, dtype_name, group_rank
 
 __all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_pair", "is_checked", "set_checked"]
@@ -91,10 +92,11 @@ def exchange(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | None, 
 
 
 def exchange_pair(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Checked mode for one send/recv: the two ends (`plan.pairs`, group-local) swap fingerprints of the transfer
-    each expects (the sender's tensor, the receiver's size and dtype) and both raise the spec's `CommError` if
-    they differ. The fingerprints travel by send/recv themselves, sender first."""
-    ((source, destination),) = plan.pairs
+    """Checked mode for one send/recv: the two ends (the pair of `plan`'s `Permute` step, group-local) swap
+    fingerprints of the transfer each expects (the sender's tensor, the receiver's size and dtype) and both raise
+    the spec's `CommError` if they differ. The fingerprints travel by send/recv themselves, sender first."""
+    assert isinstance(plan.step, Permute), plan
+    ((source, destination),) = plan.step.pairs
     rank = dist.get_rank(group)
     mine = torch.from_numpy(check.fingerprint(plan.replace(op_name="send/recv"), dtype_name(tensor.dtype)))
     mine, theirs = mine.to(tensor.device), torch.empty(check.FINGERPRINT_SIZE, dtype=torch.int64, device=tensor.device)

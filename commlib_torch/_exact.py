@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import Collective, Plan
+from commlib import Plan
 from commlib.layout import Blocks
+from commlib.steps import AllGather
 from commlib_torch._groups import global_rank, group_rank
 
 __all__ = ["run_exact", "scaled_first", "zeros_after"]
 
 Group = dist.ProcessGroup | None
-_LOCAL = frozenset({Collective.IDENTITY, Collective.SLICE, Collective.PAD})
 
 
 def scaled_first(send: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -93,26 +93,27 @@ def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, gro
 def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
     """Uneven sizes held exactly: the `Blocks` pack, one all_to_all_single with their split sizes (none for a
     local step), the `Blocks` unpack."""
-    pack, unpack = plan.pack, plan.unpack
+    pack, unpack, arithmetic = plan.layout.pack, plan.layout.unpack, plan.arithmetic
     assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan
-    buffer_dtype = x.dtype if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
+    scale = arithmetic.scale
+    buffer_dtype = x.dtype if arithmetic.accum_dtype is None else getattr(torch, arithmetic.accum_dtype)
     # where the unpack is identity the buffer has the output's shape and is the output (the Function's output is
     # then no view of a tensor made inside it, and can be modified in place); the collective receives it flat
     shaped = unpack.is_identity and not unpack.reduce
-    if plan.collective in _LOCAL:
+    if plan.step.is_local:
         return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype, unpack.shape if shaped else None), unpack, x.dtype,
-                              plan.scale)
-    rank, first = group_rank(group), plan.scale_first and plan.scale != 1.0
+                              scale)
+    rank, first = group_rank(group), arithmetic.scale_first and scale != 1.0
     recv = torch.empty(unpack.shape if shaped else (unpack.numel,), dtype=buffer_dtype, device=x.device)
     flat = recv.view(-1) if shaped else recv
-    if plan.collective is Collective.ALL_GATHER and not torch.compiler.is_compiling():  # x itself to every rank
+    if isinstance(plan.step, AllGather) and not torch.compiler.is_compiling():  # x itself to every rank
         send = x.to(buffer_dtype, memory_format=torch.contiguous_format)  # x itself when it already is
-        _gather_pairwise(unpack, scaled_first(send, x, plan.scale) if first else send, flat, group, rank)
+        _gather_pairwise(unpack, scaled_first(send, x, scale) if first else send, flat, group, rank)
     else:
         send = _pack_blocks(x, pack, buffer_dtype)
-        send = scaled_first(send, x, plan.scale) if first else send
+        send = scaled_first(send, x, scale) if first else send
         dist.all_to_all_single(flat, send, list(unpack.counts), list(pack.counts), group=group)
     del send
-    if plan.scale != 1.0 and not first and not unpack.reduce:
-        recv.mul_(plan.scale)
-    return _unpack_blocks(recv, unpack, x.dtype, 1.0 if first else plan.scale)
+    if scale != 1.0 and not first and not unpack.reduce:
+        recv.mul_(scale)
+    return _unpack_blocks(recv, unpack, x.dtype, 1.0 if first else scale)

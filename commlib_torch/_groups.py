@@ -1,7 +1,7 @@
 """What only the torch frontend can see about a call, handed to the spec: which process group a ``group=``
 argument names (a ProcessGroup, None, a DeviceMesh or ``(mesh, dim)``), whether the operand is a tensor, whether
-this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the carrier or
-refuses). The messages are the spec's (`commlib.plans.mesh_dim`, `wrong_type`, `not_a_member`). Also the
+this rank is in the group, and which dtypes the group's backend carries (`commlib.dtypes` picks the wire dtype or
+refuses). The messages are the spec's (`commlib.frontend_errors.mesh_dim`, `wrong_type`, `not_a_member`). Also the
 group's size and this rank in it as a call reads them: from the group itself (`group_size`, `group_rank`).
 """
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from commlib import plans
+from commlib import frontend_errors
 
-__all__ = ["CARRIED", "CARRIED_EVERYWHERE", "Group", "carried", "check_tensor", "default_group", "global_rank",
+__all__ = ["BACKEND_DTYPES", "COMMON_DTYPES", "Group", "backend_dtypes", "check_tensor", "default_group", "global_rank",
            "group_rank", "group_size", "resolve_group", "world_size"]
 
 #: What ``group=`` takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of its dims (a dim
@@ -24,13 +24,14 @@ _GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat
                    "complex32", "complex64", "complex128"})  # measured on torch 2.13: the rest is "Invalid scalar type"
 #: dtypes each c10d backend carries, by backend name. NCCL: ProcessGroupNCCL's ncclDataType map (float8 as
 #: bytes, or as NCCL's own float8 where it has them; complex as its real view, as everywhere in c10d).
-CARRIED = {
+BACKEND_DTYPES = {
     "gloo": _GLOO,
     "nccl": _GLOO | {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"},
 }
-_EVERYWHERE = frozenset.intersection(*CARRIED.values())
-#: The torch dtypes every backend carries: for these, `carried` asks the group nothing (a set look-up per call).
-CARRIED_EVERYWHERE = frozenset(getattr(torch, name) for name in _EVERYWHERE if hasattr(torch, name))
+_EVERYWHERE = frozenset.intersection(*BACKEND_DTYPES.values())
+#: The torch dtypes every backend carries: for these, `backend_dtypes` asks the group nothing (a set look-up per
+#: call).
+COMMON_DTYPES = frozenset(getattr(torch, name) for name in _EVERYWHERE if hasattr(torch, name))
 
 
 def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
@@ -43,15 +44,15 @@ def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
         return group
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not isinstance(mesh, DeviceMesh):
-        raise plans.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
+        raise frontend_errors.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
     shape = tuple(mesh.size(axis) for axis in range(mesh.ndim))  # (torch 2.11's Dynamo traces size, not shape)
-    return mesh.get_group(plans.mesh_dim(op_name, shape, mesh.mesh_dim_names, dim))
+    return mesh.get_group(frontend_errors.mesh_dim(op_name, shape, mesh.mesh_dim_names, dim))
 
 
 def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:
     """`x` itself if it is a tensor; else the spec's TypeError naming the op and the type received."""
     if not isinstance(x, torch.Tensor):
-        raise plans.wrong_type(op_name, name, x, "torch.Tensor")
+        raise frontend_errors.wrong_type(op_name, name, x, "torch.Tensor")
     return x
 
 
@@ -59,7 +60,7 @@ def world_size(op_name: str, group: dist.ProcessGroup | None) -> int:
     """The group's size; the spec's CommError on a rank outside the group (where torch answers -1)."""
     size = dist.get_world_size(group)
     if size < 0:
-        raise plans.not_a_member(op_name, dist.get_rank(), dist.get_process_group_ranks(group))
+        raise frontend_errors.not_a_member(op_name, dist.get_rank(), dist.get_process_group_ranks(group))
     return size
 
 
@@ -70,11 +71,11 @@ def _backend_name(group: dist.ProcessGroup | None, device: torch.device) -> str:
     return by_device.get(device.type, str(dist.get_backend(group)))
 
 
-def carried(group: dist.ProcessGroup | None, x: torch.Tensor) -> frozenset[str] | None:
+def backend_dtypes(group: dist.ProcessGroup | None, x: torch.Tensor) -> frozenset[str] | None:
     """The dtypes the backend carrying `x` carries (None: every dtype, or a backend commlib does not know)."""
-    if x.dtype in CARRIED_EVERYWHERE:  # the common case asks the group nothing
+    if x.dtype in COMMON_DTYPES:  # the common case asks the group nothing
         return None
-    return CARRIED.get(_backend_name(group, x.device))
+    return BACKEND_DTYPES.get(_backend_name(group, x.device))
 
 
 # c10d's record of the default group: `dist.GroupMember.WORLD` reads it through two Python properties per call.

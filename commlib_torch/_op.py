@@ -15,11 +15,11 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from commlib import gradients, plan_cache, plans
+from commlib import frontend_errors, gradients, plan_cache
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._failures import translate
-from commlib_torch._groups import CARRIED_EVERYWHERE, Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._groups import COMMON_DTYPES, Group, backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
 
 __all__ = ["ProcessGroup", "Op", "FunctorchOp", "apply", "at_boundary", "operand", "transforms_active"]
@@ -77,7 +77,7 @@ def at_boundary(step, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
     if torch.compiler.is_dynamo_compiling():
         return step(plan, x, group)
     try:
-        if is_checked() and not plan.collective.is_local and not torch.compiler.is_compiling():
+        if is_checked() and not plan.step.is_local and not torch.compiler.is_compiling():
             subject, phase = origin or (plan, "forward")
             exchange(subject, x, group, phase)
         return step(plan, x, group)
@@ -127,7 +127,7 @@ class Op(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, call: Call):
-        raise plans.no_vmap(call[0].op_name)
+        raise frontend_errors.no_vmap(call[0].op_name)
 
     @staticmethod
     def backward(ctx, cotangent: torch.Tensor):
@@ -185,4 +185,4 @@ def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, Proces
     size = group_size(group)
     if size < 0:
         world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
-    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in CARRIED_EVERYWHERE else carried(group, x)
+    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in COMMON_DTYPES else backend_dtypes(group, x)

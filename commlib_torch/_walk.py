@@ -7,7 +7,7 @@ modify it in place): where the unpack is a view the collective receives straight
 view of it, and a pass writes into a fresh tensor of the output's shape. Rooted ops
 (broadcast, reduce, gather, scatter) and permute give zeros on the ranks that receive nothing. The local
 steps of gradient plans (identity, slice, pad) move no data between ranks. A dtype the backend lacks travels
-as the plan's same-size `carrier` (a bit view) or its wider `accum_dtype` (a cast).
+as the plan's same-size `wire_view` (a bit view) or its wider `accum_dtype` (a cast).
 
 Uneven sizes are held exactly (`commlib.uneven`): the plan's pack and unpack are `Blocks` and every collective
 is one ``all_to_all_single`` with the split sizes they give -- no padding on the wire, one pass each side at
@@ -36,14 +36,29 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import assert_never
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from commlib import Collective, Plan, Rearrange, ReduceOp, dtypes, plan_cache
+from commlib import Plan, Rearrange, ReduceOp, dtypes, plan_cache
 from commlib.layout import permute_splits, rooted_splits
 from commlib.plan_cache import MAX_PLANS
+from commlib.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Identity,
+    Pad,
+    Permute,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+    Slice,
+)
 from commlib_torch import _c10d, _pack
 from commlib_torch._c10d import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
@@ -75,11 +90,6 @@ _CONTIGUOUS = torch.contiguous_format
 # (the backward graph reduces zeros): before 2.13 the compiled walk returns a copy of its output. (A view would
 # carry the gradient too, but a view made inside a Function cannot be modified in place.) 2.13 traces it right.
 _COPY_COMPILED_OUTPUT = torch.__version__ < (2, 13)
-# Enum members read once (a member read through its class costs ~0.15 us):
-_ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
-_UNROOTED = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked by `_unrooted`
-_RECEIVE_ONLY = frozenset({Collective.BROADCAST, Collective.SCATTER})  # non-roots' input is not read
-_DIM_0 = (0,)
 
 
 #: Every torch dtype -> the spelling the spec uses (``torch.bfloat16 -> "bfloat16"``).
@@ -108,7 +118,7 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     if step.is_identity and x.dtype == dtype and x.is_contiguous():
         return x if x.shape == shape else x.view(shape)
     moves = not step.keeps_order
-    source = x.reshape(step.view).permute(step.perm) if moves else x
+    source = x.reshape(step.split_shape).permute(step.perm) if moves else x
     if moves and x.dtype == dtype and not x.is_cuda and not torch.compiler.is_compiling():  # one call: contiguous()
         out = source.contiguous() if source.shape == shape else source.reshape(shape)  # or reshape() copy what
         if out._is_view() and (output or not out.is_contiguous()):  # moves, into a tensor of its own (where x's
@@ -125,73 +135,77 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     return out
 
 
-# ---- the rooted collectives and permute: (plan, the received buffer's shape `made`: `_finisher`) -> step, a step:
-# (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer (contiguous, of `made`,
-# which the collective receives into as a view of the plan's recv_shape), None where this rank receives nothing
+# ---- the rooted collectives and permute: (step, plan, the received buffer's shape `made`: `_finisher`) ->
+# transfer, a transfer: (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer
+# (contiguous, of `made`, which the collective receives into as a view of the plan's recv_shape), None where this
+# rank receives nothing
 
-Step = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
+Transfer = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
+Rooted = Broadcast | Reduce | Gather | Scatter
 
 
-def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send buffer, of the output's shape)
-    root = plan.root
-    reduce = _c10d.reduce(root, _C10D_REDUCE[plan.reduce_op], dtypes.is_complex(plan.dtype))
+def _reduce(step: Reduce, plan: Plan, made: tuple[int, ...]) -> Transfer:  # (in place: the send buffer, of the
+    root = step.root  # output's shape)
+    reduce = _c10d.reduce(root, _C10D_REDUCE[step.op], dtypes.is_complex(plan.dtype))
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         reduce(send, group)
         return send if rank == root else None
 
-    return step
+    return transfer
 
 
-def _broadcast(plan: Plan, made: tuple[int, ...]) -> Step:  # (recv_shape is the send shape: the root's own buffer)
-    root, recv_shape = plan.root, plan.recv_shape
+def _broadcast(step: Broadcast, plan: Plan, made: tuple[int, ...]) -> Transfer:  # (recv_shape is the send shape:
+    root, recv_shape = step.root, plan.layout.recv_shape  # the root's own buffer)
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
         broadcast(buffer, group)
         return buffer
 
-    return step
+    return transfer
 
 
-def _gather(plan: Plan, made: tuple[int, ...]) -> Step:
-    root, recv_shape, viewed = plan.root, plan.recv_shape, made != plan.recv_shape
+def _gather(step: Gather, plan: Plan, made: tuple[int, ...]) -> Transfer:
+    root, recv_shape = step.root, plan.layout.recv_shape
+    viewed = made != recv_shape
     gather = _c10d.gather(root)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype) if rank == root else None
         gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
 
-    return step
+    return transfer
 
 
-def _scatter(plan: Plan, made: tuple[int, ...]) -> Step:
-    recv_shape, viewed = plan.recv_shape, made != plan.recv_shape
-    scatter = _c10d.scatter(plan.root)
+def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
+    recv_shape = plan.layout.recv_shape
+    viewed = made != recv_shape
+    scatter = _c10d.scatter(step.root)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype)
         scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
 
-    return step
+    return transfer
 
 
-def _permute(plan: Plan, compiling: bool) -> Step:
+def _permute(step: Permute, plan: Plan, compiling: bool) -> Transfer:
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
     of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank."""
-    shape = plan.send_shape
+    shape, pairs, world_size = plan.layout.send_shape, step.pairs, plan.world_size
     rows_shape = shape or (1,)
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
     all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
         if splits is None:
-            send_splits, recv_splits = permute_splits(plan.pairs, plan.world_size, rank, rows_shape[0])
+            send_splits, recv_splits = permute_splits(pairs, world_size, rank, rows_shape[0])
             splits = by_rank[rank] = (send_splits, recv_splits, any(send_splits), any(recv_splits))
         send_splits, recv_splits, sends, receives = splits
         rows = send if shape else send.view(rows_shape)
@@ -206,7 +220,7 @@ def _permute(plan: Plan, compiling: bool) -> Step:
         all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
         return recv
 
-    return step
+    return transfer
 
 
 def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -215,36 +229,49 @@ def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     return zeros_after(recv, list(shape)) if torch.compiler.is_compiling() else None
 
 
-def _rooted_traceable(plan: Plan, made: tuple[int, ...]) -> Step:
+def _rooted_traceable(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transfer:
     """A rooted collective in calls Dynamo traces, the same on every rank: broadcast as the functional
     collective, gather / reduce / scatter as one all_to_all_single with the spec's `rooted_splits`."""
-    return lambda send, group, rank, x, dtype: _traced(plan, made, send, group, rank, x, dtype)
+    if isinstance(step, Broadcast):
+        root = step.root
+
+        def broadcast(send, group, rank, x, dtype):
+            return funcol.broadcast(send, global_rank(group, root), dist.group.WORLD if group is None else group)
+
+        return broadcast
+    return lambda send, group, rank, x, dtype: _traced(step, plan, made, send, group, rank, x, dtype)
 
 
-def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
-    kind, root = plan.collective, global_rank(group, plan.root)
-    if kind is Collective.BROADCAST:
-        return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
-    block = math.prod(plan.recv_shape if kind is Collective.SCATTER else plan.send_shape)
-    send_splits, recv_splits = rooted_splits(kind, plan.root, plan.world_size, rank, block)
+def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send, group: Group, rank: int,
+            x: torch.Tensor, dtype: torch.dtype):
+    layout, root = plan.layout, step.root
+    block = math.prod(layout.recv_shape if isinstance(step, Scatter) else layout.send_shape)
+    send_splits, recv_splits = rooted_splits(step, plan.world_size, rank, block)
     sent = send.reshape(-1)[: sum(send_splits)]
-    if kind is Collective.SCATTER or (kind is Collective.GATHER and rank == plan.root):  # received in the buffer
+    if isinstance(step, Scatter) or (isinstance(step, Gather) and rank == root):  # received in the buffer
         out = x.new_empty(made, dtype=dtype)  # `made`: the output itself where the unpack is a view
         dist.all_to_all_single(out.view(-1), sent, recv_splits, send_splits, group=group)
         return out
     recv = x.new_empty((sum(recv_splits),), dtype=dtype)
     dist.all_to_all_single(recv, sent, recv_splits, send_splits, group=group)
-    if rank != plan.root:
+    if rank != root or not isinstance(step, Reduce):
         return _nothing_received(recv, made)
-    return _LOCAL_REDUCE[plan.reduce_op](recv.view(plan.world_size, *plan.send_shape))
+    return _LOCAL_REDUCE[step.op](recv.view(plan.world_size, *layout.send_shape))
 
 
-_ROOTED_STEPS: dict[Collective, Callable[[Plan, tuple[int, ...]], Step]] = {
-    Collective.REDUCE: _reduce,
-    Collective.BROADCAST: _broadcast,
-    Collective.GATHER: _gather,
-    Collective.SCATTER: _scatter,
-}
+def _rooted_transfer(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transfer:
+    """The eager rooted collective of `step`: c10d's own."""
+    match step:
+        case Reduce():
+            return _reduce(step, plan, made)
+        case Broadcast():
+            return _broadcast(step, plan, made)
+        case Gather():
+            return _gather(step, plan, made)
+        case Scatter():
+            return _scatter(step, plan, made)
+        case _:
+            assert_never(step)
 
 
 # ---- the walks: made once per plan, then called with (x, group) ---------------------------------------------
@@ -275,22 +302,42 @@ def walk(plan: Plan) -> Walk:
 plan_cache.clear_also(walk.cache_clear)
 
 
-def _make_walk(plan: Plan, compiling: bool, carried: bool = False, resolved: bool = False) -> Walk:
+def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved: bool = False) -> Walk:
     if dtypes.is_complex(plan.dtype) and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
-        inner = _make_walk(plan, compiling, carried, resolved=True)
+        inner = _make_walk(plan, compiling, wire_viewed, resolved=True)
         return lambda x, group: inner(x.resolve_conj(), group)
-    if plan.carrier is not None and not carried:  # a dtype the backend lacks: its bits in a same-size dtype
-        inner, carrier = _make_walk(plan, compiling, carried=True, resolved=True), getattr(torch, plan.carrier)
-        return lambda x, group: inner(x.view(carrier), group).view(x.dtype)
+    if plan.wire_view is not None and not wire_viewed:  # a dtype the backend lacks: its bits in a same-size dtype
+        inner, wire = _make_walk(plan, compiling, wire_viewed=True, resolved=True), getattr(torch, plan.wire_view)
+        return lambda x, group: inner(x.view(wire), group).view(x.dtype)
     if plan.is_exact:
         return lambda x, group: run_exact(plan, x, group)
-    local = _LOCAL_STEPS.get(plan.collective)
-    if local is not None:
-        return local(plan)
-    accum = None if plan.accum_dtype is None else getattr(torch, plan.accum_dtype)
-    if plan.collective in _UNROOTED:
-        return _unrooted(plan, accum, compiling)
-    return _rooted_or_permute(plan, accum, compiling)
+    accum_dtype = plan.arithmetic.accum_dtype
+    accum = None if accum_dtype is None else getattr(torch, accum_dtype)
+    step = plan.step
+    match step:
+        case Identity():
+            return _identity(plan)
+        case Slice(dim=dim):
+            return _slice(plan, dim)
+        case Pad(dim=dim):
+            return _pad(plan, dim)
+        case AllReduce(op=op):
+            return _all_reduce(plan, op, accum, compiling)
+        case AllToAll():
+            return _all_to_all(plan, accum, compiling)
+        case AllGather(dim=dim):
+            return _gather_or_scatter(plan, dim, None, accum, compiling)
+        case ReduceScatter(dim=dim, op=op):
+            return _gather_or_scatter(plan, dim, op, accum, compiling)
+        case Permute():
+            return _rooted_or_permute(plan, _permute(step, plan, compiling), None, accum, compiling)
+        case Broadcast() | Reduce() | Gather() | Scatter():
+            made = _finisher(plan, accum, plan.layout.recv_shape)[1]
+            transfer = (_rooted_traceable if compiling else _rooted_transfer)(step, plan, made)
+            receives_only = isinstance(step, (Broadcast, Scatter)) and not compiling  # non-roots' input is never
+            return _rooted_or_permute(plan, transfer, step.root if receives_only else None, accum, compiling)  # read
+        case _:
+            assert_never(step)
 
 
 def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype | None) -> Pass:
@@ -317,10 +364,10 @@ def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...]
 
 def _sender(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Pass:
     """x -> the send buffer, of `shape`: the pack pass, and the scale first where the plan says so."""
-    pack = _pass(plan.pack, plan.in_shape, shape, accum)  # type: ignore[arg-type]
-    if not (plan.scale_first and plan.scale != 1.0):
+    pack = _pass(plan.layout.pack, plan.in_shape, shape, accum)  # type: ignore[arg-type]
+    scale, first = plan.arithmetic.scale, plan.arithmetic.scale_first
+    if not (first and scale != 1.0):
         return pack
-    scale = plan.scale
     return lambda x: scaled_first(pack(x), x, scale)
 
 
@@ -330,8 +377,9 @@ def _finisher(plan: Plan, accum: torch.dtype | None,
     receives a buffer of `shape`: the scale (where not applied first), then the unpack pass. Where the plan
     says the unpack is identity the buffer is made in the output's shape and is the output (the collective
     receives into a view of it of `shape`: the Function's output is no view, so it can be modified in place)."""
-    scale = plan.scale if plan.scale != 1.0 and not plan.scale_first else None
-    unpack, out_shape = plan.unpack, plan.out_shape
+    arithmetic = plan.arithmetic
+    scale = arithmetic.scale if arithmetic.scale != 1.0 and not arithmetic.scale_first else None
+    unpack, out_shape = plan.layout.unpack, plan.out_shape
     if accum is not None or not unpack.is_identity:
         def unpacked(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if scale is not None:
@@ -346,49 +394,59 @@ def _finisher(plan: Plan, accum: torch.dtype | None,
     return itself, out_shape
 
 
-def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
-    """all_reduce (in place), all_to_all, all_gather and reduce_scatter (c10d's dim-0 forms: x itself along
-    dim 0 ([n, ...] <-> [W * n, ...]), else flat buffers)."""
-    kind, world_size = plan.collective, plan.world_size
-    packed = accum is not None or not plan.pack.keeps_order  # a pass into send_shape, else x's own layout
-    op = _C10D_REDUCE.get(plan.reduce_op)  # type: ignore[arg-type]
-    complex_ = dtypes.is_complex(plan.dtype)
-    if kind is _ALL_REDUCE:  # (in place: the send buffer, a clone of x's shape, is received into)
-        send, (finish, _) = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
-        reduce = _c10d.all_reduce(op, complex_, compiling)  # type: ignore[arg-type]
+def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
+    """True when the pack is a pass into the send shape, False when x is sent in its own layout."""
+    return accum is not None or not plan.layout.pack.keeps_order
 
-        def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-            buffer = send(x)
-            reduce(buffer, group)
-            return finish(buffer, x)
 
-        return all_reduce
-    if kind is _ALL_TO_ALL:  # the send buffer's dim 0 goes out in W blocks
-        shape = _a2a_buffers(plan, packed, accum)
-        recv_shape = shape or plan.recv_shape
-        send, (finish, made) = _sender(plan, accum, shape or plan.send_shape), _finisher(plan, accum, recv_shape)
-        viewed = made != recv_shape  # the output is received into (a view of it)
-        exchange = _c10d.all_to_all(complex_, compiling)
+def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: bool) -> Walk:
+    """all_reduce, in place: the send buffer, a clone of x's shape, is received into."""
+    send_shape = plan.layout.send_shape
+    send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
+    reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), compiling)
 
-        def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
-            buffer = send(x)
-            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-            exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
-            del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
-            return finish(recv, x)
+    def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+        buffer = send(x)
+        reduce(buffer, group)
+        return finish(buffer, x)
 
-        return all_to_all
-    along_0 = not packed and plan.dims == _DIM_0
-    numel = math.prod(plan.send_shape)
-    gathers = kind is _ALL_GATHER
+    return all_reduce
+
+
+def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
+    """all_to_all: the send buffer's dim 0 goes out in W blocks (c10d's all_to_all_single)."""
+    shape = _a2a_buffers(plan, _packs(plan, accum), accum)
+    recv_shape = shape or plan.layout.recv_shape
+    send, (finish, made) = _sender(plan, accum, shape or plan.layout.send_shape), _finisher(plan, accum, recv_shape)
+    viewed = made != recv_shape  # the output is received into (a view of it)
+    exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
+
+    def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+        buffer = send(x)
+        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+        exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
+        del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
+        return finish(recv, x)
+
+    return all_to_all
+
+
+def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, compiling: bool) -> Walk:
+    """all_gather (`op` None) and reduce_scatter: c10d's dim-0 forms, x itself along dim 0 ([n, ...] <->
+    [W * n, ...]), else flat buffers."""
+    world_size, layout = plan.world_size, plan.layout
+    along_0 = not _packs(plan, accum) and dim == 0
+    numel = math.prod(layout.send_shape)
+    gathers = op is None
     if along_0:
         send_shape, recv_shape = plan.in_shape, plan.out_shape
     else:
         send_shape, recv_shape = (numel,), (numel * world_size if gathers else numel // world_size,)
     send, (finish, made) = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
     viewed = made != recv_shape
-    collective = (_c10d.all_gather(complex_, compiling) if gathers
-                  else _c10d.reduce_scatter(op, complex_, compiling))  # type: ignore[arg-type]
+    complex_ = dtypes.is_complex(plan.dtype)
+    collective = (_c10d.all_gather(complex_, compiling) if op is None
+                  else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling))
 
     def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
         buffer = send(x)
@@ -406,28 +464,26 @@ def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[i
     shape where the unpack is a view (the received buffer is the output), else the input's where the pack is
     (x itself is sent); None: the plan's send and recv shapes."""
     world_size = plan.world_size
-    if accum is None and plan.unpack.is_identity and plan.out_shape and plan.out_shape[0] % world_size == 0:
+    if accum is None and plan.layout.unpack.is_identity and plan.out_shape and plan.out_shape[0] % world_size == 0:
         return plan.out_shape
     if not packed and plan.in_shape and plan.in_shape[0] % world_size == 0:
         return plan.in_shape
     return None
 
 
-def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
+def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None,
+                       compiling: bool) -> Walk:
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
-    the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring)."""
-    kind, root, out_shape = plan.collective, plan.root, plan.out_shape
-    send, (finish, made) = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.recv_shape)
-    if kind is Collective.PERMUTE:  # (its buffers have the plan's shape)
-        step = _permute(plan, compiling)
-    else:
-        step = (_rooted_traceable if compiling else _ROOTED_STEPS[kind])(plan, made)
-    receives_only = kind in _RECEIVE_ONLY and not compiling  # non-roots' input is never read: no pack pass
+    the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring). `receive_only_root`:
+    the root of an eager broadcast or scatter, whose other ranks' input is never read (no pack pass there)."""
+    out_shape = plan.out_shape
+    send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
+    receives_only = receive_only_root is not None
 
     def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
         rank = group_rank(group)
-        buffer = None if receives_only and rank != root else send(x)
-        recv = step(buffer, group, rank, x, x.dtype if accum is None else accum)
+        buffer = None if receives_only and rank != receive_only_root else send(x)
+        recv = transfer(buffer, group, rank, x, x.dtype if accum is None else accum)
         del buffer
         return x.new_zeros(out_shape) if recv is None else finish(recv, x)
 
@@ -442,15 +498,14 @@ def _itself(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _identity(plan: Plan) -> Walk:
     """identity times the scale."""
-    scale = plan.scale
+    scale = plan.arithmetic.scale
     return _itself if scale == 1.0 else lambda x, group: x * scale
 
 
-def _slice(plan: Plan) -> Walk:
-    """This rank's block of `dims[0]`: a copy, not a view (the output may be modified in place, and a gradient
+def _slice(plan: Plan, dim: int) -> Walk:
+    """This rank's block of `dim`: a copy, not a view (the output may be modified in place, and a gradient
     frees the rest)."""
-    (dim,) = plan.dims
-    block, scale = plan.recv_shape[dim], plan.scale
+    block, scale = plan.layout.recv_shape[dim], plan.arithmetic.scale
 
     def slice_(x: torch.Tensor, group: Group) -> torch.Tensor:
         start = group_rank(group) * block
@@ -463,10 +518,9 @@ def _slice(plan: Plan) -> Walk:
     return slice_
 
 
-def _pad(plan: Plan) -> Walk:
-    """This rank's block of zeros along `dims[0]` (the transpose of `_slice`)."""
-    (dim,) = plan.dims
-    out_shape, scale = plan.out_shape, plan.scale
+def _pad(plan: Plan, dim: int) -> Walk:
+    """This rank's block of zeros along `dim` (the transpose of `_slice`)."""
+    out_shape, scale = plan.out_shape, plan.arithmetic.scale
 
     def pad(x: torch.Tensor, group: Group) -> torch.Tensor:
         block = x.shape[dim]
@@ -475,10 +529,3 @@ def _pad(plan: Plan) -> Walk:
         return out if scale == 1.0 else out.mul_(scale)
 
     return pad
-
-
-_LOCAL_STEPS: dict[Collective, Callable[[Plan], Walk]] = {
-    Collective.IDENTITY: _identity,
-    Collective.SLICE: _slice,
-    Collective.PAD: _pad,
-}

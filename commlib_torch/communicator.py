@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import plans
+from commlib import frontend_errors, plans
 from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
-from commlib_torch._groups import carried, check_tensor, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._walk import dtype_name, global_rank
 
 __all__ = ["DeviceCommunicator"]
@@ -112,30 +112,30 @@ class DeviceCommunicator:
         size = world_size("send", self.device_group)
         dst = (self.rank + 1) % size if dst is None else dst
         plan = plans.point_to_point(tensor.shape, size, self.rank, dst, dtype=dtype_name(tensor.dtype),
-                                    op_name="send", carried=carried(self.device_group, tensor))
+                                    op_name="send", backend_dtypes=backend_dtypes(self.device_group, tensor))
         self._transfer(plan, tensor.contiguous(), dst)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of `size` (an int or a shape) and `dtype` from group-local rank `src` (default: the
         previous rank). Checked mode as in `send`."""
         if not isinstance(dtype, torch.dtype):
-            raise plans.wrong_type("recv", "dtype", dtype, "torch.dtype")
+            raise frontend_errors.wrong_type("recv", "dtype", dtype, "torch.dtype")
         world = world_size("recv", self.device_group)
         src = (self.rank - 1) % world if src is None else src
         shape = (size,) if isinstance(size, int) else tuple(size)
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         plan = plans.point_to_point(shape, world, src, self.rank, dtype=dtype_name(dtype), op_name="recv",
-                                    carried=carried(self.device_group, tensor))
+                                    backend_dtypes=backend_dtypes(self.device_group, tensor))
         self._transfer(plan, tensor, src)
         return tensor
 
     def _transfer(self, plan: Plan, tensor: torch.Tensor, peer: int) -> None:
-        """send (this rank is the plan's source) or recv into `tensor`, as the plan's carrier if it has one."""
+        """send (the plan of a "send") or recv into `tensor`, viewed as the plan's wire dtype if it has one."""
         group = self.device_group
         if is_checked():
             exchange_pair(plan, tensor, group)
-        wire = tensor if plan.carrier is None else tensor.view(getattr(torch, plan.carrier))
-        transfer = dist.send if plan.pairs[0][0] == self.rank else dist.recv
+        wire = tensor if plan.wire_view is None else tensor.view(getattr(torch, plan.wire_view))
+        transfer = dist.send if plan.op_name == "send" else dist.recv
         transfer(wire, global_rank(group, peer), group)
 
     def destroy(self) -> None:

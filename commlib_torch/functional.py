@@ -17,9 +17,9 @@ Gradients follow ``convention="sum"`` (each rank's loss is its own, the objectiv
 
 Every op raises ``TypeError`` when `x` is not a tensor or `group` none of the kinds above, and `CommError` on a
 rank outside `group` or a mesh dim the mesh lacks, all before any communication. A dtype the group's backend
-lacks (gloo: int16, uint16/32/64, float8, ...) travels in a carrier the spec picks (`commlib.dtypes.carrier`:
+lacks (gloo: int16, uint16/32/64, float8, ...) travels in a wire dtype the spec picks (`commlib.dtypes.wire_dtypes`:
 a same-size bit view for data movement, a wider integer for integer reductions) or is refused with a `CommError`
-where no carrier is exact (docs/ops.md).
+where no wire dtype is exact (docs/ops.md).
 
 Uneven sizes (``sizes=``, ``scatter_sizes=``, ``gather_sizes=``; `commlib.split_sizes` gives the balanced
 split) are held exactly: rank r's tensor has ``sizes[r]`` rows along the sharded dim, and nothing is padded on
@@ -70,9 +70,10 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
     """
-    x, group, size, dtype, carries = operand("all_reduce", x, group)
+    x, group, size, dtype, backend_dtypes = operand("all_reduce", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = plans.all_reduce(x.shape, size, op, dtype=dtype, carried=carries, convention=convention, accum_dtype=accum)
+    plan = plans.all_reduce(x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
+                            accum_dtype=accum)
     return apply(plan, x, group)
 
 
@@ -88,8 +89,8 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
     """
-    x, group, size, dtype, carries = operand("all_gather", x, group)
-    plan = plans.all_gather(x.shape, size, dim, dtype=dtype, carried=carries, convention=convention,
+    x, group, size, dtype, backend_dtypes = operand("all_gather", x, group)
+    plan = plans.all_gather(x.shape, size, dim, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             sizes=sizes, rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
@@ -107,9 +108,9 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
     """
-    x, group, size, dtype, carries = operand("reduce_scatter", x, group)
+    x, group, size, dtype, backend_dtypes = operand("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, carried=carries,
+    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, backend_dtypes=backend_dtypes,
                                 accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
@@ -133,8 +134,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
     """
-    x, group, size, dtype, carries = operand("all_to_all", x, group)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
+    x, group, size, dtype, backend_dtypes = operand("all_to_all", x, group)
+    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return apply(plan, x, group)
@@ -154,8 +155,8 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
     """
-    x, group, size, dtype, carries = operand("all_to_all_4d", x, group)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
+    x, group, size, dtype, backend_dtypes = operand("all_to_all_4d", x, group)
+    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return apply(plan, x, group)
@@ -169,8 +170,8 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tenso
     Raises:
         CommError: `src` not in [0, W).
     """
-    x, group, size, dtype, carries = operand("broadcast", x, group)
-    return apply(plans.broadcast(x.shape, size, src, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, backend_dtypes = operand("broadcast", x, group)
+    return apply(plans.broadcast(x.shape, size, src, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
 def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *, sizes=None) -> torch.Tensor:
@@ -183,8 +184,8 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *,
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
     """
-    x, group, size, dtype, carries = operand("gather", x, group)
-    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries, sizes=sizes,
+    x, group, size, dtype, backend_dtypes = operand("gather", x, group)
+    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
                         rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
@@ -200,8 +201,8 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *,
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
     """
-    x, group, size, dtype, carries = operand("scatter", x, group)
-    plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, carried=carries, sizes=sizes,
+    x, group, size, dtype, backend_dtypes = operand("scatter", x, group)
+    plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
                          rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
@@ -215,8 +216,9 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
     """
-    x, group, size, dtype, carries = operand("permute", x, group)
-    return apply(plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, backend_dtypes = operand("permute", x, group)
+    plan = plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, backend_dtypes=backend_dtypes)
+    return apply(plan, x, group)
 
 
 def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -228,8 +230,8 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
     """
-    x, group, size, dtype, carries = operand("sum_grad", x, group)
-    return apply(plans.sum_grad(x.shape, size, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, backend_dtypes = operand("sum_grad", x, group)
+    return apply(plans.sum_grad(x.shape, size, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
 def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
@@ -242,8 +244,8 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
     """
-    x, group, size, dtype, carries = operand("shard", x, group)
-    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, carried=carries)
+    x, group, size, dtype, backend_dtypes = operand("shard", x, group)
+    plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, backend_dtypes=backend_dtypes)
     return apply(plan, x, group)
 
 
@@ -257,17 +259,17 @@ def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torc
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
     """
-    x, group, size, dtype, carries = operand("reduce", x, group)
-    return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, carried=carries), x, group)
+    x, group, size, dtype, backend_dtypes = operand("reduce", x, group)
+    return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
 def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ProcessGroup) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    x, group, size, dtype, carries = operand("gather", x, group)
-    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries)
+    x, group, size, dtype, backend_dtypes = operand("gather", x, group)
+    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, backend_dtypes=backend_dtypes)
     with torch.no_grad():
         if plan.is_trivial:
             out = x.detach().clone(memory_format=torch.contiguous_format)
         else:  # checked mode's exchange and the failure translation, as every collective
             out = at_boundary(run, plan, x, group, None)
-    return out if group_rank(group) == plan.root else None
+    return out if group_rank(group) == plan.step.root else None  # type: ignore[union-attr]

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib import blockwise, plans
+from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
-from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._groups import Group, backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_to_all, all_to_all_4d
@@ -86,7 +86,7 @@ def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessG
         members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
         flat = torch.cat([tensors[index].reshape(-1) for index in members])
         permute = plans.permute(tuple(flat.shape), plan.ring_size, plan.perm, dtype=dtype_name(dtype),
-                                carried=carried(group, flat))
+                                backend_dtypes=backend_dtypes(group, flat))
         received = at_boundary(run, permute, flat, group, None)
         for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
             moved[index] = part.view(tensors[index].shape)
@@ -201,7 +201,7 @@ class _FunctorchRing(_Ring):
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int):
-        raise plans.no_vmap(plan.op_name)
+        raise frontend_errors.no_vmap(plan.op_name)
 
     @staticmethod
     def backward(ctx, d_out, d_lse):  # type: ignore[override]

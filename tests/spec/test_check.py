@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commlib import CommError, CommFailure, CommTimeout, check, failures, plans
+from commlib import CommError, CommFailure, CommTimeout, check, failures, plans, steps
 
 
 def _rows(*calls):
@@ -44,13 +44,13 @@ def test_every_op_has_the_same_fingerprint_size_and_decodes(plan):
         assert row.shape == (check.FINGERPRINT_SIZE,) and row.dtype == np.int64
         call = check.decode(row)
         assert (call.op_name, call.phase, call.world_size, call.dims, call.root) == (
-            plan.op_name, phase, plan.world_size, plan.dims, plan.root)
+            plan.op_name, phase, plan.world_size, steps.dims(plan.step), getattr(plan.step, "root", None))
         assert (call.reduce_op, call.convention, call.accum_dtype, call.grad_scale) == (
-            plan.reduce_op, plan.convention, plan.accum_dtype, plan.grad_scale)
+            getattr(plan.step, "op", None), plan.convention, plan.arithmetic.accum_dtype, plan.arithmetic.grad_scale)
         if len(plan.in_shape) <= 8:
             assert call.shape == plan.in_shape
-        if len(plan.pairs) <= 4:
-            assert call.perm == plan.pairs
+        if len(getattr(plan.step, "pairs", ())) <= 4:
+            assert call.perm == getattr(plan.step, "pairs", ())
 
 
 def test_agreeing_ranks_pass():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from commlib import CommError, check, dtypes, gradients, plans, reference
+from commlib import CommError, check, dtypes, frontend_errors, gradients, plans, reference
 from commlib.reduce_op import ReduceOp
 
 NAN = np.nan
@@ -39,11 +39,12 @@ def test_nan_gradient_goes_to_the_nan_holders_split_equally(op, convention, fact
 @pytest.mark.parametrize("op_name", ["all_reduce", "reduce_scatter"])
 def test_half_precision_avg_scales_before_the_sum_and_so_does_its_backward(dtype, op_name):
     plan = getattr(plans, op_name)((4,), 2, op="avg", dtype=dtype)
-    assert plan.scale == 0.5 and plan.scale_first
+    assert plan.arithmetic.scale == 0.5 and plan.arithmetic.scale_first
     dual = gradients.vjp_plan(plan)
-    assert dual.scale == 0.5 and dual.scale_first  # the summed cotangent of all_reduce avg's backward too
-    assert not getattr(plans, op_name)((4,), 2, op="avg", dtype="float32").scale_first
-    assert not getattr(plans, op_name)((4,), 2, op="sum", dtype="float16").scale_first
+    # the summed cotangent of all_reduce avg's backward too
+    assert dual.arithmetic.scale == 0.5 and dual.arithmetic.scale_first
+    assert not getattr(plans, op_name)((4,), 2, op="avg", dtype="float32").arithmetic.scale_first
+    assert not getattr(plans, op_name)((4,), 2, op="sum", dtype="float16").arithmetic.scale_first
 
 
 def test_half_precision_avg_reference_value():
@@ -63,7 +64,7 @@ def test_complex_avg_forward_and_gradient():
     cotangents = [np.array([1j, 2.0]), np.array([2.0, 1j])]
     for grad in reference.vjp(plan, xs, cotangents):  # real coefficients: the same map, no conjugation
         np.testing.assert_allclose(grad, [1 + 0.5j, 1 + 0.5j])
-    assert plans.reduce_scatter((4,), 2, op="avg", dtype="complex128").scale == 0.5
+    assert plans.reduce_scatter((4,), 2, op="avg", dtype="complex128").arithmetic.scale == 0.5
 
 
 @pytest.mark.parametrize("op", ["max", "min", "product"])
@@ -81,10 +82,10 @@ TORCH_DTYPES_GLOO_LACKS = ["int16", "uint16", "uint32", "uint64", "float8_e4m3fn
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES_GLOO_LACKS)
 def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
-    view, cast = dtypes.carrier("all_gather", dtype, None, GLOO)
+    view, cast = dtypes.wire_dtypes("all_gather", dtype, None, GLOO)
     assert cast is None and view in GLOO and dtypes.bits(view) == dtypes.bits(dtype)
-    plan = plans.all_gather((2, 3), 2, 0, dtype=dtype, carried=GLOO)
-    assert plan.carrier == view and plan.dtype == dtype
+    plan = plans.all_gather((2, 3), 2, 0, dtype=dtype, backend_dtypes=GLOO)
+    assert plan.wire_view == view and plan.dtype == dtype
 
 
 @pytest.mark.parametrize(("dtype", "op", "expected"), [
@@ -100,7 +101,7 @@ def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
     ("float8_e5m2", "min", (None, "float32")),
 ])
 def test_reduction_carriers(dtype, op, expected):
-    assert dtypes.carrier("all_reduce", dtype, ReduceOp(op), GLOO) == expected
+    assert dtypes.wire_dtypes("all_reduce", dtype, ReduceOp(op), GLOO) == expected
 
 
 @pytest.mark.parametrize(("dtype", "op", "message"), [
@@ -116,48 +117,48 @@ def test_reduction_carriers(dtype, op, expected):
 ])
 def test_inexact_reductions_are_refused(dtype, op, message):
     with pytest.raises(CommError) as raised:
-        plans.all_reduce((3,), 2, op, dtype=dtype, carried=GLOO)
+        plans.all_reduce((3,), 2, op, dtype=dtype, backend_dtypes=GLOO)
     assert str(raised.value).startswith(message)
 
 
 def test_float8_reductions_follow_the_spec_on_every_backend():
     """float8 max/min run in float32 and sum is refused even where the backend carries float8 (NCCL, XLA)."""
-    assert plans.all_reduce((3,), 2, "max", dtype="float8_e4m3fn").accum_dtype == "float32"
+    assert plans.all_reduce((3,), 2, "max", dtype="float8_e4m3fn").arithmetic.accum_dtype == "float32"
     with pytest.raises(CommError, match="not supported"):
         plans.all_reduce((3,), 2, "sum", dtype="float8_e4m3fn")
-    assert plans.all_gather((3,), 2, dtype="float8_e4m3fn").carrier is None  # movement: as it is
+    assert plans.all_gather((3,), 2, dtype="float8_e4m3fn").wire_view is None  # movement: as it is
 
 
 def test_carried_dtypes_need_no_carrier():
     for dtype in sorted(GLOO):
-        assert dtypes.carrier("all_gather", dtype, None, GLOO) == (None, None)
-    assert plans.all_reduce((3,), 2, dtype="int16").carrier is None  # carried=None: every dtype
+        assert dtypes.wire_dtypes("all_gather", dtype, None, GLOO) == (None, None)
+    assert plans.all_reduce((3,), 2, dtype="int16").wire_view is None  # backend_dtypes=None: every dtype
 
 
 def test_movement_without_a_same_size_dtype_is_refused():
     with pytest.raises(CommError, match=r"all_gather: data movement of int16 has no carrier: the backend lacks "
                                         r"int16 and every dtype of its size"):
-        plans.all_gather((3,), 2, dtype="int16", carried=frozenset({"float32"}))
+        plans.all_gather((3,), 2, dtype="int16", backend_dtypes=frozenset({"float32"}))
 
 
 # --- messages of the calls only a frontend can detect ----------------------------------------------------
 
 
 def test_messages():
-    assert str(plans.not_a_member("all_reduce", 1, [0])) == (
+    assert str(frontend_errors.not_a_member("all_reduce", 1, [0])) == (
         "all_reduce: this rank (global rank 1) is not a member of the group (global ranks [0]): only its members "
         "may call its collectives. Received: rank=1, group_ranks=[0]")
-    assert str(plans.wrong_type("all_gather", "x", np.ones(2), "torch.Tensor")) == (
+    assert str(frontend_errors.wrong_type("all_gather", "x", np.ones(2), "torch.Tensor")) == (
         "all_gather: x must be a torch.Tensor, not numpy.ndarray. Received: type='numpy.ndarray'")
-    assert str(plans.unbound_axis("permute", ("x", "y"))) == (
+    assert str(frontend_errors.unbound_axis("permute", ("x", "y"))) == (
         "permute: axis_name (('x', 'y')) is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
         "with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name=('x', 'y')")
 
 
 def test_point_to_point_plans_of_both_ends_agree():
-    send = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="send", carried=GLOO)
-    recv = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="recv", carried=GLOO)
-    assert send.pairs == recv.pairs == ((1, 3),) and send.carrier == "float16"
+    send = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="send", backend_dtypes=GLOO)
+    recv = plans.point_to_point((2, 3), 4, 1, 3, dtype="int16", op_name="recv", backend_dtypes=GLOO)
+    assert send.step.pairs == recv.step.pairs == ((1, 3),) and send.wire_view == "float16"
     with pytest.raises(CommError, match=r"send: dst \(4\) must be in \[0, 4\)"):
         plans.point_to_point((2,), 4, 1, 4, op_name="send")
     with pytest.raises(CommError, match=r"recv: dst \(2\) must differ from src \(2\)"):

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from commlib import CommError, plans, reference
+from commlib import CommError, frontend_errors, plans, reference, steps
 
 SHAPE = (2, 8, 6, 64)
 
@@ -235,7 +235,7 @@ def test_duck_typed_unknown_op_is_a_comm_error():
 
 
 def test_duck_typed_known_op_is_accepted():
-    assert plans.all_reduce((4,), 2, types.SimpleNamespace(name="AVG")).reduce_op == "avg"
+    assert plans.all_reduce((4,), 2, types.SimpleNamespace(name="AVG")).step.op == "avg"
 
 
 @pytest.mark.parametrize("op", [3, None, 1.5, types.SimpleNamespace(name=7)])
@@ -273,18 +273,18 @@ def test_scale_grad_of_the_wrong_kind_is_a_type_error(scale_grad):
 
 
 def test_numpy_bools_are_bools():
-    assert plans.shard((2, 8), 2, scale_grad=np.bool_(True)).grad_scale == 0.5
-    assert plans.shard((2, 8), 2, scale_grad=np.bool_(False)).grad_scale == 1.0
+    assert plans.shard((2, 8), 2, scale_grad=np.bool_(True)).arithmetic.grad_scale == 0.5
+    assert plans.shard((2, 8), 2, scale_grad=np.bool_(False)).arithmetic.grad_scale == 1.0
 
 
 def test_equal_scatter_and_gather_dims_are_valid():
     """torch's all_to_all_single / lax's split_axis == concat_axis: the shape is unchanged (it was an error)."""
     assert plans.all_to_all(SHAPE, 2, 1, -3).out_shape == SHAPE
-    assert plans.all_to_all((8, 3), 4, 0, 0).dims == (0, 0)
+    assert steps.dims(plans.all_to_all((8, 3), 4, 0, 0).step) == (0, 0)
 
 
 def test_numpy_integers_are_ints():
-    assert plans.all_gather((2, 8), 2, np.int64(-1)).dims == (1,)
+    assert steps.dims(plans.all_gather((2, 8), 2, np.int64(-1)).step) == (1,)
     assert plans.all_to_all((4, 8), np.int32(2), 0, np.int64(1)).world_size == 2
 
 
@@ -338,7 +338,7 @@ def test_sum_of_bools_is_refused():
         "all_reduce: op ('sum') on bool is ambiguous: use 'max' (any) or 'min' (all). "
         "Received: shape=(3,), op='sum', dtype='bool'"
     )
-    assert plans.all_reduce((3,), 4, "max", dtype="bool").reduce_op == "max"
+    assert plans.all_reduce((3,), 4, "max", dtype="bool").step.op == "max"
 
 
 @pytest.mark.parametrize(
@@ -387,7 +387,7 @@ _MESH = dict(mesh_shape=(2, 2), dim_names=("sp", "tp"))
 )
 def test_mesh_dim(mesh, dim, expected):
     """The dim a ``group=mesh`` / ``group=(mesh, dim)`` argument names: by name or index; none for a 1-D mesh."""
-    assert plans.mesh_dim("all_gather", **mesh, dim=dim) == expected
+    assert frontend_errors.mesh_dim("all_gather", **mesh, dim=dim) == expected
 
 
 @pytest.mark.parametrize(
@@ -415,6 +415,6 @@ def test_mesh_dim(mesh, dim, expected):
 )
 def test_mesh_dim_messages(mesh, dim, exception, message):
     """A mesh that is not 1-D needs a dim; an unknown name or index names the mesh's shape and dim names."""
-    text = _raises(exception, lambda: plans.mesh_dim("all_gather", **mesh, dim=dim))
+    text = _raises(exception, lambda: frontend_errors.mesh_dim("all_gather", **mesh, dim=dim))
     assert text == message
     _check_format(text, "all_gather")

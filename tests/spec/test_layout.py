@@ -18,7 +18,7 @@ from commlib.layout import Rearrange
 
 def _execute(step: Rearrange, data: np.ndarray) -> np.ndarray:
     """The pass as the plan states it: view, permute, lay out contiguously (flat, memory order)."""
-    return np.ascontiguousarray(data.reshape(step.view).transpose(step.perm)).ravel()
+    return np.ascontiguousarray(data.reshape(step.split_shape).transpose(step.perm)).ravel()
 
 
 def _execute_merged(step: Rearrange, data: np.ndarray) -> np.ndarray:
@@ -48,18 +48,18 @@ def _execute_merged(step: Rearrange, data: np.ndarray) -> np.ndarray:
     ],
 )
 def test_rearrange_identity_and_merged(view, perm, identity, merged):
-    step = Rearrange(view=view, perm=perm)
+    step = Rearrange(split_shape=view, perm=perm)
     assert step.is_identity is identity
     assert step.merged() == merged
 
 
 def test_rearrange_out_shape():
-    assert Rearrange(view=(2, 3, 4), perm=(2, 0, 1)).out_shape == (4, 2, 3)
-    assert Rearrange(view=(2, 1, 3), perm=(1, 2, 0)).out_shape == (1, 3, 2)
+    assert Rearrange(split_shape=(2, 3, 4), perm=(2, 0, 1)).out_shape == (4, 2, 3)
+    assert Rearrange(split_shape=(2, 1, 3), perm=(1, 2, 0)).out_shape == (1, 3, 2)
 
 
 def test_always_copy_is_never_identity():
-    step = Rearrange(view=(4, 5), perm=(0, 1), always_copy=True)
+    step = Rearrange(split_shape=(4, 5), perm=(0, 1), always_copy=True)
     assert not step.is_identity
     assert step.merged() == ((20,), (0,))  # merged() describes the permutation only
 
@@ -72,23 +72,23 @@ W = 4
 def test_ulysses_forward_batch_1_is_one_copy():
     plan = plans.all_to_all_4d((1, 8, 12, 16), W, 2, 1)  # [B, S/W, H, D] -> [B, S, H/W, D]
     assert plan.copies == 1
-    assert not plan.pack.is_identity
-    assert plan.unpack.is_identity  # [W, 1, S/W, H/W, D] -> [1, W, S/W, H/W, D] moves only a size-1 axis
+    assert not plan.layout.pack.is_identity
+    assert plan.layout.unpack.is_identity  # [W, 1, S/W, H/W, D] -> [1, W, S/W, H/W, D] moves only a size-1 axis
     assert plan.out_shape == (1, 32, 3, 16)
 
 
 def test_ulysses_forward_batch_2_is_two_copies():
     plan = plans.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
     assert plan.copies == 2
-    assert not plan.pack.is_identity and not plan.unpack.is_identity
+    assert not plan.layout.pack.is_identity and not plan.layout.unpack.is_identity
     assert plan.out_shape == (2, 32, 3, 16)
 
 
 def test_ulysses_reverse_batch_1_is_one_copy():
     plan = plans.all_to_all_4d((1, 32, 3, 16), W, 1, 2)  # [B, S, H/W, D] -> [B, S/W, H, D]
     assert plan.copies == 1
-    assert plan.pack.is_identity  # [1, W, S/W, H/W, D] -> [W, 1, ...]: the W blocks of seq are contiguous
-    assert not plan.unpack.is_identity
+    assert plan.layout.pack.is_identity  # [1, W, S/W, H/W, D] -> [W, 1, ...]: the W blocks of seq are contiguous
+    assert not plan.layout.unpack.is_identity
     assert plan.out_shape == (1, 8, 12, 16)
 
 
@@ -102,20 +102,20 @@ def test_ulysses_reverse_batch_2_is_two_copies():
 def test_ulysses_pack_merges_to_a_batched_transpose(batch):
     """[B, S/W, H, D] (2, 1): view [B, S/W, W, H/W, D], send [W, B, S/W, H/W, D] = a (1, 0, 2) transpose."""
     plan = plans.all_to_all_4d((batch, 8, 12, 16), W, 2, 1)
-    assert plan.pack.view == (batch, 8, W, 3, 16)
-    assert plan.pack.merged() == ((batch * 8, W, 3 * 16), (1, 0, 2))
+    assert plan.layout.pack.split_shape == (batch, 8, W, 3, 16)
+    assert plan.layout.pack.merged() == ((batch * 8, W, 3 * 16), (1, 0, 2))
 
 
 def test_ulysses_forward_unpack_merges_to_a_transpose_of_batch_and_world():
     plan = plans.all_to_all_4d((2, 8, 12, 16), W, 2, 1)
-    assert plan.unpack.merged() == ((W, 2, 8 * 3 * 16), (1, 0, 2))
+    assert plan.layout.unpack.merged() == ((W, 2, 8 * 3 * 16), (1, 0, 2))
 
 
 def test_ulysses_reverse_unpack_merges_to_a_transpose():
     """recv [W, B, S/W, H/W, D] -> [B, S/W, W, H/W, D]: the W axis moves behind (B, S/W)."""
     for batch in (1, 2):
         plan = plans.all_to_all_4d((batch, 32, 3, 16), W, 1, 2)
-        assert plan.unpack.merged() == ((W, batch * 8, 3 * 16), (1, 0, 2))
+        assert plan.layout.unpack.merged() == ((W, batch * 8, 3 * 16), (1, 0, 2))
 
 
 @pytest.mark.parametrize("shape", [(8,), (8, 3), (4, 1, 5)])
@@ -151,14 +151,14 @@ def test_shard_is_one_local_step_and_reduce_copies_into_a_fresh_buffer():
     """shard moves no data between ranks: no pack or unpack pass, the slice is the step itself; reduce, like
     all_reduce, reduces in place, so its one pass is the copy into a fresh buffer."""
     plan = plans.shard((3, 8), W, -1)
-    assert plan.collective.is_local and plan.copies == 0 and plan.out_shape == (3, 2)
+    assert plan.step.is_local and plan.copies == 0 and plan.out_shape == (3, 2)
     plan = plans.reduce((3, 8), W)
-    assert plan.pack.always_copy and plan.copies == 1
+    assert plan.layout.pack.always_copy and plan.copies == 1
 
 
 def test_all_reduce_copies_into_a_fresh_buffer():
     plan = plans.all_reduce((3, 5), W)
-    assert plan.pack.always_copy
+    assert plan.layout.pack.always_copy
     assert plan.copies == 1
 
 
@@ -175,15 +175,15 @@ def rearranges(draw):
     ndim = draw(st.integers(1, 6))
     view = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
     perm = tuple(draw(st.permutations(range(ndim))))
-    return Rearrange(view=view, perm=perm)
+    return Rearrange(split_shape=view, perm=perm)
 
 
 def _check_step(step: Rearrange) -> None:
-    data = np.arange(math.prod(step.view))
+    data = np.arange(math.prod(step.split_shape))
     expected = _execute(step, data)
     assert np.array_equal(_execute_merged(step, data), expected)
     shape, perm = step.merged()
-    assert math.prod(shape) == math.prod(step.view)
+    assert math.prod(shape) == math.prod(step.split_shape)
     assert all(size > 1 for size in shape)
     # fewest axes: no two neighbours in the destination come from neighbours in the source
     assert all(perm[i + 1] != perm[i] + 1 for i in range(len(perm) - 1))
@@ -214,18 +214,18 @@ def all_to_all_plans(draw):
 
 def _moves_memory(step: Rearrange) -> bool:
     """Executing the pass on contiguous data changes the memory order (a view could not give the result)."""
-    data = np.arange(math.prod(step.view))
+    data = np.arange(math.prod(step.split_shape))
     return step.always_copy or not np.array_equal(_execute(step, data), data)
 
 
 @given(all_to_all_plans())
 def test_plan_steps_merge_correctly(plan):
-    for step in (plan.pack, plan.unpack):
+    for step in (plan.layout.pack, plan.layout.unpack):
         _check_step(step)
-    assert plan.copies == _moves_memory(plan.pack) + _moves_memory(plan.unpack)
-    assert math.prod(plan.pack.view) == math.prod(plan.in_shape) == math.prod(plan.send_shape)
-    assert plan.pack.out_shape == plan.send_shape
-    assert math.prod(plan.unpack.view) == math.prod(plan.recv_shape) == math.prod(plan.out_shape)
+    assert plan.copies == _moves_memory(plan.layout.pack) + _moves_memory(plan.layout.unpack)
+    assert math.prod(plan.layout.pack.split_shape) == math.prod(plan.in_shape) == math.prod(plan.layout.send_shape)
+    assert plan.layout.pack.out_shape == plan.layout.send_shape
+    assert math.prod(plan.layout.unpack.split_shape) == math.prod(plan.layout.recv_shape) == math.prod(plan.out_shape)
 
 
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
@@ -234,6 +234,6 @@ def test_ulysses_batch_1_moves_no_memory_on_one_side(world_size, batch, seq, hea
     (and W > 1) they move it."""
     forward = plans.all_to_all_4d((batch, seq, heads * world_size, head_dim), world_size, 2, 1)
     reverse = plans.all_to_all_4d((batch, seq * world_size, heads, head_dim), world_size, 1, 2)
-    for step in (forward.unpack, reverse.pack):
+    for step in (forward.layout.unpack, reverse.layout.pack):
         assert step.is_identity == (not _moves_memory(step))
         assert _moves_memory(step) == (batch > 1 and world_size > 1)

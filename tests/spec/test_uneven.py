@@ -116,9 +116,11 @@ def test_duals_are_uneven_and_involutive(call):
         if not plan.is_uneven:
             continue
         dual = gradients.vjp_plan(plan)
-        assert (dual.scatter_sizes, dual.gather_sizes, dual.rank) == (plan.gather_sizes, plan.scatter_sizes, plan.rank)
+        assert (dual.uneven.scatter_sizes, dual.uneven.gather_sizes, getattr(dual.uneven, "rank", None)) == (
+            plan.uneven.gather_sizes, plan.uneven.scatter_sizes, getattr(plan.uneven, "rank", None))
         assert dual.in_shape == plan.out_shape and dual.out_shape == plan.in_shape
-        if plan.convention.value == "sum" and plan.reduce_op != "avg":  # avg's comes back as sum times 1/W
+        # avg's comes back as sum times 1/W
+        if plan.convention.value == "sum" and getattr(plan.step, "op", None) != "avg":
             assert gradients.vjp_plan(dual) == plan
         assert plan.copies <= 2
 
@@ -159,12 +161,14 @@ def test_handed_case_in_both_layouts():
 def test_exact_ulysses_plan_makes_one_pass_each_side_and_a_view_at_batch_1():
     plan = plans.all_to_all_4d((1, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15),
                                rank=3)
-    assert plan.is_exact and plan.collective.value == "all_to_all"
-    assert not plan.pack.is_identity and plan.unpack.is_identity and plan.copies == 1  # the seq gather is a view
-    assert plan.pack.counts == (120, 120, 60, 60) and plan.unpack.counts == (64, 64, 64, 60)
+    assert plan.is_exact and plan.step.name == "all_to_all"
+    # the seq gather is a view
+    assert not plan.layout.pack.is_identity and plan.layout.unpack.is_identity and plan.copies == 1
+    assert plan.layout.pack.counts == (120, 120, 60, 60) and plan.layout.unpack.counts == (64, 64, 64, 60)
     assert plan.out_shape == (1, 63, 1, 4)
     reverse = gradients.vjp_plan(plan)
-    assert reverse.pack.is_identity and not reverse.unpack.is_identity  # batch 1: the seq scatter is a view
+    # batch 1: the seq scatter is a view
+    assert reverse.layout.pack.is_identity and not reverse.layout.unpack.is_identity
     batch_2 = plans.all_to_all_4d((2, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15),
                                   rank=3)
     assert batch_2.copies == 2
@@ -172,16 +176,16 @@ def test_exact_ulysses_plan_makes_one_pass_each_side_and_a_view_at_batch_1():
 
 def test_exact_gather_scatter_and_reduce_scatter_blocks():
     gather = plans.gather((3, 2), 4, 1, 0, sizes=(0, 3, 2, 2), rank=1)  # rank 1 sends its 3 rows to dst 1 only
-    assert gather.pack.counts == (0, 6, 0, 0) and gather.pack.is_identity
-    assert gather.unpack.counts == (0, 6, 4, 4) and gather.unpack.is_identity
+    assert gather.layout.pack.counts == (0, 6, 0, 0) and gather.layout.pack.is_identity
+    assert gather.layout.unpack.counts == (0, 6, 4, 4) and gather.layout.unpack.is_identity
     off_root = uneven.for_rank(gather, 2)
-    assert off_root.pack.counts == (0, 4, 0, 0) and off_root.unpack.counts == (0, 0, 0, 0)
-    assert not off_root.unpack.covers  # no block lands: zeros
+    assert off_root.layout.pack.counts == (0, 4, 0, 0) and off_root.layout.unpack.counts == (0, 0, 0, 0)
+    assert not off_root.layout.unpack.covers  # no block lands: zeros
     scatter = plans.scatter((7, 3), 4, 2, sizes=(0, 3, 2, 2), rank=2)
-    assert scatter.pack.counts == (0, 9, 6, 6) and scatter.unpack.counts == (0, 0, 6, 0)
-    assert uneven.for_rank(scatter, 0).pack.counts == (0, 0, 0, 0)  # other ranks send nothing
+    assert scatter.layout.pack.counts == (0, 9, 6, 6) and scatter.layout.unpack.counts == (0, 0, 6, 0)
+    assert uneven.for_rank(scatter, 0).layout.pack.counts == (0, 0, 0, 0)  # other ranks send nothing
     reduce = plans.reduce_scatter((2, 7), 4, 1, sizes=(0, 3, 2, 2), rank=1)
-    assert reduce.unpack.reduce and reduce.unpack.counts == (6, 6, 6, 6) and reduce.out_shape == (2, 3)
+    assert reduce.layout.unpack.reduce and reduce.layout.unpack.counts == (6, 6, 6, 6) and reduce.out_shape == (2, 3)
 
 
 def test_equal_sizes_are_the_even_plan():
@@ -193,9 +197,11 @@ def test_equal_sizes_are_the_even_plan():
 
 def test_one_side_uneven_all_to_all_makes_the_other_side_explicit():
     plan = plans.all_to_all_4d((2, 16, 8, 3), 4, gather_sizes=(16, 16, 16, 15))
-    assert plan.scatter_sizes == (2, 2, 2, 2) and plan.before is None and plan.after.kind == "unpad"
+    sized = plan.uneven
+    assert sized.scatter_sizes == (2, 2, 2, 2) and sized.before is None and sized.after.kind == "unpad"
     plan = plans.all_to_all_4d((2, 4, 6, 3), 4, scatter_sizes=(2, 2, 1, 1))
-    assert plan.gather_sizes == (4, 4, 4, 4) and plan.after is None and plan.before.kind == "pad"
+    sized = plan.uneven
+    assert sized.gather_sizes == (4, 4, 4, 4) and sized.after is None and sized.before.kind == "pad"
 
 
 def test_take_maps_and_blocks():

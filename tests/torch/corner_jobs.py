@@ -278,7 +278,7 @@ def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
     x = torch.randn(W, A).t().requires_grad_()  # [A, W], strides (1, A)
     dense = x.detach().contiguous().requires_grad_()
     plan = plans.all_to_all(x.shape, W, 1, 0)
-    packed = _walk.rearrange(x.detach(), plan.pack, plan.send_shape, x.dtype, output=False)
+    packed = _walk.rearrange(x.detach(), plan.layout.pack, plan.layout.send_shape, x.dtype, output=False)
     cotangent = torch.randn(A * W, 1)
     out, expected = commlib_torch.all_to_all(x, 1, 0), commlib_torch.all_to_all(dense, 1, 0)
     (out * cotangent).sum().backward()

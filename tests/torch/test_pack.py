@@ -51,8 +51,8 @@ def _steps():
     chosen += [plans.all_to_all((4, 3, 8), 4, 2, 0), plans.all_gather((3, 5, 2), 4, 1),
                plans.reduce_scatter((3, 8), 4, 1)]
     for plan in chosen:
-        for step, shape, source in ((plan.pack, plan.send_shape, plan.in_shape),
-                                    (plan.unpack, plan.out_shape, plan.recv_shape)):
+        for step, shape, source in ((plan.layout.pack, plan.layout.send_shape, plan.in_shape),
+                                    (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape)):
             if not step.is_identity:
                 yield step, shape, source
 
@@ -168,5 +168,5 @@ def test_walk_declines_casts_and_strided_sources():
     assert not _pack.copy_into(torch.empty(step.out_shape, device="cuda", dtype=torch.float64), x, step)
     strided = torch.randn(tuple(reversed(source)), device="cuda").permute(*reversed(range(len(source))))
     assert not _pack.copy_into(torch.empty(step.out_shape, device="cuda"), strided, step)
-    expected = strided.reshape(step.view).permute(step.perm).contiguous()
+    expected = strided.reshape(step.split_shape).permute(step.perm).contiguous()
     assert torch.equal(_walk.rearrange(strided, step, shape, strided.dtype).view(expected.shape), expected)

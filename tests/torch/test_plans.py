@@ -39,8 +39,8 @@ def _plan(op: str, shape, world_size: int, kwargs: dict):
 
 def _check_trace(trace: plan_jobs.Trace, plan, input_shared: bool, output_shared: bool) -> None:
     """`trace` made the passes and allocations of `plan`, and the views where the plan says identity."""
-    pack, unpack = int(not plan.pack.is_identity), int(not plan.unpack.is_identity)
-    receive = int(plan.collective not in IN_PLACE)
+    pack, unpack = int(not plan.layout.pack.is_identity), int(not plan.layout.unpack.is_identity)
+    receive = int(plan.step.name not in IN_PLACE)
     assert len(trace.collectives) == 1, trace
     assert (trace.passes("before"), trace.passes("after")) == (pack, unpack), trace
     assert (trace.allocations("before"), trace.allocations("after")) == (pack + receive, unpack), trace
