@@ -23,12 +23,26 @@ split) are held padded, one shape on every device: a sharded dim has ``max(sizes
 
 from __future__ import annotations
 
-from jax import lax
+from collections.abc import Sequence
 
-from commlib import plans, training
+import jax
+import numpy as np
+from jax import lax
+from jax.typing import DTypeLike
+
+from commlib import ReduceOp, plans, training
 from commlib_jax._op import accum, apply, world_size
 from commlib_jax._vma import axes_of, axis_arg, shared_axes
 from commlib_jax._walk import dtype_name
+
+#: What ``x`` takes: this rank's block, a jax array (a numpy array is taken as one).
+Array = jax.Array | np.ndarray
+#: What ``axis_name=`` takes: a mesh axis name of the enclosing shard_map / pmap, or a tuple of them.
+AxisName = str | tuple[str, ...]
+#: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product") or a `commlib.ReduceOp`.
+ReduceOpArgument = str | ReduceOp
+#: Uneven sizes: W ints (rank r's valid rows along the sharded dim); None: the even rule.
+Sizes = Sequence[int] | None
 
 __all__ = [
     "all_reduce",
@@ -44,7 +58,8 @@ __all__ = [
     "shard",
     "reduce",
 ]
-def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
+def all_reduce(x: Array, axis_name: AxisName, op: ReduceOpArgument = "sum", *,
+               convention: str = "sum", accum_dtype: DTypeLike | None = None) -> jax.Array:
     """Reduce `x` over `axis_name`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -72,7 +87,8 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
     return apply(plan, axes, x)
 
 
-def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
+def all_gather(x: Array, axis_name: AxisName, dim: int = -1, *,
+               convention: str = "sum", sizes: Sizes = None) -> jax.Array:
     """Concatenate every rank's `x` along `dim` in rank order over `axis_name` (a mesh axis name or a tuple
     of them): ``shape[dim] *= W``, x's dtype.
 
@@ -91,7 +107,8 @@ def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
     return apply(plan, axes, x)
 
 
-def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=None):
+def reduce_scatter(x: Array, axis_name: AxisName, dim: int = 0, op: ReduceOpArgument = "sum", *,
+                   accum_dtype: DTypeLike | None = None, sizes: Sizes = None) -> jax.Array:
     """Reduce over `axis_name` (a mesh axis name or a tuple of them) and keep block `rank` of `dim`:
     ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes`
     (uneven): rank r keeps ``sizes[r]`` rows (``sum(sizes) == shape[dim]``), padded to ``max(sizes)`` with zeros.
@@ -110,7 +127,8 @@ def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=Non
     return apply(plan, axes, x)
 
 
-def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None):
+def all_to_all(x: Array, axis_name: AxisName, scatter_dim: int, gather_dim: int, *,
+               scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
     """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
     received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
     ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
@@ -133,7 +151,8 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gat
     return apply(plan, axes, x)
 
 
-def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None):
+def all_to_all_4d(x: Array, axis_name: AxisName, scatter_dim: int = 2, gather_dim: int = 1, *,
+                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `axis_name` (a mesh axis name or a tuple
     of them), x's dtype.
 
@@ -153,7 +172,7 @@ def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=No
     return apply(plan, axes, x)
 
 
-def broadcast(x, axis_name, src=0):
+def broadcast(x: Array, axis_name: AxisName, src: int = 0) -> jax.Array:
     """Every rank of `axis_name` (a mesh axis name or a tuple of them) gets rank `src`'s `x`:
     ``[*s] -> [*s]``, x's dtype. Gradient: the cotangents summed on `src`, zeros elsewhere.
 
@@ -165,7 +184,7 @@ def broadcast(x, axis_name, src=0):
     return apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
 
 
-def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
+def gather(x: Array, axis_name: AxisName, dst: int = 0, dim: int = -1, *, sizes: Sizes = None) -> jax.Array:
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets every rank's `x` concatenated
     along `dim` (``shape[dim] *= W``); other ranks get zeros of that shape. x's dtype. `sizes` (uneven): as in
     `all_gather`. Gradient: scatter of `dst`'s cotangent.
@@ -179,7 +198,7 @@ def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
     return apply(plan, axes, x)
 
 
-def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
+def scatter(x: Array, axis_name: AxisName, src: int = 0, dim: int = 0, *, sizes: Sizes = None) -> jax.Array:
     """Rank r of `axis_name` (a mesh axis name or a tuple of them) gets block r of rank `src`'s `x` along
     `dim` (``shape[dim] /= W``); the other ranks' `x` is not read. x's dtype. `sizes` (uneven): rank r gets
     ``sizes[r]`` rows, padded to ``max(sizes)`` with zeros. Gradient: gather of the cotangents to `src`.
@@ -194,7 +213,7 @@ def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
     return apply(plan, axes, x)
 
 
-def permute(x, axis_name, perm):
+def permute(x: Array, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> jax.Array:
     """For each ``(src, dst)`` in `perm` (ranks of `axis_name`, a mesh axis name or a tuple of them), rank dst
     gets rank src's `x` (``lax.ppermute``); a rank that is no destination gets zeros. ``[*s] -> [*s]``,
     x's dtype. Gradient: the inverse permutation.
@@ -207,7 +226,7 @@ def permute(x, axis_name, perm):
     return apply(plans.permute(x.shape, size, perm, dtype=dtype_name(x.dtype)), axes, x)
 
 
-def sum_grad(x, axis_name):
+def sum_grad(x: Array, axis_name: AxisName) -> jax.Array:
     """Identity forward; backward all_reduce(sum) of the cotangent over `axis_name` (a mesh axis name or a
     tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``.
 
@@ -227,7 +246,7 @@ def sum_grad(x, axis_name):
     return apply(plan, axes, x)
 
 
-def shard(x, axis_name, dim=-1, *, scale_grad=False):
+def shard(x: Array, axis_name: AxisName, dim: int = -1, *, scale_grad: bool = False) -> jax.Array:
     """Rank r of `axis_name` (a mesh axis name or a tuple of them) keeps block r of its replicated `x` along
     `dim`: ``shape[dim] /= W`` (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication
     forward (Megatron's split, FastVideo's ``slice``).
@@ -251,7 +270,7 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
     return apply(plan, axes, x)
 
 
-def reduce(x, axis_name, dst=0, op="sum"):
+def reduce(x: Array, axis_name: AxisName, dst: int = 0, op: ReduceOpArgument = "sum") -> jax.Array:
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets the reduction of every rank's `x`;
     the other ranks get zeros. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W, half
     precision scaled before the sum as in `all_reduce`).

@@ -45,7 +45,8 @@ from commlib import Collective, Plan, Rearrange, ReduceOp, dtypes, plan_cache
 from commlib.layout import permute_splits, rooted_splits
 from commlib.plan_cache import MAX_PLANS
 from commlib_torch import _c10d, _pack
-from commlib_torch._c10d import all_gather_single
+from commlib_torch._compat import COPY_COMPILED_OUTPUT as _COPY_COMPILED_OUTPUT
+from commlib_torch._compat import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
 from commlib_torch._groups import global_rank, group_rank, group_size
 
@@ -71,10 +72,6 @@ _LOCAL_REDUCE = {
 
 Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
-# torch 2.11's Dynamo drops the gradient of an autograd.Function output that a traced in-place collective wrote
-# (the backward graph reduces zeros): before 2.13 the compiled walk returns a copy of its output. (A view would
-# carry the gradient too, but a view made inside a Function cannot be modified in place.) 2.13 traces it right.
-_COPY_COMPILED_OUTPUT = torch.__version__ < (2, 13)
 # Enum members read once (a member read through its class costs ~0.15 us):
 _ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
 _UNROOTED = frozenset({_ALL_REDUCE, _ALL_GATHER, Collective.REDUCE_SCATTER, _ALL_TO_ALL})  # walked by `_unrooted`

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
-from commlib_torch._groups import Group, check_tensor, resolve_group, world_size
+from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_to_all, all_to_all_4d
@@ -63,7 +63,7 @@ class _SelectHeads(torch.autograd.Function):
 
 
 class _FunctorchSelectHeads(_SelectHeads):
-    """`_SelectHeads` in the form torch.func's transforms require (see `commlib_torch._op.FunctorchOp`)."""
+    """`_SelectHeads` in the form torch.func's transforms require (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
     def forward(runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -82,7 +82,7 @@ def _sizes(scatter_sizes, gather_sizes) -> dict:
 
 
 def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
-              group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+              group: ResolvedGroup) -> dict[str, torch.Tensor]:
     """One all-to-all of the exchange's inputs: ``{name: [n_r, B, S, D]}`` (heads first) on this rank."""
     position = {name: index for index, name in enumerate(exchange.inputs)}
     runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
@@ -92,7 +92,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *,
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
                       causal: bool = False, scale: float | None = None, seq_sizes=None,
                       attn_fn: AttentionFn | None = None) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,

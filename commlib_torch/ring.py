@@ -16,7 +16,10 @@ import torch.distributed as dist
 
 from commlib import context as spec
 from commlib import plans
-from commlib_torch._groups import Group, carried, check_tensor, resolve_group, world_size
+from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
+from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
+from commlib_torch._groups import GroupArgument as Group
+from commlib_torch._groups import carried, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_to_all, all_to_all_4d
@@ -36,8 +39,6 @@ class _TorchMath(spec.ArrayMath):
 
 
 _MATH = _TorchMath()
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -175,7 +176,7 @@ class _Ring(torch.autograd.Function):
 
 class _FunctorchRing(_Ring):
     """`_Ring` in the form torch.func's transforms require (forward and setup_context apart; the LSE a second,
-    non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchOp`)."""
+    non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
     def forward(q, k, v, plan: spec.RingPlan, group, rank: int):  # type: ignore[override]
