@@ -44,6 +44,8 @@ __all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broad
            "reduce_scatter", "reduce_scatter_single", "scatter"]
 
 Buffers = Callable[..., None]  # (tensors..., group) -> None, the collective done
+#: A c10d reduce op as ``dist.ReduceOp.SUM`` gives it (torch's stubs type the members `RedOpType`).
+ReduceOpType = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 _PG = dist.ProcessGroup
 _as_real = torch.view_as_real
@@ -71,7 +73,7 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return _as_real(tensor) if tensor.is_complex() else tensor
 
 
-def all_reduce(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
     """``(buffer, group)``: buffer <- the reduction over the group, in place."""
     if compiling:
         return lambda buffer, group: dist.all_reduce(buffer, op=op, group=group)
@@ -126,7 +128,7 @@ def all_gather(complex_: bool, compiling: bool) -> Buffers:
     return call
 
 
-def reduce_scatter(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
     """``(recv, send, group)``: recv <- this rank's dim-0 block of the reduction of every rank's send."""
     if compiling:
         return lambda recv, send, group: reduce_scatter_single(recv, send, op=op, group=group)
@@ -158,7 +160,7 @@ def broadcast(root: int, complex_: bool) -> Buffers:
     return call
 
 
-def reduce(root: int, op: dist.ReduceOp, complex_: bool) -> Buffers:
+def reduce(root: int, op: ReduceOpType, complex_: bool) -> Buffers:
     """``(buffer, group)``: on group rank `root`, buffer <- the reduction over the group, in place; the other
     ranks' buffers are left undefined (eager only)."""
     options = _options(dist.ReduceOptions, reduceOp=op, rootRank=root, rootTensor=0)
