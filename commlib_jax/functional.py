@@ -79,6 +79,16 @@ def all_reduce(x: Array, axis_name: AxisName, op: ReduceOpArgument = "sum", *,
     Raises:
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]; every rank gets 0 + 1 + 2 + 3
+        Array([6., 6., 6., 6.], dtype=float32)
+        >>> jax.grad(lambda x: f(x).sum())(jnp.arange(4.0))  # "sum": every rank's cotangent summed
+        Array([4., 4., 4., 4.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_reduce", x, axes)
@@ -99,6 +109,14 @@ def all_gather(x: Array, axis_name: AxisName, dim: int = -1, *,
     Raises:
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != max(sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_gather(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(8.0)).reshape(4, 8)[3]  # rank r holds [2r, 2r + 1]; rank 3's output
+        Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_gather", x, axes)
@@ -119,6 +137,14 @@ def reduce_scatter(x: Array, axis_name: AxisName, dim: int = 0, op: ReduceOpArgu
     Raises:
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: reduce_scatter(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.tile(jnp.arange(4.0), 4))  # every rank holds [0, 1, 2, 3]; rank r keeps block r of the sum
+        Array([ 0.,  4.,  8., 12.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("reduce_scatter", x, axes)
@@ -143,6 +169,17 @@ def all_to_all(x: Array, axis_name: AxisName, scatter_dim: int, gather_dim: int,
         CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != max(gather_sizes)``, sizes not W
             ints >= 0.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_to_all(x, "x", 0, 0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(16.0)).reshape(4, 4)  # row r: rank r's output (block s of rank r's x went to rank s)
+        Array([[ 0.,  4.,  8., 12.],
+               [ 1.,  5.,  9., 13.],
+               [ 2.,  6., 10., 14.],
+               [ 3.,  7., 11., 15.]], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all", x, axes)
@@ -164,6 +201,16 @@ def all_to_all_4d(x: Array, axis_name: AxisName, scatter_dim: int = 2, gather_di
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``max(gather_sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> x = jnp.arange(64.0).reshape(1, 8, 4, 2)  # [B, S, H, D]
+        >>> f = jax.shard_map(lambda x: all_to_all_4d(x, "x"), mesh=mesh, in_specs=P(None, "x"),
+        ...                   out_specs=P(None, None, "x"))  # [1, 2, 4, 2] per rank in, [1, 8, 1, 2] out
+        >>> bool((f(x) == x).all())  # rank r: every position of head r
+        True
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all_4d", x, axes)
@@ -178,6 +225,14 @@ def broadcast(x: Array, axis_name: AxisName, src: int = 0) -> jax.Array:
 
     Raises:
         CommError: `src` not in [0, W).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: broadcast(x, "x", src=2), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]
+        Array([2., 2., 2., 2.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("broadcast", x, axes)
@@ -191,6 +246,17 @@ def gather(x: Array, axis_name: AxisName, dst: int = 0, dim: int = -1, *, sizes:
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: gather(x, "x", dst=0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(8.0)).reshape(4, 8)  # row r: rank r's output
+        Array([[0., 1., 2., 3., 4., 5., 6., 7.],
+               [0., 0., 0., 0., 0., 0., 0., 0.],
+               [0., 0., 0., 0., 0., 0., 0., 0.],
+               [0., 0., 0., 0., 0., 0., 0., 0.]], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("gather", x, axes)
@@ -206,6 +272,14 @@ def scatter(x: Array, axis_name: AxisName, src: int = 0, dim: int = 0, *, sizes:
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: scatter(x, "x", src=1), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(16.0))  # rank 1 holds [4, 5, 6, 7]; rank r gets its block r
+        Array([4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("scatter", x, axes)
@@ -220,6 +294,15 @@ def permute(x: Array, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> j
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> ring = [(r, (r + 1) % 4) for r in range(4)]
+        >>> f = jax.shard_map(lambda x: permute(x, "x", ring), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r gets rank r - 1's [r - 1]
+        Array([3., 0., 1., 2.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("permute", x, axes)
@@ -236,6 +319,16 @@ def sum_grad(x: Array, axis_name: AxisName) -> jax.Array:
 
     Raises:
         CommError: `x` invariant over an axis of `axis_name` with more than one rank, under check_vma=True.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: sum_grad(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))
+        Array([0., 1., 2., 3.], dtype=float32)
+        >>> jax.grad(lambda x: f(x).sum())(jnp.arange(4.0))  # every rank's cotangent (1) summed
+        Array([4., 4., 4., 4.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("sum_grad", x, axes)
@@ -260,6 +353,14 @@ def shard(x: Array, axis_name: AxisName, dim: int = -1, *, scale_grad: bool = Fa
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W, `x` invariant over an axis of
             `axis_name` under check_vma=True. TypeError: `scale_grad` not a bool.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: shard(x, "x"), mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=False)
+        >>> f(jnp.arange(8.0))  # every rank holds all 8; rank r keeps [2r, 2r + 1]
+        Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("shard", x, axes)
@@ -279,6 +380,14 @@ def reduce(x: Array, axis_name: AxisName, dst: int = 0, op: ReduceOpArgument = "
 
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: reduce(x, "x", dst=0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]
+        Array([6., 0., 0., 0.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("reduce", x, axes)

@@ -80,6 +80,19 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
     Raises:
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> dist.get_world_size()  # these examples run on a WORLD of one rank: W = 1
+        1
+        >>> all_reduce(torch.tensor([1.0, 2.0]))  # the sum over the one rank
+        tensor([1., 2.])
+        >>> all_reduce(torch.tensor([1, 5]), op="max")
+        tensor([1, 5])
+        >>> all_reduce([1.0, 2.0])
+        Traceback (most recent call last):
+        ...
+        TypeError: all_reduce: x must be a torch.Tensor, not list. Received: type='list'
     """
     x, group, size, dtype, carries = plan_inputs("all_reduce", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
@@ -99,6 +112,14 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, c
     Raises:
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
+
+    Example:
+        >>> all_gather(torch.ones(2, 3), dim=0).shape  # shape[dim] *= W
+        torch.Size([2, 3])
+        >>> all_gather(torch.ones(2), dim=1)
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: all_gather: dim (1) must be in [-1, 1) for ndim 1. Received: shape=(2,), dim=1
     """
     x, group, size, dtype, carries = plan_inputs("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype, carried=carries, convention=convention,
@@ -118,6 +139,10 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", 
     Raises:
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
+
+    Example:
+        >>> reduce_scatter(torch.arange(4.0), op="avg")  # shape[0] /= W
+        tensor([0., 1., 2., 3.])
     """
     x, group, size, dtype, carries = plan_inputs("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
@@ -144,6 +169,10 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupA
         CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
+
+    Example:
+        >>> all_to_all(torch.ones(4, 6), scatter_dim=0, gather_dim=1).shape  # [4 / W, 6 * W]
+        torch.Size([4, 6])
     """
     x, group, size, dtype, carries = plan_inputs("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
@@ -165,6 +194,15 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
+
+    Example:
+        >>> x = torch.randn(2, 8, 4, 16)  # [B, S / W, H, D]
+        >>> all_to_all_4d(x, scatter_dim=2, gather_dim=1).shape  # [B, S, H / W, D]
+        torch.Size([2, 8, 4, 16])
+        >>> all_to_all_4d(torch.ones(2, 8, 4))
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: all_to_all_4d: ndim (3) must be 4 ([batch, seq, heads, head_dim]). Received: ...
     """
     x, group, size, dtype, carries = plan_inputs("all_to_all_4d", x, group)
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, carried=carries,
@@ -180,6 +218,14 @@ def broadcast(x: torch.Tensor, src: int = 0, group: GroupArgument = None) -> tor
 
     Raises:
         CommError: `src` not in [0, W).
+
+    Example:
+        >>> broadcast(torch.tensor([5.0]), src=0)
+        tensor([5.])
+        >>> broadcast(torch.tensor([5.0]), src=1)
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: broadcast: src (1) must be in [0, 1) for world_size 1. Received: shape=(1,), src=1
     """
     x, group, size, dtype, carries = plan_inputs("broadcast", x, group)
     return apply(plans.broadcast(x.shape, size, src, dtype=dtype, carried=carries), x, group)
@@ -195,6 +241,10 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: GroupArgument = 
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
+
+    Example:
+        >>> gather(torch.ones(2), dst=0)  # rank dst: every rank's x, concatenated
+        tensor([1., 1.])
     """
     x, group, size, dtype, carries = plan_inputs("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, carried=carries, sizes=sizes,
@@ -213,6 +263,10 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = 
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
+
+    Example:
+        >>> scatter(torch.arange(3.0), src=0)  # rank r: block r of src's x
+        tensor([0., 1., 2.])
     """
     x, group, size, dtype, carries = plan_inputs("scatter", x, group)
     plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, carried=carries, sizes=sizes,
@@ -228,6 +282,10 @@ def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgume
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
+
+    Example:
+        >>> permute(torch.tensor([7.0]), [(0, 0)])  # (src, dst) pairs
+        tensor([7.])
     """
     x, group, size, dtype, carries = plan_inputs("permute", x, group)
     return apply(plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, carried=carries), x, group)
@@ -241,6 +299,15 @@ def sum_grad(x: torch.Tensor, group: GroupArgument = None) -> torch.Tensor:
 
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> y = sum_grad(x)
+        >>> y is x  # the identity forward: x itself
+        True
+        >>> (2 * y).sum().backward()
+        >>> x.grad  # the cotangents summed over the W ranks
+        tensor([2., 2., 2.])
     """
     x, group, size, dtype, carries = plan_inputs("sum_grad", x, group)
     return apply(plans.sum_grad(x.shape, size, dtype=dtype, carried=carries), x, group)
@@ -255,6 +322,10 @@ def shard(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, scale_
 
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
+
+    Example:
+        >>> shard(torch.arange(4.0))  # rank r keeps block r of dim -1
+        tensor([0., 1., 2., 3.])
     """
     x, group, size, dtype, carries = plan_inputs("shard", x, group)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, carried=carries)
@@ -270,6 +341,14 @@ def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpArgument = "sum", group: G
 
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+
+    Example:
+        >>> reduce(torch.tensor([1.0, 2.0]), dst=0)
+        tensor([1., 2.])
+        >>> reduce(torch.ones(2), op="max")
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: reduce: op ('max') must be one of sum, avg. Received: shape=(2,), dst=0, op='max'
     """
     x, group, size, dtype, carries = plan_inputs("reduce", x, group)
     return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, carried=carries), x, group)
