@@ -80,13 +80,13 @@ _DIM_0 = (0,)
 
 
 #: Every torch dtype -> the spelling the spec uses (``torch.bfloat16 -> "bfloat16"``).
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
+DTYPE_NAMES: dict[torch.dtype | str, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
                                        if isinstance(dtype, torch.dtype)}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16 -> "bfloat16"`` (names pass through): the spelling the spec uses."""
-    name = DTYPE_NAMES.get(dtype)  # type: ignore[call-overload]
+    name = DTYPE_NAMES.get(dtype)
     if name is not None:
         return name
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -130,8 +130,9 @@ Step = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], to
 
 
 def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send buffer, of the output's shape)
-    root = plan.root
-    reduce = _c10d.reduce(root, _C10D_REDUCE[plan.reduce_op], dtypes.is_complex(plan.dtype))
+    root, reduce_op = plan.root, plan.reduce_op
+    assert root is not None and reduce_op is not None  # a reduce plan has both
+    reduce = _c10d.reduce(root, _C10D_REDUCE[reduce_op], dtypes.is_complex(plan.dtype))
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
         reduce(send, group)
@@ -142,6 +143,7 @@ def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send b
 
 def _broadcast(plan: Plan, made: tuple[int, ...]) -> Step:  # (recv_shape is the send shape: the root's own buffer)
     root, recv_shape = plan.root, plan.recv_shape
+    assert root is not None  # a rooted plan has its root
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
@@ -154,6 +156,7 @@ def _broadcast(plan: Plan, made: tuple[int, ...]) -> Step:  # (recv_shape is the
 
 def _gather(plan: Plan, made: tuple[int, ...]) -> Step:
     root, recv_shape, viewed = plan.root, plan.recv_shape, made != plan.recv_shape
+    assert root is not None  # a rooted plan has its root
     gather = _c10d.gather(root)
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
@@ -166,6 +169,7 @@ def _gather(plan: Plan, made: tuple[int, ...]) -> Step:
 
 def _scatter(plan: Plan, made: tuple[int, ...]) -> Step:
     recv_shape, viewed = plan.recv_shape, made != plan.recv_shape
+    assert plan.root is not None  # a rooted plan has its root
     scatter = _c10d.scatter(plan.root)
 
     def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
@@ -219,9 +223,12 @@ def _rooted_traceable(plan: Plan, made: tuple[int, ...]) -> Step:
 
 
 def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    assert plan.root is not None  # a rooted plan has its root
     kind, root = plan.collective, global_rank(group, plan.root)
     if kind is Collective.BROADCAST:
-        return funcol.broadcast(send, root, dist.group.WORLD if group is None else group)
+        world = dist.group.WORLD if group is None else group
+        assert world is not None  # (traced: a default group exists)
+        return funcol.broadcast(send, root, world)
     block = math.prod(plan.recv_shape if kind is Collective.SCATTER else plan.send_shape)
     send_splits, recv_splits = rooted_splits(kind, plan.root, plan.world_size, rank, block)
     sent = send.reshape(-1)[: sum(send_splits)]
@@ -233,6 +240,7 @@ def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x:
     dist.all_to_all_single(recv, sent, recv_splits, send_splits, group=group)
     if rank != plan.root:
         return _nothing_received(recv, made)
+    assert plan.reduce_op is not None  # the root of a traced reduce: a reduce plan has its op
     return _LOCAL_REDUCE[plan.reduce_op](recv.view(plan.world_size, *plan.send_shape))
 
 
@@ -347,6 +355,7 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     """all_reduce (in place), all_to_all, all_gather and reduce_scatter (c10d's dim-0 forms: x itself along
     dim 0 ([n, ...] <-> [W * n, ...]), else flat buffers)."""
     kind, world_size = plan.collective, plan.world_size
+    assert isinstance(plan.pack, Rearrange)  # (Blocks: the exact walk's)
     packed = accum is not None or not plan.pack.keeps_order  # a pass into send_shape, else x's own layout
     op = _C10D_REDUCE.get(plan.reduce_op)  # type: ignore[arg-type]
     complex_ = dtypes.is_complex(plan.dtype)

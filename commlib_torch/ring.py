@@ -57,7 +57,7 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
 
 def _attend(plan: spec.RingPlan, q, k, v, mask: str):
     """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.context.attend`)."""
-    if not _flash(q, v):
+    if _FLASH_CPU is None or not _flash(q, v):
         return spec.attend(_MATH, q, k, v, plan.scale, mask)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           mask == "causal-diagonal", scale=plan.scale)
@@ -66,7 +66,7 @@ def _attend(plan: spec.RingPlan, q, k, v, mask: str):
 
 def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.context.attend_vjp`)."""
-    if not _flash(q, v):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return spec.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
                                      _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
@@ -282,6 +282,6 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
-    local = _heads_out(plan, q, k, v, ulysses_group)
-    out = _ring(*local, plan, ring_group, group_rank(ring_group))
+    local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_group)
+    out = _ring(local_q, local_k, local_v, plan, ring_group, group_rank(ring_group))
     return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
