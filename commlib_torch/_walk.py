@@ -48,7 +48,7 @@ from commlib_torch import _c10d, _pack
 from commlib_torch._compat import COPY_COMPILED_OUTPUT as _COPY_COMPILED_OUTPUT
 from commlib_torch._compat import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
-from commlib_torch._groups import global_rank, group_rank, group_size
+from commlib_torch._groups import ResolvedGroup, global_rank, group_rank, group_size
 
 __all__ = ["DTYPE_NAMES", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size", "rearrange",
            "run", "torch_dtype", "walk"]
@@ -70,7 +70,6 @@ _LOCAL_REDUCE = {
     ReduceOp.PRODUCT: lambda blocks: blocks.prod(0),
 }
 
-Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
 # Enum members read once (a member read through its class costs ~0.15 us):
 _ALL_REDUCE, _ALL_GATHER, _ALL_TO_ALL = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.ALL_TO_ALL
@@ -126,7 +125,7 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
 # (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer (contiguous, of `made`,
 # which the collective receives into as a view of the plan's recv_shape), None where this rank receives nothing
 
-Step = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
+Step = Callable[[torch.Tensor | None, ResolvedGroup, int, torch.Tensor, torch.dtype], torch.Tensor | None]
 
 
 def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send buffer, of the output's shape)
@@ -134,7 +133,7 @@ def _reduce(plan: Plan, made: tuple[int, ...]) -> Step:  # (in place: the send b
     assert root is not None and reduce_op is not None  # a reduce plan has both
     reduce = _c10d.reduce(root, _C10D_REDUCE[reduce_op], dtypes.is_complex(plan.dtype))
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         reduce(send, group)
         return send if rank == root else None
 
@@ -146,7 +145,7 @@ def _broadcast(plan: Plan, made: tuple[int, ...]) -> Step:  # (recv_shape is the
     assert root is not None  # a rooted plan has its root
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
         broadcast(buffer, group)
         return buffer
@@ -159,7 +158,7 @@ def _gather(plan: Plan, made: tuple[int, ...]) -> Step:
     assert root is not None  # a rooted plan has its root
     gather = _c10d.gather(root)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype) if rank == root else None
         gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
@@ -172,7 +171,7 @@ def _scatter(plan: Plan, made: tuple[int, ...]) -> Step:
     assert plan.root is not None  # a rooted plan has its root
     scatter = _c10d.scatter(plan.root)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype)
         scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
@@ -189,7 +188,7 @@ def _permute(plan: Plan, compiling: bool) -> Step:
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
     all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
 
-    def step(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def step(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
         if splits is None:
             send_splits, recv_splits = permute_splits(plan.pairs, plan.world_size, rank, rows_shape[0])
@@ -222,7 +221,8 @@ def _rooted_traceable(plan: Plan, made: tuple[int, ...]) -> Step:
     return lambda send, group, rank, x, dtype: _traced(plan, made, send, group, rank, x, dtype)
 
 
-def _traced(plan: Plan, made: tuple[int, ...], send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+def _traced(plan: Plan, made: tuple[int, ...], send, group: ResolvedGroup, rank: int, x: torch.Tensor,
+            dtype: torch.dtype):
     assert plan.root is not None  # a rooted plan has its root
     kind, root = plan.collective, global_rank(group, plan.root)
     if kind is Collective.BROADCAST:
@@ -254,11 +254,11 @@ _ROOTED_STEPS: dict[Collective, Callable[[Plan, tuple[int, ...]], Step]] = {
 
 # ---- the walks: made once per plan, then called with (x, group) ---------------------------------------------
 
-Walk = Callable[[torch.Tensor, Group], torch.Tensor]  # (this rank's input, the group) -> this rank's output
+Walk = Callable[[torch.Tensor, ResolvedGroup], torch.Tensor]  # (this rank's input, the group) -> this rank's output
 Pass = Callable[[torch.Tensor], torch.Tensor]
 
 
-def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+def run(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     """Output of `plan` on this rank for input `x` (any strides), in x's dtype: ``walk(plan)(x, group)``.
     Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache
     (before torch 2.13 its output is copied once more: `_COPY_COMPILED_OUTPUT`)."""
@@ -363,7 +363,7 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
         send, (finish, _) = _sender(plan, accum, plan.send_shape), _finisher(plan, accum, plan.send_shape)
         reduce = _c10d.all_reduce(op, complex_, compiling)  # type: ignore[arg-type]
 
-        def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+        def all_reduce(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
             buffer = send(x)
             reduce(buffer, group)
             return finish(buffer, x)
@@ -376,7 +376,7 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
         viewed = made != recv_shape  # the output is received into (a view of it)
         exchange = _c10d.all_to_all(complex_, compiling)
 
-        def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+        def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
             buffer = send(x)
             recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
             exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
@@ -396,7 +396,7 @@ def _unrooted(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     collective = (_c10d.all_gather(complex_, compiling) if gathers
                   else _c10d.reduce_scatter(op, complex_, compiling))  # type: ignore[arg-type]
 
-    def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def gather_or_scatter(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
         recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
         collective(recv.view(recv_shape) if viewed else recv, buffer, group)
@@ -430,7 +430,7 @@ def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -
         step = (_rooted_traceable if compiling else _ROOTED_STEPS[kind])(plan, made)
     receives_only = kind in _RECEIVE_ONLY and not compiling  # non-roots' input is never read: no pack pass
 
-    def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def rooted(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         rank = group_rank(group)
         buffer = None if receives_only and rank != root else send(x)
         recv = step(buffer, group, rank, x, x.dtype if accum is None else accum)
@@ -442,7 +442,7 @@ def _rooted_or_permute(plan: Plan, accum: torch.dtype | None, compiling: bool) -
 
 # ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
 
-def _itself(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _itself(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     return x
 
 
@@ -458,7 +458,7 @@ def _slice(plan: Plan) -> Walk:
     (dim,) = plan.dims
     block, scale = plan.recv_shape[dim], plan.scale
 
-    def slice_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def slice_(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         start = group_rank(group) * block
         if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
             out = x[start:start + block].clone()
@@ -474,7 +474,7 @@ def _pad(plan: Plan) -> Walk:
     (dim,) = plan.dims
     out_shape, scale = plan.out_shape, plan.scale
 
-    def pad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def pad(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         block = x.shape[dim]
         out = x.new_zeros(out_shape)
         out.narrow(dim, group_rank(group) * block, block).copy_(x)
