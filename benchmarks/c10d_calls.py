@@ -18,7 +18,10 @@ from tabulate import tabulate
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from commlib_torch._c10d import _options, _pg_all_gather, _pg_all_to_all, all_gather_single
+from commlib_torch._c10d import _options
+from commlib_torch._compat import all_gather_single
+from commlib_torch._compat import process_group_all_gather as _pg_all_gather
+from commlib_torch._compat import process_group_all_to_all as _pg_all_to_all
 
 
 def us_per_call(call, calls: int) -> float:

@@ -8,8 +8,9 @@ answer), and an invariant input shared by all ranks gets its per-rank gradients 
 
 from __future__ import annotations
 
-import jax
 from jax import lax
+
+from commlib_jax._compat import manual_axes, mesh_axis_names, varying_axes
 
 __all__ = ["axes_of", "axis_arg", "checked_axes", "mesh_order", "shared_axes", "to_varying", "varying_axes"]
 
@@ -24,33 +25,16 @@ def axis_arg(axes: tuple):
     return axes if len(axes) > 1 else axes[0]
 
 
-def varying_axes(x) -> frozenset:
-    """Mesh axes `x` is typed varying over (empty under check_vma=False and pmap).
-
-    jax 0.10-0.11 keep them in ``jax.typeof(x).mat.varying``; earlier releases in ``.vma``.
-    """
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is not None:
-        return frozenset(vma)
-    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()))
-
-
 def mesh_order(axes: tuple) -> tuple:
     """`axes` sorted in the order of the enclosing mesh's axis names (as given under pmap, which has none)."""
-    names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+    names = mesh_axis_names()
     return tuple(sorted(axes, key=names.index)) if set(axes) <= set(names) else axes
-
-
-def _manual_axes() -> frozenset:
-    return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def to_varying(x, axes: tuple):
     """`x` cast to varying over the manual axes among `axes` it is not varying over yet (pcast of an
     already varying axis raises, so only the missing ones are cast)."""
-    have, manual = varying_axes(x), _manual_axes()
+    have, manual = varying_axes(x), frozenset(manual_axes())
     missing = tuple(axis for axis in axes if axis in manual and axis not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
@@ -59,7 +43,7 @@ def checked_axes(axes: tuple) -> tuple:
     """The axes among `axes` whose varying types JAX checks: manual axes of a ``shard_map(check_vma=True)``
     (none under check_vma=False, pmap and vmap, where every value is per rank). ``lax.axis_index`` is typed
     varying exactly where types are checked; the probe is dead code that jit removes."""
-    manual = _manual_axes()
+    manual = frozenset(manual_axes())
     return tuple(axis for axis in axes if axis in manual and axis in varying_axes(lax.axis_index(axis)))
 
 

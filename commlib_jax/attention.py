@@ -39,6 +39,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     float64, and a v whose head dim differs from k's, run the same math here (`_grouped_attention`):
     ``jax.nn.dot_product_attention`` takes the softmax in float32 whatever the dtype (jax 0.10-0.11), which
     would cap a float64 layer at float32 accuracy, and it needs v shaped as k.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> q, k, v = jnp.ones((1, 4, 8, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 32))  # 4 q heads per kv
+        >>> attention(q, k, v, causal=True).shape
+        (1, 4, 8, 32)
     """
     if q.dtype != jnp.float64 and v.shape == k.shape:
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
@@ -102,6 +108,16 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
             `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), unequal dtypes.
         TypeError: wrong kinds (causal not a bool, scale not a number).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> q, k, v = (jax.random.normal(key, (1, 8, 4, 16)) for key in jax.random.split(jax.random.key(0), 3))
+        >>> f = jax.shard_map(lambda q, k, v: ulysses_attention(q, k, v, "x", causal=True), mesh=mesh,
+        ...                   in_specs=P(None, "x"), out_specs=P(None, "x"))  # rank r holds rows [2r, 2r + 2)
+        >>> bool(jnp.allclose(f(q, k, v), attention(q, k, v, causal=True), atol=1e-5))
+        True
     """
     axes = axes_of(axis_name)
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, axis_size(spec.OP_NAME, axes), seq_sizes=seq_sizes,

@@ -23,12 +23,26 @@ split) are held padded, one shape on every device: a sharded dim has ``max(sizes
 
 from __future__ import annotations
 
-from jax import lax
+from collections.abc import Sequence
 
-from commlib import plans, training
+import jax
+import numpy as np
+from jax import lax
+from jax.typing import DTypeLike
+
+from commlib import ReduceOp, plans, training
 from commlib_jax._op import accum, apply, world_size
 from commlib_jax._vma import axes_of, axis_arg, shared_axes
 from commlib_jax._walk import dtype_name
+
+#: What ``x`` takes: this rank's block, a jax array (a numpy array is taken as one).
+Array = jax.Array | np.ndarray
+#: What ``axis_name=`` takes: a mesh axis name of the enclosing shard_map / pmap, or a tuple of them.
+AxisName = str | tuple[str, ...]
+#: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product") or a `commlib.ReduceOp`.
+ReduceOpArgument = str | ReduceOp
+#: Uneven sizes: W ints (rank r's valid rows along the sharded dim); None: the even rule.
+Sizes = Sequence[int] | None
 
 __all__ = [
     "all_reduce",
@@ -44,7 +58,8 @@ __all__ = [
     "shard",
     "reduce",
 ]
-def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
+def all_reduce(x: Array, axis_name: AxisName, op: ReduceOpArgument = "sum", *,
+               convention: str = "sum", accum_dtype: DTypeLike | None = None) -> jax.Array:
     """Reduce `x` over `axis_name`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -64,6 +79,16 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
     Raises:
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]; every rank gets 0 + 1 + 2 + 3
+        Array([6., 6., 6., 6.], dtype=float32)
+        >>> jax.grad(lambda x: f(x).sum())(jnp.arange(4.0))  # "sum": every rank's cotangent summed
+        Array([4., 4., 4., 4.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_reduce", x, axes)
@@ -72,7 +97,8 @@ def all_reduce(x, axis_name, op="sum", *, convention="sum", accum_dtype=None):
     return apply(plan, axes, x)
 
 
-def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
+def all_gather(x: Array, axis_name: AxisName, dim: int = -1, *,
+               convention: str = "sum", sizes: Sizes = None) -> jax.Array:
     """Concatenate every rank's `x` along `dim` in rank order over `axis_name` (a mesh axis name or a tuple
     of them): ``shape[dim] *= W``, x's dtype.
 
@@ -83,6 +109,14 @@ def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
     Raises:
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != max(sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_gather(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(8.0)).reshape(4, 8)[3]  # rank r holds [2r, 2r + 1]; rank 3's output
+        Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_gather", x, axes)
@@ -91,7 +125,8 @@ def all_gather(x, axis_name, dim=-1, *, convention="sum", sizes=None):
     return apply(plan, axes, x)
 
 
-def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=None):
+def reduce_scatter(x: Array, axis_name: AxisName, dim: int = 0, op: ReduceOpArgument = "sum", *,
+                   accum_dtype: DTypeLike | None = None, sizes: Sizes = None) -> jax.Array:
     """Reduce over `axis_name` (a mesh axis name or a tuple of them) and keep block `rank` of `dim`:
     ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes`
     (uneven): rank r keeps ``sizes[r]`` rows (``sum(sizes) == shape[dim]``), padded to ``max(sizes)`` with zeros.
@@ -102,6 +137,14 @@ def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=Non
     Raises:
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: reduce_scatter(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.tile(jnp.arange(4.0), 4))  # every rank holds [0, 1, 2, 3]; rank r keeps block r of the sum
+        Array([ 0.,  4.,  8., 12.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("reduce_scatter", x, axes)
@@ -110,7 +153,8 @@ def reduce_scatter(x, axis_name, dim=0, op="sum", *, accum_dtype=None, sizes=Non
     return apply(plan, axes, x)
 
 
-def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None):
+def all_to_all(x: Array, axis_name: AxisName, scatter_dim: int, gather_dim: int, *,
+               scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
     """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
     received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
     ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
@@ -125,6 +169,17 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gat
         CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != max(gather_sizes)``, sizes not W
             ints >= 0.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: all_to_all(x, "x", 0, 0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(16.0)).reshape(4, 4)  # row r: rank r's output (block s of rank r's x went to rank s)
+        Array([[ 0.,  4.,  8., 12.],
+               [ 1.,  5.,  9., 13.],
+               [ 2.,  6., 10., 14.],
+               [ 3.,  7., 11., 15.]], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all", x, axes)
@@ -133,7 +188,8 @@ def all_to_all(x, axis_name, scatter_dim, gather_dim, *, scatter_sizes=None, gat
     return apply(plan, axes, x)
 
 
-def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None):
+def all_to_all_4d(x: Array, axis_name: AxisName, scatter_dim: int = 2, gather_dim: int = 1, *,
+                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `axis_name` (a mesh axis name or a tuple
     of them), x's dtype.
 
@@ -145,6 +201,16 @@ def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=No
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``max(gather_sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> x = jnp.arange(64.0).reshape(1, 8, 4, 2)  # [B, S, H, D]
+        >>> f = jax.shard_map(lambda x: all_to_all_4d(x, "x"), mesh=mesh, in_specs=P(None, "x"),
+        ...                   out_specs=P(None, None, "x"))  # [1, 2, 4, 2] per rank in, [1, 8, 1, 2] out
+        >>> bool((f(x) == x).all())  # rank r: every position of head r
+        True
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all_4d", x, axes)
@@ -153,25 +219,44 @@ def all_to_all_4d(x, axis_name, scatter_dim=2, gather_dim=1, *, scatter_sizes=No
     return apply(plan, axes, x)
 
 
-def broadcast(x, axis_name, src=0):
+def broadcast(x: Array, axis_name: AxisName, src: int = 0) -> jax.Array:
     """Every rank of `axis_name` (a mesh axis name or a tuple of them) gets rank `src`'s `x`:
     ``[*s] -> [*s]``, x's dtype. Gradient: the cotangents summed on `src`, zeros elsewhere.
 
     Raises:
         CommError: `src` not in [0, W).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: broadcast(x, "x", src=2), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]
+        Array([2., 2., 2., 2.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("broadcast", x, axes)
     return apply(plans.broadcast(x.shape, size, src, dtype=dtype_name(x.dtype)), axes, x)
 
 
-def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
+def gather(x: Array, axis_name: AxisName, dst: int = 0, dim: int = -1, *, sizes: Sizes = None) -> jax.Array:
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets every rank's `x` concatenated
     along `dim` (``shape[dim] *= W``); other ranks get zeros of that shape. x's dtype. `sizes` (uneven): as in
     `all_gather`. Gradient: scatter of `dst`'s cotangent.
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: gather(x, "x", dst=0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(8.0)).reshape(4, 8)  # row r: rank r's output
+        Array([[0., 1., 2., 3., 4., 5., 6., 7.],
+               [0., 0., 0., 0., 0., 0., 0., 0.],
+               [0., 0., 0., 0., 0., 0., 0., 0.],
+               [0., 0., 0., 0., 0., 0., 0., 0.]], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("gather", x, axes)
@@ -179,7 +264,7 @@ def gather(x, axis_name, dst=0, dim=-1, *, sizes=None):
     return apply(plan, axes, x)
 
 
-def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
+def scatter(x: Array, axis_name: AxisName, src: int = 0, dim: int = 0, *, sizes: Sizes = None) -> jax.Array:
     """Rank r of `axis_name` (a mesh axis name or a tuple of them) gets block r of rank `src`'s `x` along
     `dim` (``shape[dim] /= W``); the other ranks' `x` is not read. x's dtype. `sizes` (uneven): rank r gets
     ``sizes[r]`` rows, padded to ``max(sizes)`` with zeros. Gradient: gather of the cotangents to `src`.
@@ -187,6 +272,14 @@ def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: scatter(x, "x", src=1), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(16.0))  # rank 1 holds [4, 5, 6, 7]; rank r gets its block r
+        Array([4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("scatter", x, axes)
@@ -194,20 +287,29 @@ def scatter(x, axis_name, src=0, dim=0, *, sizes=None):
     return apply(plan, axes, x)
 
 
-def permute(x, axis_name, perm):
+def permute(x: Array, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> jax.Array:
     """For each ``(src, dst)`` in `perm` (ranks of `axis_name`, a mesh axis name or a tuple of them), rank dst
     gets rank src's `x` (``lax.ppermute``); a rank that is no destination gets zeros. ``[*s] -> [*s]``,
     x's dtype. Gradient: the inverse permutation.
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> ring = [(r, (r + 1) % 4) for r in range(4)]
+        >>> f = jax.shard_map(lambda x: permute(x, "x", ring), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r gets rank r - 1's [r - 1]
+        Array([3., 0., 1., 2.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("permute", x, axes)
     return apply(plans.permute(x.shape, size, perm, dtype=dtype_name(x.dtype)), axes, x)
 
 
-def sum_grad(x, axis_name):
+def sum_grad(x: Array, axis_name: AxisName) -> jax.Array:
     """Identity forward; backward all_reduce(sum) of the cotangent over `axis_name` (a mesh axis name or a
     tuple of them): Megatron's f, the conjugate of ``all_reduce(..., convention="replicated")``.
 
@@ -217,6 +319,16 @@ def sum_grad(x, axis_name):
 
     Raises:
         CommError: `x` invariant over an axis of `axis_name` with more than one rank, under check_vma=True.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: sum_grad(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))
+        Array([0., 1., 2., 3.], dtype=float32)
+        >>> jax.grad(lambda x: f(x).sum())(jnp.arange(4.0))  # every rank's cotangent (1) summed
+        Array([4., 4., 4., 4.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("sum_grad", x, axes)
@@ -227,7 +339,7 @@ def sum_grad(x, axis_name):
     return apply(plan, axes, x)
 
 
-def shard(x, axis_name, dim=-1, *, scale_grad=False):
+def shard(x: Array, axis_name: AxisName, dim: int = -1, *, scale_grad: bool = False) -> jax.Array:
     """Rank r of `axis_name` (a mesh axis name or a tuple of them) keeps block r of its replicated `x` along
     `dim`: ``shape[dim] /= W`` (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication
     forward (Megatron's split, FastVideo's ``slice``).
@@ -241,6 +353,14 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W, `x` invariant over an axis of
             `axis_name` under check_vma=True. TypeError: `scale_grad` not a bool.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: shard(x, "x"), mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=False)
+        >>> f(jnp.arange(8.0))  # every rank holds all 8; rank r keeps [2r, 2r + 1]
+        Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("shard", x, axes)
@@ -251,7 +371,7 @@ def shard(x, axis_name, dim=-1, *, scale_grad=False):
     return apply(plan, axes, x)
 
 
-def reduce(x, axis_name, dst=0, op="sum"):
+def reduce(x: Array, axis_name: AxisName, dst: int = 0, op: ReduceOpArgument = "sum") -> jax.Array:
     """Rank `dst` of `axis_name` (a mesh axis name or a tuple of them) gets the reduction of every rank's `x`;
     the other ranks get zeros. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W, half
     precision scaled before the sum as in `all_reduce`).
@@ -260,6 +380,14 @@ def reduce(x, axis_name, dst=0, op="sum"):
 
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> f = jax.shard_map(lambda x: reduce(x, "x", dst=0), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> f(jnp.arange(4.0))  # rank r holds [r]
+        Array([6., 0., 0., 0.], dtype=float32)
     """
     axes = axes_of(axis_name)
     size = world_size("reduce", x, axes)

@@ -28,12 +28,12 @@ from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import all_to_all_4d, permute
 
-__all__ = ["ring_attention", "usp_attention", "ring"]
+__all__ = ["ring_attention", "usp_attention"]
 
 MATH = blockwise.ArrayMath(jnp)
 
 
-def ring(plan: spec.RingPlan, axes: tuple, q, k, v):
+def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v):
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
     q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block."""
     varying = tuple(sorted(set(axes) | varying_axes(q) | varying_axes(k) | varying_axes(v), key=str))
@@ -145,7 +145,7 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     size = axis_size(spec.RING_OP, axes)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return ring(plan, axes, q, k, v)
+    return _ring_on_axes(plan, axes, q, k, v)
 
 
 def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, scale: float | None = None,
@@ -190,4 +190,4 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
                              scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                              ulysses_size=ulysses_size, op_name=spec.USP_OP)
     q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
-    return all_to_all_4d(ring(plan, ring_axes, q, k, v), ulysses_axis, 1, 2)
+    return all_to_all_4d(_ring_on_axes(plan, ring_axes, q, k, v), ulysses_axis, 1, 2)

@@ -16,6 +16,7 @@ import jax
 from jax import lax
 
 from commlib import training
+from commlib_jax._compat import manual_axes
 from commlib_jax._vma import axes_of, axis_arg, checked_axes, to_varying, varying_axes
 
 __all__ = ["value_and_grad"]
@@ -23,7 +24,7 @@ __all__ = ["value_and_grad"]
 
 def _mesh_axes() -> tuple:
     """The manual axes of the enclosing shard_map whose types are checked (none under pmap / vmap)."""
-    return checked_axes(tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())))
+    return checked_axes(manual_axes())
 
 
 def _reduce(x, total: tuple, mean: tuple):

@@ -29,23 +29,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from commlib_torch._groups import default_group, global_rank
+from commlib_torch._compat import (
+    all_gather_single,
+    default_group,
+    has_torch_function_unary,
+    process_group_all_gather,
+    process_group_all_to_all,
+    process_group_reduce_scatter,
+    reduce_scatter_single,
+)
+from commlib_torch._groups import ResolvedGroup, global_rank
 
 __all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
            "reduce_scatter", "reduce_scatter_single", "scatter"]
 
-Group = dist.ProcessGroup | None
 Buffers = Callable[..., None]  # (tensors..., group) -> None, the collective done
+#: A c10d reduce op as ``dist.ReduceOp.SUM`` gives it (torch's stubs type the members `RedOpType`).
+ReduceOpType = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 _PG = dist.ProcessGroup
-# torch 2.13 renamed the dim-0 collectives (the old names warn); 2.11 has only the old ones.
-#: torch.distributed's dim-0 all_gather and reduce_scatter, by their names in this torch.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_pg_all_to_all = getattr(_PG, "all_to_all_single", None) or _PG.alltoall_base
-_pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
-_pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
-_has_torch_function = torch._C._has_torch_function_unary
 _as_real = torch.view_as_real
 
 
@@ -59,10 +61,10 @@ def _options(kind: type, **fields: object) -> object:
     return options
 
 
-def _direct(group: Group, tensor: torch.Tensor) -> dist.ProcessGroup | None:
+def _direct(group: ResolvedGroup, tensor: torch.Tensor) -> dist.ProcessGroup | None:
     """The process group whose method takes this call; None where the wrapper must (module docstring)."""
     process_group = default_group() if group is None else group
-    if type(process_group) is not _PG or _has_torch_function(tensor):
+    if type(process_group) is not _PG or has_torch_function_unary(tensor):
         return None
     return process_group
 
@@ -71,13 +73,13 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return _as_real(tensor) if tensor.is_complex() else tensor
 
 
-def all_reduce(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
     """``(buffer, group)``: buffer <- the reduction over the group, in place."""
     if compiling:
         return lambda buffer, group: dist.all_reduce(buffer, op=op, group=group)
     options = _options(dist.AllreduceOptions, reduceOp=op)
 
-    def call(buffer: torch.Tensor, group: Group) -> None:
+    def call(buffer: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, buffer)
         if process_group is None:
             dist.all_reduce(buffer, op=op, group=group)
@@ -95,15 +97,15 @@ def all_to_all(complex_: bool, compiling: bool) -> Buffers:
             recv, send, recv_splits, send_splits, group=group)
     options = _options(dist.AllToAllOptions)
 
-    def call(recv: torch.Tensor, send: torch.Tensor, group: Group, recv_splits: Sequence[int] = (),
+    def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup, recv_splits: Sequence[int] = (),
              send_splits: Sequence[int] = ()) -> None:
         process_group = _direct(group, send)
         if process_group is None:
             dist.all_to_all_single(recv, send, recv_splits or None, send_splits or None, group=group)
         elif complex_:
-            _pg_all_to_all(process_group, _real(recv), _real(send), recv_splits, send_splits, options).wait()
+            process_group_all_to_all(process_group, _real(recv), _real(send), recv_splits, send_splits, options).wait()
         else:
-            _pg_all_to_all(process_group, recv, send, recv_splits, send_splits, options).wait()
+            process_group_all_to_all(process_group, recv, send, recv_splits, send_splits, options).wait()
 
     return call
 
@@ -114,32 +116,32 @@ def all_gather(complex_: bool, compiling: bool) -> Buffers:
         return lambda recv, send, group: all_gather_single(recv, send, group=group)
     options = _options(c10d.AllgatherOptions)
 
-    def call(recv: torch.Tensor, send: torch.Tensor, group: Group) -> None:
+    def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, send)
         if process_group is None:
             all_gather_single(recv, send, group=group)
         elif complex_:
-            _pg_all_gather(process_group, _real(recv), _real(send), options).wait()
+            process_group_all_gather(process_group, _real(recv), _real(send), options).wait()
         else:
-            _pg_all_gather(process_group, recv, send, options).wait()
+            process_group_all_gather(process_group, recv, send, options).wait()
 
     return call
 
 
-def reduce_scatter(op: dist.ReduceOp, complex_: bool, compiling: bool) -> Buffers:
+def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
     """``(recv, send, group)``: recv <- this rank's dim-0 block of the reduction of every rank's send."""
     if compiling:
         return lambda recv, send, group: reduce_scatter_single(recv, send, op=op, group=group)
     options = _options(dist.ReduceScatterOptions, reduceOp=op)
 
-    def call(recv: torch.Tensor, send: torch.Tensor, group: Group) -> None:
+    def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, send)
         if process_group is None:
             reduce_scatter_single(recv, send, op=op, group=group)
         elif complex_:
-            _pg_reduce_scatter(process_group, _real(recv), _real(send), options).wait()
+            process_group_reduce_scatter(process_group, _real(recv), _real(send), options).wait()
         else:
-            _pg_reduce_scatter(process_group, recv, send, options).wait()
+            process_group_reduce_scatter(process_group, recv, send, options).wait()
 
     return call
 
@@ -148,7 +150,7 @@ def broadcast(root: int, complex_: bool) -> Buffers:
     """``(buffer, group)``: buffer <- group rank `root`'s buffer, in place (eager only)."""
     options = _options(dist.BroadcastOptions, rootRank=root, rootTensor=0)
 
-    def call(buffer: torch.Tensor, group: Group) -> None:
+    def call(buffer: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, buffer)
         if process_group is None:
             dist.broadcast(buffer, src=global_rank(group, root), group=group)
@@ -158,12 +160,12 @@ def broadcast(root: int, complex_: bool) -> Buffers:
     return call
 
 
-def reduce(root: int, op: dist.ReduceOp, complex_: bool) -> Buffers:
+def reduce(root: int, op: ReduceOpType, complex_: bool) -> Buffers:
     """``(buffer, group)``: on group rank `root`, buffer <- the reduction over the group, in place; the other
     ranks' buffers are left undefined (eager only)."""
     options = _options(dist.ReduceOptions, reduceOp=op, rootRank=root, rootTensor=0)
 
-    def call(buffer: torch.Tensor, group: Group) -> None:
+    def call(buffer: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, buffer)
         if process_group is None:
             dist.reduce(buffer, dst=global_rank(group, root), op=op, group=group)
@@ -179,7 +181,7 @@ def gather(root: int) -> Buffers:
     real views (c10d's gather and scatter, unlike its other collectives, hand complex tensors to the backend as
     they are, and gloo refuses them: "Invalid scalar type")."""
 
-    def call(send: torch.Tensor, recv: torch.Tensor | None, group: Group) -> None:
+    def call(send: torch.Tensor, recv: torch.Tensor | None, group: ResolvedGroup) -> None:
         blocks = None if recv is None else list(_real(recv).unbind(0))
         dist.gather(_real(send), blocks, dst=global_rank(group, root), group=group)
 
@@ -190,7 +192,7 @@ def scatter(root: int) -> Buffers:
     """``(send or None, recv, group)``: recv <- block r (dim 0) of group rank `root`'s send, on rank r (send
     None elsewhere). Always torch.distributed's scatter, complex as real views (see `gather`)."""
 
-    def call(send: torch.Tensor | None, recv: torch.Tensor, group: Group) -> None:
+    def call(send: torch.Tensor | None, recv: torch.Tensor, group: ResolvedGroup) -> None:
         blocks = None if send is None else list(_real(send).unbind(0))
         dist.scatter(_real(recv), blocks, src=global_rank(group, root), group=group)
 

@@ -36,7 +36,7 @@ _override: bool | None = None  # set_checked / checked(); None: follow the envir
 # ``os.environ.get`` of an unset variable raises and catches a KeyError inside (~0.6 us, a tenth of a small
 # collective's host time): read os.environ's own mapping, which it keeps in step, where CPython has one.
 _ENVIRON: Mapping = getattr(os.environ, "_data", os.environ)
-_ENVIRON_KEY = os.environ.encodekey(ENV_VARIABLE) if _ENVIRON is not os.environ else ENV_VARIABLE  # type: ignore[attr-defined]
+_ENVIRON_KEY = os.environ.encodekey(ENV_VARIABLE) if _ENVIRON is not os.environ else ENV_VARIABLE
 
 
 @functools.lru_cache(maxsize=16)

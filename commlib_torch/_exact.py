@@ -13,11 +13,9 @@ import torch.distributed as dist
 from commlib import Plan
 from commlib.layout import Blocks
 from commlib.steps import AllGather
-from commlib_torch._groups import global_rank, group_rank
+from commlib_torch._groups import ResolvedGroup, global_rank, group_rank
 
 __all__ = ["run_exact", "scaled_first", "zeros_after"]
-
-Group = dist.ProcessGroup | None
 
 
 def scaled_first(send: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -72,7 +70,7 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
     return out
 
 
-def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: Group, rank: int) -> None:
+def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: ResolvedGroup, rank: int) -> None:
     """The exchange of a pack that repeats the input (all_gather): `send` itself goes to every other rank and
     each rank's block lands in the flat receive buffer `recv`, pairwise -- no W-fold send buffer."""
     flat, ops, offset = send.reshape(-1), [], 0
@@ -90,7 +88,7 @@ def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, gro
         work.wait()
 
 
-def run_exact(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     """Uneven sizes held exactly: the `Blocks` pack, one all_to_all_single with their split sizes (none for a
     local step), the `Blocks` unpack."""
     pack, unpack, arithmetic = plan.layout.pack, plan.layout.unpack, plan.arithmetic

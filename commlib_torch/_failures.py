@@ -22,7 +22,7 @@ def translate(error: RuntimeError, op_name: str, tensor: torch.Tensor, group, ph
     """The `CommTimeout` / `CommFailure` for a backend error raised by a collective of `op_name`, or `error`."""
     if isinstance(error, CommFailure):
         return error
-    received = dict(shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype))
+    received: dict[str, object] = {"shape": tuple(tensor.shape), "dtype": dtype_name(tensor.dtype)}
     try:
         rank, ranks = dist.get_rank(group), _group_ranks(group)
     except Exception:  # the group itself is gone: report what is known

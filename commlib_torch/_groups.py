@@ -12,13 +12,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from commlib import frontend_errors
+from commlib_torch._compat import default_group
 
-__all__ = ["BACKEND_DTYPES", "COMMON_DTYPES", "Group", "backend_dtypes", "check_tensor", "default_group", "global_rank",
-           "group_rank", "group_size", "resolve_group", "world_size"]
+__all__ = ["BACKEND_DTYPES", "COMMON_DTYPES", "GroupArgument", "ResolvedGroup", "backend_dtypes", "check_tensor",
+           "default_group", "global_rank", "group_rank", "group_size", "resolve_group", "world_size"]
 
-#: What ``group=`` takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of its dims (a dim
-#: name such as "tp", or an index).
-Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | None
+#: What a public ``group=`` argument takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of
+#: its dims (a dim name such as "tp", or an index). `resolve_group` turns it into a `ResolvedGroup`.
+GroupArgument = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | None
+#: The process group a call runs over, None meaning WORLD: what the walks, c10d calls and autograd Functions take.
+ResolvedGroup = dist.ProcessGroup | None
 
 _GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
                    "complex32", "complex64", "complex128"})  # measured on torch 2.13: the rest is "Invalid scalar type"
@@ -34,14 +37,16 @@ _EVERYWHERE = frozenset.intersection(*BACKEND_DTYPES.values())
 COMMON_DTYPES = frozenset(getattr(torch, name) for name in _EVERYWHERE if hasattr(torch, name))
 
 
-def resolve_group(op_name: str, group: object) -> dist.ProcessGroup | None:
+def resolve_group(op_name: str, group: object) -> ResolvedGroup:
     """The process group `group` names: a ProcessGroup or None as it is; a 1-D DeviceMesh's group; for
     ``(mesh, dim)`` the group of that mesh dim (``mesh.get_group(dim)``: the ranks that differ only along it).
     The spec's CommError for a mesh that is not 1-D given without a dim or an unknown dim, its TypeError for
     anything else. (``new_group`` gives the ranks outside the group ``GroupMember.NON_GROUP_MEMBER``: it passes,
     for `world_size` to refuse with the spec's not-a-member error.)"""
-    if group is None or isinstance(group, dist.ProcessGroup) or group == dist.GroupMember.NON_GROUP_MEMBER:
+    if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    if group == dist.GroupMember.NON_GROUP_MEMBER:  # torch's stubs type new_group's result ProcessGroup, this
+        return group  # type: ignore[return-value]  # int included: it stands for a group this rank is not in
     mesh, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
     if not isinstance(mesh, DeviceMesh):
         raise frontend_errors.wrong_type(op_name, "group", group, "ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None")
@@ -56,7 +61,7 @@ def check_tensor(op_name: str, x: object, name: str = "x") -> torch.Tensor:
     return x
 
 
-def world_size(op_name: str, group: dist.ProcessGroup | None) -> int:
+def world_size(op_name: str, group: ResolvedGroup) -> int:
     """The group's size; the spec's CommError on a rank outside the group (where torch answers -1)."""
     size = dist.get_world_size(group)
     if size < 0:
@@ -64,32 +69,21 @@ def world_size(op_name: str, group: dist.ProcessGroup | None) -> int:
     return size
 
 
-def _backend_name(group: dist.ProcessGroup | None, device: torch.device) -> str:
+def _backend_name(group: ResolvedGroup, device: torch.device) -> str:
     """The backend that carries tensors on `device` ("cpu:gloo,cuda:nccl" configurations name one per device)."""
     config = dist.get_backend_config(group)
     by_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return by_device.get(device.type, str(dist.get_backend(group)))
 
 
-def backend_dtypes(group: dist.ProcessGroup | None, x: torch.Tensor) -> frozenset[str] | None:
+def backend_dtypes(group: ResolvedGroup, x: torch.Tensor) -> frozenset[str] | None:
     """The dtypes the backend carrying `x` carries (None: every dtype, or a backend commlib does not know)."""
     if x.dtype in COMMON_DTYPES:  # the common case asks the group nothing
         return None
     return BACKEND_DTYPES.get(_backend_name(group, x.device))
 
 
-# c10d's record of the default group: `dist.GroupMember.WORLD` reads it through two Python properties per call.
-_C10D_WORLD = getattr(dist.distributed_c10d, "_world", None)
-if not hasattr(_C10D_WORLD, "_default_pg"):  # another torch: the public way
-    _C10D_WORLD = None
-
-
-def default_group() -> dist.ProcessGroup | None:
-    """`dist.GroupMember.WORLD` (None before `init_process_group`), read directly."""
-    return dist.GroupMember.WORLD if _C10D_WORLD is None else _C10D_WORLD._default_pg
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: ResolvedGroup) -> int:
     """`dist.get_world_size(group)`; for a process group this rank belongs to (or WORLD), read directly
     (get_world_size's checks cost a few microseconds per call)."""
     process_group = default_group() if group is None else group
@@ -98,7 +92,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)  # a rank outside `group` (-1), or no default group yet (raises)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group: ResolvedGroup) -> int:
     """`dist.get_rank(group)`, the same way as `group_size`."""
     process_group = default_group() if group is None else group
     if type(process_group) is dist.ProcessGroup:
@@ -106,6 +100,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)  # a rank outside `group` (-1), or no default group yet (raises)
 
 
-def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+def global_rank(group: ResolvedGroup, rank: int) -> int:
     """The global rank of group-local `rank`."""
     return rank if group is None else dist.get_global_rank(group, rank)

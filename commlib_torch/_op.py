@@ -1,11 +1,11 @@
-"""The torch side of commlib's one autograd rule: `Op`, the autograd Function every public op applies.
+"""The torch side of commlib's one autograd rule: `PlanFunction`, the autograd Function every public op applies.
 
 Its forward walks the plan (`commlib.gradients.forward`; for the linear plans the plan's walk itself,
-`_walk.walk`), its backward is the spec's VJP (`commlib.gradients.vjp`) whose collectives are `Op`s again, so
-every higher derivative follows the same rules. Every walk runs at commlib's boundary: a backend error that
+`_walk.walk`), its backward is the spec's VJP (`commlib.gradients.vjp`) whose collectives are `PlanFunction`s
+again, so every higher derivative follows the same rules. Every walk runs at commlib's boundary: a backend error that
 means a timeout or a lost rank is re-raised as `CommTimeout` / `CommFailure`, and in checked mode the
 fingerprint exchange comes first (`at_boundary`; the eager unchecked forward of a linear plan does the same
-with two calls fewer). `operand` turns a public op's ``(x, group)`` into the plan builder's inputs.
+with two calls fewer). `plan_inputs` turns a public op's ``(x, group)`` into the plan builder's inputs.
 """
 
 from __future__ import annotations
@@ -18,16 +18,24 @@ import torch.distributed as dist
 from commlib import frontend_errors, gradients, plan_cache
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
+from commlib_torch._compat import c_apply, functorch_transforms_active, unwrap_if_dead
 from commlib_torch._failures import translate
-from commlib_torch._groups import COMMON_DTYPES, Group, backend_dtypes, check_tensor, resolve_group, world_size
+from commlib_torch._groups import (
+    COMMON_DTYPES,
+    GroupArgument,
+    ResolvedGroup,
+    backend_dtypes,
+    check_tensor,
+    resolve_group,
+    world_size,
+)
 from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
 
-__all__ = ["ProcessGroup", "Op", "FunctorchOp", "apply", "at_boundary", "operand", "transforms_active"]
+__all__ = ["FunctorchPlanFunction", "PlanFunction", "apply", "at_boundary", "plan_inputs", "transforms_active"]
 
-#: Whether a torch.func transform (grad, vjp, vmap, ...) is active: the test `Function.apply` itself makes.
-transforms_active = torch._C._are_functorch_transforms_active
+#: Whether a torch.func transform (grad, vjp, vmap, ...) is active (`commlib_torch._compat`).
+transforms_active = functorch_transforms_active
 
-ProcessGroup = dist.ProcessGroup | None  # a `Group` resolved
 Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
 
 plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
@@ -36,9 +44,9 @@ plan_cache.bypass_while(torch.compiler.is_dynamo_compiling)  # Dynamo traces the
 
 class _Backend:
     """`commlib.gradients.Backend` on torch tensors. Inside a forward (`origin` None) a collective is the
-    plan walked; inside a backward it is an `Op` again, so the VJP is differentiable too."""
+    plan walked; inside a backward it is a `PlanFunction` again, so the VJP is differentiable too."""
 
-    def __init__(self, group: ProcessGroup, device: torch.device, origin: Origin | None = None) -> None:
+    def __init__(self, group: ResolvedGroup, device: torch.device, origin: Origin | None = None) -> None:
         self.group, self.device, self.origin = group, device, origin
 
     def collective(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
@@ -64,12 +72,12 @@ class _Backend:
         return ranks == dist.get_rank(self.group)
 
 
-def _primal_rule(plan: Plan, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _primal_rule(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     """The op's output by the spec's rule: the plan walked, and max/min's NaN rule."""
     return gradients.forward(_Backend(group, x.device), plan, x)
 
 
-def at_boundary(step, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None) -> torch.Tensor:
+def at_boundary(step, plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None) -> torch.Tensor:
     """``step(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
     only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
     that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the step
@@ -85,7 +93,7 @@ def at_boundary(step, plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: 
         _reraise(error, plan, x, group, origin)
 
 
-def _reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ProcessGroup,
+def _reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup,
              origin: Origin | None) -> NoReturn:
     """Raise `error` as CommTimeout / CommFailure where it means one, else as it is."""
     subject, phase = origin or (plan, "forward")
@@ -95,20 +103,21 @@ def _reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ProcessGro
     raise translated from error
 
 
-Call = tuple[Plan, ProcessGroup, "Origin | None"]  # what `Op` applies besides the tensor: one argument, not three
-# (Function.apply unwraps and inspects each argument: ~0.2 us apiece)
+#: What `PlanFunction` applies besides the tensor: one argument, not three (Function.apply unwraps and inspects
+#: each argument: ~0.2 us apiece).
+Call = tuple[Plan, ResolvedGroup, "Origin | None"]
 
 
-def _save(ctx, plan: Plan, group: ProcessGroup, x: torch.Tensor, out: torch.Tensor) -> None:
+def _save(ctx, plan: Plan, group: ResolvedGroup, x: torch.Tensor, out: torch.Tensor) -> None:
     """What the backward reads: the plan and group; x, and the output for max/min (the VJP reads the primal)."""
     ctx.plan, ctx.group = plan, group
     if gradients.needs_primal(plan):
         ctx.save_for_backward(x, out) if gradients.needs_output(plan) else ctx.save_for_backward(x)
 
 
-class Op(torch.autograd.Function):
+class PlanFunction(torch.autograd.Function):
     """One collective (or local step) of a plan at commlib's boundary (`at_boundary`); backward is the spec's
-    VJP rule. ``Op.apply(x, (plan, group, origin))``."""
+    VJP rule. ``PlanFunction.apply(x, (plan, group, origin))``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: Call) -> torch.Tensor:
@@ -136,8 +145,8 @@ class Op(torch.autograd.Function):
         return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None
 
 
-class FunctorchOp(Op):
-    """`Op` with forward and setup_context apart, the form torch.func's transforms (grad, vjp, vmap) require.
+class FunctorchPlanFunction(PlanFunction):
+    """`PlanFunction` with forward and setup_context apart, the form torch.func's transforms (grad, vjp, vmap) require.
     Applied only while a transform is active: `Function.apply` binds the forward's signature on every call of
     this form (inspect.signature: ~60 us), which plain autograd does not need."""
 
@@ -152,37 +161,36 @@ class FunctorchOp(Op):
         _save(ctx, plan, group, x, output)
 
 
-# `Op.apply` without `Function.apply`'s Python layer (~1.1 us per call): in eager mode with no torch.func
-# transform active, `Function.apply` checks for `setup_context` (Op has none), unwraps the arguments that are
-# dead functorch wrappers and calls the C apply of `torch._C._FunctionBase`: `apply` does the same two steps on
-# the one tensor argument. (Dynamo traces `Function.apply` itself, and the transforms take `FunctorchOp`.) That
-# layer was read in torch 2.11 and 2.13; a later torch takes `Function.apply` until it is read again.
-_apply_op = torch._C._FunctionBase.__dict__["apply"].__get__(None, Op) if torch.__version__ < (2, 14) else Op.apply
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# `PlanFunction.apply` without `Function.apply`'s Python layer (~1.1 us per call; `commlib_torch._compat.c_apply`):
+# `apply` unwraps the one tensor argument as `Function.apply` would (PlanFunction has no `setup_context`).
+# (Dynamo traces `Function.apply` itself, and the transforms take `FunctorchPlanFunction`.)
+_apply_plan_function = c_apply(PlanFunction)
 
 
-def apply(plan: Plan, x: torch.Tensor, group: ProcessGroup, origin: Origin | None = None) -> torch.Tensor:
-    """`plan` applied to `x` through the autograd Function (`Op`; `FunctorchOp` under a torch.func transform):
-    x itself where the plan is trivial."""
+def apply(plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None = None) -> torch.Tensor:
+    """`plan` applied to `x` through the autograd Function (`PlanFunction`; `FunctorchPlanFunction` under a
+    torch.func transform): x itself where the plan is trivial."""
     if plan.is_trivial:
         return x
     if transforms_active():
-        return FunctorchOp.apply(x, (plan, group, origin))
+        return FunctorchPlanFunction.apply(x, (plan, group, origin))
     if torch.compiler.is_dynamo_compiling():
-        return Op.apply(x, (plan, group, origin))
-    return _apply_op(_unwrap_if_dead(x), (plan, group, origin))
+        return PlanFunction.apply(x, (plan, group, origin))
+    return _apply_plan_function(unwrap_if_dead(x), (plan, group, origin))
 
 
-def operand(op_name: str, x: object, group: Group) -> tuple[torch.Tensor, ProcessGroup, int, str, frozenset | None]:
+def plan_inputs(op_name: str, x: object,
+                group: GroupArgument) -> tuple[torch.Tensor, ResolvedGroup, int, str, frozenset[str] | None]:
     """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
     member), x's dtype name and the dtypes the group's backend carries (None: every dtype, x's included): the
     plan builder's inputs. Host time: the common call (a tensor of a dtype every backend carries, a process
     group this rank is in, or None) reads a few attributes and asks the group nothing else."""
     if not isinstance(x, torch.Tensor):
-        check_tensor(op_name, x)  # raises the spec's TypeError
-    if group is not None and type(group) is not dist.ProcessGroup:
-        group = resolve_group(op_name, group)  # a DeviceMesh or (mesh, dim), or the spec's error
-    size = group_size(group)
+        x = check_tensor(op_name, x)  # raises the spec's TypeError
+    # a DeviceMesh or (mesh, dim) resolved, or the spec's error
+    process_group = group if group is None or type(group) is dist.ProcessGroup else resolve_group(op_name, group)
+    size = group_size(process_group)
     if size < 0:
-        world_size(op_name, group)  # raises the spec's CommError: this rank is not in `group`
-    return x, group, size, DTYPE_NAMES[x.dtype], None if x.dtype in COMMON_DTYPES else backend_dtypes(group, x)
+        world_size(op_name, process_group)  # raises the spec's CommError: this rank is not in `group`
+    carried_by_backend = None if x.dtype in COMMON_DTYPES else backend_dtypes(process_group, x)
+    return x, process_group, size, DTYPE_NAMES[x.dtype], carried_by_backend

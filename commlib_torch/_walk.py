@@ -60,9 +60,10 @@ from commlib.steps import (
     Slice,
 )
 from commlib_torch import _c10d, _pack
-from commlib_torch._c10d import all_gather_single
+from commlib_torch._compat import COPY_COMPILED_OUTPUT as _COPY_COMPILED_OUTPUT
+from commlib_torch._compat import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
-from commlib_torch._groups import global_rank, group_rank, group_size
+from commlib_torch._groups import ResolvedGroup, global_rank, group_rank, group_size
 
 __all__ = ["DTYPE_NAMES", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size", "rearrange",
            "run", "torch_dtype", "walk"]
@@ -84,22 +85,17 @@ _LOCAL_REDUCE = {
     ReduceOp.PRODUCT: lambda blocks: blocks.prod(0),
 }
 
-Group = dist.ProcessGroup | None
 _CONTIGUOUS = torch.contiguous_format
-# torch 2.11's Dynamo drops the gradient of an autograd.Function output that a traced in-place collective wrote
-# (the backward graph reduces zeros): before 2.13 the compiled walk returns a copy of its output. (A view would
-# carry the gradient too, but a view made inside a Function cannot be modified in place.) 2.13 traces it right.
-_COPY_COMPILED_OUTPUT = torch.__version__ < (2, 13)
 
 
 #: Every torch dtype -> the spelling the spec uses (``torch.bfloat16 -> "bfloat16"``).
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
+DTYPE_NAMES: dict[torch.dtype | str, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
                                        if isinstance(dtype, torch.dtype)}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16 -> "bfloat16"`` (names pass through): the spelling the spec uses."""
-    name = DTYPE_NAMES.get(dtype)  # type: ignore[call-overload]
+    name = DTYPE_NAMES.get(dtype)
     if name is not None:
         return name
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -140,7 +136,7 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
 # (contiguous, of `made`, which the collective receives into as a view of the plan's recv_shape), None where this
 # rank receives nothing
 
-Transfer = Callable[[torch.Tensor | None, Group, int, torch.Tensor, torch.dtype], torch.Tensor | None]
+Transfer = Callable[[torch.Tensor | None, ResolvedGroup, int, torch.Tensor, torch.dtype], torch.Tensor | None]
 Rooted = Broadcast | Reduce | Gather | Scatter
 
 
@@ -148,7 +144,7 @@ def _reduce(step: Reduce, plan: Plan, made: tuple[int, ...]) -> Transfer:  # (in
     root = step.root  # output's shape)
     reduce = _c10d.reduce(root, _C10D_REDUCE[step.op], dtypes.is_complex(plan.dtype))
 
-    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         reduce(send, group)
         return send if rank == root else None
 
@@ -159,7 +155,7 @@ def _broadcast(step: Broadcast, plan: Plan, made: tuple[int, ...]) -> Transfer: 
     root, recv_shape = step.root, plan.layout.recv_shape  # the root's own buffer)
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
-    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
         broadcast(buffer, group)
         return buffer
@@ -172,7 +168,7 @@ def _gather(step: Gather, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     gather = _c10d.gather(root)
 
-    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype) if rank == root else None
         gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
@@ -185,7 +181,7 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     scatter = _c10d.scatter(step.root)
 
-    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         recv = x.new_empty(made, dtype=dtype)
         scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
@@ -202,7 +198,7 @@ def _permute(step: Permute, plan: Plan, compiling: bool) -> Transfer:
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
     all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
 
-    def transfer(send, group: Group, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
         if splits is None:
             send_splits, recv_splits = permute_splits(pairs, world_size, rank, rows_shape[0])
@@ -236,13 +232,15 @@ def _rooted_traceable(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transf
         root = step.root
 
         def broadcast(send, group, rank, x, dtype):
-            return funcol.broadcast(send, global_rank(group, root), dist.group.WORLD if group is None else group)
+            world = dist.group.WORLD if group is None else group
+            assert world is not None  # (traced: a default group exists)
+            return funcol.broadcast(send, global_rank(group, root), world)
 
         return broadcast
     return lambda send, group, rank, x, dtype: _traced(step, plan, made, send, group, rank, x, dtype)
 
 
-def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send, group: Group, rank: int,
+def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send, group: ResolvedGroup, rank: int,
             x: torch.Tensor, dtype: torch.dtype):
     layout, root = plan.layout, step.root
     block = math.prod(layout.recv_shape if isinstance(step, Scatter) else layout.send_shape)
@@ -276,11 +274,11 @@ def _rooted_transfer(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transfe
 
 # ---- the walks: made once per plan, then called with (x, group) ---------------------------------------------
 
-Walk = Callable[[torch.Tensor, Group], torch.Tensor]  # (this rank's input, the group) -> this rank's output
+Walk = Callable[[torch.Tensor, ResolvedGroup], torch.Tensor]  # (this rank's input, the group) -> this rank's output
 Pass = Callable[[torch.Tensor], torch.Tensor]
 
 
-def run(plan: Plan, x: torch.Tensor, group: Group) -> torch.Tensor:
+def run(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     """Output of `plan` on this rank for input `x` (any strides), in x's dtype: ``walk(plan)(x, group)``.
     Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache
     (before torch 2.13 its output is copied once more: `_COPY_COMPILED_OUTPUT`)."""
@@ -396,7 +394,8 @@ def _finisher(plan: Plan, accum: torch.dtype | None,
 
 def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
     """True when the pack is a pass into the send shape, False when x is sent in its own layout."""
-    return accum is not None or not plan.layout.pack.keeps_order
+    pack = plan.layout.pack
+    return accum is not None or not (isinstance(pack, Rearrange) and pack.keeps_order)  # (Blocks: the exact walk's)
 
 
 def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: bool) -> Walk:
@@ -405,7 +404,7 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: 
     send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
     reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), compiling)
 
-    def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def all_reduce(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
         reduce(buffer, group)
         return finish(buffer, x)
@@ -421,7 +420,7 @@ def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     viewed = made != recv_shape  # the output is received into (a view of it)
     exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
 
-    def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
         recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
         exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
@@ -448,7 +447,7 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     collective = (_c10d.all_gather(complex_, compiling) if op is None
                   else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling))
 
-    def gather_or_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def gather_or_scatter(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
         recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
         collective(recv.view(recv_shape) if viewed else recv, buffer, group)
@@ -480,7 +479,7 @@ def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | 
     send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
     receives_only = receive_only_root is not None
 
-    def rooted(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def rooted(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         rank = group_rank(group)
         buffer = None if receives_only and rank != receive_only_root else send(x)
         recv = transfer(buffer, group, rank, x, x.dtype if accum is None else accum)
@@ -492,7 +491,7 @@ def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | 
 
 # ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
 
-def _itself(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _itself(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     return x
 
 
@@ -507,7 +506,7 @@ def _slice(plan: Plan, dim: int) -> Walk:
     frees the rest)."""
     block, scale = plan.layout.recv_shape[dim], plan.arithmetic.scale
 
-    def slice_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def slice_(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         start = group_rank(group) * block
         if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
             out = x[start:start + block].clone()
@@ -522,7 +521,7 @@ def _pad(plan: Plan, dim: int) -> Walk:
     """This rank's block of zeros along `dim` (the transpose of `_slice`)."""
     out_shape, scale = plan.out_shape, plan.arithmetic.scale
 
-    def pad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def pad(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         block = x.shape[dim]
         out = x.new_zeros(out_shape)
         out.narrow(dim, group_rank(group) * block, block).copy_(x)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
-from commlib_torch._groups import Group, check_tensor, resolve_group, world_size
+from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_to_all, all_to_all_4d
@@ -31,7 +31,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
-    to ``1 / sqrt(D)``. The default `attn_fn` of `ulysses_attention`."""
+    to ``1 / sqrt(D)``. The default `attn_fn` of `ulysses_attention`.
+
+    Example:
+        >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
+        >>> attention(q, k, v, causal=True).shape
+        torch.Size([1, 4, 8, 32])
+    """
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                                          scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
@@ -63,7 +69,7 @@ class _SelectHeads(torch.autograd.Function):
 
 
 class _FunctorchSelectHeads(_SelectHeads):
-    """`_SelectHeads` in the form torch.func's transforms require (see `commlib_torch._op.FunctorchOp`)."""
+    """`_SelectHeads` in the form torch.func's transforms require (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
     def forward(runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -82,7 +88,7 @@ def _sizes(scatter_sizes, gather_sizes) -> dict:
 
 
 def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
-              group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+              group: ResolvedGroup) -> dict[str, torch.Tensor]:
     """One all-to-all of the exchange's inputs: ``{name: [n_r, B, S, D]}`` (heads first) on this rank."""
     position = {name: index for index, name in enumerate(exchange.inputs)}
     runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
@@ -92,7 +98,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *,
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
                       causal: bool = False, scale: float | None = None, seq_sizes=None,
                       attn_fn: AttentionFn | None = None) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
@@ -119,6 +125,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), unequal dtypes, a rank
             outside `group`, a mesh dim that does not exist.
         TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
+
+    Example:
+        >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
+        >>> out = ulysses_attention(q, k, v, causal=True)  # WORLD (W = 1 here): the full sequence is these rows
+        >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-6)
+        True
     """
     group = resolve_group(spec.OP_NAME, group)
     q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))

@@ -33,6 +33,15 @@ class DeviceCommunicator:
     Raises:
         CommError: a mesh that is not 1-D given without a dim name, or a dim name the mesh lacks.
         TypeError: a group of another kind.
+
+    Example:
+        >>> comm = DeviceCommunicator(None)  # WORLD (one rank in these examples)
+        >>> comm.world_size, comm.rank
+        (1, 0)
+        >>> comm.all_to_all_4D(torch.ones(1, 4, 2, 8)).shape  # [B, S / W, H, D] -> [B, S, H / W, D]
+        torch.Size([1, 4, 2, 8])
+        >>> comm.gather(torch.ones(2), dst=0)  # the seed's gather: the result on dst, None elsewhere
+        tensor([1., 1.])
     """
 
     def __init__(self, cpu_group, device: torch.device | None = None, device_group=None, unique_name: str = ""):

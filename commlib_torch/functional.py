@@ -1,9 +1,9 @@
 """Differentiable collectives over `torch.distributed` (gloo on CPU, NCCL on CUDA).
 
 Each public function asks the spec for the call's plan (`commlib.plans`, which raises `CommError` /
-`TypeError` before any communication), then applies `commlib_torch._op.Op`, the one autograd Function: its
+`TypeError` before any communication), then applies `commlib_torch._op.PlanFunction`, the one autograd Function: its
 forward walks the plan (`commlib.gradients.forward`), its backward applies the spec's VJP rule
-(`commlib.gradients.vjp`) with collectives that are `Op`s again, so every higher derivative follows the same
+(`commlib.gradients.vjp`) with collectives that are `PlanFunction`s again, so every higher derivative follows the same
 rules. Where the op is the
 identity (world size 1) it returns its input itself, with no communication.
 
@@ -28,12 +28,22 @@ the wire (`commlib.uneven`).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from commlib import plan_cache, plans
-from commlib_torch._groups import Group
-from commlib_torch._op import ProcessGroup, apply, at_boundary, operand
+import torch
+import torch.distributed as dist
+
+from commlib import ReduceOp, plan_cache, plans
+from commlib_torch._groups import GroupArgument, ResolvedGroup
+from commlib_torch._op import apply, at_boundary, plan_inputs
 from commlib_torch._walk import dtype_name, group_rank, run
+
+#: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product"), a `commlib.ReduceOp` or its torch twin.
+ReduceOpArgument = str | ReduceOp | dist.ReduceOp | dist.ReduceOp.RedOpType
+#: What ``accum_dtype=`` takes: a torch dtype or its name; None: x's dtype.
+DtypeArgument = torch.dtype | str | None
+#: Uneven sizes: W ints (rank r's rows along the sharded dim); None: the even rule.
+Sizes = Sequence[int] | None
 
 __all__ = [
     "all_reduce",
@@ -49,7 +59,8 @@ __all__ = [
     "shard",
     "reduce",
 ]
-def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="sum", accum_dtype=None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
+               convention: str = "sum", accum_dtype: DtypeArgument = None) -> torch.Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -69,15 +80,29 @@ def all_reduce(x: torch.Tensor, op="sum", group: Group = None, *, convention="su
     Raises:
         CommError: unknown op, avg on an integer dtype, sum of bools, max/min/product of complex,
             accum_dtype not floating or narrower than x. TypeError: wrong kinds.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> dist.get_world_size()  # these examples run on a WORLD of one rank: W = 1
+        1
+        >>> all_reduce(torch.tensor([1.0, 2.0]))  # the sum over the one rank
+        tensor([1., 2.])
+        >>> all_reduce(torch.tensor([1, 5]), op="max")
+        tensor([1, 5])
+        >>> all_reduce([1.0, 2.0])
+        Traceback (most recent call last):
+        ...
+        TypeError: all_reduce: x must be a torch.Tensor, not list. Received: type='list'
     """
-    x, group, size, dtype, backend_dtypes = operand("all_reduce", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("all_reduce", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.all_reduce(x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             accum_dtype=accum)
     return apply(plan, x, group)
 
 
-def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, convention="sum", sizes=None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, convention: str = "sum",
+               sizes: Sizes = None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``, x's dtype.
 
     `group`: the process group (None: WORLD). `sizes` (uneven): W ints, rank r's `x` has ``sizes[r]`` rows
@@ -88,15 +113,23 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: Group = None, *, conventio
     Raises:
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
             ``x.shape[dim] != sizes[rank]``.
+
+    Example:
+        >>> all_gather(torch.ones(2, 3), dim=0).shape  # shape[dim] *= W
+        torch.Size([2, 3])
+        >>> all_gather(torch.ones(2), dim=1)
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: all_gather: dim (1) must be in [-1, 1) for ndim 1. Received: shape=(2,), dim=1
     """
-    x, group, size, dtype, backend_dtypes = operand("all_gather", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             sizes=sizes, rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None, *, accum_dtype=None,
-                   sizes=None) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
+                   accum_dtype: DtypeArgument = None, sizes: Sizes = None) -> torch.Tensor:
     """Reduce over the ranks of `group` (None: WORLD) and keep block `rank` of `dim`: ``shape[dim] /= W``;
     op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes` (uneven): rank r keeps
     ``sizes[r]`` rows (``sum(sizes) == shape[dim]``); the reduction runs as one all_to_all_single and a sum.
@@ -107,16 +140,20 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op="sum", group: Group = None,
     Raises:
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
             integers, `sizes` not W ints >= 0.
+
+    Example:
+        >>> reduce_scatter(torch.arange(4.0), op="avg")  # shape[0] /= W
+        tensor([0., 1., 2., 3.])
     """
-    x, group, size, dtype, backend_dtypes = operand("reduce_scatter", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, backend_dtypes=backend_dtypes,
                                 accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group = None, *, scatter_sizes=None,
-               gather_sizes=None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = None, *,
+               scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> torch.Tensor:
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
     x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
@@ -133,16 +170,20 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group 
         CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
             scatter_sizes) or not ``sum(scatter_sizes)``, ``shape[gather_dim] != gather_sizes[rank]``, sizes not
             W ints >= 0.
+
+    Example:
+        >>> all_to_all(torch.ones(4, 6), scatter_dim=0, gather_dim=1).shape  # [4 / W, 6 * W]
+        torch.Size([4, 6])
     """
-    x, group, size, dtype, backend_dtypes = operand("all_to_all", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: Group = None, *,
-                  scatter_sizes=None, gather_sizes=None) -> torch.Tensor:
+def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: GroupArgument = None, *,
+                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> torch.Tensor:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `group` (None: WORLD), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
@@ -154,27 +195,45 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
             ints >= 0, a sum that is not the whole dim, a sharded dim that is not ``gather_sizes[rank]``.
+
+    Example:
+        >>> x = torch.randn(2, 8, 4, 16)  # [B, S / W, H, D]
+        >>> all_to_all_4d(x, scatter_dim=2, gather_dim=1).shape  # [B, S, H / W, D]
+        torch.Size([2, 8, 4, 16])
+        >>> all_to_all_4d(torch.ones(2, 8, 4))
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: all_to_all_4d: ndim (3) must be 4 ([batch, seq, heads, head_dim]). Received: ...
     """
-    x, group, size, dtype, backend_dtypes = operand("all_to_all_4d", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("all_to_all_4d", x, group)
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def broadcast(x: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
+def broadcast(x: torch.Tensor, src: int = 0, group: GroupArgument = None) -> torch.Tensor:
     """Every rank of `group` (None: WORLD) gets group rank `src`'s `x`: ``[*s] -> [*s]``, x's dtype.
 
     Gradient: the cotangents summed on `src`, zeros elsewhere.
 
     Raises:
         CommError: `src` not in [0, W).
+
+    Example:
+        >>> broadcast(torch.tensor([5.0]), src=0)
+        tensor([5.])
+        >>> broadcast(torch.tensor([5.0]), src=1)
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: broadcast: src (1) must be in [0, 1) for world_size 1. Received: shape=(1,), src=1
     """
-    x, group, size, dtype, backend_dtypes = operand("broadcast", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("broadcast", x, group)
     return apply(plans.broadcast(x.shape, size, src, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
-def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *, sizes=None) -> torch.Tensor:
+def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: GroupArgument = None, *,
+           sizes: Sizes = None) -> torch.Tensor:
     """Group rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks
     of `group` (None: WORLD) get zeros of that shape, so every rank can run backward. x's dtype. `sizes`
     (uneven): as in `all_gather` (one all_to_all_single to `dst`).
@@ -183,14 +242,19 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: Group = None, *,
 
     Raises:
         CommError: `dst` not in [0, W), `dim` out of range, `sizes` not W ints >= 0 or not matching x.
+
+    Example:
+        >>> gather(torch.ones(2), dst=0)  # rank dst: every rank's x, concatenated
+        tensor([1., 1.])
     """
-    x, group, size, dtype, backend_dtypes = operand("gather", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
                         rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *, sizes=None) -> torch.Tensor:
+def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = None, *,
+            sizes: Sizes = None) -> torch.Tensor:
     """Rank r of `group` (None: WORLD) gets block r of group rank `src`'s `x` along `dim`
     (``shape[dim] /= W``); the other ranks' `x` is not read (its gradient is zero). x's dtype. `sizes`
     (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) == shape[dim]``).
@@ -200,14 +264,18 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: Group = None, *,
     Raises:
         CommError: `src` not in [0, W), `dim` out of range, ``shape[dim]`` not divisible by W (no `sizes`) or not
             ``sum(sizes)``.
+
+    Example:
+        >>> scatter(torch.arange(3.0), src=0)  # rank r: block r of src's x
+        tensor([0., 1., 2.])
     """
-    x, group, size, dtype, backend_dtypes = operand("scatter", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("scatter", x, group)
     plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
                          rank=None if sizes is None else group_rank(group))
     return apply(plan, x, group)
 
 
-def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
+def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = None) -> torch.Tensor:
     """For each ``(src, dst)`` in `perm` (group ranks of `group`, None: WORLD), rank dst gets rank src's `x`
     (``lax.ppermute`` semantics); a rank that is no destination gets zeros. ``[*s] -> [*s]``, x's dtype.
 
@@ -215,13 +283,17 @@ def permute(x: torch.Tensor, perm, group: Group = None) -> torch.Tensor:
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
+
+    Example:
+        >>> permute(torch.tensor([7.0]), [(0, 0)])  # (src, dst) pairs
+        tensor([7.])
     """
-    x, group, size, dtype, backend_dtypes = operand("permute", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("permute", x, group)
     plan = plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, backend_dtypes=backend_dtypes)
     return apply(plan, x, group)
 
 
-def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def sum_grad(x: torch.Tensor, group: GroupArgument = None) -> torch.Tensor:
     """Identity forward; backward all_reduce(sum) of the cotangent over `group` (None: WORLD): Megatron's f,
     the conjugate of ``all_reduce(..., convention="replicated")``; JAX's ``pcast(x, to="varying")``. The output
     is x itself to autograd (no copy, as Megatron's f): autograd refuses to modify it in place (RuntimeError);
@@ -229,12 +301,21 @@ def sum_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 
     Raises:
         CommError / TypeError: only for a malformed shape or world size (never for a tensor).
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> y = sum_grad(x)
+        >>> y is x  # the identity forward: x itself
+        True
+        >>> (2 * y).sum().backward()
+        >>> x.grad  # the cotangents summed over the W ranks
+        tensor([2., 2., 2.])
     """
-    x, group, size, dtype, backend_dtypes = operand("sum_grad", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("sum_grad", x, group)
     return apply(plans.sum_grad(x.shape, size, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
-def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bool = False) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, scale_grad: bool = False) -> torch.Tensor:
     """Rank r of `group` (None: WORLD) keeps block r of its replicated `x` along `dim`: ``shape[dim] /= W``
     (``[B, S, H, D] -> [B, S/W, H, D]`` on dim 1), x's dtype; no communication forward (Megatron's split,
     FastVideo's ``slice``); a fresh tensor. Gradient: all_gather of the cotangents along `dim` (every rank
@@ -243,13 +324,17 @@ def shard(x: torch.Tensor, dim: int = -1, group: Group = None, *, scale_grad: bo
 
     Raises:
         CommError: `dim` out of range, ``shape[dim]`` not divisible by W. TypeError: `scale_grad` not a bool.
+
+    Example:
+        >>> shard(torch.arange(4.0))  # rank r keeps block r of dim -1
+        tensor([0., 1., 2., 3.])
     """
-    x, group, size, dtype, backend_dtypes = operand("shard", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("shard", x, group)
     plan = plans.shard(x.shape, size, dim, scale_grad=scale_grad, dtype=dtype, backend_dtypes=backend_dtypes)
     return apply(plan, x, group)
 
 
-def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torch.Tensor:
+def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpArgument = "sum", group: GroupArgument = None) -> torch.Tensor:
     """Group rank `dst` gets the reduction of every rank's `x` over `group` (None: WORLD); the other ranks get
     zeros, so every rank can run backward. ``[*s] -> [*s]``, x's dtype. op in {"sum", "avg"} (avg = sum / W,
     half precision scaled before the sum as in `all_reduce`; a string, `commlib.ReduceOp` or its torch twin).
@@ -258,14 +343,22 @@ def reduce(x: torch.Tensor, dst: int = 0, op="sum", group: Group = None) -> torc
 
     Raises:
         CommError: `dst` not in [0, W), op not sum/avg, avg on integers, sum of bools.
+
+    Example:
+        >>> reduce(torch.tensor([1.0, 2.0]), dst=0)
+        tensor([1., 2.])
+        >>> reduce(torch.ones(2), op="max")
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: reduce: op ('max') must be one of sum, avg. Received: shape=(2,), dst=0, op='max'
     """
-    x, group, size, dtype, backend_dtypes = operand("reduce", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("reduce", x, group)
     return apply(plans.reduce(x.shape, size, dst, op, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
-def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ProcessGroup) -> torch.Tensor | None:
+def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ResolvedGroup) -> torch.Tensor | None:
     """Forward-only gather (the seed's semantics): the concatenation on `dst`, None on other ranks."""
-    x, group, size, dtype, backend_dtypes = operand("gather", x, group)
+    x, group, size, dtype, backend_dtypes = plan_inputs("gather", x, group)
     plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, backend_dtypes=backend_dtypes)
     with torch.no_grad():
         if plan.is_trivial:

@@ -18,7 +18,10 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
-from commlib_torch._groups import Group, backend_dtypes, check_tensor, resolve_group, world_size
+from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
+from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
+from commlib_torch._groups import GroupArgument as Group
+from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_to_all, all_to_all_4d
@@ -38,8 +41,6 @@ class _TorchMath(blockwise.ArrayMath):
 
 
 _MATH = _TorchMath()
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -58,7 +59,7 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
 
 def _attend(plan: spec.RingPlan, q, k, v, mask: str):
     """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`)."""
-    if not _flash(q, v):
+    if _FLASH_CPU is None or not _flash(q, v):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           mask == "causal-diagonal", scale=plan.scale)
@@ -67,7 +68,7 @@ def _attend(plan: spec.RingPlan, q, k, v, mask: str):
 
 def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
-    if not _flash(q, v):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
                                      _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
@@ -185,7 +186,7 @@ class _Ring(torch.autograd.Function):
 
 class _FunctorchRing(_Ring):
     """`_Ring` in the form torch.func's transforms require (forward and setup_context apart; the LSE a second,
-    non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchOp`)."""
+    non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
     def forward(q, k, v, plan: spec.RingPlan, group, rank: int):  # type: ignore[override]
@@ -315,6 +316,6 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
-    local = _heads_out(plan, q, k, v, ulysses_group)
-    out = _ring(*local, plan, ring_group, group_rank(ring_group))
+    local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_group)
+    out = _ring(local_q, local_k, local_v, plan, ring_group, group_rank(ring_group))
     return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)

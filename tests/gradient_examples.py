@@ -2,7 +2,8 @@
 tests/jax/test_conventions.py (plain Python data: neither framework is imported here).
 
 Each example: rank r's loss is ``sum(cotangents[r] * op(xs[r], **kwargs))`` and the objective is the sum of
-the ranks' losses; `gradients[r]` is the gradient of xs[r] the op must give (W = len(xs)).
+the ranks' losses; `gradients[r]` is the gradient of xs[r] the op must give (W = len(xs)). `SCALAR_ALL_REDUCE`:
+issue 3's scalar all_reduce examples, shared by both frontends' test_examples.py.
 """
 
 C = [[1.0], [10.0]]  # W = 2 cotangents: rank 0's loss is 1 * sum(y_0), rank 1's is 10 * sum(y_1)
@@ -46,4 +47,25 @@ EXAMPLES = [
      [[0.5, 5.0], [0.5, 5.0]]),
     ("reduce", "reduce", {"dst": 0}, [[1.0], [2.0]], C, [[1.0], [1.0]]),
     ("reduce avg", "reduce", {"dst": 1, "op": "avg"}, [[1.0], [2.0]], C, [[5.0], [5.0]]),
+]
+
+
+#: Issue 3's worked examples of all_reduce on one scalar per rank (W = 4), each rank's loss the sum of its output:
+#: (op, one scalar per rank, convention, expected output on every rank, expected input gradients). Shared by
+#: tests/torch/test_examples.py and tests/jax/test_examples.py.
+SCALAR_ALL_REDUCE = [
+    ("max", [1, 5, 2, 3], "sum", 5, [0, 4, 0, 0]),
+    ("max", [5, 5, 1, 1], "sum", 5, [2, 2, 0, 0]),
+    ("max", [2, 2, 2, 2], "sum", 2, [1, 1, 1, 1]),
+    ("max", [1, 5, 2, 3], "replicated", 5, [0, 1, 0, 0]),
+    ("max", [5, 5, 1, 1], "replicated", 5, [0.5, 0.5, 0, 0]),
+    ("min", [4, 0, 6, 7], "sum", 0, [0, 4, 0, 0]),
+    ("min", [1, 1, 5, 5], "sum", 1, [2, 2, 0, 0]),
+    ("min", [3, 9, -2, -2], "sum", -2, [0, 0, 2, 2]),
+    ("product", [2, 0, 3, 4], "sum", 0, [0, 96, 0, 0]),
+    ("product", [2, 0, 3, 0], "sum", 0, [0, 0, 0, 0]),
+    ("product", [1, 2, 3, 4], "sum", 24, [96, 48, 32, 24]),
+    ("product", [2, 0, 3, 4], "replicated", 0, [0, 24, 0, 0]),
+    ("sum", [1, 5, 2, 3], "sum", 11, [4, 4, 4, 4]),
+    ("avg", [1, 5, 2, 3], "sum", 2.75, [1, 1, 1, 1]),
 ]

@@ -15,20 +15,23 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FRAMEWORKS = ("torch", "jax", "jaxlib", "tensorflow")
+PACKAGES = ("commlib", "commlib_torch", "commlib_jax")
 
 
 @functools.cache
 def _loaded_after(statement: str) -> dict:
-    """Run `statement` in a fresh interpreter; report which frameworks it loaded and the frontend's __all__."""
+    """Run `statement` in a fresh interpreter; report which frameworks it loaded, the frontends' __all__ and
+    the modules of the project's tools (``commlib.tools``, ``commlib_torch.tools``, ...) it loaded."""
     probe = f"""
 import json, sys
 {statement}
 frameworks = sorted({{name.split(".")[0] for name in sys.modules}} & set({FRAMEWORKS!r}))
+tools = sorted(name for name in sys.modules if name.split(".")[0] in {PACKAGES!r} and "tools" in name.split("."))
 exports = {{}}
 for name in ("commlib_torch", "commlib_jax"):
     if name in sys.modules:
         exports[name] = list(getattr(sys.modules[name], "__all__", []))
-print(json.dumps({{"frameworks": frameworks, "exports": exports}}))
+print(json.dumps({{"frameworks": frameworks, "exports": exports, "tools": tools}}))
 """
     result = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
@@ -148,3 +151,28 @@ def test_no_module_imports_itself_back():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _is_tool(module: str) -> bool:
+    return "tools" in module.split(".")
+
+
+def _library_modules(package: str) -> list[str]:
+    """Every module of `package` except its tools (the CLI, runners, benches, the worker pool)."""
+    paths = (ROOT / package).rglob("*.py")
+    return sorted(name for name in map(_module_name, paths) if not _is_tool(name))
+
+
+def test_the_library_never_imports_its_tools():
+    """No module of commlib, commlib_torch or commlib_jax outside ``*.tools`` imports one inside (at any depth of
+    its code, lazy imports too): the tools drive the library, never the other way."""
+    graph = _import_graph()
+    library = [module for module in graph if not _is_tool(module)]
+    assert len(library) > 30
+    assert [(module, imported) for module in library for imported in sorted(graph[module]) if _is_tool(imported)] == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_importing_the_library_loads_no_tool(package):
+    loaded = _loaded_after("import " + ", ".join(_library_modules(package)))
+    assert loaded["tools"] == []

@@ -122,7 +122,7 @@ def attention_case(world_size: int, shape, tag: str = "", /, *, kv_heads: int, d
     return _case(ATTENTION, world_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"), **kwargs)
 
 
-def attention_kwargs(case: Case) -> dict[str, object]:
+def attention_kwargs(case: Case) -> dict[str, Any]:
     """The keywords an attention case passes to ``ulysses_attention`` (seq_sizes as a tuple)."""
     kwargs = {key: value for key, value in case.kwargs if key not in ATTENTION_SHAPE_KEYS}
     sizes = kwargs.get("seq_sizes")
@@ -289,7 +289,7 @@ def context_layout(case: Case) -> tuple[int, int, str]:
     return case.world_size // ulysses_size, ulysses_size, str(case.params.get("layout", "contiguous"))
 
 
-def context_kwargs(case: Case) -> dict[str, object]:
+def context_kwargs(case: Case) -> dict[str, Any]:
     """The keywords a context row passes to ``ring_attention`` / ``usp_attention``."""
     return {key: value for key, value in case.kwargs if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size")}
 

@@ -125,7 +125,7 @@ def _functions(case: JaxCase, world_size: int) -> dict[str, Callable]:
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:world_size]), (_AXIS,))
-    functions = {}
+    functions: dict[str, Callable] = {}
     for label, op in (("commlib", case.ours), ("lax", case.bare)):
         mapped = jax.shard_map(lambda x, op=op: op(x, _AXIS), mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS))
         functions[f"{label} fwd"] = jax.jit(lambda x, cotangent, mapped=mapped: mapped(x))
@@ -134,8 +134,10 @@ def _functions(case: JaxCase, world_size: int) -> dict[str, Callable]:
     return functions
 
 
-def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per call of each variant, `repeats` rounds in rotating order after `warmup` rounds."""
+def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int,
+              warmup: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call of each variant (wall and cpu, as `time_calls`), `repeats` rounds in rotating order after
+    `warmup` rounds."""
     import jax
     import jax.numpy as jnp
 
@@ -154,8 +156,12 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup:
     forward = {name: np.asarray(fn(*inputs[name.split()[0]])) for name, fn in functions.items() if name.endswith("fwd")}
     if case.bare_shape is None and not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
         raise AssertionError(f"commlib and lax disagree at world size {world_size}, shape {shape}")
-    return time_calls({name: (lambda fn=fn, name=name: fn(*inputs[name.split()[0]])) for name, fn in functions.items()},
-                      repeats, warmup)
+    return time_calls({name: _bound(fn, inputs[name.split()[0]]) for name, fn in functions.items()}, repeats, warmup)
+
+
+def _bound(fn: Callable, args: tuple) -> Callable[[], object]:
+    """``fn(*args)`` as a call of no arguments."""
+    return lambda: fn(*args)
 
 
 def time_calls(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, dict[str, list[float]]]:

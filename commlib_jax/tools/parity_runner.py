@@ -70,6 +70,7 @@ def _mapped(case, mode: str):
         return jax.pmap(lambda ct, *xs: jax.tree.map(lambda t: t[0], _per_rank(case, "i")(
             None if ct is None else ct[None], *(x[None] for x in xs))), axis_name="i")
     devices = np.array(jax.devices()[:W])
+    axis: str | tuple[str, str]
     if case.op == _USP:
         from commlib.tools import cases
 

@@ -315,7 +315,9 @@ def _parts(variant: Variant) -> tuple[Callable[[], object] | None, Callable[[], 
 def _check_agree(outputs: dict[str, object], case: str) -> None:
     """Every variant that returned a tensor computed the same value (a bench of a wrong result is no bench)."""
     tensors = {name: out for name, out in outputs.items() if isinstance(out, torch.Tensor)}
-    first = next(iter(tensors), None)
+    if not tensors:
+        return
+    first = next(iter(tensors))
     for name, out in tensors.items():
         if out.shape != tensors[first].shape or not torch.allclose(out, tensors[first], rtol=1e-5, atol=1e-5):
             raise AssertionError(f"bench {case!r}: variant {name!r} disagrees with {first!r}")

@@ -66,6 +66,13 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float64 if tensor.is_floating_point() else tensor.dtype).numpy()
 
 
+def _gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """The gradient backward left on `tensor` (every input of a differentiable case gets one)."""
+    if tensor.grad is None:
+        raise RuntimeError("backward left no gradient on an input")
+    return tensor.grad
+
+
 _GRAD_MODES = {"grad": contextlib.nullcontext, "func": contextlib.nullcontext, "constant": contextlib.nullcontext,
                "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -96,7 +103,7 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
     if not case.differentiable or grad_mode != "grad":
         return "ok", *cases.padded_result(case, context.rank, _numpy(out), {})
     (out * _tensor(mine["cotangent"], case, channels_last)).sum().backward()
-    gradients = {name: _numpy(tensor.grad) for name, tensor in inputs.items()}
+    gradients = {name: _numpy(_gradient(tensor)) for name, tensor in inputs.items()}
     return "ok", *cases.padded_result(case, context.rank, _numpy(out), gradients)
 
 
@@ -104,8 +111,10 @@ def _run_func(context, case: cases.Case, inputs: dict, mine: dict, channels_last
     """`run_case` with the gradient from ``torch.func.vjp`` (the functional transform over the same Functions)."""
     names = list(inputs)
     try:
-        out, pullback = torch.func.vjp(lambda *xs: _call(case, dict(zip(names, xs, strict=True)), group),
-                                       *(tensor.detach() for tensor in inputs.values()))
+        # torch annotates vjp's result as 2 or 3 long (3 with has_aux, which this call does not pass):
+        out, pullback = torch.func.vjp(  # type: ignore[misc]
+            lambda *xs: _call(case, dict(zip(names, xs, strict=True)), group),
+            *(tensor.detach() for tensor in inputs.values()))
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
     grads = pullback(_tensor(mine["cotangent"], case, channels_last))
@@ -140,6 +149,7 @@ def _record(results: Results, case: cases.Case, per_rank: list) -> None:
     if error is not None:
         results.fail(case, "gloo", error)
     else:
+        assert outputs is not None and gradients is not None  # merge gives both where no rank failed
         results.add(case, "gloo", outputs, gradients)
 
 

@@ -166,7 +166,7 @@ class WorkerPool:
         first_error = math.inf  # time.monotonic() of the first failure
         while pending:
             limit = min(deadline, first_error + STRAGGLER_GRACE)
-            waitables = {self._connections[r]: r for r in pending}
+            waitables: dict[Any, int] = {self._connections[r]: r for r in pending}  # connections and sentinels
             waitables.update({self._processes[r].sentinel: r for r in pending})
             ready = multiprocessing.connection.wait(list(waitables), max(0.0, limit - time.monotonic()))
             if not ready:
@@ -252,8 +252,8 @@ def _worker_main(settings: tuple, connection: multiprocessing.connection.Connect
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        options = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)
+        timeout = None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)  # None: c10d's default
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException as error:
         connection.send_bytes(_error_reply(rank, error))
         return

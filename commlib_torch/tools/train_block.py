@@ -10,7 +10,7 @@ import torch
 
 import commlib_torch as ct
 from commlib.tools import train_block
-from commlib_torch._groups import Group
+from commlib_torch._groups import GroupArgument
 from commlib_torch.attention import attention, ulysses_attention
 
 __all__ = ["block_loss", "rms_norm"]
@@ -23,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
                config: train_block.BlockConfig,
-               groups: tuple[Group, Group] | None = None) -> torch.Tensor:
+               groups: tuple[GroupArgument, GroupArgument] | None = None) -> torch.Tensor:
     """This rank's loss: ``0.5 * sum((block(x) - target)^2) / (B * S)`` over its tokens.
 
     x, target: ``[B, S/SP, D]``, this rank's sequence block. `groups`: the (SP, TP) groups -- process groups or

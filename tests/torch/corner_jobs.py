@@ -253,7 +253,7 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
     """A tensor kept from inside a finished ``torch.func.grad`` (a dead functorch wrapper) as all_reduce's input,
     through commlib and through `Function.apply` itself: (the sum is right, the output requires grad, the output
     is still a functorch wrapper) for each. `Function.apply` unwraps it first, and so must commlib."""
-    from commlib_torch._op import Op
+    from commlib_torch._op import PlanFunction
 
     def kept(x: torch.Tensor) -> torch.Tensor:
         inside.append(x)
@@ -264,7 +264,7 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
     (dead,) = inside
     plan = plans.all_reduce(dead.shape, ctx.world_size, "sum")
     expected = sum(torch.arange(3.0) + rank for rank in range(ctx.world_size))
-    outs = commlib_torch.all_reduce(dead), Op.apply(dead, (plan, None, None))
+    outs = commlib_torch.all_reduce(dead), PlanFunction.apply(dead, (plan, None, None))
     return [(torch.equal(out, expected), out.requires_grad, torch._C._functorch.is_functorch_wrapped_tensor(out))
             for out in outs]
 

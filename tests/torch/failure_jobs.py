@@ -17,6 +17,7 @@ import commlib_torch
 from commlib import CommError
 from commlib_torch._checked import checked, is_checked, set_checked
 from commlib_torch.tools.parity_jobs import run_case
+from tests.torch.op_calls import every_op
 
 ENABLERS = ("context", "set_checked", "env")
 
@@ -100,24 +101,6 @@ def run_case_checked(ctx, case, arrays):
         return run_case(ctx, case, arrays)
 
 
-def _every_op(W: int, x: torch.Tensor) -> dict:
-    return {
-        "all_reduce": lambda: commlib_torch.all_reduce(x),
-        "all_reduce_max": lambda: commlib_torch.all_reduce(x, "max"),
-        "all_reduce_product": lambda: commlib_torch.all_reduce(x, "product"),
-        "all_reduce_replicated": lambda: commlib_torch.all_reduce(x, convention="replicated"),
-        "all_gather": lambda: commlib_torch.all_gather(x, 0),
-        "reduce_scatter": lambda: commlib_torch.reduce_scatter(x, 0, "avg"),
-        "all_to_all": lambda: commlib_torch.all_to_all(x, 0, 1),
-        "all_to_all_4d": lambda: commlib_torch.all_to_all_4d(x.reshape(1, 2 * W, 3, 1), 1, 2),
-        "broadcast": lambda: commlib_torch.broadcast(x, W - 1),
-        "gather": lambda: commlib_torch.gather(x, W - 1, 0),
-        "scatter": lambda: commlib_torch.scatter(x, W - 1, 0),
-        "permute": lambda: commlib_torch.permute(x, [(r, (r + 1) % W) for r in range(W)]),
-        "sum_grad": lambda: commlib_torch.sum_grad(x),
-    }
-
-
 _MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
@@ -128,7 +111,7 @@ def autograd_state(ctx, mode: str, check: bool = False):
     x = torch.ones(2 * ctx.world_size, 3, requires_grad=mode != "constant")
     result = {}
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), checked(check):
-        for name, call in _every_op(ctx.world_size, x).items():
+        for name, call in every_op(ctx.world_size, x).items():
             before = len(saved)
             with _MODES.get(mode, torch.enable_grad)():
                 out = call()

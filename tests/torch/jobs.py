@@ -17,6 +17,7 @@ from commlib.tools import cases
 from commlib_torch import DeviceCommunicator, _c10d
 from commlib_torch.tools.parity_jobs import _tensor, run_case
 from commlib_torch.tools.pool import WorkerContext
+from tests.torch.op_calls import every_op
 
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
@@ -273,33 +274,12 @@ def all_to_all_single_example(ctx: WorkerContext, dim: int):
     return _numpy(out), _numpy(single(x)), _numpy(leaf.grad), _numpy(single(cotangent))
 
 
-def _every_op(W: int, x: torch.Tensor) -> dict:
-    """Each public op (and the reductions) on `x` of shape [2W, 3]."""
-    ops = {f"all_reduce_{op}": (lambda op=op: commlib_torch.all_reduce(x, op))
-           for op in ("sum", "avg", "max", "min", "product")}
-    return ops | {
-        "all_reduce_replicated": lambda: commlib_torch.all_reduce(x, convention="replicated"),
-        "all_gather": lambda: commlib_torch.all_gather(x, 0),
-        "reduce_scatter": lambda: commlib_torch.reduce_scatter(x, 0),
-        "all_to_all": lambda: commlib_torch.all_to_all(x, 0, 1),
-        "all_to_all_4d": lambda: commlib_torch.all_to_all_4d(x.reshape(1, 2 * W, 3, 1), 1, 2),
-        "broadcast": lambda: commlib_torch.broadcast(x, W - 1),
-        "gather": lambda: commlib_torch.gather(x, W - 1, 0),
-        "scatter": lambda: commlib_torch.scatter(x, W - 1, 0),
-        "permute": lambda: commlib_torch.permute(x, [(r, (r + 1) % W) for r in range(W)]),
-        "sum_grad": lambda: commlib_torch.sum_grad(x),
-        "all_to_all_single": lambda: commlib_torch.all_to_all(x, 0, 0),
-        "shard": lambda: commlib_torch.shard(x, 0, scale_grad=True),
-        "reduce": lambda: commlib_torch.reduce(x, W - 1, "avg"),
-    }
-
-
 def autograd_state(ctx: WorkerContext, mode: str):
     """{op: (has grad_fn, requires_grad)} for a leaf input under `mode`: "no_grad" (input requires grad,
     call under torch.no_grad()), "constant" (input does not require grad) or "grad" (the control)."""
     x = torch.ones(2 * ctx.world_size, 3, requires_grad=mode != "constant")
     result = {}
-    for name, call in _every_op(ctx.world_size, x).items():
+    for name, call in every_op(ctx.world_size, x).items():
         if mode == "no_grad":
             with torch.no_grad():
                 out = call()

@@ -180,7 +180,8 @@ def test_send_recv_that_agree_pass_checked(pool):
 
 
 def test_double_backward_collectives_are_checked(pool):
-    """The collectives of a backward are `commlib_torch._op.Op`s, so a second backward exchanges fingerprints too."""
+    """The collectives of a backward are `commlib_torch._op.PlanFunction`s, so a second backward exchanges
+    fingerprints too."""
     messages = _errors(pool(3).run(failure_jobs.double_backward_disagrees, [(3,), (4,)]))
     assert _same_body(messages) == "ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have (4,)"
     for rank, message in enumerate(messages):

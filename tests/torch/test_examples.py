@@ -8,27 +8,11 @@ import torch
 
 from commlib import gradients, plans, reference
 from commlib.tools import cases
+from tests.gradient_examples import SCALAR_ALL_REDUCE
 from tests.torch import jobs
 
-EXAMPLES = [  # (op, one scalar per rank, convention, expected outputs, expected input gradients)
-    ("max", [1, 5, 2, 3], "sum", 5, [0, 4, 0, 0]),
-    ("max", [5, 5, 1, 1], "sum", 5, [2, 2, 0, 0]),
-    ("max", [2, 2, 2, 2], "sum", 2, [1, 1, 1, 1]),
-    ("max", [1, 5, 2, 3], "replicated", 5, [0, 1, 0, 0]),
-    ("max", [5, 5, 1, 1], "replicated", 5, [0.5, 0.5, 0, 0]),
-    ("min", [4, 0, 6, 7], "sum", 0, [0, 4, 0, 0]),
-    ("min", [1, 1, 5, 5], "sum", 1, [2, 2, 0, 0]),
-    ("min", [3, 9, -2, -2], "sum", -2, [0, 0, 2, 2]),
-    ("product", [2, 0, 3, 4], "sum", 0, [0, 96, 0, 0]),
-    ("product", [2, 0, 3, 0], "sum", 0, [0, 0, 0, 0]),
-    ("product", [1, 2, 3, 4], "sum", 24, [96, 48, 32, 24]),
-    ("product", [2, 0, 3, 4], "replicated", 0, [0, 24, 0, 0]),
-    ("sum", [1, 5, 2, 3], "sum", 11, [4, 4, 4, 4]),
-    ("avg", [1, 5, 2, 3], "sum", 2.75, [1, 1, 1, 1]),
-]
 
-
-@pytest.mark.parametrize(("op", "values", "convention", "output", "gradients"), EXAMPLES)
+@pytest.mark.parametrize(("op", "values", "convention", "output", "gradients"), SCALAR_ALL_REDUCE)
 def test_scalar_all_reduce_gradients(pool, op, values, convention, output, gradients):
     replies = pool(4).run(jobs.scalar_all_reduce, values, op, convention)
     assert [out for out, _ in replies] == [output] * 4

@@ -1,0 +1,41 @@
+"""Every version-gated JAX API the JAX frontend reads, in one place.
+
+Each reader says what it is for, the jax releases it was read on (0.10.2-0.11.2) and what it falls back to. The
+frontend uses jax's public API only (``jax.typeof``, ``jax.sharding.get_abstract_mesh``, ``lax.pcast``,
+``lax.axis_size``); what moves between releases is where those objects keep the varying-type and mesh facts,
+read here with ``getattr`` so an older or newer layout degrades to "no checked axes" rather than failing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["manual_axes", "mesh_axis_names", "varying_axes"]
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes `x` is typed varying over (empty under check_vma=False and pmap).
+
+    jax 0.10-0.11 keep them in ``jax.typeof(x).mat.varying`` (a ``ManualAxisType``); earlier releases in
+    ``.vma`` (read first), some in ``.manual_axis_type.varying``. None of these: no varying axes.
+    """
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def mesh_axis_names() -> tuple[str, ...]:
+    """The axis names of the enclosing mesh (``get_abstract_mesh().axis_names``, read on 0.10.2-0.11.2); none
+    under pmap or outside a mesh, or where the abstract mesh lacks the attribute."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual axes of the enclosing ``shard_map``, in the mesh's order (``get_abstract_mesh().manual_axes``,
+    read on 0.10.2-0.11.2); none under pmap or outside a shard_map, or where the abstract mesh lacks it."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))

@@ -1,0 +1,87 @@
+"""Both frontends' public functions take the same keyword names: the ops, the attention layers and the
+communicators' methods. The one difference is the group: torch's ``group`` (``ulysses_group`` / ``ring_group``)
+is JAX's ``axis_name`` (``ulysses_axis`` / ``ring_axis``), required in JAX and placed after the arrays, where
+torch's defaults to None (WORLD) and comes after the op's own arguments. Every other parameter has the same
+name, kind (positional or keyword-only), default and order. Each frontend is read in a fresh interpreter.
+"""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: torch's group parameters -> JAX's.
+GROUP_TO_AXIS = {"group": "axis_name", "ulysses_group": "ulysses_axis", "ring_group": "ring_axis"}
+
+_PROBE = """
+import importlib, inspect, json, sys
+frontend = sys.argv[1]
+package = importlib.import_module(f"commlib_{frontend}")
+attention = importlib.import_module(f"commlib_{frontend}.attention")
+communicator = package.DeviceCommunicator if frontend == "torch" else package.Communicator
+
+def parameters(function):
+    return [[p.name, p.kind.name, None if p.default is p.empty else repr(p.default)]
+            for p in inspect.signature(function).parameters.values()]
+
+found = {}
+for name in package.__all__:
+    if inspect.isfunction(getattr(package, name)):
+        found[name] = parameters(getattr(package, name))
+for name in attention.__all__:
+    found[f"attention.{name}"] = parameters(getattr(attention, name))
+for name, value in vars(communicator).items():
+    if inspect.isfunction(value) and not name.startswith("_"):
+        found[f"communicator.{name}"] = parameters(value)
+print(json.dumps(found))
+"""
+
+
+@functools.cache
+def _signatures(frontend: str) -> dict[str, list]:
+    """{public function: [[name, kind, default repr or None], ...]} of one frontend."""
+    result = subprocess.run([sys.executable, "-c", _PROBE, frontend], cwd=ROOT, capture_output=True, text=True,
+                            timeout=240, check=False)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _without_groups(parameters: list, names) -> list:
+    return [parameter for parameter in parameters if parameter[0] not in names]
+
+
+def test_both_frontends_have_the_same_public_functions():
+    torch_names, jax_names = set(_signatures("torch")), set(_signatures("jax"))
+    assert torch_names == jax_names
+    assert {"all_reduce", "attention.ulysses_attention", "communicator.all_to_all_4D"} <= torch_names
+
+
+def _differences(torch_parameters: list, jax_parameters: list) -> list[str]:
+    torch_groups = [parameter[0] for parameter in torch_parameters if parameter[0] in GROUP_TO_AXIS]
+    jax_axes = [parameter[0] for parameter in jax_parameters if parameter[0] in GROUP_TO_AXIS.values()]
+    found = []
+    if [GROUP_TO_AXIS[group] for group in torch_groups] != jax_axes:
+        found.append(f"groups {torch_groups} vs axes {jax_axes}")
+    if _without_groups(torch_parameters, GROUP_TO_AXIS) != _without_groups(jax_parameters, jax_axes):
+        found.append(f"torch {torch_parameters} vs jax {jax_parameters}")
+    return found
+
+
+def test_same_keywords_but_the_group():
+    torch_signatures, jax_signatures = _signatures("torch"), _signatures("jax")
+    differences = {name: found for name in sorted(torch_signatures.keys() & jax_signatures.keys())
+                   if (found := _differences(torch_signatures[name], jax_signatures[name]))}
+    assert differences == {}
+
+
+def test_a_different_keyword_is_found():
+    """The comparison itself: a renamed keyword, a changed default and a group without its axis all show."""
+    ops = [["x", "POSITIONAL_OR_KEYWORD", None], ["dim", "POSITIONAL_OR_KEYWORD", "-1"]]
+    torch_op, jax_op = [*ops, ["group", "POSITIONAL_OR_KEYWORD", "None"]], [ops[0], ["axis_name", "X", None], ops[1]]
+    assert _differences(torch_op, jax_op) == []
+    assert _differences(torch_op, [ops[0], ["axis_name", "X", None], ["axis", "POSITIONAL_OR_KEYWORD", "-1"]])
+    assert _differences(torch_op, [ops[0], ["axis_name", "X", None], ["dim", "POSITIONAL_OR_KEYWORD", "0"]])
+    assert _differences(torch_op, ops)
