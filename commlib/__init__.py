@@ -8,8 +8,8 @@
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
   attention reference;
-- `commlib.sequence`: the sequence layouts of ring attention and USP (`shard_positions`, `shard_sequence`,
-  `unshard_sequence`);
+- `commlib.sequence`: the sequence layouts (`SequenceLayout` for any length; the even `shard_positions`,
+  `shard_sequence`, `unshard_sequence`);
 - `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
   that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
   `commlib.ring_reference`: the float64 references (unsharded, and the ring on simulated numpy ranks);
@@ -26,7 +26,7 @@ from commlib.errors import CommError, CommFailure, CommTimeout
 from commlib.layout import Convention, Plan, Rearrange
 from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
-from commlib.sequence import shard_positions, shard_sequence, unshard_sequence
+from commlib.sequence import SequenceLayout, shard_positions, shard_sequence, unshard_sequence
 from commlib.steps import Step
 from commlib.uneven import split_sizes
 
@@ -42,6 +42,7 @@ __all__ = [
     "CONVENTIONS",
     "OP_NAMES",
     "split_sizes",
+    "SequenceLayout",
     "shard_positions",
     "shard_sequence",
     "unshard_sequence",

@@ -1,5 +1,8 @@
 """Sequence layouts: which global positions of a sequence each shard holds (ring attention, USP).
 
+`SequenceLayout` is the layout of any length (shards may differ by a row, or hold none); `shard_positions`
+and its numpy helpers below are the even special case the attention layers' ``layout="..."`` strings name.
+
 ``"contiguous"``: ring block r is positions ``[r*S/W, (r+1)*S/W)``; ``"zigzag"``: the sequence is cut into 2W
 chunks and ring block r is chunk r followed by chunk 2W-1-r (every rank then has the same causal work). With
 USP (``ulysses_size`` U > 1) ring block r is cut into U equal contiguous pieces and piece u is shard
@@ -11,14 +14,16 @@ array([ 0,  1, 14, 15])
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from commlib.attention import _check_int
-from commlib.errors import comm_error
+from commlib.errors import comm_error, kind_error
+from commlib.uneven import split_sizes
 
-__all__ = ["SEQUENCE_LAYOUTS", "check_layout", "positions", "shard_positions", "shard_sequence",
+__all__ = ["SEQUENCE_LAYOUTS", "SequenceLayout", "check_layout", "positions", "shard_positions", "shard_sequence",
            "unshard_sequence"]
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
@@ -97,3 +102,157 @@ def unshard_sequence(shards: Sequence, dim: int, ring_size: int, layout: str = "
     whole = np.concatenate(shards, axis=dim)
     order = shard_positions(whole.shape[dim], ring_size, layout, ulysses_size).reshape(-1)
     return np.take(whole, np.argsort(order), axis=dim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Any length
+# ---------------------------------------------------------------------------------------------------------
+
+_LAYOUT_OP = "SequenceLayout"
+
+
+def _blocks(seq_len: int, ring_size: int, layout: str) -> list[list[int]]:
+    """The global positions of each ring block, in the order the block holds them."""
+    if layout == "contiguous":
+        chunks, count = split_sizes(seq_len, ring_size), ring_size
+    else:
+        chunks, count = split_sizes(seq_len, 2 * ring_size), 2 * ring_size
+    starts = np.cumsum((0, *chunks))
+    rows = [list(range(starts[i], starts[i] + chunks[i])) for i in range(count)]
+    if layout == "contiguous":
+        return rows
+    return [rows[block] + rows[count - 1 - block] for block in range(ring_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Which global positions of a sequence of `seq_len` tokens each of ``ring_size * ulysses_size`` shards holds,
+    for any length (a shard may hold one row fewer than another, or none).
+
+    - ``layout="contiguous"``: ring block r is chunk r of ``split_sizes(seq_len, ring_size)``;
+    - ``layout="zigzag"``: the sequence is cut into ``split_sizes(seq_len, 2 * ring_size)`` chunks and ring
+      block r is chunk r followed by chunk ``2 * ring_size - 1 - r`` (balanced causal work);
+    - Ulysses index u holds piece u of ``split_sizes(len(block), ulysses_size)`` of its ring block's
+      positions, in order; shard ``i = r * ulysses_size + u`` (ring index r, Ulysses index u).
+
+    For a `seq_len` the even layout divides, ``positions(i)`` is row i of `shard_positions`. Frozen and
+    hashable: the attention layers and the sequence helpers take it as ``layout=``. torch holds shard i with
+    exactly ``sizes[i]`` rows; JAX (one shape on every device) with `max_size` rows, the valid ones first.
+
+    >>> layout = SequenceLayout(10, ring_size=2, layout="zigzag")
+    >>> layout.sizes, [layout.positions(i).tolist() for i in range(2)]
+    ((5, 5), [[0, 1, 2, 8, 9], [3, 4, 5, 6, 7]])
+    >>> SequenceLayout(5, ulysses_size=4).sizes  # S = 5 over 4 ranks: two rows on one, one on three
+    (2, 1, 1, 1)
+    >>> SequenceLayout(3, ring_size=4).sizes  # a shard may hold none
+    (1, 1, 1, 0)
+
+    Raises:
+        CommError: `seq_len`, `ring_size` or `ulysses_size` < 1, an unknown `layout`.
+        TypeError: `seq_len`, `ring_size` or `ulysses_size` not ints (bools refused).
+    """
+
+    seq_len: int
+    ring_size: int = 1
+    ulysses_size: int = 1
+    layout: str = "contiguous"
+    # Derived when built: every shard's global positions, in the order the shard holds them.
+    _positions: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        received = dict(seq_len=self.seq_len, ring_size=self.ring_size, ulysses_size=self.ulysses_size,
+                        layout=self.layout)
+        for name in ("seq_len", "ring_size", "ulysses_size"):
+            value = _check_int(name, getattr(self, name), received, _LAYOUT_OP)
+            if value < 1:
+                raise comm_error(_LAYOUT_OP, f"{name} ({value}) must be >= 1", **received)
+            object.__setattr__(self, name, value)
+        if not isinstance(self.layout, str):
+            raise kind_error(_LAYOUT_OP, f"layout must be a str, not {type(self.layout).__name__}", **received)
+        if self.layout not in SEQUENCE_LAYOUTS:
+            message = f"layout ({self.layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}"
+            raise comm_error(_LAYOUT_OP, message, **received)
+        shards = []
+        for block in _blocks(self.seq_len, self.ring_size, self.layout):
+            starts = np.cumsum((0, *split_sizes(len(block), self.ulysses_size)))
+            shards += [tuple(block[starts[u]:starts[u + 1]]) for u in range(self.ulysses_size)]
+        object.__setattr__(self, "_positions", tuple(shards))
+
+    @property
+    def world_size(self) -> int:
+        """Shards: ``ring_size * ulysses_size``."""
+        return self.ring_size * self.ulysses_size
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows of each shard."""
+        return tuple(len(rows) for rows in self._positions)
+
+    @property
+    def max_size(self) -> int:
+        """Rows of the largest shard (JAX holds every shard padded to it)."""
+        return max(self.sizes)
+
+    @property
+    def is_even(self) -> bool:
+        """True when every shard holds the same number of rows."""
+        return len(set(self.sizes)) == 1
+
+    def positions(self, index: int) -> np.ndarray:
+        """int64 ``[sizes[index]]``: the global positions shard `index` holds, in the order it holds them."""
+        index = self._index(index, "positions")
+        return np.asarray(self._positions[index], dtype=np.int64)
+
+    def shard(self, x, dim: int = 1, *, padded: bool = False) -> list[np.ndarray]:
+        """numpy: the `world_size` shards of a whole sequence `x` (``x.shape[dim] == seq_len``) along `dim`; with
+        `padded`, each of `max_size` rows, zeros after its own (JAX's layout)."""
+        x = np.asarray(x)
+        dim = self._dim(x, dim, "shard")
+        if x.shape[dim] != self.seq_len:
+            raise comm_error(f"{_LAYOUT_OP}.shard", f"x.shape[{dim}] ({x.shape[dim]}) must be seq_len "
+                             f"({self.seq_len})", shape=x.shape, dim=dim)
+        shards = [np.take(x, self.positions(i), axis=dim) for i in range(self.world_size)]
+        return [_padded(shard, dim, self.max_size) for shard in shards] if padded else shards
+
+    def unshard(self, shards, dim: int = 1, *, padded: bool = False) -> np.ndarray:
+        """numpy: the inverse of `shard`: the whole sequence in position order (with `padded`, the rows past each
+        shard's own are dropped)."""
+        shards = [np.asarray(shard) for shard in shards]
+        name = f"{_LAYOUT_OP}.unshard"
+        if len(shards) != self.world_size:
+            raise comm_error(name, f"len(shards) ({len(shards)}) must be world_size ({self.world_size})",
+                             shards=len(shards))
+        dim = self._dim(shards[0], dim, "unshard")
+        rows = []
+        for index, shard in enumerate(shards):
+            want = self.max_size if padded else self.sizes[index]
+            if shard.ndim != shards[0].ndim or shard.shape[dim] != want:
+                raise comm_error(name, f"shard {index}'s dim {dim} ({shard.shape[dim] if shard.ndim > dim else None}) "
+                                 f"must be {want}", shape=shard.shape, dim=dim, padded=padded)
+            rows.append(np.take(shard, np.arange(self.sizes[index]), axis=dim))
+        whole = np.concatenate(rows, axis=dim)
+        order = np.concatenate([self.positions(i) for i in range(self.world_size)])
+        return np.take(whole, np.argsort(order, kind="stable"), axis=dim)
+
+    def _index(self, index: object, method: str) -> int:
+        received = dict(index=index, world_size=self.world_size)
+        value = _check_int("index", index, received, f"{_LAYOUT_OP}.{method}")
+        if not 0 <= value < self.world_size:
+            message = f"index ({value}) must be in [0, {self.world_size})"
+            raise comm_error(f"{_LAYOUT_OP}.{method}", message, **received)
+        return value
+
+    def _dim(self, x: np.ndarray, dim: object, method: str) -> int:
+        received = dict(shape=x.shape, dim=dim)
+        value = _check_int("dim", dim, received, f"{_LAYOUT_OP}.{method}")
+        if not -x.ndim <= value < x.ndim:
+            message = f"dim ({value}) must be in [{-x.ndim}, {x.ndim}) for ndim {x.ndim}"
+            raise comm_error(f"{_LAYOUT_OP}.{method}", message, **received)
+        return value % x.ndim
+
+
+def _padded(x: np.ndarray, dim: int, rows: int) -> np.ndarray:
+    """`x` with zero rows appended along `dim` up to `rows`."""
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, rows - x.shape[dim])
+    return np.pad(x, widths)
