@@ -22,7 +22,7 @@ from commlib.errors import comm_error, kind_error
 from commlib.sequence import SequenceLayout
 
 __all__ = ["ATTENTIONS", "CALL_OP", "OP_NAME", "ParallelPlan", "check_call", "check_groups", "check_positions",
-           "check_sizes", "parallel_plan"]
+           "check_sizes", "check_world", "outside_error", "parallel_plan"]
 
 OP_NAME = "parallel"
 CALL_OP = "commlib attention"  # the name of an integration's call inside the context (transformers, Flax)
@@ -56,8 +56,10 @@ def _keywords(layout: SequenceLayout, attention: str) -> dict:
     return {"layout": layout.layout if _names_even_layout(layout) else layout}
 
 
-def check_groups(attention: object, given: dict[str, bool], names: tuple[str, str, str]) -> None:
-    """`attention` one of `ATTENTIONS`; USP given both of its groups (axes), Ulysses and ring neither.
+def check_groups(attention: object, given: dict[str, bool], names: tuple[str, str, str], *,
+                 group_required: bool = False) -> None:
+    """`attention` one of `ATTENTIONS`; USP given both of its groups (axes), Ulysses and ring neither (and, with
+    `group_required` -- JAX, where no axis means the world -- their group).
 
     `names` are the frontend's keywords ``(group, ulysses_group, ring_group)`` (JAX: the axes); `given` says
     which of them the user passed.
@@ -75,6 +77,14 @@ def check_groups(attention: object, given: dict[str, bool], names: tuple[str, st
     if attention != "usp" and (given[ulysses] or given[ring]):
         raise comm_error(OP_NAME, f"{ulysses} and {ring} are for attention='usp'; attention={attention!r} runs "
                          f"over {names[0]}", attention=attention, **received)
+    if attention != "usp" and group_required and not given[names[0]]:
+        raise comm_error(OP_NAME, f"attention={attention!r} needs {names[0]}", attention=attention, **received)
+
+
+def outside_error(op_name: str, context: str):
+    """The `CommError` of an integration called outside every ``parallel`` context (`context`: its path)."""
+    return comm_error(op_name, f"called outside a {context}(...) context: enter one to choose the layer (ulysses, "
+                      "ring, usp), its groups and the sequence layout")
 
 
 def parallel_plan(layout: object, attention: str, *, ulysses_size: int | None, ring_size: int | None) -> ParallelPlan:
@@ -102,6 +112,13 @@ def check_sizes(layout: SequenceLayout, attention: str, *, ulysses_size: int | N
             groups = {"ulysses": "the group's size", "ring": "the group's size", "usp": "its group's size"}
             raise comm_error(OP_NAME, f"layout.{name} ({getattr(layout, name)}) must be {size} ({groups[attention]} "
                              f"for attention={attention!r})", layout=layout, attention=attention)
+
+
+def check_world(layout: SequenceLayout, world_size: int) -> None:
+    """USP's optional whole sequence group: its size must be ``layout.world_size``."""
+    if world_size != layout.world_size:
+        raise comm_error(OP_NAME, f"group's size ({world_size}) must be layout.world_size ({layout.world_size})",
+                         layout=layout, attention="usp")
 
 
 def check_call(plan: ParallelPlan, *, shard: int | None, rows: int, mask: bool = False, bias: bool = False,

@@ -10,7 +10,6 @@ import dataclasses
 import torch
 
 from commlib import parallel as spec
-from commlib.errors import comm_error
 from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
 
@@ -57,9 +56,8 @@ def enter(layout: object, group: object, attention: str, ulysses_group: object, 
         sizes = dict(ulysses_size=world_size(spec.OP_NAME, ulysses), ring_size=world_size(spec.OP_NAME, ring))
         plan = spec.parallel_plan(layout, attention, **sizes)
         whole = resolve_group(spec.OP_NAME, group) if group is not None else None
-        if whole is not None and world_size(spec.OP_NAME, whole) != plan.layout.world_size:
-            raise comm_error(spec.OP_NAME, f"group's size ({world_size(spec.OP_NAME, whole)}) must be "
-                             f"layout.world_size ({plan.layout.world_size})", layout=plan.layout)
+        if whole is not None:
+            spec.check_world(plan.layout, world_size(spec.OP_NAME, whole))
         shard = group_rank(ring) * sizes["ulysses_size"] + group_rank(ulysses)
         return Parallel(plan, whole, ulysses, ring, shard)
     resolved = resolve_group(spec.OP_NAME, group)
@@ -85,6 +83,5 @@ def current(op_name: str) -> Parallel:
     """
     state = _CURRENT.get()
     if state is None:
-        raise comm_error(op_name, "called outside a commlib_torch.sequence.parallel(...) context: enter one to "
-                         "choose the layer (ulysses, ring, usp), its groups and the sequence layout")
+        raise spec.outside_error(op_name, "commlib_torch.sequence.parallel")
     return state
