@@ -22,8 +22,9 @@ import sys
 
 MODULES = {
     "torch": ("commlib_torch.functional", "commlib_torch.attention", "commlib_torch.communicator",
-              "commlib_torch.ring"),
-    "jax": ("commlib_jax.functional", "commlib_jax.attention", "commlib_jax.communicator", "commlib_jax.ring"),
+              "commlib_torch.ring", "commlib_torch.sequence", "commlib_torch.integrations.transformers"),
+    "jax": ("commlib_jax.functional", "commlib_jax.attention", "commlib_jax.communicator", "commlib_jax.ring",
+            "commlib_jax.sequence"),
 }
 JAX_DEVICES = 4
 

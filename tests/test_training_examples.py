@@ -1,7 +1,8 @@
 """The training examples launched the way users launch them, as CI runs them: ``torchrun --standalone
 --nproc-per-node 4 examples/train_torch.py`` and two ``python examples/train_jax.py --num-processes 2
 --process-id i --coordinator 127.0.0.1:PORT`` (jax.distributed, 2 CPU devices each). Each example trains the
-block over SP 2 x TP 2 for 20 steps and exits non-zero unless every step matches the unsharded model."""
+block over SP 2 x TP 2 for 20 steps and exits non-zero unless every step matches the unsharded model; and
+``torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ulysses|ring|usp``."""
 
 import os
 import re
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -62,3 +65,18 @@ def test_jax_example_with_two_processes():
         assert process.returncode == 0, output
     _assert_trained(outputs[0], passes=1)
     assert re.search(r"^PASS: process 1 of 2, sp=2 tp=2, 20 steps", outputs[1], re.MULTILINE), outputs[1]
+
+
+@pytest.mark.parametrize(("attention", "seq_len"), [("ulysses", 37), ("ring", 64), ("usp", 64)])
+def test_transformers_llama_with_torchrun(attention, seq_len):
+    """examples/transformers_llama.py over 4 ranks: a transformers Llama (GQA) with commlib's attention through the
+    registry, 5 AdamW steps equal to the unsharded model's (Ulysses at S = 37: shards of 10, 9, 9, 9 rows)."""
+    command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py",
+               "--attention", attention, "--seq-len", str(seq_len)]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
+                          stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
+    assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} ", done.stdout, re.MULTILINE), done.stdout

@@ -1,0 +1,87 @@
+"""The state of `commlib_torch.sequence.parallel`: the innermost context of this thread (a contextvar, so
+nested contexts restore the outer one on exit), its plan from the spec, its resolved groups and this rank's
+shard, decided once on entry; `current` and `Parallel.attend` are what an integration calls per layer."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+
+import torch
+
+from commlib import parallel as spec
+from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
+from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
+
+
+@dataclasses.dataclass
+class Parallel:
+    """One entered context: the spec's plan, the layer's groups, this rank's shard index ``r * U + u`` and its
+    global positions (a tensor per device, made on first use)."""
+
+    plan: spec.ParallelPlan
+    group: ResolvedGroup  # Ulysses or ring: the layer's group
+    ulysses_group: ResolvedGroup
+    ring_group: ResolvedGroup
+    shard: int
+    _positions: dict = dataclasses.field(default_factory=dict)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[1, sizes[shard]]``: the global positions of this rank's shard, on `device`."""
+        if device not in self._positions:
+            self._positions[device] = torch.as_tensor(self.plan.layout.positions(self.shard), device=device)[None]
+        return self._positions[device]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               scale: float | None) -> torch.Tensor:
+        """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards."""
+        keywords = self.plan.keywords
+        if self.plan.attention == "ulysses":
+            return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)
+        if self.plan.attention == "ring":
+            return ring_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)
+        return usp_attention(q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale, **keywords)
+
+
+_CURRENT: contextvars.ContextVar[Parallel | None] = contextvars.ContextVar("commlib_torch_parallel", default=None)
+_NAMES = ("group", "ulysses_group", "ring_group")
+
+
+def enter(layout: object, group: object, attention: str, ulysses_group: object, ring_group: object) -> Parallel:
+    """The context of ``parallel(layout, group, attention=..., ...)``: checked by the spec, groups resolved."""
+    given = dict(zip(_NAMES, (group is not None, ulysses_group is not None, ring_group is not None), strict=True))
+    spec.check_groups(attention, given, _NAMES)
+    if attention == "usp":
+        ulysses, ring = (resolve_group(spec.OP_NAME, g) for g in (ulysses_group, ring_group))
+        sizes = dict(ulysses_size=world_size(spec.OP_NAME, ulysses), ring_size=world_size(spec.OP_NAME, ring))
+        plan = spec.parallel_plan(layout, attention, **sizes)
+        whole = resolve_group(spec.OP_NAME, group) if group is not None else None
+        if whole is not None:
+            spec.check_world(plan.layout, world_size(spec.OP_NAME, whole))
+        shard = group_rank(ring) * sizes["ulysses_size"] + group_rank(ulysses)
+        return Parallel(plan, whole, ulysses, ring, shard)
+    resolved = resolve_group(spec.OP_NAME, group)
+    size = world_size(spec.OP_NAME, resolved)
+    sizes = dict(ulysses_size=size, ring_size=1) if attention == "ulysses" else dict(ulysses_size=1, ring_size=size)
+    plan = spec.parallel_plan(layout, attention, **sizes)
+    return Parallel(plan, resolved, None, None, group_rank(resolved))
+
+
+def push(state: Parallel) -> contextvars.Token:
+    return _CURRENT.set(state)
+
+
+def pop(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
+
+
+def current(op_name: str) -> Parallel:
+    """The innermost entered context of this thread.
+
+    Raises:
+        CommError: outside every `parallel` context.
+    """
+    state = _CURRENT.get()
+    if state is None:
+        raise spec.outside_error(op_name, "commlib_torch.sequence.parallel")
+    return state

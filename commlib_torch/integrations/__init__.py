@@ -1,0 +1,2 @@
+"""Integrations of commlib's sequence-parallel attention with model libraries (optional extras, each imported
+lazily): `commlib_torch.integrations.transformers` (transformers' attention registry)."""

@@ -1,0 +1,158 @@
+"""Train a transformers `LlamaForCausalLM` (GQA: 8 query heads, 2 kv heads) sequence-parallel with commlib's attention
+through transformers' attention registry, and check it against the same model trained unsharded in this process
+(float64, CPU, gloo). Exit status 1 if the first step's loss, logits or any parameter's gradient differs by more than
+1e-10 relative, or any AdamW step's loss by more than 1e-12.
+
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ulysses --seq-len 37
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ring --seq-len 64
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention usp --seq-len 64  # 2 x 2
+
+The recipe (what a user writes): `register()` once; build the model with ``attn_implementation="commlib"``;
+inside ``commlib_torch.sequence.parallel(layout, ...)`` feed each rank its shard of the tokens with their GLOBAL
+``position_ids`` (RoPE), take the loss as the mean over every rank's tokens (`cross_entropy`), and sum the replicated
+parameters' gradients over the group (`sync_gradients`) before the optimizer step. `shard_tokens`, `cross_entropy`
+and `sync_gradients` below are written with commlib's ops; `commlib_torch.sequence` gives them as library helpers.
+Rank 0 prints the steps and the verdict; every rank's exit status is the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import commlib
+from commlib_torch import all_reduce
+from commlib_torch.integrations.transformers import register
+from commlib_torch.sequence import parallel
+
+TOLERANCE = 1e-10  # the first step: loss, logits, every parameter's gradient (relative, float64)
+LOSS_TOLERANCE = 1e-12  # every AdamW step's loss
+IGNORE_INDEX = -100
+
+
+def shard_tokens(input_ids: torch.Tensor, layout: commlib.SequenceLayout, shard: int):
+    """This shard's tokens ``[B, S_r]``, their global positions and their next-token labels (shifted over the
+    whole sequence, then sharded: the last position's label is ignored)."""
+    positions = torch.as_tensor(layout.positions(shard))
+    labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], IGNORE_INDEX)], dim=1)
+    position_ids = positions[None].expand(input_ids.shape[0], -1)
+    return input_ids[:, positions], position_ids, labels[:, positions]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean next-token loss over every rank's tokens, the same value on every rank; each rank's logits get
+    their tokens' share of its gradient (the sum is all-reduced with the replicated convention)."""
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    count = all_reduce((labels != IGNORE_INDEX).sum().to(logits.dtype), group=group)
+    return all_reduce(total, group=group, convention="replicated") / count
+
+
+def sync_gradients(parameters, group=None) -> None:
+    """Sum the replicated parameters' gradients over the group (one all-reduce per dtype)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    for dtype in {grad.dtype for grad in grads}:
+        same = [grad for grad in grads if grad.dtype == dtype]
+        summed = all_reduce(torch.cat([grad.reshape(-1) for grad in same]), group=group)
+        for grad, flat in zip(same, summed.split([grad.numel() for grad in same]), strict=True):
+            grad.copy_(flat.view_as(grad))
+
+
+def usp_groups(ulysses_size: int):
+    """The Ulysses group (ranks ``r * U + u`` of ring index r) and the ring group (Ulysses index u) of this rank;
+    every rank makes every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ring_size = world // ulysses_size
+    ulysses = [dist.new_group([r * ulysses_size + u for u in range(ulysses_size)]) for r in range(ring_size)]
+    ring = [dist.new_group([r * ulysses_size + u for r in range(ring_size)]) for u in range(ulysses_size)]
+    return ulysses[rank // ulysses_size], ring[rank % ulysses_size]
+
+
+def context(attention: str, seq_len: int, ulysses_size: int):
+    """The layout and the `parallel` context of `attention` over WORLD (this rank holds shard ``rank``)."""
+    world = dist.get_world_size()
+    if attention == "ulysses":
+        layout = commlib.SequenceLayout(seq_len, ulysses_size=world)
+        return layout, parallel(layout, attention="ulysses")
+    if attention == "ring":
+        layout = commlib.SequenceLayout(seq_len, ring_size=world, layout="zigzag")
+        return layout, parallel(layout, attention="ring")
+    layout = commlib.SequenceLayout(seq_len, ring_size=world // ulysses_size, ulysses_size=ulysses_size,
+                                    layout="zigzag")
+    ulysses_group, ring_group = usp_groups(ulysses_size)
+    return layout, parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group)
+
+
+def models(seed: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The same seeded random float64 Llama twice: with commlib's attention, and with SDPA (the reference)."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=256, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    sharded.load_state_dict(reference.state_dict())
+    return sharded, reference
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-300))
+
+
+def worst(error: float) -> float:
+    """The largest of every rank's `error` (so every rank reaches the same verdict)."""
+    return float(all_reduce(torch.tensor(error, dtype=torch.float64), op="max"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention", choices=("ulysses", "ring", "usp"), default="ulysses")
+    parser.add_argument("--seq-len", type=int, default=37)
+    parser.add_argument("--ulysses-size", type=int, default=2, help="USP's Ulysses group size")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    register()
+    layout, sequence_parallel = context(args.attention, args.seq_len, args.ulysses_size)
+    sharded, reference = models(seed=0)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (sharded, reference)]
+    input_ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
+    ids, position_ids, labels = shard_tokens(input_ids, layout, rank)
+    errors = {"loss": 0.0, "logits": 0.0, "gradients": 0.0}
+    with sequence_parallel:
+        for step in range(1, args.steps + 1):
+            logits = sharded(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+            loss = cross_entropy(logits, labels)
+            loss.backward()
+            sync_gradients(sharded.parameters())
+            want_logits = reference(input_ids=input_ids, use_cache=False).logits
+            want = F.cross_entropy(want_logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+            want.backward()
+            errors["loss"] = max(errors["loss"], relative(loss.detach(), want.detach()))
+            if step == 1:
+                errors["logits"] = worst(relative(logits.detach(), want_logits.detach()[:, layout.positions(rank)]))
+                errors["gradients"] = worst(max(relative(p.grad, q.grad) for p, q in
+                                                zip(sharded.parameters(), reference.parameters(), strict=True)))
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            if rank == 0:
+                print(f"step {step:3d}  loss {loss.item():.12f}  unsharded {want.item():.12f}", flush=True)
+    passed = (errors["loss"] <= LOSS_TOLERANCE and errors["logits"] <= TOLERANCE
+              and errors["gradients"] <= TOLERANCE)
+    if rank == 0:
+        shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
+        print(f"{'PASS' if passed else 'FAIL'}: {args.attention} W={dist.get_world_size()} S={args.seq_len} "
+              f"sizes={layout.sizes}, {args.steps} AdamW steps; relative errors {shown}", flush=True)
+    dist.destroy_process_group()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Job functions for tests/torch/test_integrations.py (module-level: the pool's workers import them by name)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import commlib
+from commlib_torch.integrations import transformers as integration
+from commlib_torch.sequence import parallel
+from commlib_torch.tools.parity_jobs import usp_groups
+
+
+def context(ctx, layout: commlib.SequenceLayout, attention: str):
+    """``parallel(layout, ...)`` for `attention` over WORLD (USP: ring of Ulysses groups of layout.ulysses_size)."""
+    if attention == "usp":
+        ulysses_group, ring_group = usp_groups(ctx.world_size, layout.ulysses_size)
+        return parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group)
+    return parallel(layout, attention=attention)
+
+
+def attention_call(ctx, layout: commlib.SequenceLayout, attention: str, whole: list[np.ndarray], causal: bool):
+    """This rank's output and (dq, dk, dv) of the registered attention on its shard of the whole float64
+    ``[B, S, H, D]`` q, k, v (and the cotangent), called as transformers calls it: ``[B, H, S_r, D]``."""
+    shard = [torch.tensor(part[ctx.rank]) for part in (layout.shard(x) for x in whole)]
+    leaves = [x.requires_grad_() for x in shard[:3]]  # [B, S_r, H, D]: transformers hands over [B, H, S_r, D] views
+    module = torch.nn.Module()
+    module.is_causal = causal
+    position_ids = torch.as_tensor(layout.positions(ctx.rank))[None]
+    with context(ctx, layout, attention):
+        out, weights = integration.attention_forward(module, *(x.transpose(1, 2) for x in leaves), None, scaling=0.3,
+                                                     position_ids=position_ids)
+    assert weights is None
+    (out * shard[3]).sum().backward()
+    return out.detach().numpy(), [leaf.grad.numpy() for leaf in leaves]
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except (commlib.CommError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def refusals(ctx) -> dict[str, str]:
+    """The error text of every call the integration and the context refuse, on this rank (W ranks, S = 7)."""
+    layout = commlib.SequenceLayout(7, ulysses_size=ctx.world_size)
+    rows = layout.sizes[ctx.rank]
+    q, k = torch.ones(1, 4, rows, 8, dtype=torch.float64), torch.ones(1, 2, rows, 8, dtype=torch.float64)
+    positions = torch.as_tensor(layout.positions(ctx.rank))[None]
+
+    def call(**kwargs):
+        arguments = dict(attention_mask=None, position_ids=positions) | kwargs
+        mask = arguments.pop("attention_mask")
+        with parallel(layout):
+            integration.attention_forward(None, arguments.pop("query", q), k, k, mask, **arguments)
+
+    def enter(*args, **kwargs):
+        with parallel(*args, **kwargs):
+            pass
+
+    return {
+        "outside": _error(lambda: integration.attention_forward(None, q, k, k, None)),
+        "mask": _error(lambda: call(attention_mask=torch.ones(1, 1, rows, 7, dtype=torch.bool))),
+        "dropout": _error(lambda: call(dropout=0.1)),
+        "sliding_window": _error(lambda: call(sliding_window=4)),
+        "softcap": _error(lambda: call(softcap=30.0)),
+        "sinks": _error(lambda: call(s_aux=torch.zeros(4))),
+        "local positions": _error(lambda: call(position_ids=torch.arange(rows)[None] + 1)),
+        "rows": _error(lambda: call(query=torch.ones(1, 4, rows + 1, 8, dtype=torch.float64))),
+        "layout world size": _error(lambda: enter(commlib.SequenceLayout(7, ulysses_size=ctx.world_size + 1))),
+        "ring layout for ulysses": _error(lambda: enter(commlib.SequenceLayout(8, ring_size=ctx.world_size))),
+        "unknown attention": _error(lambda: enter(layout, attention="flash")),
+        "usp without groups": _error(lambda: enter(layout, attention="usp")),
+        "not a layout": _error(lambda: enter(7)),
+    }
+
+
+def nesting(ctx) -> list[str]:
+    """The attention of the innermost context, before, inside and after a nested one."""
+    from commlib_torch import _parallel
+
+    seen = []
+    outer = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
+    inner = commlib.SequenceLayout(8, ring_size=ctx.world_size)
+    with parallel(outer):
+        seen.append(_parallel.current("test").plan.attention)
+        with parallel(inner, attention="ring"):
+            seen.append(_parallel.current("test").plan.attention)
+        seen.append(_parallel.current("test").plan.attention)
+    seen.append(str(_parallel._CURRENT.get()))
+    return seen
+
+
+def llama(ctx, seq_len: int, padding: bool):
+    """A tiny transformers Llama (GQA) built with ``attn_implementation="commlib"``: its sharded logits on this
+    rank against the unsharded SDPA model's (relative error), or, with `padding`, the error a padding mask
+    raises."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    integration.register()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    sharded.load_state_dict(reference.state_dict())
+    layout = commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    ids = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    positions = torch.as_tensor(layout.positions(ctx.rank))
+    mine = dict(input_ids=ids[:, positions], position_ids=positions[None].expand(2, -1), use_cache=False)
+    if padding:
+        mask = torch.ones(2, len(positions), dtype=torch.long)
+        mask[0, 0] = 0
+        with parallel(layout):
+            return _error(lambda: sharded(**mine, attention_mask=mask))
+    outside = _error(lambda: sharded(**mine))
+    with parallel(layout):
+        logits = sharded(**mine).logits
+    want = reference(input_ids=ids, use_cache=False).logits[:, positions]
+    return outside, float((logits - want).abs().max() / want.abs().max())

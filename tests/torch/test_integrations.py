@@ -1,0 +1,104 @@
+"""`commlib_torch.sequence.parallel` and `commlib_torch.integrations.transformers` on real gloo process groups:
+the registered attention, called as transformers calls it, against the float64 reference (`commlib.attention`:
+unsharded GQA attention at global positions) on every rank, values and dq/dk/dv, for Ulysses (odd lengths, a rank
+with fewer rows), ring (zigzag) and USP 2 x 2; every refusal with its message on every rank; nested contexts; a
+transformers Llama sharded against the unsharded model, outside a context and with a padding mask. The whole
+training loop is examples/transformers_llama.py (tests/test_training_examples.py).
+"""
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import attention as A
+from tests.torch import integration_jobs as jobs
+
+WORLD_SIZES = (1, 2, 3, 4)
+TOLERANCE = 1e-10
+
+
+def _whole(seq_len: int, seed: int = 0) -> list[np.ndarray]:
+    """float64 q ``[2, S, 8, 4]``, k and v ``[2, S, 2, 4]`` (GQA) and the output cotangent."""
+    rng = np.random.default_rng(seed)
+    shapes = [(2, seq_len, 8, 4), (2, seq_len, 2, 4), (2, seq_len, 2, 4), (2, seq_len, 8, 4)]
+    return [rng.standard_normal(shape) for shape in shapes]
+
+
+def _check(pool, layout: commlib.SequenceLayout, attention: str, causal: bool) -> None:
+    whole = _whole(layout.seq_len)
+    replies = pool(layout.world_size).run(jobs.attention_call, layout, attention, whole, causal)
+    want = A.attention(*whole[:3], causal=causal, scale=0.3)
+    want_grads = A.attention_vjp(*whole, causal=causal, scale=0.3)
+    for rank, (out, grads) in enumerate(replies):
+        rows = layout.positions(rank)
+        np.testing.assert_allclose(out, want[:, rows], rtol=0, atol=TOLERANCE, err_msg=f"rank {rank} output")
+        for name, grad, wanted in zip("qkv", grads, want_grads, strict=True):
+            np.testing.assert_allclose(grad, wanted[:, rows], rtol=0, atol=TOLERANCE, err_msg=f"rank {rank} d{name}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("seq_len", [7, 37])
+def test_ulysses_any_length(pool, world_size, seq_len):
+    """S = 7 at W = 4: three ranks hold 2 rows, one holds 1."""
+    _check(pool, commlib.SequenceLayout(seq_len, ulysses_size=world_size), "ulysses", causal=True)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_zigzag(pool, world_size):
+    _check(pool, commlib.SequenceLayout(24, ring_size=world_size, layout="zigzag"), "ring", causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_usp_two_by_two(pool, causal):
+    _check(pool, commlib.SequenceLayout(16, ring_size=2, ulysses_size=2, layout="zigzag"), "usp", causal=causal)
+
+
+def test_ring_contiguous_not_causal(pool):
+    _check(pool, commlib.SequenceLayout(12, ring_size=3), "ring", causal=False)
+
+
+def test_refusals(pool):
+    """Every refused call raises the spec's message, the same on every rank, before communicating."""
+    replies = pool(4).run(jobs.refusals)
+    for reply in replies[1:]:
+        assert set(reply) == set(replies[0])
+    first = replies[0]
+    assert first["outside"].startswith("CommError: commlib attention: called outside a "
+                                       "commlib_torch.sequence.parallel(...) context")
+    assert "an attention mask (padding or custom) is not supported" in first["mask"]
+    assert "dropout (0.1) must be 0" in first["dropout"]
+    assert "sliding_window (4) is not supported" in first["sliding_window"]
+    assert "softcap (30.0) is not supported" in first["softcap"]
+    assert "an attention bias is not supported" in first["sinks"]
+    assert "position_ids must be the global positions of shard 0" in first["local positions"]
+    assert "query rows (3) must be layout.sizes[0] (2)" in first["rows"]
+    assert "parallel: layout.ulysses_size (5) must be 4 (the group's size for attention='ulysses')" in \
+        first["layout world size"]
+    assert "parallel: layout.ulysses_size (1) must be 4" in first["ring layout for ulysses"]
+    assert "parallel: attention ('flash') must be one of ulysses, ring, usp" in first["unknown attention"]
+    assert "attention='usp' needs both ulysses_group and ring_group" in first["usp without groups"]
+    assert first["not a layout"].startswith("TypeError: parallel: layout must be a commlib.SequenceLayout, not int")
+    for rank, reply in enumerate(replies):
+        assert f"shard {rank}" in reply["local positions"]
+        assert all(text != "no error" for text in reply.values()), (rank, reply)
+
+
+def test_nesting(pool):
+    """The innermost context wins; the outer one is back on exit; nothing is left after."""
+    for reply in pool(2).run(jobs.nesting):
+        assert reply == ["ulysses", "ring", "ulysses", "None"]
+
+
+def test_llama_through_the_registry(pool):
+    """A transformers Llama with attn_implementation="commlib" at S = 7 over 3 ranks: logits within 1e-10 of the
+    unsharded SDPA model's on every rank; outside a context, a clear CommError."""
+    for outside, error in pool(3).run(jobs.llama, 7, False):
+        assert "called outside a commlib_torch.sequence.parallel(...) context" in outside
+        assert error <= TOLERANCE
+
+
+def test_llama_padding_mask_refused(pool):
+    """A padding mask handed to the model reaches the integration (its mask function) and is refused on every
+    rank, never silently dropped."""
+    for text in pool(2).run(jobs.llama, 9, True):
+        assert "an attention mask (padding or custom) is not supported" in text
