@@ -51,10 +51,10 @@ def _table(kind: str, layout: SequenceLayout, rank: int, device: torch.device) -
     return torch.tensor(table, dtype=torch.int64, device=device)
 
 
-def position_ids(layout: SequenceLayout, group: GroupArgument = None, *,
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """This rank's global positions: int64 ``[layout.sizes[rank]]`` (``layout.positions(rank)``), for RoPE and
-    position embeddings (feeding local positions 0..n-1 instead is the silent mistake this replaces).
+def position_ids(layout: SequenceLayout, group: GroupArgument = None) -> torch.Tensor:
+    """This rank's global positions: int64 ``[layout.sizes[rank]]`` (``layout.positions(rank)``) on the CPU
+    (``.to(device)`` them), for RoPE and position embeddings (feeding local positions 0..n-1 instead is the
+    silent mistake this replaces); `shard_tokens` returns them ``[B, n]`` on input_ids' device.
 
     Raises:
         CommError: ``layout.world_size`` is not the group's size. TypeError: `layout` not a `SequenceLayout`.
@@ -65,7 +65,7 @@ def position_ids(layout: SequenceLayout, group: GroupArgument = None, *,
         tensor([0, 1, 2, 3, 4])
     """
     layout, _, rank = _rank_layout("position_ids", layout, group)
-    return _table("positions", layout, rank, torch.device("cpu") if device is None else torch.device(device)).clone()
+    return _table("positions", layout, rank, torch.device("cpu")).clone()
 
 
 def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
