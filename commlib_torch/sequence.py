@@ -94,7 +94,7 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupAr
     rows, labels_from = (_table(kind, layout, rank, input_ids.device) for kind in ("positions", "labels"))
     ids = input_ids.index_select(1, rows)
     labels = input_ids.index_select(1, labels_from.clamp(min=0)).masked_fill(labels_from < 0, ignore)
-    return ids, rows.expand(input_ids.shape[0], -1), labels
+    return ids, rows.repeat(input_ids.shape[0], 1), labels
 
 
 def shard_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
