@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commlib import SequenceLayout
+from commlib import SequenceLayout, frontend_errors
 from commlib import sequence_helpers as spec
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, shared_axes
@@ -39,9 +39,8 @@ def _rows(table: np.ndarray, layout: SequenceLayout, axes: tuple) -> jax.Array:
 
 
 def _check_array(op_name: str, x, name: str = "x"):
+    """`x` itself if it is an array; else the spec's TypeError naming the argument and the type received."""
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        from commlib import frontend_errors
-
         raise frontend_errors.wrong_type(op_name, name, x, "jax.Array or numpy.ndarray")
     return x
 

@@ -35,8 +35,7 @@ def _per_rank(body, mode: str, world_size: int):
     def stacked(*args):
         return jax.tree.map(lambda t: t[None], body(*(arg[0] for arg in args)))
 
-    return jax.shard_map(stacked, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=mode != "pmap" and
-                         mode == MODES[0])
+    return jax.shard_map(stacked, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=mode == MODES[0])
 
 
 def _padded(shards, layout: SequenceLayout, rng) -> np.ndarray:
