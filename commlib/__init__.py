@@ -10,6 +10,8 @@
   attention reference;
 - `commlib.sequence`: the sequence layouts (`SequenceLayout` for any length; the even `shard_positions`,
   `shard_sequence`, `unshard_sequence`);
+- `commlib.sequence_helpers`: the whole model's sequence helpers (tokens, positions, global labels, the take and
+  gather of a sequence, the loss over every rank's tokens): validation, index tables, float64 references;
 - `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
   that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
   `commlib.ring_reference`: the float64 references (unsharded, and the ring on simulated numpy ranks);

@@ -1,6 +1,16 @@
-"""Sequence parallelism for a whole model over `jax.lax` (inside ``shard_map`` / ``pmap``): the `parallel`
-context that names the attention layer (Ulysses, ring, USP), its mesh axes and the `commlib.SequenceLayout`,
-and `dot_product_attention`, the drop-in for ``jax.nn.dot_product_attention`` that runs that layer (a Flax
+"""The sequence helpers of a whole sequence-parallel model over `jax.lax` (inside ``shard_map`` / ``pmap``): this
+rank's tokens, global positions and globally shifted labels (`shard_tokens`, `position_ids`), the differentiable
+take and gather of a sequence (`shard_sequence`, `gather_sequence`) and the loss over every rank's tokens
+(`cross_entropy`); `commlib_jax.training.value_and_grad` takes the gradient.
+
+Each takes a `commlib.SequenceLayout` whose world size is the size of `axis_name`. Every device holds one shape:
+shard r padded to ``layout.max_size`` rows, its own ``layout.sizes[r]`` first (padding rows: id 0, position 0,
+label `ignore_index`, zeros in `shard_sequence`'s output; ignored by `gather_sequence`, gradient exactly 0).
+The spec (`commlib.sequence_helpers`) validates every call at trace time and owns the index tables; the float64
+references there are what the tests compare with.
+
+And the `parallel` context that names the attention layer (Ulysses, ring, USP), its mesh axes and the
+`commlib.SequenceLayout`, and `dot_product_attention`, the drop-in for ``jax.nn.dot_product_attention`` that runs that layer (a Flax
 model swaps it in for its attention call). JAX holds every shard padded to ``layout.max_size`` rows.
 """
 
@@ -9,11 +19,215 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from commlib import parallel as parallel_spec
-from commlib.sequence import SequenceLayout
-from commlib_jax import _parallel
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["dot_product_attention", "parallel"]
+from commlib import SequenceLayout, frontend_errors
+from commlib import parallel as parallel_spec
+from commlib import sequence_helpers as spec
+from commlib_jax import _parallel
+from commlib_jax._op import axis_size
+from commlib_jax._vma import axes_of, shared_axes
+from commlib_jax._walk import dtype_name, rank
+from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
+from commlib_jax.training import summed_axes
+
+__all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy",
+           "dot_product_attention", "parallel"]
+
+
+
+def _layout(op_name: str, layout: object, axis_name: AxisName) -> tuple[SequenceLayout, tuple]:
+    axes = axes_of(axis_name)
+    return spec.check_layout(op_name, layout, axis_size(op_name, axes)), axes
+
+
+def _rows(table: np.ndarray, layout: SequenceLayout, axes: tuple) -> jax.Array:
+    """This rank's row of a ``[W, max_size]`` table, -1 (padding) replaced by ``seq_len`` (out of bounds: a
+    take with ``mode="fill"`` gives the fill value there)."""
+    return jnp.asarray(np.where(table < 0, layout.seq_len, table).astype(np.int32))[rank(axes)]
+
+
+def _check_array(op_name: str, x, name: str = "x"):
+    """`x` itself if it is an array; else the spec's TypeError naming the argument and the type received."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise frontend_errors.wrong_type(op_name, name, x, "jax.Array or numpy.ndarray")
+    return x
+
+
+def position_ids(layout: SequenceLayout, axis_name: AxisName) -> jax.Array:
+    """This rank's global positions: int32 ``[layout.max_size]`` (``layout.positions(rank)``, then 0 on padding
+    rows), for RoPE and position embeddings (local positions 0..n-1 are the silent mistake this replaces).
+
+    Raises:
+        CommError: ``layout.world_size`` is not the size of `axis_name`, an unbound axis name.
+        TypeError: `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> from commlib import SequenceLayout
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> layout = SequenceLayout(8, ring_size=4, layout="zigzag")
+        >>> f = jax.shard_map(lambda: position_ids(layout, "x")[None], mesh=mesh, in_specs=(), out_specs=P("x"))
+        >>> f().tolist()  # row r: rank r's positions (chunks r and 7 - r)
+        [[0, 7], [1, 6], [2, 5], [3, 4]]
+    """
+    layout, axes = _layout("position_ids", layout, axis_name)
+    return jnp.asarray(np.maximum(spec.position_table(layout), 0).astype(np.int32))[rank(axes)]
+
+
+def shard_tokens(input_ids, layout: SequenceLayout, axis_name: AxisName, *,
+                 ignore_index: int = -100) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
+    ``[B, layout.max_size]`` (ids and labels in input_ids' dtype, positions int32).
+
+    ids: the tokens at this rank's positions; position_ids: those global positions; labels: the next token of
+    each position over the whole sequence (the label of position p is token p + 1; position S - 1 and padding
+    rows get `ignore_index`), not shifted per shard. Padding rows: id 0, position 0. No communication.
+
+    Raises:
+        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the axis size.
+        TypeError: input_ids not an integer array, `layout` not a `SequenceLayout`, `ignore_index` not an int.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> from commlib import SequenceLayout
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4; S = 5: rank 0 holds two rows, the others one
+        >>> f = jax.shard_map(lambda ids: shard_tokens(ids, SequenceLayout(5, 4), "x")[2], mesh=mesh,
+        ...                   in_specs=P(), out_specs=P(None, "x"))
+        >>> f(jnp.array([[10, 11, 12, 13, 14]])).tolist()  # labels, [1, 2] per rank: token p + 1, then padding
+        [[11, 12, 13, -100, 14, -100, -100, -100]]
+    """
+    input_ids = _check_array("shard_tokens", input_ids, "input_ids")
+    layout, axes = _layout("shard_tokens", layout, axis_name)
+    ignore = spec.check_tokens("shard_tokens", input_ids.shape, dtype_name(input_ids.dtype), layout, ignore_index)
+    rows = _rows(spec.position_table(layout), layout, axes)
+    ids = jnp.take(input_ids, rows, axis=1, mode="fill", fill_value=0)
+    labels = jnp.take(input_ids, _rows(spec.label_table(layout), layout, axes), axis=1, mode="fill",
+                      fill_value=ignore)
+    positions = jnp.broadcast_to(position_ids(layout, axis_name), ids.shape)
+    return ids, positions, labels
+
+
+def shard_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int = 1) -> jax.Array:
+    """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., max_size, ..]``
+    along `dim` (``S == layout.seq_len``; rows past ``sizes[rank]`` are zeros), x's dtype; no communication
+    forward.
+
+    Gradient: every rank's cotangent all-gathered into place (as `commlib_jax.shard`): each rank gets the
+    gradient of the one replicated x (padding rows' cotangents dropped). An x typed invariant under
+    ``shard_map(check_vma=True)`` is one shared value: the take is then a plain local take, whose gradient JAX
+    itself sums over the ranks (the same gradient).
+
+    Raises:
+        CommError: `dim` out of range, ``x.shape[dim] != layout.seq_len``, ``layout.world_size`` not the axis
+            size. TypeError: `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> from commlib import SequenceLayout
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> layout = SequenceLayout(8, ring_size=4, layout="zigzag")
+        >>> f = jax.shard_map(lambda x: shard_sequence(x, layout, "x", dim=0), mesh=mesh, in_specs=P(),
+        ...                   out_specs=P("x"), check_vma=False)
+        >>> f(jnp.arange(8.0))  # rank r: positions r and 7 - r
+        Array([0., 7., 1., 6., 2., 5., 3., 4.], dtype=float32)
+    """
+    x = _check_array("shard_sequence", x)
+    layout, axes = _layout("shard_sequence", layout, axis_name)
+    dim = spec.check_sequence("shard_sequence", x.shape, dim, layout.seq_len, "layout.seq_len")
+    if shared_axes(x, axes):  # one shared value: JAX's transpose of the sharing sums the gradient
+        return jnp.take(x, _rows(spec.position_table(layout), layout, axes), axis=dim, mode="fill", fill_value=0)
+    order = spec.shard_order(layout, padded=True)
+    if order is not None:
+        index = np.where(order < 0, layout.seq_len, order).astype(np.int32)
+        x = jnp.take(x, jnp.asarray(index), axis=dim, mode="fill", fill_value=0)
+    return shard(x, axis_name, dim)
+
+
+def gather_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int = 1,
+                    convention: str = "sum") -> jax.Array:
+    """The inverse of `shard_sequence`: every rank's shard ``[.., max_size, ..]`` (its first ``sizes[r]`` rows
+    valid) gathered into the whole sequence ``[.., S, ..]`` in natural position order along `dim`, on every
+    rank; x's dtype.
+
+    One `all_gather` (``sizes=layout.sizes`` when uneven) and one local permutation (none for a contiguous
+    layout). Gradient as all_gather's: "sum" -> this rank's positions of the sum of every rank's cotangent;
+    "replicated" -> of its own cotangent; padding rows get exactly 0.
+
+    Raises:
+        CommError: `dim` out of range, ``x.shape[dim] != layout.max_size``, unknown convention,
+            ``layout.world_size`` not the axis size. TypeError: `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> from commlib import SequenceLayout
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4
+        >>> layout = SequenceLayout(8, ring_size=4, layout="zigzag")
+        >>> f = jax.shard_map(lambda x: gather_sequence(x, layout, "x", dim=0), mesh=mesh, in_specs=P("x"),
+        ...                   out_specs=P("x"))
+        >>> f(jnp.array([0.0, 7, 1, 6, 2, 5, 3, 4]))[:8]  # rank 0's output: natural order
+        Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
+    """
+    x = _check_array("gather_sequence", x)
+    layout, _ = _layout("gather_sequence", layout, axis_name)
+    dim = spec.check_sequence("gather_sequence", x.shape, dim, layout.max_size, "layout.max_size")
+    whole = all_gather(x, axis_name, dim, convention=convention, sizes=spec.gather_sizes(layout))
+    order = spec.gather_order(layout)
+    return whole if order is None else jnp.take(whole, jnp.asarray(order.astype(np.int32)), axis=dim)
+
+
+def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -100) -> jax.Array:
+    """The mean cross entropy over EVERY rank's non-ignored tokens, the same value on every rank of `axis_name`:
+    logits ``[*s, V]`` (this rank's tokens, padding rows included), labels ``[*s]`` -> a scalar in
+    ``promote(logits.dtype, float32)``.
+
+    The token losses of this rank are summed, the sums and the counts of non-ignored labels all_reduced, and
+    loss = global sum / global count. Gradient (``all_reduce(..., convention="replicated")``): each rank's
+    logits get their tokens' share of the global mean, ``(softmax - one_hot) / global count``, exactly 0 on
+    ignored and padding rows. No non-ignored token anywhere: NaN.
+
+    Inside `commlib_jax.training.value_and_grad` over axes that include `axis_name` it returns this rank's
+    share (its tokens' loss sum / global count) instead: that helper sums the ranks' losses, so its loss is the
+    global mean (not W times it) and its gradients the unsharded ones, in every mode.
+
+    Raises:
+        CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d, `axis_name` not within value_and_grad's
+            axes (inside it). TypeError: logits not floating, labels not integer, `ignore_index` not an int.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(jax.devices()[:4], ("x",))  # W = 4, one token each, the last one ignored
+        >>> f = jax.shard_map(lambda z, y: cross_entropy(z, y, "x")[None], mesh=mesh, in_specs=P("x"),
+        ...                   out_specs=P("x"))
+        >>> f(jnp.zeros((4, 3)), jnp.array([0, 1, 2, -100])).round(6)  # log(3) on every rank
+        Array([1.098612, 1.098612, 1.098612, 1.098612], dtype=float32)
+    """
+    logits, labels = _check_array("cross_entropy", logits, "logits"), _check_array("cross_entropy", labels, "labels")
+    axes = axes_of(axis_name)
+    axis_size("cross_entropy", axes)
+    ignore = spec.check_cross_entropy(logits.shape, labels.shape, dtype_name(logits.dtype), dtype_name(labels.dtype),
+                                      ignore_index)
+    share = spec.check_share_axes(axes, summed_axes())
+    accumulate = jnp.promote_types(logits.dtype, jnp.float32)
+    valid = labels != ignore
+    log_probs = jax.nn.log_softmax(logits.astype(accumulate), axis=-1)
+    picked = jnp.take_along_axis(log_probs, jnp.where(valid, labels, 0)[..., None].astype(jnp.int32), axis=-1)
+    local = -jnp.sum(jnp.where(valid, picked[..., 0], 0))
+    count = jnp.sum(valid).astype(accumulate)
+    if share:  # value_and_grad sums the ranks' losses: each rank contributes its share
+        return local / jax.lax.stop_gradient(all_reduce(count, axis_name))
+    total = all_reduce(jnp.stack([local, count]), axis_name, convention="replicated")
+    return total[0] / jax.lax.stop_gradient(total[1])
+
+
+# ---- the parallel context and the attention drop-in ------------------------------------------------------------
 
 
 @contextlib.contextmanager

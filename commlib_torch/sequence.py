@@ -1,4 +1,13 @@
-"""Sequence parallelism for a whole model over `torch.distributed`: the `parallel` context that names the
+"""The sequence helpers of a whole sequence-parallel model over `torch.distributed`: this rank's tokens, global
+positions and globally shifted labels (`shard_tokens`, `position_ids`), the differentiable take and gather of a
+sequence (`shard_sequence`, `gather_sequence`), the loss over every rank's tokens (`cross_entropy`) and the
+gradient sync of replicated parameters (`sync_gradients`).
+
+Each takes a `commlib.SequenceLayout` whose world size is the group's; rank r holds shard r exactly
+(``layout.sizes[r]`` rows, possibly none). The spec (`commlib.sequence_helpers`) validates every call before
+any communication and owns the index tables; the float64 references there are what the tests compare with.
+
+And the `parallel` context that names the
 attention layer (Ulysses, ring, USP), its groups and the `commlib.SequenceLayout` for the code inside it
 (an integration, e.g. `commlib_torch.integrations.transformers`, runs that layer for the model's attention).
 """
@@ -6,14 +15,222 @@ attention layer (Ulysses, ring, USP), its groups and the `commlib.SequenceLayout
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterable, Iterator
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from commlib import SequenceLayout
+from commlib import sequence_helpers as spec
 from commlib.parallel import ParallelPlan
-from commlib.sequence import SequenceLayout
 from commlib_torch import _parallel
-from commlib_torch._groups import GroupArgument
+from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
+from commlib_torch._walk import dtype_name
+from commlib_torch.functional import ReduceOpArgument, all_gather, all_reduce, shard
 
-__all__ = ["parallel"]
+__all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy",
+           "sync_gradients", "parallel"]
+
+
+
+def _rank_layout(op_name: str, layout: object, group: GroupArgument) -> tuple[SequenceLayout, ResolvedGroup, int]:
+    """The layout checked against the group, the resolved group and this rank in it."""
+    resolved = resolve_group(op_name, group)
+    layout = spec.check_layout(op_name, layout, world_size(op_name, resolved))
+    return layout, resolved, dist.get_rank(resolved)
+
+
+@functools.lru_cache(maxsize=256)
+def _table(kind: str, layout: SequenceLayout, rank: int, device: torch.device) -> torch.Tensor:
+    """An index tensor of the spec's tables, built once per layout, rank and device (read-only after)."""
+    table: np.ndarray | None
+    if kind == "positions":
+        table = layout.positions(rank)
+    elif kind == "labels":  # where each row's label comes from; -1: ignore_index
+        table = spec.label_table(layout)[rank, :layout.sizes[rank]]
+    elif kind == "shard":  # the shard order, a padding row taken from the zero row at index S
+        order = spec.shard_order(layout, padded=not layout.is_even)
+        assert order is not None  # only asked for where the spec says there is an order
+        table = np.where(order < 0, layout.seq_len, order)
+    else:  # "gather": natural order from the gathered shards
+        table = spec.gather_order(layout)
+    assert table is not None
+    return torch.tensor(table, dtype=torch.int64, device=device)
+
+
+def position_ids(layout: SequenceLayout, group: GroupArgument = None) -> torch.Tensor:
+    """This rank's global positions: int64 ``[layout.sizes[rank]]`` (``layout.positions(rank)``) on the CPU
+    (``.to(device)`` them), for RoPE and position embeddings (feeding local positions 0..n-1 instead is the
+    silent mistake this replaces); `shard_tokens` returns them ``[B, n]`` on input_ids' device.
+
+    Raises:
+        CommError: ``layout.world_size`` is not the group's size. TypeError: `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> from commlib import SequenceLayout
+        >>> position_ids(SequenceLayout(5))  # W = 1: every position
+        tensor([0, 1, 2, 3, 4])
+    """
+    layout, _, rank = _rank_layout("position_ids", layout, group)
+    return _table("positions", layout, rank, torch.device("cpu")).clone()
+
+
+def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
+                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
+    int64-indexed ``[B, sizes[rank]]`` (ids and labels in input_ids' dtype, positions int64).
+
+    ids: the tokens at this rank's positions; position_ids: those global positions; labels: the next token of
+    each position over the whole sequence (the label of position p is token p + 1; position S - 1 gets
+    `ignore_index`), not shifted per shard. No communication; no gradient (integers).
+
+    Raises:
+        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the group's.
+        TypeError: input_ids not an integer tensor, `layout` not a `SequenceLayout`, `ignore_index` not an int.
+
+    Example:
+        >>> from commlib import SequenceLayout
+        >>> ids, positions, labels = shard_tokens(torch.tensor([[5, 6, 7, 8]]), SequenceLayout(4))
+        >>> ids, positions, labels  # W = 1: the labels are the tokens shifted by one
+        (tensor([[5, 6, 7, 8]]), tensor([[0, 1, 2, 3]]), tensor([[   6,    7,    8, -100]]))
+    """
+    input_ids = check_tensor("shard_tokens", input_ids, "input_ids")
+    layout, _, rank = _rank_layout("shard_tokens", layout, group)
+    ignore = spec.check_tokens("shard_tokens", tuple(input_ids.shape), dtype_name(input_ids.dtype), layout,
+                               ignore_index)
+    rows, labels_from = (_table(kind, layout, rank, input_ids.device) for kind in ("positions", "labels"))
+    ids = input_ids.index_select(1, rows)
+    labels = input_ids.index_select(1, labels_from.clamp(min=0)).masked_fill(labels_from < 0, ignore)
+    return ids, rows.repeat(input_ids.shape[0], 1), labels
+
+
+def shard_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
+                   dim: int = 1) -> torch.Tensor:
+    """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., sizes[rank], ..]``
+    along `dim` (``S == layout.seq_len``), x's dtype; no communication forward.
+
+    Gradient: every rank's cotangent all-gathered into place (as `commlib_torch.shard`): each rank gets the
+    gradient of the one replicated x. Built on `shard` (uneven layouts: each shard padded to
+    ``layout.max_size`` rows in the shard order, the padding's cotangent dropped).
+
+    Raises:
+        CommError: `dim` out of range, ``x.shape[dim] != layout.seq_len``, ``layout.world_size`` not the group's.
+        TypeError: x not a tensor, `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> from commlib import SequenceLayout
+        >>> shard_sequence(torch.arange(6.0).reshape(1, 3, 2), SequenceLayout(3)).shape  # W = 1: all of it
+        torch.Size([1, 3, 2])
+    """
+    x = check_tensor("shard_sequence", x)
+    layout, resolved, rank = _rank_layout("shard_sequence", layout, group)
+    dim = spec.check_sequence("shard_sequence", tuple(x.shape), dim, layout.seq_len, "layout.seq_len")
+    if spec.shard_order(layout, padded=not layout.is_even) is not None:
+        if not layout.is_even:  # a zero row at index S stands for every padding row
+            x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)
+        x = x.index_select(dim, _table("shard", layout, rank, x.device))
+    out = shard(x, dim, resolved)
+    return out if layout.is_even else out.narrow(dim, 0, layout.sizes[rank])
+
+
+def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *, dim: int = 1,
+                    convention: str = "sum") -> torch.Tensor:
+    """The inverse of `shard_sequence`: every rank's shard ``[.., sizes[r], ..]`` gathered into the whole
+    sequence ``[.., S, ..]`` in natural position order along `dim`, on every rank; x's dtype.
+
+    One `all_gather` (``sizes=layout.sizes`` when uneven) and one local permutation (none for a contiguous
+    layout). Gradient as all_gather's: "sum" -> this rank's positions of the sum of every rank's cotangent;
+    "replicated" -> this rank's positions of its own cotangent.
+
+    Raises:
+        CommError: `dim` out of range, ``x.shape[dim] != layout.sizes[rank]``, unknown convention,
+            ``layout.world_size`` not the group's. TypeError: x not a tensor, `layout` not a `SequenceLayout`.
+
+    Example:
+        >>> from commlib import SequenceLayout
+        >>> gather_sequence(torch.arange(3.0).reshape(1, 3), SequenceLayout(3))  # W = 1: as it is
+        tensor([[0., 1., 2.]])
+    """
+    x = check_tensor("gather_sequence", x)
+    layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
+    dim = spec.check_sequence("gather_sequence", tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
+    whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
+    if spec.gather_order(layout) is None:
+        return whole
+    return whole.index_select(dim, _table("gather", layout, rank, whole.device))
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgument = None, *,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """The mean cross entropy over EVERY rank's non-ignored tokens, the same value on every rank of `group`:
+    logits ``[*s, V]`` (this rank's tokens), labels ``[*s]`` -> a scalar in ``promote(logits.dtype, float32)``.
+
+    This rank's token losses are summed (``F.cross_entropy(..., reduction="sum")``), the sums and the counts of
+    non-ignored labels all_reduced, and loss = global sum / global count (a mean per shard, averaged, is wrong
+    for uneven shards and padding). Gradient (``all_reduce(..., convention="replicated")``): each rank's logits
+    get their tokens' share of the global mean, ``(softmax - one_hot) / global count`` (0 on ignored rows), so
+    the replicated parameters' gradients summed over the group (`sync_gradients`) are the unsharded ones. No
+    non-ignored token anywhere: NaN, as torch's mean.
+
+    Raises:
+        CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d. TypeError: logits not floating, labels not
+            integer, `ignore_index` not an int.
+
+    Example:
+        >>> logits, labels = torch.zeros(1, 3, 4, requires_grad=True), torch.tensor([[1, 2, -100]])
+        >>> loss = cross_entropy(logits, labels)  # W = 1: the mean over the two labelled tokens
+        >>> round(loss.item(), 6)  # log(4)
+        1.386294
+    """
+    logits, labels = check_tensor("cross_entropy", logits, "logits"), check_tensor("cross_entropy", labels, "labels")
+    resolved = resolve_group("cross_entropy", group)
+    ignore = spec.check_cross_entropy(tuple(logits.shape), tuple(labels.shape), dtype_name(logits.dtype),
+                                      dtype_name(labels.dtype), ignore_index)
+    accumulate = torch.promote_types(logits.dtype, torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1]).to(accumulate)
+    local = torch.nn.functional.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=ignore, reduction="sum")
+    count = (labels != ignore).sum().to(accumulate)
+    total = all_reduce(torch.stack([local, count]), group=resolved, convention="replicated")
+    return total[0] / total[1].detach()
+
+
+def sync_gradients(parameters: Iterable[torch.Tensor], group: GroupArgument = None, *,
+                   op: ReduceOpArgument = "sum") -> None:
+    """Sum (``op="sum"``) or average (``"avg"``) the gradients of replicated parameters over `group`, in place:
+    one all_reduce per dtype and device (the gradients flattened into one buffer each). Parameters without a
+    gradient are skipped (every rank must skip the same ones). With `cross_entropy` (each rank's share of the
+    global mean) "sum" gives every rank the unsharded gradients; DDP's average would give 1/W of them.
+
+    Raises:
+        CommError: op not sum/avg. TypeError: a parameter that is not a tensor, a sparse gradient.
+
+    Example:
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> (3 * weight).sum().backward()
+        >>> sync_gradients([weight])  # W = 1: the sum over one rank
+        >>> weight.grad
+        tensor([3., 3.])
+    """
+    reduce_op = spec.check_sync_op(op)
+    resolved = resolve_group("sync_gradients", group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for parameter in parameters:
+        check_tensor("sync_gradients", parameter, "parameter")
+        if parameter.grad is None:
+            continue
+        if parameter.grad.is_sparse:
+            raise spec.sparse_gradient_error(tuple(parameter.shape))
+        buckets.setdefault((parameter.grad.dtype, parameter.grad.device), []).append(parameter.grad)
+    with torch.no_grad():
+        for grads in buckets.values():
+            flat = all_reduce(torch.cat([grad.reshape(-1) for grad in grads]), reduce_op.value, resolved)
+            for grad, part in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
+                grad.copy_(part.view_as(grad))
+
+
+# ---- the parallel context ---------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager

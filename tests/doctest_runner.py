@@ -24,7 +24,7 @@ MODULES = {
     "torch": ("commlib_torch.functional", "commlib_torch.attention", "commlib_torch.communicator",
               "commlib_torch.ring", "commlib_torch.sequence", "commlib_torch.integrations.transformers"),
     "jax": ("commlib_jax.functional", "commlib_jax.attention", "commlib_jax.communicator", "commlib_jax.ring",
-            "commlib_jax.sequence"),
+            "commlib_jax.sequence", "commlib_jax.training"),
 }
 JAX_DEVICES = 4
 

@@ -1,8 +1,8 @@
-"""Both frontends' public functions take the same keyword names: the ops, the attention layers and the
-communicators' methods. The one difference is the group: torch's ``group`` (``ulysses_group`` / ``ring_group``)
-is JAX's ``axis_name`` (``ulysses_axis`` / ``ring_axis``), required in JAX and placed after the arrays, where
-torch's defaults to None (WORLD) and comes after the op's own arguments. Every other parameter has the same
-name, kind (positional or keyword-only), default and order. Each frontend is read in a fresh interpreter.
+"""Both frontends' public functions take the same keyword names: the ops, the attention layers, the sequence
+helpers and the communicators' methods. The one difference is the group: torch's ``group`` (``ulysses_group`` /
+``ring_group``) is JAX's ``axis_name`` (``ulysses_axis`` / ``ring_axis``), required in JAX and placed after the
+arrays, where torch's defaults to None (WORLD) and comes after the op's own arguments. Every other parameter has
+the same name, kind (positional or keyword-only), default and order. Each frontend is read in a fresh interpreter.
 """
 
 import functools
@@ -33,6 +33,9 @@ for name in package.__all__:
         found[name] = parameters(getattr(package, name))
 for name in attention.__all__:
     found[f"attention.{name}"] = parameters(getattr(attention, name))
+sequence = importlib.import_module(f"commlib_{frontend}.sequence")
+for name in ("shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy"):
+    found[f"sequence.{name}"] = parameters(getattr(sequence, name))
 for name, value in vars(communicator).items():
     if inspect.isfunction(value) and not name.startswith("_"):
         found[f"communicator.{name}"] = parameters(value)

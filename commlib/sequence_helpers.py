@@ -1,0 +1,315 @@
+"""The sequence helpers of a whole sequence-parallel model: what each rank holds of the tokens, the positions and
+the labels of a `SequenceLayout`, the index tables the frontends walk, their validation, and the float64 numpy
+references (values and gradients) that `commlib_torch.sequence` and `commlib_jax.sequence` are tested against.
+
+A model's silent wrong answers live here: RoPE fed local positions, labels shifted per shard, a loss averaged
+per shard. The rules, for a layout of S tokens over W shards (shard i holds ``layout.positions(i)``):
+
+- the position of a row is its global position; the label of the row at position p is token p + 1, and
+  ``ignore_index`` at p = S - 1 (shifted over the whole sequence, not per shard);
+- the loss is the mean over every rank's non-ignored tokens; rank r's tokens' share of it is
+  ``sum of rank r's token losses / global count``, so the shares sum to the loss;
+- torch holds shard i exactly (``sizes[i]`` rows); JAX padded to ``max_size`` rows: padding rows hold id 0,
+  position 0 and label ``ignore_index``.
+
+>>> layout = SequenceLayout(5, ring_size=2, layout="zigzag")  # chunks (2, 1, 1, 1): blocks [0, 1, 4] and [2, 3]
+>>> position_table(layout).tolist(), label_table(layout).tolist()  # -1: padding / ignore_index
+([[0, 1, 4], [2, 3, -1]], [[1, 2, -1], [3, 4, -1]])
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import numpy as np
+
+from commlib.errors import comm_error, kind_error
+from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
+from commlib.sequence import SequenceLayout
+
+__all__ = ["check_layout", "check_tokens", "check_sequence", "check_cross_entropy", "check_share_axes",
+           "check_sync_op", "sparse_gradient_error",
+           "position_table", "label_table", "shard_order", "gather_order", "gather_sizes", "next_token_labels",
+           "shard_tokens_reference", "shard_sequence_reference", "gather_sequence_reference",
+           "cross_entropy_reference"]
+
+INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (both frontends raise these, before any communication)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_layout(op_name: str, layout: object, world_size: int) -> SequenceLayout:
+    """`layout` itself: a `SequenceLayout` whose world size is the group's (`world_size`).
+
+    >>> check_layout("shard_tokens", SequenceLayout(8, ring_size=4), 2)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: shard_tokens: layout.world_size (4) must be the group's world_size (2). Received: ...
+    """
+    if not isinstance(layout, SequenceLayout):
+        raise kind_error(op_name, f"layout must be a commlib.SequenceLayout, not {type(layout).__name__}",
+                         type=type(layout).__name__)
+    if layout.world_size != world_size:
+        raise comm_error(op_name, f"layout.world_size ({layout.world_size}) must be the group's world_size "
+                         f"({world_size})", layout=layout, world_size=world_size)
+    return layout
+
+
+def _dims(op_name: str, shape: object, received: dict) -> tuple[int, ...]:
+    try:
+        return tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+    except TypeError:
+        raise kind_error(op_name, "shape must be a sequence of ints", **received) from None
+
+
+def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
+    return operator.index(value)
+
+
+def check_tokens(op_name: str, shape: object, dtype: str, layout: SequenceLayout, ignore_index: object) -> int:
+    """Full token ids ``[B, S]`` of an integer dtype with ``S == layout.seq_len``; returns `ignore_index` as an int.
+
+    >>> check_tokens("shard_tokens", (2, 6), "int64", SequenceLayout(5), -100)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: shard_tokens: input_ids.shape[1] (6) must be layout.seq_len (5). Received: ...
+    """
+    received = dict(shape=shape, dtype=dtype, seq_len=layout.seq_len)
+    dims = _dims(op_name, shape, received)
+    ignore = _check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
+    if dtype not in INTEGER_DTYPES:
+        raise kind_error(op_name, f"input_ids must have an integer dtype, not {dtype}", **received)
+    if len(dims) != 2:
+        raise comm_error(op_name, f"input_ids ndim ({len(dims)}) must be 2 ([batch, seq])", **received)
+    if dims[1] != layout.seq_len:
+        raise comm_error(op_name, f"input_ids.shape[1] ({dims[1]}) must be layout.seq_len ({layout.seq_len})",
+                         **received)
+    return ignore
+
+
+def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: str) -> int:
+    """`dim` normalised, after checking that ``shape[dim] == rows`` (`what` names the expected count).
+
+    >>> check_sequence("gather_sequence", (2, 3, 4), 1, 2, "layout.sizes[1]")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: gather_sequence: x.shape[1] (3) must be layout.sizes[1] (2). Received: ...
+    """
+    received = dict(shape=shape, dim=dim)
+    dims = _dims(op_name, shape, received)
+    value = _check_int(op_name, "dim", dim, received)
+    if not -len(dims) <= value < len(dims):
+        raise comm_error(op_name, f"dim ({value}) must be in [{-len(dims)}, {len(dims)}) for ndim {len(dims)}",
+                         **received)
+    value %= len(dims)
+    if dims[value] != rows:
+        raise comm_error(op_name, f"x.shape[{value}] ({dims[value]}) must be {what} ({rows})", **received)
+    return value
+
+
+def check_cross_entropy(shape: object, labels_shape: object, dtype: str, labels_dtype: str,
+                        ignore_index: object) -> int:
+    """logits ``[*s, V]`` floating, labels ``[*s]`` integer; returns `ignore_index` as an int.
+
+    >>> check_cross_entropy((2, 3, 8), (2, 4), "float32", "int64", -100)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: cross_entropy: labels.shape ((2, 4)) must be logits.shape[:-1] ((2, 3)). Received: ...
+    """
+    op_name = "cross_entropy"
+    received = dict(shape=shape, labels_shape=labels_shape, dtype=dtype, labels_dtype=labels_dtype)
+    dims, label_dims = _dims(op_name, shape, received), _dims(op_name, labels_shape, received)
+    ignore = _check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
+    if not is_floating(dtype):
+        raise kind_error(op_name, f"logits must have a floating dtype, not {dtype}", **received)
+    if labels_dtype not in INTEGER_DTYPES:
+        raise kind_error(op_name, f"labels must have an integer dtype, not {labels_dtype}", **received)
+    if not dims:
+        raise comm_error(op_name, "logits ndim (0) must be >= 1 ([..., vocab])", **received)
+    if label_dims != dims[:-1]:
+        raise comm_error(op_name, f"labels.shape ({label_dims}) must be logits.shape[:-1] ({dims[:-1]})",
+                         **received)
+    return ignore
+
+
+def check_share_axes(axes: tuple, summed: tuple | None) -> bool:
+    """Whether JAX's `cross_entropy` over `axes` returns this rank's share of the mean: inside
+    ``commlib_jax.training.value_and_grad`` over the axes `summed` (None: outside it), which sums the ranks'
+    losses and gradients over them; `axes` must be among them there.
+
+    >>> check_share_axes(("sp",), ("dp", "sp")), check_share_axes(("sp",), None)
+    (True, False)
+    >>> check_share_axes(("sp",), ("dp",))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: cross_entropy: axis_name (('sp',)) must be among the axes value_and_grad sums ...
+    """
+    if summed is None:
+        return False
+    if not set(axes) <= set(summed):
+        raise comm_error("cross_entropy", f"axis_name ({tuple(axes)}) must be among the axes value_and_grad sums over "
+                         f"({tuple(summed)}): the other ranks' shares of the loss and of the gradients would not be "
+                         "summed", axis_name=tuple(axes), value_and_grad_axes=tuple(summed))
+    return True
+
+
+def sparse_gradient_error(shape: tuple[int, ...]) -> TypeError:
+    """`sync_gradients`' error for a sparse gradient (it flattens dense gradients).
+
+    >>> sparse_gradient_error((4, 2))
+    TypeError('sync_gradients: gradients must be dense, not sparse. Received: shape=(4, 2)')
+    """
+    return kind_error("sync_gradients", "gradients must be dense, not sparse", shape=tuple(shape))
+
+
+def check_sync_op(op: object) -> ReduceOp:
+    """`sync_gradients`' op: "sum" or "avg" (a string, `ReduceOp` or its torch twin).
+
+    >>> check_sync_op("max")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: sync_gradients: op ('max') must be one of sum, avg. Received: op='max'
+    """
+    parsed = parse_reduce_op(op, op_name="sync_gradients")
+    if parsed not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise comm_error("sync_gradients", f"op ({parsed.value!r}) must be one of sum, avg", op=parsed.value)
+    return parsed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Index tables (built once per layout; the frontends walk them)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def position_table(layout: SequenceLayout) -> np.ndarray:
+    """int64 ``[W, max_size]``: row i holds shard i's global positions, then -1 for each padding row."""
+    table = np.full((layout.world_size, layout.max_size), -1, dtype=np.int64)
+    for index in range(layout.world_size):
+        table[index, :layout.sizes[index]] = layout.positions(index)
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def label_table(layout: SequenceLayout) -> np.ndarray:
+    """int64 ``[W, max_size]``: the position whose token is each row's label (p + 1), -1 where the label is
+    ``ignore_index`` (the last position and padding rows)."""
+    positions = position_table(layout)
+    table = np.where((positions >= 0) & (positions + 1 < layout.seq_len), positions + 1, -1)
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def shard_order(layout: SequenceLayout, padded: bool) -> np.ndarray | None:
+    """The rows of the whole sequence in shard order: every shard's positions concatenated (exact: S rows), or
+    each shard padded to `max_size` with -1 (padded: ``W * max_size`` rows). None where that is the identity
+    (contiguous and even, or contiguous and exact)."""
+    order = position_table(layout).reshape(-1) if padded else np.concatenate(
+        [layout.positions(index) for index in range(layout.world_size)])
+    if order.shape[0] == layout.seq_len and np.array_equal(order, np.arange(layout.seq_len)):
+        return None
+    order.flags.writeable = False
+    return order
+
+
+@functools.lru_cache(maxsize=256)
+def gather_order(layout: SequenceLayout) -> np.ndarray | None:
+    """The inverse of the exact `shard_order`: row p of the whole sequence is row ``gather_order[p]`` of the
+    shards concatenated (what `all_gather` with `gather_sizes` returns). None where that is the identity."""
+    order = shard_order(layout, False)
+    if order is None:
+        return None
+    inverse = np.argsort(order, kind="stable")
+    inverse.flags.writeable = False
+    return inverse
+
+
+def gather_sizes(layout: SequenceLayout) -> tuple[int, ...] | None:
+    """The ``sizes=`` of the all_gather of a sequence (None: even)."""
+    return None if layout.is_even else layout.sizes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# float64 numpy references (W simulated ranks)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def next_token_labels(input_ids, ignore_index: int = -100) -> np.ndarray:
+    """``[B, S]`` labels of the whole sequence: token p + 1 at position p, `ignore_index` at S - 1.
+
+    >>> next_token_labels(np.array([[5, 6, 7]])).tolist()
+    [[6, 7, -100]]
+    """
+    ids = np.asarray(input_ids)
+    return np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), ignore_index, dtype=ids.dtype)], axis=1)
+
+
+def shard_tokens_reference(input_ids, layout: SequenceLayout, ignore_index: int = -100, *,
+                           padded: bool = False) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every rank's ``(ids, position_ids, labels)``, each ``[B, sizes[r]]`` (padded: ``[B, max_size]`` with id 0,
+    position 0 and label `ignore_index` on padding rows): the whole sequence's tokens, positions
+    (``arange(S)``) and `next_token_labels` sharded by `layout`.
+
+    >>> [ids.tolist() for ids, _, _ in shard_tokens_reference(np.array([[5, 6, 7]]), SequenceLayout(3, 2))]
+    [[[5, 6]], [[7]]]
+    """
+    ids = np.asarray(input_ids)
+    whole = (ids, np.broadcast_to(np.arange(layout.seq_len), ids.shape), next_token_labels(ids, ignore_index))
+    fill = (0, 0, ignore_index)
+    shards = [layout.shard(array, 1) for array in whole]
+    if padded:
+        shards = [[_pad(shard, layout.max_size, value) for shard in part] for part, value in zip(shards, fill,
+                                                                                                strict=True)]
+    return list(zip(*shards, strict=True))
+
+
+def _pad(x: np.ndarray, rows: int, value: int) -> np.ndarray:
+    return np.pad(x, ((0, 0), (0, rows - x.shape[1])), constant_values=value)
+
+
+def shard_sequence_reference(x, cotangents, layout: SequenceLayout, dim: int = 1, *, padded: bool = False):
+    """`shard_sequence` on W simulated ranks, each holding the replicated `x`: every rank's output and every
+    rank's gradient of x (the same on every rank: every rank's cotangent placed at its positions)."""
+    outputs = layout.shard(x, dim, padded=padded)
+    gradient = layout.unshard(cotangents, dim, padded=padded)
+    return outputs, [gradient] * layout.world_size
+
+
+def gather_sequence_reference(shards, cotangents, layout: SequenceLayout, dim: int = 1, *,
+                              convention: str = "sum", padded: bool = False):
+    """`gather_sequence` on W simulated ranks: every rank's output (the whole sequence) and every rank's
+    gradient of its shard: its rows of the sum of the cotangents ("sum"), or of its own ("replicated")."""
+    whole = layout.unshard(shards, dim, padded=padded)
+    total = np.sum(cotangents, axis=0)
+    own = [total] * layout.world_size if convention == "sum" else list(cotangents)
+    gradients = [layout.shard(cotangent, dim, padded=padded)[rank] for rank, cotangent in enumerate(own)]
+    return [whole] * layout.world_size, gradients
+
+
+def cross_entropy_reference(logits, labels, ignore_index: int = -100) -> tuple[float, np.ndarray]:
+    """The mean next-token cross entropy of the whole (unsharded) `logits` ``[*s, V]`` over the non-ignored
+    `labels` ``[*s]``, and its gradient ``(softmax - one_hot) / count`` (zero on ignored rows), in float64.
+
+    >>> loss, grad = cross_entropy_reference(np.zeros((1, 2, 4)), np.array([[3, -100]]))
+    >>> round(loss, 6), grad[0, 1].tolist()  # log(4); an ignored row's gradient is 0
+    (1.386294, [0.0, 0.0, 0.0, 0.0])
+    """
+    logits, labels = np.asarray(logits, dtype=np.float64), np.asarray(labels)
+    valid = labels != ignore_index
+    safe = np.where(valid, labels, 0)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, safe[..., None], axis=-1)[..., 0]
+    count = valid.sum()
+    loss = float(-np.where(valid, picked, 0.0).sum() / count)
+    one_hot = np.eye(logits.shape[-1])[safe]
+    gradient = np.where(valid[..., None], (np.exp(log_probs) - one_hot) / count, 0.0)
+    return loss, gradient

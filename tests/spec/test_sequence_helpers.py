@@ -1,0 +1,103 @@
+"""The spec of the sequence helpers (`commlib.sequence_helpers`): the index tables against their definitions
+(`SequenceLayout.positions`, the next token over the whole sequence), the exact and padded shard orders and their
+inverse, the references' identities (gather after shard is the identity; the ranks' cross-entropy shares sum to
+the loss; the reference gradient is the finite-difference one) and every error message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from commlib import CommError, SequenceLayout
+from commlib import sequence_helpers as spec
+from tests.sequence_cases import IGNORE, V, data, layouts
+
+ALL = [layout for world_size in (1, 2, 3, 4) for layout in layouts(world_size)]
+
+
+@pytest.mark.parametrize("layout", ALL, ids=repr)
+def test_tables_follow_the_layout(layout):
+    positions, labels = spec.position_table(layout), spec.label_table(layout)
+    for index, size in enumerate(layout.sizes):
+        assert positions[index, :size].tolist() == layout.positions(index).tolist()
+        assert (positions[index, size:] == -1).all() and (labels[index, size:] == -1).all()
+        own = layout.positions(index)
+        assert labels[index, :size].tolist() == [p + 1 if p + 1 < layout.seq_len else -1 for p in own]
+
+
+@pytest.mark.parametrize("layout", ALL, ids=repr)
+def test_shard_orders_and_their_inverse(layout):
+    x = np.arange(layout.seq_len)
+    exact = spec.shard_order(layout, False)
+    in_shard_order = x if exact is None else x[exact]
+    assert in_shard_order.tolist() == np.concatenate(layout.shard(x, 0)).tolist()
+    inverse = spec.gather_order(layout)
+    assert (in_shard_order if inverse is None else in_shard_order[inverse]).tolist() == x.tolist()
+    padded = spec.shard_order(layout, True)
+    rows = x if padded is None else np.where(padded < 0, -1, np.append(x, -1)[np.where(padded < 0, -1, padded)])
+    assert rows.reshape(layout.world_size, -1).tolist() == spec.position_table(layout).tolist()
+    assert spec.gather_sizes(layout) == (None if layout.is_even else layout.sizes)
+
+
+@pytest.mark.parametrize("layout", ALL, ids=repr)
+def test_references(layout):
+    case = data(layout)
+    tokens = spec.shard_tokens_reference(case["ids"], layout, IGNORE)
+    assert np.concatenate([labels for _, _, labels in tokens], 1)[:, np.argsort(
+        np.concatenate([layout.positions(i) for i in range(layout.world_size)]))].tolist() == \
+        spec.next_token_labels(case["ids"], IGNORE).tolist()
+    outputs, _ = spec.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
+    whole, _ = spec.gather_sequence_reference(outputs, case["gather_cotangents"], layout)
+    assert all(np.array_equal(out, case["x"]) for out in whole)
+    loss, _ = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
+    count = (case["labels"] != IGNORE).sum()
+    shares = [spec.cross_entropy_reference(logits, labels, IGNORE)[0] * (labels != IGNORE).sum() / count
+              for logits, labels in zip(layout.shard(case["logits"], 1), layout.shard(case["labels"], 1),
+                                        strict=True) if (labels != IGNORE).any()]
+    np.testing.assert_allclose(sum(shares), loss, rtol=1e-13)
+
+
+def test_cross_entropy_gradient_is_the_finite_difference():
+    rng = np.random.default_rng(0)
+    logits, labels = rng.standard_normal((2, 3, V)), np.array([[1, IGNORE, 4], [0, 2, IGNORE]])
+    _, grad = spec.cross_entropy_reference(logits, labels, IGNORE)
+    step, numeric = 1e-6, np.zeros_like(logits)
+    for index in np.ndindex(*logits.shape):
+        bumped = [logits.copy(), logits.copy()]
+        bumped[0][index] += step
+        bumped[1][index] -= step
+        numeric[index] = (spec.cross_entropy_reference(bumped[0], labels, IGNORE)[0]
+                          - spec.cross_entropy_reference(bumped[1], labels, IGNORE)[0]) / (2 * step)
+    np.testing.assert_allclose(grad, numeric, atol=1e-8)
+    assert not grad[0, 1].any() and not grad[1, 2].any()
+
+
+@pytest.mark.parametrize(("call", "kind", "message"), [
+    (lambda: spec.check_layout("shard_tokens", "contiguous", 2), TypeError,
+     "shard_tokens: layout must be a commlib.SequenceLayout, not str. Received: type='str'"),
+    (lambda: spec.check_layout("cross_entropy", SequenceLayout(8, 2, 2), 2), CommError,
+     "cross_entropy: layout.world_size (4) must be the group's world_size (2). Received: layout=SequenceLayout("
+     "seq_len=8, ring_size=2, ulysses_size=2, layout='contiguous'), world_size=2"),
+    (lambda: spec.check_tokens("shard_tokens", (2, 8), "float32", SequenceLayout(8), -100), TypeError,
+     "shard_tokens: input_ids must have an integer dtype, not float32. Received: shape=(2, 8), dtype='float32', "
+     "seq_len=8"),
+    (lambda: spec.check_tokens("shard_tokens", (8,), "int64", SequenceLayout(8), -100), CommError,
+     "shard_tokens: input_ids ndim (1) must be 2 ([batch, seq]). Received: shape=(8,), dtype='int64', seq_len=8"),
+    (lambda: spec.check_tokens("shard_tokens", (2, 8), "int64", SequenceLayout(8), 1.5), TypeError,
+     "shard_tokens: ignore_index must be an int, not float. Received: shape=(2, 8), dtype='int64', seq_len=8, "
+     "ignore_index=1.5"),
+    (lambda: spec.check_sequence("shard_sequence", (2, 8), 2, 8, "layout.seq_len"), CommError,
+     "shard_sequence: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=2"),
+    (lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "int64", "int64", -100), TypeError,
+     "cross_entropy: logits must have a floating dtype, not int64. Received: shape=(2, 3, 5), labels_shape=(2, 3), "
+     "dtype='int64', labels_dtype='int64'"),
+    (lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "float32", "float32", -100), TypeError,
+     "cross_entropy: labels must have an integer dtype, not float32. Received: shape=(2, 3, 5), labels_shape=(2, 3), "
+     "dtype='float32', labels_dtype='float32'"),
+    (lambda: spec.check_sync_op("product"), CommError,
+     "sync_gradients: op ('product') must be one of sum, avg. Received: op='product'"),
+])
+def test_errors(call, kind, message):
+    with pytest.raises(kind) as raised:
+        call()
+    assert str(raised.value) == message

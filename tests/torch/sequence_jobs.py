@@ -1,0 +1,129 @@
+"""Pool jobs for tests/torch/test_sequence.py: every sequence helper on this rank against the spec's float64
+references, for every layout of `tests.sequence_cases` at the pool's world size, and a tiny model trained the
+commlib way (shard_tokens, global positions, cross_entropy, sync_gradients) against the same model unsharded.
+Each job returns, per layout, this rank's largest errors (0.0 where the helper must be exact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib import CommError, SequenceLayout
+from commlib import sequence_helpers as spec
+from commlib_torch import sequence
+from tests.sequence_cases import IGNORE, data, layouts, model_parameters
+
+
+def _error(got: torch.Tensor, expected) -> float:
+    expected = np.asarray(expected)
+    assert tuple(got.shape) == expected.shape, (tuple(got.shape), expected.shape)
+    return float(np.abs(got.detach().numpy() - expected).max(initial=0.0))
+
+
+def _tokens(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
+    got = sequence.shard_tokens(torch.from_numpy(case["ids"]), layout, ignore_index=IGNORE)
+    expected = spec.shard_tokens_reference(case["ids"], layout, IGNORE)[rank]
+    return [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
+        _error(sequence.position_ids(layout), layout.positions(rank))]
+
+
+def _shard(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
+    x = torch.from_numpy(case["x"]).requires_grad_()
+    out = sequence.shard_sequence(x, layout)
+    (out * torch.from_numpy(case["shard_cotangents"][rank])).sum().backward()
+    outputs, grads = spec.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
+    return [_error(out, outputs[rank]), _error(x.grad, grads[rank])]
+
+
+def _gather(layout: SequenceLayout, case: dict, rank: int, convention: str) -> list[float]:
+    shards = layout.shard(case["x"], 1)
+    x = torch.from_numpy(shards[rank]).requires_grad_()
+    out = sequence.gather_sequence(x, layout, convention=convention)
+    (out * torch.from_numpy(case["gather_cotangents"][rank])).sum().backward()
+    outputs, grads = spec.gather_sequence_reference(shards, case["gather_cotangents"], layout, convention=convention)
+    return [_error(out, outputs[rank]), _error(x.grad, grads[rank])]
+
+
+def _cross_entropy(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
+    loss, grad = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
+    logits = torch.from_numpy(layout.shard(case["logits"], 1)[rank]).requires_grad_()
+    got = sequence.cross_entropy(logits, torch.from_numpy(layout.shard(case["labels"], 1)[rank]), ignore_index=IGNORE)
+    got.backward()
+    return [abs(got.item() - loss) / abs(loss), _error(logits.grad, layout.shard(grad, 1)[rank])]
+
+
+def helpers(ctx, seed: int = 0) -> dict[str, list[float]]:
+    """Every helper on every layout of the table: {layout: [errors...]} (exact ones first, then cross_entropy's
+    relative loss error and gradient error)."""
+    results = {}
+    for layout in layouts(ctx.world_size):
+        case = data(layout, seed)
+        errors = _tokens(layout, case, ctx.rank) + _shard(layout, case, ctx.rank)
+        errors += _gather(layout, case, ctx.rank, "sum") + _gather(layout, case, ctx.rank, "replicated")
+        results[repr(layout)] = errors + _cross_entropy(layout, case, ctx.rank)
+    return results
+
+
+def _model_loss(params: dict, ids, positions, labels, mix) -> torch.Tensor:
+    hidden = params["embed"][ids] + params["position"][positions]
+    hidden = mix(hidden)
+    return hidden @ params["head"], labels
+
+
+def model(ctx, seed: int = 0) -> dict[str, float]:
+    """A tiny causal model (embeddings, a prefix sum over the sequence, a head) trained one step the commlib
+    way on every layout: {layout: largest relative error of the loss and of every parameter's gradient} against
+    the same model unsharded (float64). The prefix sum runs on the whole sequence: gather_sequence
+    (convention="replicated"), torch.cumsum, shard_sequence back (Megatron's g and split)."""
+    results = {}
+    for layout in layouts(ctx.world_size):
+        ids = data(layout, seed)["ids"]
+        initial = model_parameters(layout.seq_len)
+        full = {name: torch.from_numpy(value).requires_grad_() for name, value in initial.items()}
+        logits, labels = _model_loss(full, torch.from_numpy(ids), torch.arange(layout.seq_len),
+                                     torch.from_numpy(spec.next_token_labels(ids, IGNORE)),
+                                     lambda h: torch.cumsum(h, 1))
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        expected.backward()
+
+        params = {name: torch.from_numpy(value).requires_grad_() for name, value in initial.items()}
+        tokens, positions, labels = sequence.shard_tokens(torch.from_numpy(ids), layout)
+
+        def mix(h, layout=layout):
+            whole = sequence.gather_sequence(h, layout, convention="replicated")
+            return sequence.shard_sequence(torch.cumsum(whole, 1), layout)
+
+        logits, labels = _model_loss(params, tokens, positions, labels, mix)
+        loss = sequence.cross_entropy(logits, labels)
+        loss.backward()
+        sequence.sync_gradients(params.values())
+        errors = [abs(loss.item() - expected.item()) / abs(expected.item())]
+        errors += [float((params[name].grad - full[name].grad).abs().max() / full[name].grad.abs().max())
+                   for name in params]
+        results[repr(layout)] = max(errors)
+    return results
+
+
+def sync_average(ctx) -> list[float]:
+    """sync_gradients over two dtypes, op="avg", a parameter without a gradient: rank r's gradients are r + 1."""
+    weights = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.float32, requires_grad=True),
+               torch.zeros(4, dtype=torch.float64, requires_grad=True), torch.zeros(1, requires_grad=True)]
+    for weight in weights[:3]:
+        weight.grad = torch.full_like(weight, ctx.rank + 1.0)
+    sequence.sync_gradients(weights, op="avg")
+    assert weights[3].grad is None
+    return [float(weight.grad.flatten()[0]) for weight in weights[:3]]
+
+
+def wrong_layout(ctx) -> list[str]:
+    """A layout whose world size is not the group's, and a sequence of the wrong length: the spec's texts."""
+    messages = []
+    calls = [lambda: sequence.shard_tokens(torch.zeros(2, 8, dtype=torch.int64), SequenceLayout(8, ctx.world_size + 1)),
+             lambda: sequence.shard_sequence(torch.zeros(2, 7, 3), SequenceLayout(8, ctx.world_size)),
+             lambda: sequence.cross_entropy(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.int64))]
+    for call in calls:
+        try:
+            call()
+        except CommError as error:
+            messages.append(str(error))
+    return messages

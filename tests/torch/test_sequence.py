@@ -1,0 +1,43 @@
+"""The sequence helpers on real gloo groups (W = 1-4, every layout of `tests.sequence_cases`): every rank's
+outputs and input gradients against the spec's float64 references, a tiny model trained the commlib way against
+the same model unsharded, sync_gradients' average over two dtypes, and the spec's errors on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from commlib import CommError, SequenceLayout
+from commlib import sequence_helpers as spec
+from tests.torch import sequence_jobs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_helper_against_the_reference(pool, world_size):
+    for rank, results in enumerate(pool(world_size).run(sequence_jobs.helpers)):
+        for layout, errors in results.items():
+            # tokens, positions, shard_sequence, gather_sequence: exact (the "sum" gradient adds W cotangents)
+            assert errors[:7] + errors[8:10] == [0.0] * 9 and errors[7] < 1e-14, (rank, layout, errors)
+            assert errors[10] < 1e-13 and errors[11] < 1e-15, (rank, layout, errors)  # the loss and its gradient
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_model_trained_the_commlib_way_is_the_unsharded_model(pool, world_size):
+    for rank, results in enumerate(pool(world_size).run(sequence_jobs.model)):
+        assert all(error < 1e-12 for error in results.values()), (rank, results)
+
+
+def test_sync_gradients_averages_per_dtype(pool):
+    assert pool(3).run(sequence_jobs.sync_average) == [[2.0, 2.0, 2.0]] * 3
+
+
+def test_bad_input_raises_the_spec_text_on_every_rank(pool):
+    expected = []
+    for call in (lambda: spec.check_layout("shard_tokens", SequenceLayout(8, 3), 2),
+                 lambda: spec.check_sequence("shard_sequence", (2, 7, 3), 1, 8, "layout.seq_len"),
+                 lambda: spec.check_cross_entropy((2, 4, 5), (2, 3), "float32", "int64", -100)):
+        with pytest.raises(CommError) as info:
+            call()
+        expected.append(str(info.value))
+    assert pool(2).run(sequence_jobs.wrong_layout) == [expected] * 2
