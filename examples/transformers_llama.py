@@ -10,8 +10,8 @@ through transformers' attention registry, and check it against the same model tr
 The recipe (what a user writes): `register()` once; build the model with ``attn_implementation="commlib"``;
 inside ``commlib_torch.sequence.parallel(layout, ...)`` feed each rank its shard of the tokens with their GLOBAL
 ``position_ids`` (RoPE), take the loss as the mean over every rank's tokens (`cross_entropy`), and sum the replicated
-parameters' gradients over the group (`sync_gradients`) before the optimizer step. `shard_tokens`, `cross_entropy`
-and `sync_gradients` below are written with commlib's ops; `commlib_torch.sequence` gives them as library helpers.
+parameters' gradients over the group (`sync_gradients`) before the optimizer step: all four from
+`commlib_torch.sequence`.
 Rank 0 prints the steps and the verdict; every rank's exit status is the verdict.
 """
 
@@ -29,38 +29,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import commlib
 from commlib_torch import all_reduce
 from commlib_torch.integrations.transformers import register
-from commlib_torch.sequence import parallel
+from commlib_torch.sequence import cross_entropy, parallel, shard_tokens, sync_gradients
 
 TOLERANCE = 1e-10  # the first step: loss, logits, every parameter's gradient (relative, float64)
 LOSS_TOLERANCE = 1e-12  # every AdamW step's loss
-IGNORE_INDEX = -100
-
-
-def shard_tokens(input_ids: torch.Tensor, layout: commlib.SequenceLayout, shard: int):
-    """This shard's tokens ``[B, S_r]``, their global positions and their next-token labels (shifted over the
-    whole sequence, then sharded: the last position's label is ignored)."""
-    positions = torch.as_tensor(layout.positions(shard))
-    labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], IGNORE_INDEX)], dim=1)
-    position_ids = positions[None].expand(input_ids.shape[0], -1)
-    return input_ids[:, positions], position_ids, labels[:, positions]
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
-    """The mean next-token loss over every rank's tokens, the same value on every rank; each rank's logits get
-    their tokens' share of its gradient (the sum is all-reduced with the replicated convention)."""
-    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    count = all_reduce((labels != IGNORE_INDEX).sum().to(logits.dtype), group=group)
-    return all_reduce(total, group=group, convention="replicated") / count
-
-
-def sync_gradients(parameters, group=None) -> None:
-    """Sum the replicated parameters' gradients over the group (one all-reduce per dtype)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    for dtype in {grad.dtype for grad in grads}:
-        same = [grad for grad in grads if grad.dtype == dtype]
-        summed = all_reduce(torch.cat([grad.reshape(-1) for grad in same]), group=group)
-        for grad, flat in zip(same, summed.split([grad.numel() for grad in same]), strict=True):
-            grad.copy_(flat.view_as(grad))
 
 
 def usp_groups(ulysses_size: int):
@@ -123,7 +95,7 @@ def main() -> int:
     sharded, reference = models(seed=0)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (sharded, reference)]
     input_ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
-    ids, position_ids, labels = shard_tokens(input_ids, layout, rank)
+    ids, position_ids, labels = shard_tokens(input_ids, layout)  # this rank's shard: WORLD rank r holds shard r
     errors = {"loss": 0.0, "logits": 0.0, "gradients": 0.0}
     with sequence_parallel:
         for step in range(1, args.steps + 1):
