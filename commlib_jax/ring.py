@@ -75,6 +75,14 @@ class _AxisBackend:
     def send(self, arrays: list) -> list:
         return [permute(x, axis_arg(self.axes), self.plan.perm) for x in arrays]
 
+    def key_mask(self, step: int):
+        """This rank's mask of `step`: the plan's ``[W, rows, rows]`` table indexed by the traced rank."""
+        return jnp.asarray(self.plan.key_masks(step))[rank(self.axes)]
+
+    def real_rows(self, x):
+        real = jnp.asarray(self.plan.valid_rows())[rank(self.axes)]
+        return jnp.where(real[None, :, None, None], x, jnp.zeros((), x.dtype))
+
     def switch(self, step: int, function, *operands):
         case = jnp.asarray(self.plan.case_table[step])[rank(self.axes)]
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
+from commlib.sequence import SequenceLayout
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._groups import GroupArgument as Group
@@ -57,18 +58,19 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _attend(plan: spec.RingPlan, q, k, v, mask: str):
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`)."""
-    if _FLASH_CPU is None or not _flash(q, v):
+def _attend(plan: spec.RingPlan, q, k, v, mask):
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`; a mask array: its
+    einsum rules)."""
+    if _FLASH_CPU is None or not _flash(q, v) or not isinstance(mask, str):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           mask == "causal-diagonal", scale=plan.scale)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
+def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
-    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v) or not isinstance(mask, str):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
                                      _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
@@ -105,6 +107,11 @@ class _RankBackend:
         self.plan, self.group, self.rank = plan, group, rank
         self.dtype = getattr(torch, plan.compute_dtype)
 
+    def key_mask(self, step: int) -> torch.Tensor:
+        return torch.from_numpy(self.plan.key_masks(step)[self.rank].copy())
+
+    def real_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype)
 
@@ -114,10 +121,10 @@ class _RankBackend:
     def zeros(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
 
-    def attend(self, q, k, v, mask: str):
+    def attend(self, q, k, v, mask):
         return _attend(self.plan, q, k, v, mask)
 
-    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask):
         return _attend_vjp(self.plan, q, k, v, out, d_out, lse, delta, mask)
 
     def set_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
@@ -215,6 +222,17 @@ def _ring(q, k, v, plan: spec.RingPlan, group, rank: int) -> torch.Tensor:
     return _Ring.apply(q, k, v, plan, group, rank)
 
 
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` ``[B, S_r, h, D]`` with zero rows appended up to `rows` (an uneven layout's shard, held padded to
+    ``max_size`` while it walks; the gradient of the padding is dropped by autograd)."""
+    return x if x.shape[1] == rows else torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
+
+
+def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
+    """This rank's shard index ``r * U + u`` in a `SequenceLayout` (None for a layout string)."""
+    return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
+
+
 def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
     return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
 
@@ -260,9 +278,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     """
     group = resolve_group(spec.RING_OP, group)
     q, k, v = _checked(spec.RING_OP, q, k, v)
+    rank = group_rank(group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
-                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return _ring(q, k, v, plan, group, group_rank(group))
+                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+                          shard=_shard_index(layout, rank))
+    if not plan.masked:
+        return _ring(q, k, v, plan, group, rank)
+    out = _ring(_padded(q, plan.rows), _padded(k, plan.rows), _padded(v, plan.rows), plan, group, rank)
+    return out[:, :q.shape[1]]
 
 
 def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
@@ -313,9 +336,15 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
     q, k, v = _checked(spec.USP_OP, q, k, v)
+    ring_rank = group_rank(ring_group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
+                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP,
+                          shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)))
+    rows = q.shape[1]
+    if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
+        q, k, v = (_padded(x, plan.rows // plan.ulysses_size) for x in (q, k, v))
     local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_group)
-    out = _ring(local_q, local_k, local_v, plan, ring_group, group_rank(ring_group))
-    return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
+    out = _ring(local_q, local_k, local_v, plan, ring_group, ring_rank)
+    out = out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
+    return out[:, :rows] if plan.masked else out
