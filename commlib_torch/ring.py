@@ -250,7 +250,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         causal: a query sees the keys at global positions <= its own.
         scale: the softmax scale (default ``1 / sqrt(D)``).
         layout: "contiguous" (rank r holds rows ``[r*S/W, (r+1)*S/W)``) or "zigzag" (chunks r and 2W-1-r of
-            2W: every rank does the same causal work).
+            2W: every rank does the same causal work); or a `commlib.SequenceLayout` (``ring_size == W``) for
+            any length: rank r holds exactly ``layout.sizes[r]`` rows (``layout.positions(r)``; some may hold
+            none) and gets that many output rows. Uneven shards travel padded to the largest with the padding
+            keys masked; a query row that sees no key outputs 0 with gradient 0.
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -270,10 +273,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     torch.Size([2, 8, 4, 16])
     >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
     True
+    >>> import commlib  # any length: a SequenceLayout (on W ranks rank r passes layout.shard(x, 1)[r])
+    >>> q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    >>> out = ring_attention(q, k, v, causal=True, layout=commlib.SequenceLayout(7, layout="zigzag"))
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
+    True
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
-            layout, an odd shard in the zigzag layout, unequal dtypes, a rank outside `group`.
+            layout, an odd shard in the zigzag layout, a `SequenceLayout` whose ring_size is not W or whose
+            ``sizes[rank]`` is not this rank's seq, unequal dtypes, a rank outside `group`.
         TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
@@ -316,7 +325,10 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     `all_to_all` over `ulysses_group` gathers ring block r for heads ``[u H/U, (u+1) H/U)`` (and their kv heads:
     ``H % U == 0`` and ``H_kv % U == 0``), `ring_attention`'s walk runs over `ring_group` on it, and
     ``all_to_all_4d(out, 1, 2)`` returns ``[B, S/(W U), H, D_v]``. `causal`, `scale`, `layout` as in
-    `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward).
+    `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward). A
+    `commlib.SequenceLayout` (``ring_size == W``, ``ulysses_size == U``) for any length: this rank holds
+    exactly ``layout.sizes[r * U + u]`` rows; the shards travel padded to ``layout.max_size`` (the all-to-all
+    then gathers ring block r as U padded pieces) with the padding masked.
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -331,7 +343,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     (True, True)
 
     Raises:
-        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U.
+        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U, a
+            `SequenceLayout` whose ulysses_size is not U.
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))

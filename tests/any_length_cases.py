@@ -28,6 +28,14 @@ def usp_settings() -> list[tuple[SequenceLayout, bool]]:
             for seq_len, layout, causal in itertools.product((37, 5), ("contiguous", "zigzag"), (False, True))]
 
 
+def ulysses_settings() -> list[tuple[SequenceLayout, bool]]:
+    """(layout, causal) of Ulysses' ``layout=`` over 4 ranks: ``ulysses_size=4`` at S = 37 and 5, and a contiguous
+    ring layout (the same rank order) at S = 3 (an empty shard)."""
+    layouts = [SequenceLayout(37, ulysses_size=4), SequenceLayout(5, ulysses_size=4, layout="zigzag"),
+               SequenceLayout(3, ring_size=4)]
+    return [(layout, causal) for layout in layouts for causal in (False, True)]
+
+
 def whole_inputs(seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded float64 q, k, v and the output's cotangent over the whole sequence."""
     rng = np.random.default_rng(seed)

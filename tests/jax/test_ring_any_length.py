@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from commlib import CommError, SequenceLayout
-from commlib_jax.attention import ring_attention, usp_attention
+from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
 from tests import any_length_cases as any_length
 
 
@@ -24,9 +24,12 @@ def _padded(layout, x):
     return np.stack(shards)
 
 
-def _program(layout, causal):
+def _program(layout, causal, op):
     """``(cotangent, q, k, v) -> (outputs, per-shard losses)`` over the stacked padded shards."""
-    if layout.ulysses_size == 1:
+    if op == "ulysses_attention":
+        mesh, axes = Mesh(np.array(jax.devices()[:4]), ("seq",)), "seq"
+        call = lambda q, k, v: ulysses_attention(q, k, v, "seq", causal=causal, layout=layout)  # noqa: E731
+    elif layout.ulysses_size == 1:
         mesh, axes = Mesh(np.array(jax.devices()[:layout.world_size]), ("ring",)), "ring"
         call = lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal, layout=layout)  # noqa: E731
     else:
@@ -42,9 +45,9 @@ def _program(layout, causal):
     return jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 4, out_specs=(P(axes), P(axes)))
 
 
-def _results(layout, causal, whole):
+def _results(layout, causal, whole, op):
     """Every shard's (out, dq, dk, dv), padded, float64 numpy."""
-    mapped = _program(layout, causal)
+    mapped = _program(layout, causal, op)
     cotangent = jnp.asarray(_padded(layout, whole["cotangent"]))
 
     def total(inputs):
@@ -56,10 +59,10 @@ def _results(layout, causal, whole):
     return [np.asarray(x) for x in (out, *grads)]
 
 
-def _check(layout, causal):
+def _check(layout, causal, op=None):
     """Error of the valid rows against the reference; the padding rows must be exactly 0."""
     whole = any_length.whole_inputs(layout.seq_len)
-    results = _results(layout, causal, whole)
+    results = _results(layout, causal, whole, op)
     for result in results:
         for shard, size in zip(result, layout.sizes, strict=True):
             assert (shard[:, size:] == 0).all(), f"{layout} causal={causal}: padding rows not 0"
@@ -82,6 +85,13 @@ def test_usp_any_length():
     assert not failed, "\n".join(failed)
 
 
+def test_ulysses_layout():
+    """``ulysses_attention(..., layout=SequenceLayout)`` is ``seq_sizes=layout.sizes``: within 1e-10 on every shard."""
+    failed = [f"{layout} causal={causal}: {error:.2e}" for layout, causal in any_length.ulysses_settings()
+              if (error := _check(layout, causal, "ulysses_attention")) > any_length.TOLERANCE]
+    assert not failed, "\n".join(failed)
+
+
 def test_layout_of_another_world_size_is_refused():
     """A layout for 2 ranks on an axis of 4, and shards not padded to max_size: CommError at trace time."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("ring",))
@@ -95,3 +105,6 @@ def test_layout_of_another_world_size_is_refused():
         traced(SequenceLayout(9, ring_size=2))
     with pytest.raises(CommError, match=r"seq \(5\) must be layout.max_size \(3\)"):
         traced(SequenceLayout(9, ring_size=4))
+    body = lambda q: ulysses_attention(q[0], q[0], q[0], "ring", layout=SequenceLayout(9, ulysses_size=2))[None]  # noqa: E731
+    with pytest.raises(CommError, match=r"layout.world_size \(2\) must be the group's world size \(4\)"):
+        jax.shard_map(body, mesh=mesh, in_specs=P("ring"), out_specs=P("ring"))(zeros)
