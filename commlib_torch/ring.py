@@ -103,12 +103,13 @@ class _RankBackend:
 
     math = _MATH
 
-    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int) -> None:
-        self.plan, self.group, self.rank = plan, group, rank
+    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int,
+                 device: torch.device) -> None:
+        self.plan, self.group, self.rank, self.device = plan, group, rank, device
         self.dtype = getattr(torch, plan.compute_dtype)
 
     def key_mask(self, step: int) -> torch.Tensor:
-        return torch.from_numpy(self.plan.key_masks(step)[self.rank].copy())
+        return torch.from_numpy(self.plan.key_masks(step)[self.rank].copy()).to(self.device)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
@@ -144,12 +145,12 @@ class _RankBackend:
 
 def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`)."""
-    return spec.forward(plan, _RankBackend(plan, group, rank), q, k, v)
+    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v)
 
 
 def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
     """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank), q, k, v, out, lse, d_out)
+    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
