@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-__all__ = ["MASKS", "ArrayMath", "NUMPY", "attend", "merge", "merge_masked", "attend_vjp", "delta"]
+__all__ = ["MASKS", "ArrayMath", "NUMPY", "position_mask", "attend", "merge", "merge_masked", "attend_vjp", "delta"]
 
 #: A piece's mask: "full" (every q row sees every kv row), "causal-diagonal" (q row i sees kv rows <= i: the
 #: q and kv rows hold the same increasing positions) or "positions" (a bool array ``[Sq, Sk]`` that the walk
@@ -61,6 +61,19 @@ class ArrayMath:
 
 
 NUMPY = ArrayMath(np)
+
+
+def position_mask(q_positions, kv_positions, causal: bool):
+    """bool ``[..., Sq, Sk]`` (a "positions" piece's mask): q row i sees kv row j when both hold a global position
+    (padding: -1) and, when `causal`, ``kv_positions[j] <= q_positions[i]``. Integer arrays ``[..., Sq]``,
+    ``[..., Sk]`` of any array module.
+
+    >>> position_mask(np.array([0, 2, -1]), np.array([1, 2]), causal=True).astype(int).tolist()
+    [[0, 0], [1, 1], [0, 0]]
+    """
+    query, key = q_positions[..., :, None], kv_positions[..., None, :]
+    visible = (query >= 0) & (key >= 0)
+    return visible & (key <= query) if causal else visible
 
 
 def _grouped(x, kv_heads: int):

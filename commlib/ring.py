@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from commlib.attention import _check_int, _check_options, _check_shapes, _shown
-from commlib.blockwise import ArrayMath, delta, merge, merge_masked
+from commlib.blockwise import ArrayMath, delta, merge, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 
@@ -136,7 +136,14 @@ class RingPlan:
         for a padding row)."""
         if self.sequence is None:
             return positions(self.rows * self.ring_size, self.ring_size, self.layout, 1)[block]
-        return _block_positions(self.sequence)[block]
+        return self.block_positions[block]
+
+    @property
+    def block_positions(self) -> np.ndarray:
+        """Masked plans: int64 ``[W, rows]``, every ring block's global positions as the ring walks them (shards
+        r*U .. r*U+U-1, each padded to ``max_size``), -1 for padding. The frontends build the masks from it."""
+        assert self.sequence is not None, "only masked plans hold padded blocks"
+        return _block_positions(self.sequence)
 
     def valid_rows(self) -> np.ndarray:
         """bool ``[W, rows]``: which rows of each rank's ring block hold a position (not padding)."""
@@ -144,8 +151,10 @@ class RingPlan:
 
     def key_masks(self, step: int) -> np.ndarray:
         """bool ``[W, rows, rows]``: ``[r, i, j]`` whether q row i of rank r sees kv row j of the block it holds at
-        `step` (both real rows and, when causal, the key's global position <= the query's)."""
-        return _key_masks(self)[step]
+        `step` (`commlib.blockwise.position_mask` of the two blocks' positions; O(W rows^2), built when asked)."""
+        held = self.block_positions
+        blocks = [self.kv_block(step, rank) for rank in range(self.ring_size)]
+        return position_mask(held, held[blocks], self.causal)
 
     def wire_elements(self) -> int:
         """Elements of k and v one rank sends per forward step: ``B * rows * H_kv * (D + D_v)`` (GQA: unrepeated)."""
@@ -163,21 +172,6 @@ def _block_positions(sequence: SequenceLayout) -> np.ndarray:
     held = held.reshape(sequence.ring_size, -1)
     held.setflags(write=False)
     return held
-
-
-@functools.lru_cache(maxsize=64)
-def _key_masks(plan: RingPlan) -> np.ndarray:
-    """bool ``[W steps, W ranks, rows, rows]`` (`RingPlan.key_masks`), built once per plan."""
-    assert plan.sequence is not None, "only masked plans have key masks"
-    held = _block_positions(plan.sequence)
-    masks = np.zeros((plan.ring_size, plan.ring_size, plan.rows, plan.rows), dtype=bool)
-    for step in range(plan.ring_size):
-        for rank in range(plan.ring_size):
-            query, key = held[rank][:, None], held[plan.kv_block(step, rank)][None, :]
-            visible = (query >= 0) & (key >= 0)
-            masks[step, rank] = visible & (key <= query) if plan.causal else visible
-    masks.setflags(write=False)
-    return masks
 
 
 def _cases(rows: int, causal: bool, layout: str) -> tuple[tuple[str, tuple[Piece, ...]], ...]:

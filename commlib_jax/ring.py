@@ -76,8 +76,10 @@ class _AxisBackend:
         return [permute(x, axis_arg(self.axes), self.plan.perm) for x in arrays]
 
     def key_mask(self, step: int):
-        """This rank's mask of `step`: the plan's ``[W, rows, rows]`` table indexed by the traced rank."""
-        return jnp.asarray(self.plan.key_masks(step))[rank(self.axes)]
+        """This rank's mask of `step`, from the positions of its block and of the block it holds (the plan's
+        ``[W, rows]`` table indexed by the traced rank)."""
+        held, mine = jnp.asarray(self.plan.block_positions), rank(self.axes)
+        return blockwise.position_mask(held[mine], held[(mine - step) % self.plan.ring_size], self.plan.causal)
 
     def real_rows(self, x):
         real = jnp.asarray(self.plan.valid_rows())[rank(self.axes)]

@@ -109,7 +109,9 @@ class _RankBackend:
         self.dtype = getattr(torch, plan.compute_dtype)
 
     def key_mask(self, step: int) -> torch.Tensor:
-        return torch.from_numpy(self.plan.key_masks(step)[self.rank].copy()).to(self.device)
+        held = (self.plan.positions(block) for block in (self.rank, self.plan.kv_block(step, self.rank)))
+        query, key = (torch.from_numpy(positions.copy()).to(self.device) for positions in held)
+        return blockwise.position_mask(query, key, self.plan.causal)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
