@@ -16,11 +16,12 @@ import math
 
 import numpy as np
 
-__all__ = ["MASKS", "ArrayMath", "NUMPY", "attend", "merge", "attend_vjp", "delta"]
+__all__ = ["MASKS", "ArrayMath", "NUMPY", "position_mask", "attend", "merge", "merge_masked", "attend_vjp", "delta"]
 
-#: A piece's mask: "full" (every q row sees every kv row) or "causal-diagonal" (q row i sees kv rows <= i: the
-#: q and kv rows hold the same increasing positions).
-MASKS = ("full", "causal-diagonal")
+#: A piece's mask: "full" (every q row sees every kv row), "causal-diagonal" (q row i sees kv rows <= i: the
+#: q and kv rows hold the same increasing positions) or "positions" (a bool array ``[Sq, Sk]`` that the walk
+#: gives in its place, built from global positions: uneven layouts, where a q row may see no key).
+MASKS = ("full", "causal-diagonal", "positions")
 
 
 class ArrayMath:
@@ -51,12 +52,28 @@ class ArrayMath:
     def sum_last(self, x):
         return self.xp.sum(x, -1)
 
+    def isfinite(self, x):
+        return self.xp.isfinite(x)
+
     def causal_mask(self, rows: int, like):
         """bool ``[rows, rows]``: True where column <= row."""
         return self.xp.arange(rows)[:, None] >= self.xp.arange(rows)[None, :]
 
 
 NUMPY = ArrayMath(np)
+
+
+def position_mask(q_positions, kv_positions, causal: bool):
+    """bool ``[..., Sq, Sk]`` (a "positions" piece's mask): q row i sees kv row j when both hold a global position
+    (padding: -1) and, when `causal`, ``kv_positions[j] <= q_positions[i]``. Integer arrays ``[..., Sq]``,
+    ``[..., Sk]`` of any array module.
+
+    >>> position_mask(np.array([0, 2, -1]), np.array([1, 2]), causal=True).astype(int).tolist()
+    [[0, 0], [1, 1], [0, 0]]
+    """
+    query, key = q_positions[..., :, None], kv_positions[..., None, :]
+    visible = (query >= 0) & (key >= 0)
+    return visible & (key <= query) if causal else visible
 
 
 def _grouped(x, kv_heads: int):
@@ -71,28 +88,50 @@ def _grouped_rows(x, kv_heads: int):
     return x.reshape(batch, seq, kv_heads, heads // kv_heads)
 
 
-def _probabilities(math_: ArrayMath, q5, k, scale: float, mask: str, lse=None):
-    """Scores ``[B, H_kv, G, Sq, Sk]`` masked by `mask`; with `lse` (``[B, Sq, H_kv, G]``) the probabilities."""
+def _probabilities(math_: ArrayMath, q5, k, scale: float, mask, lse=None):
+    """Scores ``[B, H_kv, G, Sq, Sk]`` masked by `mask` (a name, or a bool array broadcasting against the last two
+    dims); with `lse` (``[B, Sq, H_kv, G]``) the probabilities (a row whose LSE is -inf: zeros)."""
     scores = math_.einsum("bqngd,bknd->bngqk", q5, k) * scale
-    if mask == "causal-diagonal":
+    if not isinstance(mask, str):
+        scores = math_.where(mask, scores, -math.inf)
+    elif mask == "causal-diagonal":
         scores = math_.where(math_.causal_mask(scores.shape[-1], scores), scores, -math.inf)
     if lse is None:
         return scores
-    return math_.exp(scores - math_.einsum("bqng->bngq", lse)[..., None])
+    lse = math_.einsum("bqng->bngq", lse)
+    return math_.exp(scores - (lse if isinstance(mask, str) else _finite(math_, lse))[..., None])
+
+
+def _finite(math_: ArrayMath, x):
+    """`x` with its infinities (the LSE of a row that sees no key) replaced by 0."""
+    return math_.where(math_.isfinite(x), x, 0.0)
 
 
 def attend(math_: ArrayMath, q, k, v, scale: float, mask: str):
     """One piece: q ``[B, Sq, H, D]`` against k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` (q head i using kv
     head ``i // (H // H_kv)``) -> ``(out [B, Sq, H, D_v], lse [B, Sq, H])``, softmax-normalised within the piece,
-    in the dtype of the arrays given (the walk casts to `RingPlan.compute_dtype` first). Every q row must
-    see at least one kv row (the plan's pieces do)."""
+    in the dtype of the arrays given (the walk casts to `RingPlan.compute_dtype` first). Under a named mask
+    every q row must see at least one kv row (the plan's pieces do); under a bool array mask a row that sees
+    none gets output 0 and LSE -inf."""
     batch, rows, heads, _ = q.shape
     scores = _probabilities(math_, _grouped(q, k.shape[2]), k, scale, mask)
-    top = math_.max_last(scores)
-    lse = top + math_.log(math_.sum_last(math_.exp(scores - top[..., None])))
-    weights = math_.exp(scores - lse[..., None])
+    if isinstance(mask, str):
+        top = math_.max_last(scores)
+        lse = top + math_.log(math_.sum_last(math_.exp(scores - top[..., None])))
+        weights = math_.exp(scores - lse[..., None])
+    else:
+        lse, weights = _masked_softmax(math_, scores)
     out = math_.einsum("bngqk,bknd->bqngd", weights, v)
     return out.reshape(batch, rows, heads, v.shape[-1]), math_.einsum("bngq->bqng", lse).reshape(batch, rows, heads)
+
+
+def _masked_softmax(math_: ArrayMath, scores):
+    """``(lse, weights)`` of masked scores where a row may see no key: its LSE -inf, its weights 0."""
+    top = _finite(math_, math_.max_last(scores))
+    sums = math_.sum_last(math_.exp(scores - top[..., None]))
+    seen = sums > 0
+    lse = math_.where(seen, top + math_.log(math_.where(seen, sums, 1.0)), -math.inf)
+    return lse, math_.exp(scores - _finite(math_, lse)[..., None])
 
 
 def merge(math_: ArrayMath, out, lse, piece_out, piece_lse):
@@ -101,6 +140,15 @@ def merge(math_: ArrayMath, out, lse, piece_out, piece_lse):
     be finite (step 0's own block gives every row a finite one)."""
     total = math_.logaddexp(lse, piece_lse)
     merged = out * math_.exp(lse - total)[..., None] + piece_out * math_.exp(piece_lse - total)[..., None]
+    return merged, total
+
+
+def merge_masked(math_: ArrayMath, out, lse, piece_out, piece_lse):
+    """`merge` where an LSE may be -inf (a row that has seen no key yet: its output 0): the rows that have seen
+    none in both stay 0 with LSE -inf."""
+    total = math_.logaddexp(lse, piece_lse)
+    finite = _finite(math_, total)
+    merged = out * math_.exp(lse - finite)[..., None] + piece_out * math_.exp(piece_lse - finite)[..., None]
     return merged, total
 
 

@@ -22,15 +22,16 @@ switches on the traced axis index). The step math is `commlib.blockwise`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from commlib.attention import _check_int, _check_options, _check_shapes, _shown
-from commlib.blockwise import ArrayMath, delta, merge
+from commlib.blockwise import ArrayMath, delta, merge, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
-from commlib.sequence import SEQUENCE_LAYOUTS, check_layout, positions
+from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 
 __all__ = [
     "RING_OP",
@@ -95,6 +96,10 @@ class RingPlan:
     case_names: tuple[str, ...]
     case_index: tuple[tuple[int, ...], ...]  # [step][rank] -> index into `cases`
     shared_case: tuple[int | None, ...]  # [step] -> the case of every rank at that step; None where ranks differ
+    # The uneven layout the ring walks (None: an even one, `layout` names it). Then every shard is held padded
+    # to `sequence.max_size` rows, ring block r is shards r*U .. r*U+U-1 end to end, and one piece over every
+    # row per step takes its mask from global positions (`key_masks`); padding rows see and are seen by nothing.
+    sequence: SequenceLayout | None = None
 
     @property
     def perm(self) -> tuple[tuple[int, int], ...]:
@@ -121,13 +126,52 @@ class RingPlan:
         """The ring block whose k/v rank `rank` holds at step `step`."""
         return (rank - step) % self.ring_size
 
+    @property
+    def masked(self) -> bool:
+        """Whether the walk masks by global positions (an uneven `SequenceLayout`)."""
+        return self.sequence is not None
+
     def positions(self, block: int) -> np.ndarray:
-        """Global positions of ring block `block`'s rows, in the order its rows hold them."""
-        return positions(self.rows * self.ring_size, self.ring_size, self.layout, 1)[block]
+        """Global positions of ring block `block`'s rows, in the order its rows hold them (uneven layouts: -1
+        for a padding row)."""
+        if self.sequence is None:
+            return positions(self.rows * self.ring_size, self.ring_size, self.layout, 1)[block]
+        return self.block_positions[block]
+
+    @property
+    def block_positions(self) -> np.ndarray:
+        """Masked plans: int64 ``[W, rows]``, every ring block's global positions as the ring walks them (shards
+        r*U .. r*U+U-1, each padded to ``max_size``), -1 for padding. The frontends build the masks from it."""
+        assert self.sequence is not None, "only masked plans hold padded blocks"
+        return _block_positions(self.sequence)
+
+    def valid_rows(self) -> np.ndarray:
+        """bool ``[W, rows]``: which rows of each rank's ring block hold a position (not padding)."""
+        return np.stack([self.positions(block) >= 0 for block in range(self.ring_size)])
+
+    def key_masks(self, step: int) -> np.ndarray:
+        """bool ``[W, rows, rows]``: ``[r, i, j]`` whether q row i of rank r sees kv row j of the block it holds at
+        `step` (`commlib.blockwise.position_mask` of the two blocks' positions; O(W rows^2), built when asked)."""
+        held = self.block_positions
+        blocks = [self.kv_block(step, rank) for rank in range(self.ring_size)]
+        return position_mask(held, held[blocks], self.causal)
 
     def wire_elements(self) -> int:
         """Elements of k and v one rank sends per forward step: ``B * rows * H_kv * (D + D_v)`` (GQA: unrepeated)."""
         return self.batch * self.rows * self.kv_heads * (self.head_dim + self.value_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_positions(sequence: SequenceLayout) -> np.ndarray:
+    """int64 ``[R, U * max_size]``: ring block r's rows as the ring walks them (shards r*U .. r*U+U-1, each
+    padded to `max_size`), -1 for padding."""
+    held = np.full((sequence.world_size, sequence.max_size), -1, dtype=np.int64)
+    for index in range(sequence.world_size):
+        shard = sequence.positions(index)
+        held[index, :len(shard)] = shard
+    held = held.reshape(sequence.ring_size, -1)
+    held.setflags(write=False)
+    return held
 
 
 def _cases(rows: int, causal: bool, layout: str) -> tuple[tuple[str, tuple[Piece, ...]], ...]:
@@ -163,39 +207,87 @@ def _check_heads(op_name: str, heads: int, kv_heads: int, ulysses_size: int, rec
 
 
 def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None, layout="contiguous",
-              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP) -> RingPlan:
+              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP, shard: int | None = None) -> RingPlan:
     """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
     ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
 
     Shapes are one rank's inputs as the user holds them: q ``[B, S_r, H, D]``, k ``[B, S_r, H_kv, D]``, v
-    ``[B, S_r, H_kv, D_v]``, ``S = S_r * W * U``. The ring walks ``rows = S_r * U`` rows with ``H / U`` q and
-    ``H_kv / U`` kv heads (USP: after the Ulysses all-to-all).
+    ``[B, S_r, H_kv, D_v]``. A `layout` string: ``S = S_r * W * U`` and the ring walks ``rows = S_r * U`` rows
+    with ``H / U`` q and ``H_kv / U`` kv heads (USP: after the Ulysses all-to-all). A `SequenceLayout` (any
+    length; its ring_size and ulysses_size must be the groups' sizes): ``S_r`` is ``layout.sizes[shard]`` (torch,
+    exact: `shard` the caller's shard index ``r * U + u``) or ``layout.max_size`` (JAX: `shard` None, padded);
+    where the length is one the layout string cuts evenly the plan is that string's, else the ring walks ``U *
+    max_size`` rows (every shard padded) with masks from global positions (`RingPlan.key_masks`).
 
     >>> ring_plan((1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4), 2, layout="zigzag")
     Traceback (most recent call last):
     ...
     commlib.errors.CommError: ring_attention: seq (6) must be divisible by 2 * ring_size * ulysses_size (4) for layout 'zigzag'. Received: q_shape=(1, 3, 2, 4), k_shape=(1, 3, 2, 4), v_shape=(1, 3, 2, 4), ring_size=2, layout='zigzag', ulysses_size=1
+    >>> uneven = SequenceLayout(5, ring_size=2)  # shards of 3 and 2 rows
+    >>> ring_plan((1, 2, 2, 4), (1, 2, 2, 4), (1, 2, 2, 4), 2, layout=uneven, shard=1).rows  # padded to 3
+    3
     """
     shapes = dict(q=q_shape, k=k_shape, v=v_shape)
     received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
     received.update(ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
     ring_size = _check_int("ring_size", ring_size, received, op_name)
     ulysses_size = _check_int("ulysses_size", ulysses_size, received, op_name)
+    sequence = layout if isinstance(layout, SequenceLayout) else None
+    if sequence is not None:
+        _check_sequence(op_name, sequence, ring_size, ulysses_size, received)
+        layout = sequence.layout
     if layout not in SEQUENCE_LAYOUTS:
         raise comm_error(op_name, f"layout ({layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}", **received)
     checked = _check_shapes(shapes, received, op_name)
     q, k, v = checked["q"], checked["k"], checked["v"]
     _check_heads(op_name, q[2], k[2], ulysses_size, received)
-    check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
+    if sequence is not None:
+        _check_shard_rows(op_name, sequence, shard, q[1], received)
+        if _is_even(sequence):
+            sequence = None  # the string's plan: the same positions, no padding, no masks
+    if sequence is None:
+        check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
     scale = _check_options(tuple(dtypes), causal, scale, q[3], received, op_name)
-    rows = q[1] * ulysses_size
-    named = _cases(rows, causal, layout)
-    index = tuple(tuple(_case_of(causal, rank, (rank - step) % ring_size) for rank in range(ring_size))
-                  for step in range(ring_size))
+    if sequence is None:
+        rows = q[1] * ulysses_size
+        named = _cases(rows, causal, layout)
+        index = tuple(tuple(_case_of(causal, rank, (rank - step) % ring_size) for rank in range(ring_size))
+                      for step in range(ring_size))
+    else:
+        rows = ulysses_size * sequence.max_size
+        named = (("positions", (Piece((0, rows), (0, rows), "positions"),)),)
+        index = ((0,) * ring_size,) * ring_size
     shared = tuple(step[0] if len(set(step)) == 1 else None for step in index)
     return RingPlan(op_name, ring_size, layout, causal, scale, q[0], rows, q[2] // ulysses_size,
                     k[2] // ulysses_size, q[3], v[3], str(dtypes[0]), ulysses_size,
-                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared)
+                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared, sequence)
+
+
+def _is_even(sequence: SequenceLayout) -> bool:
+    """Whether the layout's string cuts `sequence`'s length evenly (then its positions are `shard_positions`)."""
+    unit = sequence.world_size * (2 if sequence.layout == "zigzag" else 1)
+    return sequence.seq_len % unit == 0
+
+
+def _check_sequence(op_name: str, sequence: SequenceLayout, ring_size: int, ulysses_size: int,
+                    received: dict) -> None:
+    """A `SequenceLayout`'s ring and Ulysses sizes are the groups' (or mesh axes') sizes."""
+    for name, want in (("ring_size", ring_size), ("ulysses_size", ulysses_size)):
+        got = getattr(sequence, name)
+        if got != want:
+            group = "ring" if name == "ring_size" else "Ulysses"
+            raise comm_error(op_name, f"layout.{name} ({got}) must be the {group} group's world size ({want})",
+                             **received)
+
+
+def _check_shard_rows(op_name: str, sequence: SequenceLayout, shard: int | None, rows: int, received: dict) -> None:
+    """This rank's seq is ``sequence.sizes[shard]`` (exact) or, with `shard` None, ``sequence.max_size`` (padded)."""
+    if shard is None:
+        want, name = sequence.max_size, "layout.max_size"
+    else:
+        want, name = sequence.sizes[shard], f"layout.sizes[{shard}]"
+    if rows != want:
+        raise comm_error(op_name, f"seq ({rows}) must be {name} ({want})", **received)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,25 +331,38 @@ class RingBackend(Protocol):
     def switch(self, step: int, function: Callable[..., Any], *operands: Any) -> Any:
         """``function(pieces, *operands)`` with the pieces of this rank's case at `step`."""
 
+    def key_mask(self, step: int) -> Any:
+        """Masked plans: this rank's ``RingPlan.key_masks(step)[rank]`` (bool ``[rows, rows]``, or anything that
+        broadcasts against the scores ``[B, H_kv, G, rows, rows]`` as it)."""
+
+    def real_rows(self, x: Any) -> Any:
+        """Masked plans: `x` with the padding rows of this rank's ring block set to 0 (what a padded shard
+        holds there is ignored)."""
+
 
 def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any) -> Any:
-    """`function` (a case rule) on this rank's case at `step`: static where every rank has the same case."""
+    """`function` (a case rule) on this rank's case at `step`: static where every rank has the same case (masked
+    plans: always, with this rank's mask of the step)."""
     shared = plan.shared_case[step]
+    if plan.masked:
+        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step))
     if shared is not None:
         return function(backend, plan.cases[shared], *operands)
     return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
 
 
-def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse):
+def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None):
     """Merge the pieces of one case into this rank's (out, lse); `out` None: the first piece (step 0's own
-    block, every row) is the start."""
+    block, every row) is the start. `key_mask`: the mask of a "positions" piece (masked plans)."""
     for piece in pieces:
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], piece.mask)
+        mask = key_mask if piece.mask == "positions" else piece.mask
+        part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
         if out is None:
             out, lse = part_out, part_lse
             continue
-        merged_out, merged_lse = merge(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
+        rule = merge if key_mask is None else merge_masked
+        merged_out, merged_lse = rule(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
         out, lse = backend.set_rows(out, rows, merged_out), backend.set_rows(lse, rows, merged_lse)
     return out, lse
 
@@ -265,6 +370,8 @@ def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse):
 def forward(plan: RingPlan, backend: RingBackend, q, k, v):
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
     softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step)."""
+    if plan.masked:
+        q, k, v = (backend.real_rows(x) for x in (q, k, v))
     query = backend.compute(q)
     out = lse = None
     held = [k, v]
@@ -276,12 +383,13 @@ def forward(plan: RingPlan, backend: RingBackend, q, k, v):
     return backend.restore(out, q), lse
 
 
-def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv):
+def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv, key_mask=None):
     """Add the pieces of one case to this rank's dq and the travelling dk, dv."""
     for piece in pieces:
         rows, keys = slice(*piece.q), slice(*piece.kv)
+        mask = key_mask if piece.mask == "positions" else piece.mask
         grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows], lse[:, rows],
-                                   delta[:, rows], piece.mask)
+                                   delta[:, rows], mask)
         dq = backend.add_rows(dq, rows, grads[0])
         dk, dv = backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
     return dq, dk, dv
@@ -289,7 +397,10 @@ def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta
 
 def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out):
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
-    (compute dtype) travelling with k/v, one more send of dk/dv at the end to bring them home."""
+    (compute dtype) travelling with k/v, one more send of dk/dv at the end to bring them home. Masked plans:
+    what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients are 0."""
+    if plan.masked:
+        q, k, v, d_out = (backend.real_rows(x) for x in (q, k, v, d_out))
     query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
     rowsums = delta(backend.math, out_c, d_out_c)
     dq = backend.zeros(q)

@@ -24,7 +24,7 @@ from commlib.errors import comm_error, kind_error
 from commlib.uneven import split_sizes
 
 __all__ = ["SEQUENCE_LAYOUTS", "SequenceLayout", "check_layout", "positions", "shard_positions", "shard_sequence",
-           "unshard_sequence"]
+           "ulysses_seq_sizes", "unshard_sequence"]
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 
@@ -256,3 +256,47 @@ def _padded(x: np.ndarray, dim: int, rows: int) -> np.ndarray:
     widths = [(0, 0)] * x.ndim
     widths[dim] = (0, rows - x.shape[dim])
     return np.pad(x, widths)
+
+
+def ulysses_seq_sizes(op_name: str, layout: object, seq_sizes: object, world_size: int) -> object:
+    """The `seq_sizes` of ``ulysses_attention(..., seq_sizes=seq_sizes, layout=layout)`` over `world_size` ranks.
+
+    Ulysses holds the sequence in rank order (rank r the r-th contiguous run of rows): `layout` "contiguous"
+    leaves `seq_sizes` as given (None: even); a `SequenceLayout` must hold it so (``ring_size == 1``, or
+    ``layout="contiguous"``) over `world_size` shards and gives ``seq_sizes = layout.sizes`` (a `seq_sizes`
+    given too must be the same).
+
+    >>> ulysses_seq_sizes("ulysses_attention", SequenceLayout(5, ulysses_size=4), None, 4)
+    (2, 1, 1, 1)
+
+    Raises:
+        CommError: "zigzag" (Ulysses holds the sequence in order), a layout of another world size, one whose
+            shards are not contiguous runs in rank order, `seq_sizes` that differ from the layout's sizes.
+        TypeError: a layout neither a string nor a `SequenceLayout`.
+    """
+    received = dict(layout=layout, seq_sizes=seq_sizes, world_size=world_size)
+    if isinstance(layout, str):
+        if layout != "contiguous":
+            message = f"layout ({layout!r}) must be 'contiguous' or a SequenceLayout (Ulysses holds the sequence " \
+                      "in rank order)"
+            raise comm_error(op_name, message, **received)
+        return seq_sizes
+    if not isinstance(layout, SequenceLayout):
+        raise kind_error(op_name, f"layout must be a str or a commlib.SequenceLayout, not {type(layout).__name__}",
+                         **received)
+    if layout.world_size != world_size:
+        raise comm_error(op_name, f"layout.world_size ({layout.world_size}) must be the group's world size "
+                         f"({world_size})", **received)
+    if layout.ring_size > 1 and layout.layout != "contiguous":
+        raise comm_error(op_name, "layout must hold the sequence in rank order (ring_size 1, or layout "
+                         f"'contiguous'), not {layout.layout!r} over ring_size {layout.ring_size}", **received)
+    if seq_sizes is not None and _as_tuple(seq_sizes) != layout.sizes:
+        raise comm_error(op_name, f"seq_sizes ({seq_sizes}) must be layout.sizes ({layout.sizes})", **received)
+    return layout.sizes
+
+
+def _as_tuple(sizes: object) -> object:
+    try:
+        return tuple(sizes)  # type: ignore[arg-type]
+    except TypeError:
+        return sizes

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
+from commlib.sequence import ulysses_seq_sizes
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
@@ -82,7 +83,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
 
 
 def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None):
+                      attn_fn: AttentionFn | None = None, layout="contiguous"):
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, x's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -98,6 +99,9 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         seq_sizes: W ints, every rank's valid row count (e.g. ``commlib.split_sizes(S, W)``); None: all equal.
         attn_fn: ``attn_fn(q, k, v, *, causal, scale) -> out`` on ``[B, S, h, D]`` / ``[B, S, h_kv, D]`` (q head i
             using kv head ``i // (h // h_kv)``); default `attention` (``jax.nn.dot_product_attention``).
+        layout: "contiguous" (rank order, `seq_sizes` as given), or a `commlib.SequenceLayout` of W shards
+            holding the sequence in rank order (``ring_size == 1`` or contiguous): ``seq_sizes=layout.sizes``,
+            every shard padded to ``layout.max_size``.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
@@ -106,7 +110,8 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
-            `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), unequal dtypes.
+            `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), a `layout` of another world size,
+            "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes.
         TypeError: wrong kinds (causal not a bool, scale not a number).
 
     Example:
@@ -120,7 +125,9 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         True
     """
     axes = axes_of(axis_name)
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, axis_size(spec.OP_NAME, axes), seq_sizes=seq_sizes,
+    size = axis_size(spec.OP_NAME, axes)
+    seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
                              layout="padded")
     inputs, local = {"q": q, "k": k, "v": v}, {}

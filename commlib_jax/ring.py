@@ -75,6 +75,16 @@ class _AxisBackend:
     def send(self, arrays: list) -> list:
         return [permute(x, axis_arg(self.axes), self.plan.perm) for x in arrays]
 
+    def key_mask(self, step: int):
+        """This rank's mask of `step`, from the positions of its block and of the block it holds (the plan's
+        ``[W, rows]`` table indexed by the traced rank)."""
+        held, mine = jnp.asarray(self.plan.block_positions), rank(self.axes)
+        return blockwise.position_mask(held[mine], held[(mine - step) % self.plan.ring_size], self.plan.causal)
+
+    def real_rows(self, x):
+        real = jnp.asarray(self.plan.valid_rows())[rank(self.axes)]
+        return jnp.where(real[None, :, None, None], x, jnp.zeros((), x.dtype))
+
     def switch(self, step: int, function, *operands):
         case = jnp.asarray(self.plan.case_table[step])[rank(self.axes)]
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
@@ -114,7 +124,10 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
             are skipped.
         scale: the softmax scale (default ``1 / sqrt(D)``).
         layout: "contiguous" (rank r holds positions ``[r S/W, (r+1) S/W)``) or "zigzag" (the sequence cut into
-            2W chunks, rank r holds chunk r then chunk 2W-1-r: the same causal work on every rank).
+            2W chunks, rank r holds chunk r then chunk 2W-1-r: the same causal work on every rank); or a
+            `commlib.SequenceLayout` (``ring_size == W``) for any length: every rank holds ``layout.max_size``
+            rows, rank r's ``layout.sizes[r]`` first (``layout.shard(x, 1, padded=True)[r]``); what the rows
+            past them hold is ignored (gradient exactly 0) and the output there is 0.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -136,9 +149,22 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     >>> bool(np.allclose(out, attention(q, k, v, causal=True)[:, rows], atol=1e-5))
     True
 
+    Any length through a `commlib.SequenceLayout`: S = 15 on 4 ranks, shards of 4, 4, 4 and 3 rows held
+    padded to 4:
+
+    >>> layout = commlib.SequenceLayout(15, ring_size=4, layout="zigzag")
+    >>> q, k, v = (x[:, :15] for x in (q, k, v))
+    >>> ring = jax.shard_map(lambda q, k, v: ring_attention(q[0], k[0], v[0], "ring", causal=True,
+    ...                                                     layout=layout)[None],
+    ...                      mesh=mesh, in_specs=P("ring"), out_specs=P("ring"))
+    >>> out = ring(*(np.stack(layout.shard(np.asarray(x), 1, padded=True)) for x in (q, k, v)))
+    >>> bool(np.allclose(layout.unshard(list(out), 1, padded=True), attention(q, k, v, causal=True), atol=1e-5))
+    True
+
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
-            by W (contiguous) or 2W (zigzag), an unknown layout, unequal dtypes; `axis_name` not bound.
+            by W (contiguous) or 2W (zigzag), an unknown layout, a `SequenceLayout` whose ring_size is not W or
+            whose max_size is not the seq held, unequal dtypes; `axis_name` not bound.
         TypeError: wrong kinds (causal not a bool, scale not a number, axis names).
     """
     axes = axes_of(axis_name)
@@ -159,7 +185,8 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
             ``commlib.shard_positions(S, R, layout, ulysses_size=U)[r * U + u]``. H and H_kv divisible by U.
         ulysses_axis: the mesh axis (or tuple of axes) of the U ranks of one Ulysses group.
         ring_axis: the mesh axis (or tuple of axes) of the R ranks of one ring.
-        causal, scale, layout: as in `ring_attention` (the layout of the ring blocks).
+        causal, scale, layout: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
+            (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all

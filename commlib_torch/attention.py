@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
+from commlib.sequence import ulysses_seq_sizes
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
@@ -100,7 +101,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
                       causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None) -> torch.Tensor:
+                      attn_fn: AttentionFn | None = None, layout="contiguous") -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, x's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -114,6 +115,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         seq_sizes: W ints, every rank's row count (e.g. ``commlib.split_sizes(S, W)``); None: all equal.
         attn_fn: ``attn_fn(q, k, v, *, causal, scale) -> out`` on ``[B, S, h, D]`` / ``[B, S, h_kv, D]`` (q head i
             using kv head ``i // (h // h_kv)``), e.g. a flash-attention wrapper; default `attention` (SDPA).
+        layout: "contiguous" (rank order, `seq_sizes` as given), or a `commlib.SequenceLayout` of W shards
+            holding the sequence in rank order (``ring_size == 1`` or contiguous): ``seq_sizes=layout.sizes``.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
@@ -122,7 +125,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
-            `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), unequal dtypes, a rank
+            `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
+            size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, a rank
             outside `group`, a mesh dim that does not exist.
         TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
 
@@ -134,9 +138,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     """
     group = resolve_group(spec.OP_NAME, group)
     q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, world_size(spec.OP_NAME, group), rank=dist.get_rank(group),
-                             seq_sizes=seq_sizes, dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal,
-                             scale=scale)
+    size = world_size(spec.OP_NAME, group)
+    seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=seq_sizes,
+                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale)
     inputs, local = {"q": q, "k": k, "v": v}, {}
     for exchange in plan.exchanges:
         local.update(_exchange(exchange, inputs, group))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
+from commlib.sequence import SequenceLayout
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._groups import GroupArgument as Group
@@ -57,18 +58,19 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _attend(plan: spec.RingPlan, q, k, v, mask: str):
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`)."""
-    if _FLASH_CPU is None or not _flash(q, v):
+def _attend(plan: spec.RingPlan, q, k, v, mask):
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`; a mask array: its
+    einsum rules)."""
+    if _FLASH_CPU is None or not _flash(q, v) or not isinstance(mask, str):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           mask == "causal-diagonal", scale=plan.scale)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask: str):
+def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
-    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v) or not isinstance(mask, str):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
                                      _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
@@ -101,10 +103,18 @@ class _RankBackend:
 
     math = _MATH
 
-    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int) -> None:
-        self.plan, self.group, self.rank = plan, group, rank
+    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int,
+                 device: torch.device) -> None:
+        self.plan, self.group, self.rank, self.device = plan, group, rank, device
         self.dtype = getattr(torch, plan.compute_dtype)
 
+    def key_mask(self, step: int) -> torch.Tensor:
+        held = (self.plan.positions(block) for block in (self.rank, self.plan.kv_block(step, self.rank)))
+        query, key = (torch.from_numpy(positions.copy()).to(self.device) for positions in held)
+        return blockwise.position_mask(query, key, self.plan.causal)
+
+    def real_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype)
 
@@ -114,10 +124,10 @@ class _RankBackend:
     def zeros(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
 
-    def attend(self, q, k, v, mask: str):
+    def attend(self, q, k, v, mask):
         return _attend(self.plan, q, k, v, mask)
 
-    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask):
         return _attend_vjp(self.plan, q, k, v, out, d_out, lse, delta, mask)
 
     def set_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
@@ -137,12 +147,12 @@ class _RankBackend:
 
 def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`)."""
-    return spec.forward(plan, _RankBackend(plan, group, rank), q, k, v)
+    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v)
 
 
 def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
     """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank), q, k, v, out, lse, d_out)
+    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -215,6 +225,17 @@ def _ring(q, k, v, plan: spec.RingPlan, group, rank: int) -> torch.Tensor:
     return _Ring.apply(q, k, v, plan, group, rank)
 
 
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` ``[B, S_r, h, D]`` with zero rows appended up to `rows` (an uneven layout's shard, held padded to
+    ``max_size`` while it walks; the gradient of the padding is dropped by autograd)."""
+    return x if x.shape[1] == rows else torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
+
+
+def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
+    """This rank's shard index ``r * U + u`` in a `SequenceLayout` (None for a layout string)."""
+    return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
+
+
 def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
     return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
 
@@ -232,7 +253,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         causal: a query sees the keys at global positions <= its own.
         scale: the softmax scale (default ``1 / sqrt(D)``).
         layout: "contiguous" (rank r holds rows ``[r*S/W, (r+1)*S/W)``) or "zigzag" (chunks r and 2W-1-r of
-            2W: every rank does the same causal work).
+            2W: every rank does the same causal work); or a `commlib.SequenceLayout` (``ring_size == W``) for
+            any length: rank r holds exactly ``layout.sizes[r]`` rows (``layout.positions(r)``; some may hold
+            none) and gets that many output rows. Uneven shards travel padded to the largest with the padding
+            keys masked; a query row that sees no key outputs 0 with gradient 0.
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -252,17 +276,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     torch.Size([2, 8, 4, 16])
     >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
     True
+    >>> import commlib  # any length: a SequenceLayout (on W ranks rank r passes layout.shard(x, 1)[r])
+    >>> q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    >>> out = ring_attention(q, k, v, causal=True, layout=commlib.SequenceLayout(7, layout="zigzag"))
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
+    True
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
-            layout, an odd shard in the zigzag layout, unequal dtypes, a rank outside `group`.
+            layout, an odd shard in the zigzag layout, a `SequenceLayout` whose ring_size is not W or whose
+            ``sizes[rank]`` is not this rank's seq, unequal dtypes, a rank outside `group`.
         TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
     q, k, v = _checked(spec.RING_OP, q, k, v)
+    rank = group_rank(group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
-                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return _ring(q, k, v, plan, group, group_rank(group))
+                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+                          shard=_shard_index(layout, rank))
+    if not plan.masked:
+        return _ring(q, k, v, plan, group, rank)
+    out = _ring(_padded(q, plan.rows), _padded(k, plan.rows), _padded(v, plan.rows), plan, group, rank)
+    return out[:, :q.shape[1]]
 
 
 def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
@@ -293,7 +328,10 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     `all_to_all` over `ulysses_group` gathers ring block r for heads ``[u H/U, (u+1) H/U)`` (and their kv heads:
     ``H % U == 0`` and ``H_kv % U == 0``), `ring_attention`'s walk runs over `ring_group` on it, and
     ``all_to_all_4d(out, 1, 2)`` returns ``[B, S/(W U), H, D_v]``. `causal`, `scale`, `layout` as in
-    `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward).
+    `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward). A
+    `commlib.SequenceLayout` (``ring_size == W``, ``ulysses_size == U``) for any length: this rank holds
+    exactly ``layout.sizes[r * U + u]`` rows; the shards travel padded to ``layout.max_size`` (the all-to-all
+    then gathers ring block r as U padded pieces) with the padding masked.
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -308,14 +346,21 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     (True, True)
 
     Raises:
-        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U.
+        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U, a
+            `SequenceLayout` whose ulysses_size is not U.
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
     q, k, v = _checked(spec.USP_OP, q, k, v)
+    ring_rank = group_rank(ring_group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP)
+                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP,
+                          shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)))
+    rows = q.shape[1]
+    if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
+        q, k, v = (_padded(x, plan.rows // plan.ulysses_size) for x in (q, k, v))
     local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_group)
-    out = _ring(local_q, local_k, local_v, plan, ring_group, group_rank(ring_group))
-    return out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
+    out = _ring(local_q, local_k, local_v, plan, ring_group, ring_rank)
+    out = out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
+    return out[:, :rows] if plan.masked else out

@@ -95,9 +95,11 @@ class Case:
         return getattr(plans, self.op)(self.shape, self.world_size, dtype=self.dtype, **self.params)
 
     def out_shape(self) -> tuple[int, ...]:
-        if self.op in CONTEXT_OPS:  # one rank's output: [B, S / W, H, D_v]
+        if self.op in CONTEXT_OPS:  # one rank's output: [B, S / W, H, D_v] (any length: [B, max_size, H, D_v])
             batch, seq, heads, head_dim = self.shape
-            return batch, seq // self.world_size, heads, int(self.params.get("value_dim", head_dim))  # type: ignore[call-overload]
+            layout = context_sequence(self)
+            rows = seq // self.world_size if layout is None else layout.max_size
+            return batch, rows, heads, int(self.params.get("value_dim", head_dim))  # type: ignore[call-overload]
         return self.plan().out_shape
 
 
@@ -289,15 +291,30 @@ def context_layout(case: Case) -> tuple[int, int, str]:
     return case.world_size // ulysses_size, ulysses_size, str(case.params.get("layout", "contiguous"))
 
 
+def context_sequence(case: Case) -> sequence.SequenceLayout | None:
+    """The `SequenceLayout` of an any-length row (``any_length=True``: the layout string's layout of the global
+    length over the row's ring and Ulysses sizes), else None. Its arrays are stored padded to ``max_size`` (the
+    JAX layout; torch cuts them with `exact_arrays`)."""
+    if not case.params.get("any_length"):
+        return None
+    ring_size, ulysses_size, layout = context_layout(case)
+    return sequence.SequenceLayout(case.shape[1], ring_size=ring_size, ulysses_size=ulysses_size, layout=layout)
+
+
 def context_kwargs(case: Case) -> dict[str, Any]:
-    """The keywords a context row passes to ``ring_attention`` / ``usp_attention``."""
-    return {key: value for key, value in case.kwargs if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size")}
+    """The keywords a context row passes to ``ring_attention`` / ``usp_attention`` (an any-length row: its
+    `SequenceLayout` as ``layout``)."""
+    kwargs = {key: value for key, value in case.kwargs
+              if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size", "any_length")}
+    layout = context_sequence(case)
+    return kwargs if layout is None else {**kwargs, "layout": layout}
 
 
 def context_plan(case: Case) -> ring.RingPlan:
     """The row's plan (every rank's is the same): the spec's error for an invalid row."""
     ring_size, ulysses_size, _ = context_layout(case)
-    rows = case.shape[1] // case.world_size
+    layout = context_sequence(case)
+    rows = case.shape[1] // case.world_size if layout is None else layout.max_size
     shapes = _attention_global_shapes(case)
     q, k, v = ((*shapes[name][:1], rows, *shapes[name][2:]) for name in "qkv")
     return ring.ring_plan(q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size,
@@ -308,15 +325,30 @@ def _context_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
     """Every rank's shard of a whole ``[B, S, ...]`` array in the row's layout (an invalid layout or length:
     contiguous cuts, so that every rank still has inputs to be refused with)."""
     ring_size, ulysses_size, layout = context_layout(case)
+    any_length = context_sequence(case)
+    if any_length is not None:
+        return any_length.shard(whole, 1, padded=True)
     try:
         return sequence.shard_sequence(whole, 1, ring_size, layout, ulysses_size)
     except CommError:
         return np.array_split(whole, case.world_size, axis=1)
 
 
+def _fill_padding(case: Case, shards: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
+    """An any-length row's padded shards with random values in the padding rows (which every side must
+    ignore)."""
+    layout = context_sequence(case)
+    if layout is None:
+        return shards
+    for shard, size in zip(shards, layout.sizes, strict=True):
+        shard[:, size:] = _draw(rng, shard[:, size:].shape, case.dtype)
+    return shards
+
+
 def context_table(world_size: int) -> list[Case]:
     """Ring rows at W = `world_size` (causal and not, contiguous and zigzag, GQA and MHA, batch 2, float64;
-    float32 and bfloat16), USP rows on 2 x 2 when W = 4, and invalid calls."""
+    float32 and bfloat16), any-length rows (a `SequenceLayout` at S = 37 and 5; at W = 4 S = 3, an empty shard),
+    USP rows on 2 x 2 when W = 4 (S = 37 too), and invalid calls."""
     W = world_size
     rows = [
         context_case(W, (2, 4 * W, 4, 3), kv_heads=2, causal=True, layout="zigzag"),
@@ -325,6 +357,9 @@ def context_table(world_size: int) -> list[Case]:
         context_case(W, (1, 2 * W, 2, 4), kv_heads=2, value_dim=3, scale=0.6),
         context_case(W, (2, 4 * W, 4, 8), kv_heads=1, dtype="float32", causal=True, layout="zigzag"),
         context_case(W, (1, 4 * W, 4, 8), kv_heads=2, dtype="bfloat16", causal=True, layout="zigzag"),
+        context_case(W, (2, 37, 8, 3), kv_heads=2, causal=True, layout="zigzag", any_length=True),
+        context_case(W, (1, 37, 8, 3), kv_heads=2, layout="contiguous", any_length=True),
+        context_case(W, (1, 5, 4, 3), kv_heads=2, causal=True, layout="zigzag", any_length=True),
         context_case(W, (1, 3 * W, 4, 3), "!zigzag", kv_heads=2, layout="zigzag"),  # odd shards
         context_case(W, (1, 2 * W, 4, 3), "!layout", kv_heads=2, layout="ring"),
         context_case(W, (1, 2 * W, 4, 3), "!kv", kv_heads=3),
@@ -335,6 +370,9 @@ def context_table(world_size: int) -> list[Case]:
             context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2),
             context_case(2, (1, 8, 4, 3), kv_heads=2, ulysses_size=2, value_dim=2, causal=True),
             context_case(1, (1, 8, 2, 3), "!ulysses", kv_heads=1, ulysses_size=4),
+            context_case(2, (2, 37, 8, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag", any_length=True),
+            context_case(2, (1, 37, 8, 3), kv_heads=2, ulysses_size=2, any_length=True),
+            context_case(4, (1, 3, 8, 3), kv_heads=2, causal=True, any_length=True),  # an empty shard
         ]
     return rows
 
@@ -374,7 +412,7 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
     if case.op in CONTEXT_OPS:  # the whole sequence drawn, every rank given its shard of the layout
-        return {name: _context_shards(case, _draw(rng, shape, case.dtype))
+        return {name: _fill_padding(case, _context_shards(case, _draw(rng, shape, case.dtype)), rng)
                 for name, shape in _attention_global_shapes(case).items()}
     if case.op == ATTENTION:  # every rank's rows padded to the longest shard (rows past its own: ignored)
         rows = max(attention_rows(case))
@@ -426,7 +464,9 @@ def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
     if case.op == ATTENTION:
         return {name: ranks[rank][:, : attention_rows(case)[rank]] for name, ranks in arrays.items()}
     if case.op in CONTEXT_OPS:
-        return {name: ranks[rank] for name, ranks in arrays.items()}
+        layout = context_sequence(case)
+        rows = None if layout is None else layout.sizes[rank]
+        return {name: ranks[rank][:, :rows] for name, ranks in arrays.items()}
     plan = _uneven_plan(case)
     cuts = uneven.rows(plan, rank) if plan is not None else (None, None)
     return {name: _cut(ranks[rank], cuts[1] if name == "cotangent" else cuts[0]) for name, ranks in arrays.items()}
@@ -435,7 +475,11 @@ def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
 def padded_result(case: Case, rank: int, output: np.ndarray, gradients: dict) -> tuple[np.ndarray, dict]:
     """An exact result of rank `rank` (torch) in the case's padded layout: zeros past the rank's rows."""
     if case.op in CONTEXT_OPS:
-        return output, gradients
+        layout = context_sequence(case)
+        if layout is None:
+            return output, gradients
+        rows = (1, layout.sizes[rank]), layout.max_size
+        return _pad(output, *rows), {name: _pad(gradient, *rows) for name, gradient in gradients.items()}
     if case.op == ATTENTION:
         rows = (1, attention_rows(case)[rank]), max(attention_rows(case))
         return _pad(output, *rows), {name: _pad(gradient, *rows) for name, gradient in gradients.items()}
@@ -487,12 +531,7 @@ def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
 def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
     """Reference per-rank outputs and per-rank input gradients {input name: [rank arrays]}."""
     if case.op in CONTEXT_OPS:
-        ring_size, ulysses_size, layout = context_layout(case)
-        kwargs = context_kwargs(case)
-        outs, *grads = ring_reference.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
-                                         causal=kwargs.get("causal", False), scale=kwargs.get("scale"),
-                                         layout=layout, ulysses_size=ulysses_size)
-        return outs, dict(zip("qkv", grads, strict=True))
+        return _context_expected(case, arrays)
     if case.op == ATTENTION:
         return _attention_expected(case, arrays)
     plan = case.plan()
@@ -500,6 +539,24 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
     if not case.differentiable:
         return reference.forward(plan, xs), {}
     return reference.forward(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
+
+
+def _context_expected(case: Case, arrays) -> tuple[list, dict]:
+    """The float64 reference of a context row (an any-length row: on the valid rows, padded back with zeros)."""
+    ring_size, ulysses_size, layout = context_layout(case)
+    kwargs = context_kwargs(case)
+    options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
+    any_length = context_sequence(case)
+    if any_length is None:
+        outs, *grads = ring_reference.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
+                                                layout=layout, ulysses_size=ulysses_size, **options)
+        return outs, dict(zip("qkv", grads, strict=True))
+    exact = [exact_arrays(case, arrays, rank) for rank in range(case.world_size)]
+    qs, ks, vs, cotangents = ([mine[name] for mine in exact] for name in ("q", "k", "v", "cotangent"))
+    outs, *grads = ring_reference.reference(qs, ks, vs, cotangents, ring_size, layout=any_length, **options)
+    padded = [padded_result(case, rank, outs[rank], {name: grad[rank] for name, grad in zip("qkv", grads, strict=True)})
+              for rank in range(case.world_size)]
+    return [out for out, _ in padded], {name: [mine[name] for _, mine in padded] for name in "qkv"}
 
 
 def tolerance(case: Case) -> float:

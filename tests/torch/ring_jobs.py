@@ -7,7 +7,7 @@ import torch
 
 from commlib.tools import cases
 from commlib_torch import ring
-from commlib_torch.attention import ring_attention, usp_attention
+from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
 from commlib_torch.tools.parity_jobs import usp_groups
 from tests.torch.attention_jobs import _counting
 
@@ -131,3 +131,35 @@ def func_grad(ctx, case: cases.Case, arrays):
     cotangent = torch.tensor(arrays["cotangent"][ctx.rank], dtype=q.dtype)
     grads = torch.func.grad(lambda *xs: (_call(case, *xs) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
     return {name: grad.double().numpy() for name, grad in zip(case.inputs, grads, strict=True)}
+
+
+def any_length(ctx, layout, whole: dict, causal: bool, op: str = "ring_attention"):
+    """This rank's output and dq/dk/dv (float64 numpy) of ring, USP or Ulysses attention (`op`) on its
+    exact shard of the `SequenceLayout` `layout` (shard ``r * U + u`` at WORLD rank ``r * U + u``), cotangent the
+    same shard of ``whole["cotangent"]``."""
+    leaves = [torch.tensor(layout.shard(whole[name], 1)[ctx.rank]).requires_grad_() for name in ("q", "k", "v")]
+    if op == "usp_attention":
+        groups = usp_groups(layout.world_size, layout.ulysses_size)
+        out = usp_attention(*leaves, *groups, causal=causal, layout=layout)
+    elif op == "ulysses_attention":
+        out = ulysses_attention(*leaves, causal=causal, layout=layout)
+    else:
+        out = ring_attention(*leaves, causal=causal, layout=layout)
+    cotangent = torch.tensor(layout.shard(whole["cotangent"], 1)[ctx.rank])
+    (out * cotangent).sum().backward()
+    return out.detach().numpy(), *(leaf.grad.numpy() for leaf in leaves)
+
+
+def any_length_error(ctx, layout, shape: tuple, op: str = "ring_attention") -> str:
+    """The error text of a ring (USP) call on zeros of `shape` with `layout`, on this rank."""
+    q = torch.zeros(shape, dtype=torch.float64)
+    try:
+        if op == "usp_attention":
+            usp_attention(q, q, q, *usp_groups(ctx.world_size, 2), layout=layout)
+        elif op == "ulysses_attention":
+            ulysses_attention(q, q, q, layout=layout)
+        else:
+            ring_attention(q, q, q, layout=layout)
+    except Exception as error:  # the text is what is checked
+        return f"{type(error).__name__}: {error}"
+    return "no error"
