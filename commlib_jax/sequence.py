@@ -10,8 +10,9 @@ The spec (`commlib.sequence_helpers`) validates every call at trace time and own
 references there are what the tests compare with.
 
 And the `parallel` context that names the attention layer (Ulysses, ring, USP), its mesh axes and the
-`commlib.SequenceLayout`, and `dot_product_attention`, the drop-in for ``jax.nn.dot_product_attention`` that runs that layer (a Flax
-model swaps it in for its attention call). JAX holds every shard padded to ``layout.max_size`` rows.
+`commlib.SequenceLayout`, and `dot_product_attention`, the drop-in for ``jax.nn.dot_product_attention`` that
+runs that layer (a Flax model swaps it in for its attention call). JAX holds every shard padded to
+``layout.max_size`` rows.
 """
 
 from __future__ import annotations
