@@ -67,10 +67,12 @@ def test_jax_example_with_two_processes():
     assert re.search(r"^PASS: process 1 of 2, sp=2 tp=2, 20 steps", outputs[1], re.MULTILINE), outputs[1]
 
 
-@pytest.mark.parametrize(("attention", "seq_len"), [("ulysses", 37), ("ring", 64), ("usp", 64)])
+@pytest.mark.parametrize(("attention", "seq_len"),
+                         [("ulysses", 37), ("ulysses", 5), ("ring", 37), ("ring", 64), ("usp", 37)])
 def test_transformers_llama_with_torchrun(attention, seq_len):
     """examples/transformers_llama.py over 4 ranks: a transformers Llama (GQA) with commlib's attention through the
-    registry, 5 AdamW steps equal to the unsharded model's (Ulysses at S = 37: shards of 10, 9, 9, 9 rows)."""
+    registry, 5 AdamW steps equal to the unsharded model's: the issue's handed lengths (S = 37: shards of 10, 9, 9, 9
+    or 9, 9, 9, 10 rows; S = 5: 2, 1, 1, 1; S = 64 even)."""
     command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py",
                "--attention", attention, "--seq-len", str(seq_len)]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
