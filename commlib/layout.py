@@ -61,6 +61,7 @@ __all__ = [
     "permute_splits",
     "rooted_splits",
     "reorder_pairs",
+    "completed_pairs",
     "offsets",
     "resized",
 ]
@@ -590,3 +591,19 @@ def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],
         return index
 
     return tuple((renumber(source), renumber(destination)) for source, destination in pairs)
+
+
+def completed_pairs(pairs: tuple[tuple[int, int], ...], world_size: int) -> tuple[tuple[int, int], ...]:
+    """`pairs` made a full permutation of `world_size` ranks: the ranks that send nothing paired, in order, with
+    the ranks that receive nothing. What a partial perm gives equals the completed perm's result with the
+    added destinations zeroed (for backends that take full permutations only: ``lax.ppermute`` under
+    ``jax.vmap``).
+
+    >>> completed_pairs(((0, 1), (1, 2)), 4)
+    ((0, 1), (1, 2), (2, 0), (3, 3))
+    """
+    sources = {source for source, _ in pairs}
+    destinations = {destination for _, destination in pairs}
+    idle = [rank for rank in range(world_size) if rank not in sources]
+    unfilled = [rank for rank in range(world_size) if rank not in destinations]
+    return (*pairs, *zip(idle, unfilled, strict=True))
