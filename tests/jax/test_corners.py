@@ -108,6 +108,16 @@ def test_an_op_outside_shard_map_or_pmap(op):
     assert str(raised.value).startswith(f"{op}: axis_name (('i', 'j')) is not bound here")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_wrong_axis_name_inside_a_map_lists_the_bound_axes(mode):
+    """Issue 23 item 8: inside a shard_map / pmap, a wrong name lists the names bound there (not the text of a
+    call outside every map)."""
+    with pytest.raises(CommError) as raised:
+        _mapped(lambda x: commlib_jax.all_reduce(x, "j"), 2, mode)(jnp.ones((2, 2)))
+    assert str(raised.value) == ("all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / "
+                                 "jax.pmap bind ('i',). Received: axis_name='j'")
+
+
 @pytest.mark.parametrize("op", CALLS)
 @pytest.mark.parametrize(("axis_name", "error", "message"), [
     ((), CommError, "axis_name (()) must name at least one mesh axis. Received: axis_name=()"),
