@@ -98,7 +98,8 @@ def main() -> None:
                for run in runs]
     summary = {"survivor_seconds_sorted": sorted(times), "median": statistics.median(times) if times else None,
                "runs_whose_slowest_survivor_took_over_5s": sum(seconds > 5 for seconds in slowest),
-               "runs_whose_slowest_survivor_reached_the_timeout": sum(seconds >= args.timeout - 1 for seconds in slowest)}
+               "runs_whose_slowest_survivor_reached_the_timeout":
+                   sum(seconds >= args.timeout - 1 for seconds in slowest)}
     print(json.dumps({"args": vars(args), "summary": summary, "runs": runs}, indent=1))
 
 
