@@ -268,7 +268,8 @@ def held_cache(maxsize: int) -> Callable[[Builder], Builder]:
         @functools.wraps(function)
         def charged(*args: Any, **kwargs: Any) -> Any:
             result = function(*args, **kwargs)
-            charge(estimated_bytes(result))
+            if not _tracing():  # (Dynamo traces through lru_cache: it must not trace the estimate)
+                charge(estimated_bytes(result))
             return result
 
         cached = functools.lru_cache(maxsize=maxsize)(charged)
