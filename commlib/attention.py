@@ -267,6 +267,11 @@ def _check_int(name: str, value: object, received: dict, op_name: str = OP_NAME)
     return operator.index(value)
 
 
+#: Appended to a seq mismatch where q's dim 2 matches k's (or v's) seq or heads: q given in SDPA's order.
+_SDPA_HINT = (" (q, k and v are [batch, seq, heads, head_dim]: SDPA's [batch, heads, seq, head_dim] needs "
+              ".transpose(1, 2))")
+
+
 def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_NAME) -> dict[str, tuple[int, ...]]:
     """q, k, v shapes checked (4-D, agreeing batch, seq, heads and head_dim, H % H_kv == 0) for `op_name`."""
     checked: dict[str, tuple[int, ...]] = {}
@@ -283,8 +288,9 @@ def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_N
     for name, dims in (("k", k), ("v", v)):
         for axis, quantity in ((0, "batch"), (1, "seq")):
             if dims[axis] != q[axis]:
-                raise comm_error(op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})",
-                                 **received)
+                hint = _SDPA_HINT if quantity == "seq" and q[2] in dims[1:3] else ""
+                raise comm_error(op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})"
+                                 f"{hint}", **received)
     if v[2] != k[2]:
         raise comm_error(op_name, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
     if k[3] != q[3]:

@@ -69,15 +69,19 @@ def check_axis_names(op_name: str, axes: tuple) -> None:
             raise comm_error(op_name, f"axis_name ({shown!r}) names {axis!r} twice", axis_name=shown)
 
 
-def unbound_axis(op_name: str, axis_name: object) -> CommError:
+def unbound_axis(op_name: str, axis_name: object, bound: tuple[str, ...] = ()) -> CommError:
     """The error of a JAX op whose axis name no enclosing ``jax.shard_map`` / ``jax.pmap`` binds (JAX's own is
-    ``NameError: unbound axis name``).
+    ``NameError: unbound axis name``); `bound`: the names the enclosing maps do bind (none: outside every map).
 
     >>> unbound_axis("all_reduce", "i")
     CommError("all_reduce: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
+    >>> unbound_axis("all_reduce", "j", ("i",))
+    CommError("all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / jax.pmap bind ('i',). Received: axis_name='j'")
     """
     message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
                f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
+    if bound:
+        message = f"axis_name ({axis_name!r}) is not bound here: the enclosing jax.shard_map / jax.pmap bind {bound!r}"
     return comm_error(op_name, message, axis_name=axis_name)
 
 

@@ -36,7 +36,6 @@ cotangent (convention "sum") or this rank's own ("replicated"):
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Protocol, assert_never
 
@@ -56,6 +55,7 @@ from commlib.layout import (
     local_layout,
     reduce_scatter_layout,
 )
+from commlib.plan_cache import held_cache
 from commlib.reduce_op import ReduceOp
 from commlib.steps import (
     AllGather,
@@ -105,7 +105,7 @@ class Backend(Protocol):
         """Boolean ``[W, 1, ..., 1]`` (`ndim` axes) that is True at this rank's index."""
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def vjp_plan(plan: Plan) -> Plan:
     """The plan of the VJP of a linear `plan` (see the module table); the cotangent has `plan.out_shape`.
 
@@ -265,7 +265,7 @@ def vjp(backend: Backend, plan: Plan, x: Any, out: Any, cotangent: Any) -> Any:
     return incoming * (hits / backend.collective(count, hits))
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def _incoming_plan(plan: Plan) -> Plan:
     """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated")."""
     shape = plan.out_shape

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 
 import numpy as np
 
+from commlib.plan_cache import held_cache
 from commlib.steps import Gather, Permute, Reduce, Scatter, Step, gathered_dim
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "permute_splits",
     "rooted_splits",
     "reorder_pairs",
+    "completed_pairs",
     "offsets",
     "resized",
 ]
@@ -299,7 +300,7 @@ class Take:
         return tuple(runs)
 
 
-@functools.lru_cache(maxsize=512)
+@held_cache(maxsize=512)
 def _index(kind: str, sizes: tuple[int, ...], rank: int | None) -> np.ndarray:
     world_size, most, total, starts = len(sizes), max(sizes, default=0), sum(sizes), offsets(sizes)
     size_of, start_of = np.asarray(sizes, dtype=np.int64), np.asarray(starts, dtype=np.int64)
@@ -477,7 +478,7 @@ def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
     return (*shape[:dim], shape[dim] * world_size, *shape[dim + 1:])
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_dim: int) -> Layout:
     """The all-to-all's layout for valid, normalised arguments (see module docstring).
 
@@ -499,7 +500,7 @@ def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_di
                   unpack=_front_to(recv, gather_dim), out_shape=_grown(chunk, gather_dim, world_size))
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def all_gather_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Gather into [W, *shape] (dim 0 = source rank), then move that axis in front of `dim`."""
     recv = (world_size, *shape)
@@ -507,7 +508,7 @@ def all_gather_layout(shape: Shape, world_size: int, dim: int) -> Layout:
                   out_shape=_grown(shape, dim, world_size))
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Pack to [W, *chunk] (chunk r for rank r), reduce-scatter on dim 0; the result is already laid out."""
     chunk = _chunk(shape, dim, world_size)
@@ -515,14 +516,14 @@ def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> Layout:
                   unpack=_identity(chunk), out_shape=chunk)
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def flat_layout(shape: Shape, in_place: bool) -> Layout:
     """Same-shape collectives (all_reduce, broadcast, permute): no layout change; a fresh buffer if in place."""
     return Layout(pack=_identity(shape, always_copy=in_place), send_shape=shape, recv_shape=shape,
                   unpack=_identity(shape), out_shape=shape)
 
 
-@functools.lru_cache(maxsize=4096)
+@held_cache(maxsize=4096)
 def local_layout(in_shape: Shape, out_shape: Shape) -> Layout:
     """Local steps (identity, slice, pad): no pack or unpack pass; the step itself maps `in_shape` to `out_shape`."""
     return Layout(pack=_identity(in_shape), send_shape=in_shape, recv_shape=out_shape, unpack=_identity(out_shape),
@@ -590,3 +591,19 @@ def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],
         return index
 
     return tuple((renumber(source), renumber(destination)) for source, destination in pairs)
+
+
+def completed_pairs(pairs: tuple[tuple[int, int], ...], world_size: int) -> tuple[tuple[int, int], ...]:
+    """`pairs` made a full permutation of `world_size` ranks: the ranks that send nothing paired, in order, with
+    the ranks that receive nothing. What a partial perm gives equals the completed perm's result with the
+    added destinations zeroed (for backends that take full permutations only: ``lax.ppermute`` under
+    ``jax.vmap``).
+
+    >>> completed_pairs(((0, 1), (1, 2)), 4)
+    ((0, 1), (1, 2), (2, 0), (3, 3))
+    """
+    sources = {source for source, _ in pairs}
+    destinations = {destination for _, destination in pairs}
+    idle = [rank for rank in range(world_size) if rank not in sources]
+    unfilled = [rank for rank in range(world_size) if rank not in destinations]
+    return (*pairs, *zip(idle, unfilled, strict=True))

@@ -18,6 +18,12 @@ Two caches per builder, each of at most `MAX_PLANS` plans:
   int, str or None is keyed with its type), so a ``(3.0, 5)`` shape never finds the plan of ``(3, 5)``. A
   call with an unhashable argument (a numpy array as perm, say) is built every time.
 
+Bounded by bytes as well as count: every plan built, and every object the spec and frontends derive and keep
+per plan or shape (layouts, VJP plans, torch's walks: `held_cache`), is charged its `estimated_bytes`; past
+`MAX_BYTES` (4 MiB) since the last flush every cache is flushed at once. A training run's handful of shapes
+never comes near it (100% hits); a stream of new shapes (60,000 reduce_scatter shapes: 131 MiB of heap
+under the count bound alone) keeps a few MiB and pays the estimate (tens of us) on each miss.
+
 A call that raises caches nothing, so a mistake raises the same error, with the same text, every time.
 Under torch.compile, Dynamo skips ``lru_cache`` and traces the builder itself; what runs on a miss, and the
 general cache, first ask the frontends' `bypass_while` tests, so a tracer never traces the key making or a
@@ -33,15 +39,20 @@ change to the dictionary.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import enum
 import functools
 import itertools
+import sys
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-__all__ = ["MAX_PLANS", "Pairs", "builds", "bypass_while", "cached_plan", "clear", "clear_also", "key", "pairs",
-           "trust_sequence_type"]
+__all__ = ["MAX_BYTES", "MAX_PLANS", "Pairs", "builds", "bypass_while", "cached_plan", "charge", "clear", "clear_also",
+           "estimated_bytes", "flushes", "held_bytes", "held_cache", "key", "pairs", "trust_sequence_type"]
 
 MAX_PLANS = 4096  # plans kept per builder and cache
+MAX_BYTES = 4 * 2**20  # estimated bytes of what every cache holds (plans, and what frontends keep per plan)
 
 _EXACT = frozenset({int, str, type(None)})  # values keyed as themselves (no other type compares equal to them)
 _INTS = frozenset({int})  # (perm pairs)
@@ -53,6 +64,8 @@ _bypass: list[Callable[[], bool]] = []  # see bypass_while
 _also_cleared: list[Callable[[], object]] = []  # see clear_also
 _caches: dict[str, tuple[Any, dict]] = {}  # builder name -> its (fast lru_cache function, general dictionary)
 _builds: collections.Counter[str] = collections.Counter()  # builder name -> times it ran
+_held = [0, 0]  # [estimated bytes charged since the last flush, flushes since the last `clear`]
+_LEAVES = (str, bytes, int, float, complex, type(None), enum.Enum, type, types.ModuleType, types.BuiltinFunctionType)
 
 Builder = TypeVar("Builder", bound=Callable[..., Any])
 
@@ -144,7 +157,9 @@ def cached_plan(builder: Builder) -> Builder:
 
     def run(*args, **kwargs):
         _builds[name] += 1
-        return builder(*args, **kwargs)
+        plan = builder(*args, **kwargs)
+        charge(estimated_bytes(plan))
+        return plan
 
     @functools.lru_cache(maxsize=MAX_PLANS, typed=True)
     def fast(*args, **kwargs):
@@ -180,6 +195,100 @@ def cached_plan(builder: Builder) -> Builder:
     return build  # type: ignore[return-value]
 
 
+def estimated_bytes(root: object) -> int:
+    """``sys.getsizeof`` summed over `root` and every object it reaches once (tuples, lists, dicts, sets, the
+    attributes of records, a closure's cells; numpy arrays with their buffers); strings, numbers, enum members,
+    classes and modules are counted but not entered. Shared objects (small ints, interned names) count every
+    time they are reached from a new owner: an upper estimate, costing microseconds per plan (paid on a miss)."""
+    seen: set[int] = set()
+    stack, total = [root], 0
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += sys.getsizeof(item) + int(getattr(item, "nbytes", 0) if hasattr(item, "__array__") else 0)
+        if isinstance(item, _LEAVES):
+            continue
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, types.FunctionType):
+            stack.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+        else:
+            stack.extend(_attributes(item))
+    return total
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _attributes(item: object) -> list[object]:
+    """The values of a record's fields (a dataclass's fields, every ``__slots__`` of its classes), read one by
+    one: reading ``__dict__`` would make Python materialize a dict the object did not have (3.11+). Other
+    objects (a backend's option struct) are not entered."""
+    kind: Any = type(item)  # (a class is hashable: mypy types type(item) as type[object])
+    return [getattr(item, name) for name in _fields(kind) if hasattr(item, name)]
+
+
+@functools.lru_cache(maxsize=256)
+def _fields(kind: type) -> tuple[str, ...]:
+    """The field names of `kind`: its dataclass fields and the ``__slots__`` of it and its bases."""
+    names = [field.name for field in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
+    for base in kind.__mro__:
+        group = getattr(base, "__slots__", ())
+        names.extend(name for name in ((group,) if isinstance(group, str) else group)
+                     if name not in ("__dict__", "__weakref__") and name not in names)
+    return tuple(names)
+
+
+def charge(nbytes: int) -> None:
+    """Count `nbytes` more held by the caches (each plan built, and each per-plan object a frontend keeps);
+    past `MAX_BYTES` since the last flush, every cache is flushed (`clear`, the build counts kept). A real
+    training run's handful of shapes never comes near it (a 100% hit rate); a stream of new shapes is held
+    in at most `MAX_BYTES` (estimated), not in `MAX_PLANS` plans per builder and walk."""
+    _held[0] += nbytes
+    if _held[0] > MAX_BYTES:
+        _forget()
+        _held[1] += 1
+
+
+def held_cache(maxsize: int) -> Callable[[Builder], Builder]:
+    """``functools.lru_cache(maxsize)`` for what the spec and frontends derive from a plan or shape (layouts,
+    VJP plans, torch's walks): each result made is charged (`charge`), and every flush and `clear` forgets it."""
+
+    def decorate(function: Builder) -> Builder:
+        @functools.wraps(function)
+        def charged(*args: Any, **kwargs: Any) -> Any:
+            result = function(*args, **kwargs)
+            if not _tracing():  # (Dynamo traces through lru_cache: it must not trace the estimate)
+                charge(estimated_bytes(result))
+            return result
+
+        cached = functools.lru_cache(maxsize=maxsize)(charged)
+        clear_also(cached.cache_clear)
+        return cast(Builder, cached)
+
+    return decorate
+
+
+def held_bytes() -> int:
+    """Estimated bytes charged since the last flush (an upper bound of what the caches hold)."""
+    return _held[0]
+
+
+def flushes() -> int:
+    """Times the caches were flushed for `MAX_BYTES` since the last `clear`."""
+    return _held[1]
+
+
 def builds(name: str | None = None) -> int:
     """Times the builder `name` (or any builder) ran since the last `clear`: the cache misses."""
     return _builds[name] if name is not None else sum(_builds.values())
@@ -191,11 +300,17 @@ def clear_also(forget: Callable[[], object]) -> None:
         _also_cleared.append(forget)
 
 
-def clear() -> None:
-    """Forget every cached plan (and what frontends keep per plan, `clear_also`) and reset the build counts."""
+def _forget() -> None:
     for fast, general in _caches.values():
         fast.cache_clear()
         general.clear()
     for forget in _also_cleared:
         forget()
+    _held[0] = 0
+
+
+def clear() -> None:
+    """Forget every cached plan (and what frontends keep per plan, `clear_also`) and reset the build counts."""
+    _forget()
+    _held[1] = 0
     _builds.clear()

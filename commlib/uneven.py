@@ -94,6 +94,10 @@ def split_sizes(n: int, world_size: int) -> tuple[int, ...]:
     >>> split_sizes(6, 4), split_sizes(3, 4)
     ((2, 2, 1, 1), (1, 1, 1, 0))
     """
+    received: dict[str, object] = dict(n=n, world_size=world_size)
+    for name, value in received.items():
+        if isinstance(value, bool) or not hasattr(value, "__index__"):  # (a bool is an int to operator.index)
+            raise kind_error("split_sizes", f"{name} must be an int, not {type(value).__name__}", **received)
     n, world_size = operator.index(n), operator.index(world_size)
     if n < 0 or world_size < 1:
         raise comm_error("split_sizes", f"n ({n}) must be >= 0 and world_size ({world_size}) >= 1",

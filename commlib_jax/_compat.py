@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["manual_axes", "mesh_axis_names", "varying_axes"]
+__all__ = ["bound_axis_names", "manual_axes", "mesh_axis_names", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -39,3 +39,13 @@ def manual_axes() -> tuple[str, ...]:
     """The manual axes of the enclosing ``shard_map``, in the mesh's order (``get_abstract_mesh().manual_axes``,
     read on 0.10.2-0.11.2); none under pmap or outside a shard_map, or where the abstract mesh lacks it."""
     return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def bound_axis_names() -> tuple[str, ...]:
+    """The axis names the enclosing maps bind (shard_map, pmap, vmap), for error messages only: jax's private
+    ``jax._src.core.unsafe_get_axis_names`` (read on 0.10.2), else the shard_map's manual axes."""
+    try:
+        from jax._src.core import unsafe_get_axis_names
+    except ImportError:
+        return manual_axes()
+    return tuple(name for name in unsafe_get_axis_names() if isinstance(name, str))

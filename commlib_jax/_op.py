@@ -17,6 +17,7 @@ from jax import lax
 
 from commlib import frontend_errors, gradients
 from commlib.layout import Plan
+from commlib_jax._compat import bound_axis_names
 from commlib_jax._vma import axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
 
@@ -86,7 +87,7 @@ def axis_size(op_name: str, axes: tuple) -> int:
     try:
         return lax.axis_size(axis_arg(axes))
     except NameError:
-        raise frontend_errors.unbound_axis(op_name, axis_arg(axes)) from None
+        raise frontend_errors.unbound_axis(op_name, axis_arg(axes), bound_axis_names()) from None
 
 
 def world_size(op_name: str, x, axes: tuple) -> int:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commlib import Plan, ReduceOp
-from commlib.layout import Padded, Take, reorder_pairs
+from commlib.layout import Padded, Take, completed_pairs, reorder_pairs
 from commlib.steps import (
     AllGather,
     AllReduce,
@@ -32,6 +32,7 @@ from commlib.steps import (
     Scatter,
     Slice,
 )
+from commlib_jax._compat import manual_axes
 from commlib_jax._vma import axis_arg, mesh_order, to_varying
 
 __all__ = ["dtype_name", "run", "rank"]
@@ -79,7 +80,7 @@ def _step(plan: Plan, axes: tuple, x):
         case ReduceScatter(dim=dim):
             return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
         case Scatter(dim=dim, root=root):
-            return lax.psum_scatter(_on_root(root, axes, x), name, scatter_dimension=dim, tiled=True)
+            return _scatter_sum(_on_root(root, axes, x), name, dim)
         case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
             return lax.all_to_all(x, name, split_axis=scatter_dim, concat_axis=gather_dim, tiled=True)
         case Permute(pairs=pairs):
@@ -96,6 +97,14 @@ def _step(plan: Plan, axes: tuple, x):
             assert_never(step)
 
 
+def _scatter_sum(x, name, dim: int):
+    """``psum_scatter`` of the masked source, which has no bool: bool travels as uint8 (one rank's value and
+    zeros: the sum is that value) and comes back as bool."""
+    if x.dtype != jnp.bool_:
+        return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+    return lax.psum_scatter(x.astype(jnp.uint8), name, scatter_dimension=dim, tiled=True).astype(jnp.bool_)
+
+
 def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
     """``lax.ppermute`` with commlib's ranks (row-major over `axes` in the order given, as ``axis_index``).
 
@@ -104,11 +113,23 @@ def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
     pairs renumbered by the spec (`commlib.layout.reorder_pairs`).
     """
     order = mesh_order(axes)
-    if order == axes:
-        return lax.ppermute(x, axis_arg(axes), perm=pairs)
-    sizes = tuple(lax.axis_size(axis) for axis in axes)
-    renumbered = reorder_pairs(pairs, sizes, tuple(axes.index(axis) for axis in order))
-    return lax.ppermute(x, axis_arg(order), perm=renumbered)
+    if order != axes:
+        sizes = tuple(lax.axis_size(axis) for axis in axes)
+        pairs, axes = reorder_pairs(pairs, sizes, tuple(axes.index(axis) for axis in order)), order
+    if len(pairs) < lax.axis_size(axis_arg(axes)) and not set(axes) <= set(manual_axes()):
+        # jax.vmap's batching rule takes full permutations only (jax 0.10.2: a raw "AssertionError: Permutation
+        # doesn't match the axis size!", raised after tracing); outside shard_map vmap and pmap look alike
+        return _full_ppermute(pairs, axes, x)
+    return lax.ppermute(x, axis_arg(axes), perm=pairs)
+
+
+def _full_ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
+    """A partial permute as the completed permutation (`commlib.layout.completed_pairs`) with zeros at the
+    ranks that are no destination of `pairs`."""
+    name = axis_arg(axes)
+    moved = lax.ppermute(x, name, perm=completed_pairs(pairs, lax.axis_size(name)))
+    destinations = jnp.asarray(sorted({destination for _, destination in pairs}), dtype=jnp.int32)
+    return jnp.where(jnp.isin(lax.axis_index(name), destinations), moved, jnp.zeros_like(moved))
 
 
 def _take(step: Take | None, axes: tuple, x):

@@ -85,7 +85,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
 def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None, seq_sizes=None,
                       attn_fn: AttentionFn | None = None, layout="contiguous"):
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
-    H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, x's dtype; equal to `attention` on the inputs
+    H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
 
     Args:

@@ -105,7 +105,9 @@ def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor
     recv = torch.empty(unpack.shape if shaped else (unpack.numel,), dtype=buffer_dtype, device=x.device)
     flat = recv.view(-1) if shaped else recv
     if isinstance(plan.step, AllGather) and not torch.compiler.is_compiling():  # x itself to every rank
-        send = x.to(buffer_dtype, memory_format=torch.contiguous_format)  # x itself when it already is
+        # x itself when it already is; `to` keeps a view of the same dtype whose strides are uniform (x[:, ::2]
+        # flattens to a stride-2 view), which c10d's send rejects: contiguous() copies exactly that case
+        send = x.to(buffer_dtype, memory_format=torch.contiguous_format).contiguous()
         _gather_pairwise(unpack, scaled_first(send, x, scale) if first else send, flat, group, rank)
     else:
         send = _pack_blocks(x, pack, buffer_dtype)

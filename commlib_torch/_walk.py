@@ -33,7 +33,6 @@ host and no allocation depends on them, so a walk can be captured in a CUDA grap
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import assert_never
@@ -288,16 +287,15 @@ def run(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     return walk(plan)(x, group)
 
 
-@functools.lru_cache(maxsize=8 * MAX_PLANS)  # (every builder keeps MAX_PLANS plans, and the VJP plans come too)
+@plan_cache.held_cache(maxsize=8 * MAX_PLANS)  # (every builder keeps MAX_PLANS plans, and the VJP plans come too)
 def walk(plan: Plan) -> Walk:
     """The eager walk of `plan`, made once: every decision the plan fixes (which pass is a view, the buffers'
     shapes and dtypes, the scales) is taken here, so a call does only what depends on its tensor (contiguous or
     not, its dtype) and its group (this rank; permute works out its split sizes once per rank, on the first
-    call from that rank). `commlib.plan_cache.clear` forgets the walks too."""
+    call from that rank). Each walk made counts towards the caches' byte bound (`commlib.plan_cache.MAX_BYTES`);
+    `commlib.plan_cache.clear` and its flushes forget the walks too."""
     return _make_walk(plan, compiling=False)
 
-
-plan_cache.clear_also(walk.cache_clear)
 
 
 def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved: bool = False) -> Walk:

@@ -18,9 +18,11 @@ import dataclasses
 
 from hypothesis import strategies as st
 
+from commlib.reduce_op import is_floating
 from commlib.tools.cases import Case
 
-__all__ = ["JAX", "OPS", "SEEDS", "TORCH", "UNEVEN_OPS", "Space", "cases", "uneven_calls", "uneven_case"]
+__all__ = ["JAX", "MOVING_OPS", "OPS", "SEEDS", "TORCH", "UNEVEN_OPS", "Space", "cases", "fuzz_cases", "uneven_calls",
+           "uneven_case"]
 
 SEEDS = st.integers(0, 2**16)
 
@@ -223,3 +225,27 @@ def uneven_case(call, dtype: str = "float64", transposed: bool = False) -> Case:
     op, W, shape, kwargs = call
     name = f"uneven:{op}{list(shape)}{kwargs},{dtype}{',T' if transposed else ''}"
     return Case(name, op, W, shape, dtype, tuple(kwargs.items()), transposed)
+
+
+# ---- the fuzz loop (issue 23) ------------------------------------------------------------------------------
+
+#: Ops that move data without arithmetic: bool and integers run forward through them.
+MOVING_OPS = ("all_gather", "gather", "scatter", "broadcast", "all_to_all", "all_to_all_4d", "permute")
+
+
+@st.composite
+def fuzz_cases(draw, space: Space):
+    """Any op, even or with uneven sizes, in one of `space`'s floating dtypes or float32, or (ops that only move
+    data) bool or int32: the mix the fuzz loop that found issue 23's items 1-2 drew from."""
+    if draw(st.booleans()):
+        op = draw(st.sampled_from(UNEVEN_OPS))
+        case = uneven_case(draw(uneven_calls(ops=(op,), world_sizes=space.world_sizes)),
+                           transposed=space.transposed and draw(st.booleans()))
+    else:
+        op = draw(st.sampled_from(OPS))
+        case = draw(cases(op, space))
+    if not is_floating(case.dtype):  # (the reductions' integer draws stay as drawn)
+        return case
+    dtypes = (*space.dtypes, "float32", *(("bool", "int32") if op in MOVING_OPS else ()))
+    dtype = draw(st.sampled_from(dtypes))
+    return dataclasses.replace(case, dtype=dtype, name=f"fuzz:{case.name},{dtype}")

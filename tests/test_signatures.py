@@ -88,3 +88,20 @@ def test_a_different_keyword_is_found():
     assert _differences(torch_op, [ops[0], ["axis_name", "X", None], ["axis", "POSITIONAL_OR_KEYWORD", "-1"]])
     assert _differences(torch_op, [ops[0], ["axis_name", "X", None], ["dim", "POSITIONAL_OR_KEYWORD", "0"]])
     assert _differences(torch_op, ops)
+
+
+def test_attention_docstrings_name_only_their_parameters():
+    """Issue 23 item 8: ``ulysses_attention``'s docstring spoke of "x's dtype", and it has no `x`. Every
+    "NAME's dtype" / "NAME's shape" in the layers' docstrings names one of their parameters (read from the
+    source: no import)."""
+    import ast
+    import re
+
+    for frontend in ("torch", "jax"):
+        tree = ast.parse((ROOT / f"commlib_{frontend}" / "attention.py").read_text())
+        for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
+            if not function.name.endswith("_attention"):
+                continue
+            names = {argument.arg for argument in (*function.args.args, *function.args.kwonlyargs)}
+            owners = set(re.findall(r"\b([a-z_]+)'s (?:dtype|shape)\b", ast.get_docstring(function) or ""))
+            assert owners <= names, (frontend, function.name, owners - names)

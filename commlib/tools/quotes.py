@@ -60,6 +60,17 @@ def _bench_table(path: str) -> str:
     return "\n" + bench.markdown([bench.Row(**row) for row in _json(path)["rows"]]) + "\n"
 
 
+def _dead_rank(path: str) -> str:
+    """How long the survivors of a SIGKILLed rank took to raise (``benchmarks/dead_rank.py``'s stored output)."""
+    result = _json(path)
+    runs, timeout = result["runs"], result["args"]["timeout"]
+    times = [survivor["seconds"] for run in runs for survivor in run["survivors"].values()]
+    quick = [seconds for seconds in times if seconds < timeout - 1]
+    slow = sum(any(s["seconds"] >= timeout - 1 for s in run["survivors"].values()) for run in runs)
+    return (f"{len(quick)} of {len(times)} survivors raised `CommFailure` within {max(quick):.1f} s; in {slow} of "
+            f"{len(runs)} runs at least one waited the full timeout ({timeout:g} s) and raised `CommTimeout`")
+
+
 _TARGET = "benchmarks/results/cpu-2026-11-30/target-0138.json"
 _FULL = "benchmarks/results/cpu-2026-11-30/full.json"
 
@@ -78,6 +89,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "bench-host-stored-seconds": lambda: _seconds("benchmarks/results/cpu-2026-12-01-host/host.json"),
     "bench-full-seconds": lambda: _seconds(_FULL),
     "bench-full-comparisons": lambda: str(len(_json(_FULL)["rows"])),
+    "dead-rank": lambda: _dead_rank("benchmarks/results/cpu-2026-12-01-dead-rank/dead_rank.json"),
 }
 
 

@@ -21,9 +21,14 @@ from commlib_torch.tools.pool import WorkerError, WorkerPool
 __all__ = ["failure_text", "merge", "run_case", "run_table", "usp_groups"]
 
 
-def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False) -> torch.Tensor:
+def _tensor(array: np.ndarray, case: cases.Case, channels_last: bool = False, strided: bool = False) -> torch.Tensor:
     """The case's value as a tensor of its dtype; a non-contiguous transposed view when the case says so,
-    channels_last strides (4-D) when asked."""
+    channels_last strides (4-D) when asked, a stride-2 view (every other element of a last dim twice as
+    long: ``base[..., ::2]``) when `strided`."""
+    if strided and array.ndim >= 1:
+        base = torch.zeros((*array.shape[:-1], 2 * array.shape[-1]), dtype=getattr(torch, case.dtype))
+        base[..., ::2] = torch.from_numpy(array.copy()).to(base.dtype)
+        return base[..., ::2]
     if case.transposed and array.ndim >= 2:
         return torch.from_numpy(np.swapaxes(array, 0, -1).copy()).to(getattr(torch, case.dtype)).transpose(0, -1)
     tensor = torch.from_numpy(array.copy()).to(getattr(torch, case.dtype))
@@ -78,19 +83,20 @@ _GRAD_MODES = {"grad": contextlib.nullcontext, "func": contextlib.nullcontext, "
 
 
 def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
-             channels_last: bool = False, group=None):
+             channels_last: bool = False, group=None, strided: bool = False):
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are).
 
     `grad_mode` (see `tests.bad_input.GRAD_MODES`): "grad" (``loss.backward()``), "func" (``torch.func.vjp``), or
     forward only with an input that doesn't
     require grad ("constant") or under ``torch.no_grad()`` / ``torch.inference_mode()``. `channels_last`:
-    4-D inputs and cotangents get channels_last strides. `group`: the process group the op runs over (None:
+    4-D inputs and cotangents get channels_last strides; `strided`: stride-2 views (the fuzz loop's inputs and
+    cotangents, issue 23). `group`: the process group the op runs over (None:
     the op's default, WORLD; `context.rank` is then the rank in it). Uneven sizes: this rank's rows only (the
     exact layout), results padded back to the case's layout (`commlib.tools.cases.exact_arrays`,
     `padded_result`)."""
     mine = cases.exact_arrays(case, arrays, context.rank)
-    inputs = {name: _tensor(mine[name], case, channels_last) for name in case.inputs}
+    inputs = {name: _tensor(mine[name], case, channels_last, strided) for name in case.inputs}
     for tensor in inputs.values():
         tensor.requires_grad_(case.differentiable and grad_mode != "constant")
     if grad_mode == "func" and case.differentiable:
@@ -102,7 +108,11 @@ def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, 
         return "error", f"{type(error).__name__}: {error}"
     if not case.differentiable or grad_mode != "grad":
         return "ok", *cases.padded_result(case, context.rank, _numpy(out), {})
-    (out * _tensor(mine["cotangent"], case, channels_last)).sum().backward()
+    cotangent = _tensor(mine["cotangent"], case, channels_last, strided)
+    if strided:  # the view itself reaches the op's backward (a product's gradient would be a fresh tensor)
+        out.backward(cotangent)
+    else:
+        (out * cotangent).sum().backward()
     gradients = {name: _numpy(_gradient(tensor)) for name, tensor in inputs.items()}
     return "ok", *cases.padded_result(case, context.rank, _numpy(out), gradients)
 

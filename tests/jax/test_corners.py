@@ -108,6 +108,16 @@ def test_an_op_outside_shard_map_or_pmap(op):
     assert str(raised.value).startswith(f"{op}: axis_name (('i', 'j')) is not bound here")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_wrong_axis_name_inside_a_map_lists_the_bound_axes(mode):
+    """Issue 23 item 8: inside a shard_map / pmap, a wrong name lists the names bound there (not the text of a
+    call outside every map)."""
+    with pytest.raises(CommError) as raised:
+        _mapped(lambda x: commlib_jax.all_reduce(x, "j"), 2, mode)(jnp.ones((2, 2)))
+    assert str(raised.value) == ("all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / "
+                                 "jax.pmap bind ('i',). Received: axis_name='j'")
+
+
 @pytest.mark.parametrize("op", CALLS)
 @pytest.mark.parametrize(("axis_name", "error", "message"), [
     ((), CommError, "axis_name (()) must name at least one mesh axis. Received: axis_name=()"),
@@ -133,3 +143,35 @@ def test_an_op_given_a_list(op):
     with pytest.raises(TypeError) as raised:
         _mapped(lambda x: getattr(commlib_jax, op)([[1.0, 2.0]], "i", *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2)))
     assert str(raised.value) == f"{op}: x must be a jax.Array or numpy.ndarray, not list. Received: type='list'"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes", [None, (3, 0, 2, 1)])
+def test_scatter_of_bool(mode, sizes):
+    """Issue 23 item 2: scatter of bool (even and with sizes) gives src's chunks, as torch and the reference
+    (psum_scatter has no bool)."""
+    world_size, rows = 4, 2 if sizes is None else max(sizes)
+    rng = np.random.default_rng(23)
+    xs = [rng.random((8 if sizes is None else sum(sizes), 3)) < 0.5 for _ in range(world_size)]
+    out = _mapped(lambda x: commlib_jax.scatter(x, "i", 1, 0, sizes=sizes), world_size, mode)(jnp.asarray(np.stack(xs)))
+    bounds = np.cumsum((0, *(sizes or (2,) * world_size)))
+    assert out.dtype == jnp.bool_ and out.shape == (world_size, rows, 3)
+    for rank in range(world_size):
+        valid = bounds[rank + 1] - bounds[rank]
+        np.testing.assert_array_equal(np.asarray(out[rank])[:valid], xs[1][bounds[rank]:bounds[rank + 1]])
+        assert not np.asarray(out[rank])[valid:].any()
+
+
+def test_permute_with_a_partial_perm_under_vmap():
+    """Issue 23 item 7: under ``jax.vmap(axis_name=...)`` a partial perm gives what it gives under shard_map:
+    src's row at each dst, zeros at ranks that are no dst; the gradient is the inverse permute."""
+    perm = ((0, 1), (1, 2))
+    xs = np.arange(8.0).reshape(4, 2)
+    body = lambda x: commlib_jax.permute(x, "i", perm)  # noqa: E731
+    out = jax.vmap(body, axis_name="i")(jnp.asarray(xs))
+    np.testing.assert_array_equal(out, [[0, 0], [0, 1], [2, 3], [0, 0]])
+    grad = jax.vmap(lambda x, c: jax.vjp(body, x)[1](c)[0], axis_name="i")(jnp.asarray(xs), jnp.asarray(xs + 10))
+    np.testing.assert_array_equal(grad, [[12, 13], [14, 15], [0, 0], [0, 0]])
+    expected, expected_grad = _value_and_grad(body, list(xs), list(xs + 10), "shard_map")
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(grad, expected_grad)

@@ -244,6 +244,18 @@ def test_errors(shapes, kwargs, error, message):
     assert str(raised.value).startswith(f"ulysses_attention: {message}. Received: q_shape={shapes[0]!r}")
 
 
+@pytest.mark.parametrize("kv_shape", [(1, 2, 2, 4), (1, 2, 8, 4)])
+def test_a_q_in_sdpa_order_gets_a_layout_hint(kv_shape):
+    """Issue 23 item 8: q in SDPA's [B, H, S, D] order (k and v in either order) fails on seq with a hint of
+    the layout, not a bare "k seq (2) must equal q seq (8)"."""
+    q = (1, 8, 2, 4)
+    with pytest.raises(CommError) as raised:
+        A.ulysses_plan(q, kv_shape, kv_shape, 4, rank=0)
+    assert str(raised.value).startswith(
+        f"ulysses_attention: k seq ({kv_shape[1]}) must equal q seq (8) (q, k and v are [batch, seq, heads, "
+        f"head_dim]: SDPA's [batch, heads, seq, head_dim] needs .transpose(1, 2)). Received: q_shape={q!r}")
+
+
 def test_padded_errors():
     """JAX's layout: every rank holds max(seq_sizes) rows."""
     shapes = ((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4))

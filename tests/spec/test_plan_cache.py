@@ -158,3 +158,20 @@ def test_forward_of_plans_without_primal_is_the_walk(world_size):
         backend = _Recorder()
         assert gradients.forward(backend, plan, "x") == ("walked", plan)
         assert backend.calls == [(plan, "x")]
+
+
+def test_caches_flush_past_their_byte_bound(monkeypatch):
+    """Issue 23 item 6: every plan built (and layout, VJP plan, walk) is charged its estimated bytes; past
+    MAX_BYTES every cache is flushed, so a stream of new shapes keeps a bounded heap, while repeated shapes
+    keep hitting."""
+    plan_cache.clear()
+    one = plan_cache.estimated_bytes(plans.reduce_scatter((4, 3), 4, dim=0))
+    assert 500 < one < 10_000
+    monkeypatch.setattr(plan_cache, "MAX_BYTES", 20 * one)
+    for n in range(1, 200):
+        plans.reduce_scatter((4, n), 4, dim=0)
+        assert plan_cache.held_bytes() <= plan_cache.MAX_BYTES
+    assert plan_cache.flushes() >= 5
+    first = plans.all_gather((3, 5), 4, dim=0)
+    builds = plan_cache.builds()
+    assert all(plans.all_gather((3, 5), 4, dim=0) is first for _ in range(100)) and plan_cache.builds() == builds

@@ -235,6 +235,19 @@ def test_split_sizes_is_array_split():
         split_sizes(-1, 2)
 
 
+@pytest.mark.parametrize(("n", "world_size", "message"), [
+    (True, 2, "n must be an int, not bool. Received: n=True, world_size=2"),
+    (4, False, "world_size must be an int, not bool. Received: n=4, world_size=False"),
+    (4.0, 2, "n must be an int, not float. Received: n=4.0, world_size=2"),
+    (4, "2", "world_size must be an int, not str. Received: n=4, world_size='2'"),
+])
+def test_split_sizes_kind_errors(n, world_size, message):
+    """Issue 23 item 8: bools are no counts, and a float or str gets the house format."""
+    with pytest.raises(TypeError) as raised:
+        split_sizes(n, world_size)
+    assert str(raised.value) == f"split_sizes: {message}"
+
+
 def test_sent_elements():
     exact = plans.all_to_all_4d((1, 15, 6, 4), 4, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15), rank=3)
     assert uneven.sent_elements(exact, 3) == 120 + 120 + 60  # its own block stays

@@ -64,3 +64,33 @@ def host_syncs(ctx) -> dict[str, list[str]]:
         if recorder.found:
             found[case.name] = sorted(recorder.found)
     return found
+
+
+def cache_memory(ctx, shapes: int = 4000) -> dict[str, object]:
+    """Issue 23 item 6: the Python heap the plan and walk caches keep after `shapes` reduce_scatter calls of
+    shapes never seen before (traced by tracemalloc, after a collection), and the plans a handful of
+    training shapes builds per round afterwards (forward and backward; round one builds)."""
+    import gc
+    import tracemalloc
+
+    import torch
+
+    import commlib_torch
+
+    plan_cache.clear()
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for n in range(1, shapes + 1):
+        commlib_torch.reduce_scatter(torch.zeros(ctx.world_size, n), 0)
+    gc.collect()
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    builds = []
+    for _ in range(3):
+        start = plan_cache.builds()
+        for shape in ((ctx.world_size * 2, 8), (ctx.world_size, 16, 4), (ctx.world_size * 3, 5)):
+            x = torch.randn(shape, requires_grad=True)
+            commlib_torch.reduce_scatter(x, 0).sum().backward()
+        builds.append(plan_cache.builds() - start)
+    return {"kept_bytes": kept, "builds_per_round": builds}

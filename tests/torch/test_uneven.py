@@ -60,3 +60,14 @@ def test_checked_mode_ranks_that_disagree_on_sizes_all_raise(pool):
                       "(2, 1, 2, 1)"}
     agreeing = [("all_to_all_4d", (1, agreed[rank], 4, 2), "float32", dict(gather_sizes=agreed)) for rank in range(4)]
     assert all(reply[0] == "ok" for reply in pool(4).run(failure_jobs.call_checked, agreeing, backward=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("viewed", ["every rank", "rank 1 only"])
+def test_stride_two_views_with_sizes(pool, world_size, viewed):
+    """Issue 23 item 1: a stride-2 input of all_gather and a stride-2 cotangent of reduce_scatter's backward,
+    with sizes, give the reference's values and gradients on every rank (no raw RuntimeError, and no rank
+    left waiting when only some ranks hold views)."""
+    views = tuple(range(world_size)) if viewed == "every rank" else (1,)
+    replies = pool(world_size).run(uneven_jobs.strided_views, views, timeout=30.0)
+    assert replies == [[0.0, 0.0, 0.0, 0.0]] * world_size, replies

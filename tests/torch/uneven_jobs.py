@@ -53,3 +53,34 @@ def wrong_rows(ctx):
     except CommError as error:
         return str(error)
     return None
+
+
+def _strided(rows: int, columns: int, rng, view: bool) -> torch.Tensor:
+    """A float64 [rows, columns] tensor: a stride-2 view (``base[:, ::2]``) when `view`, else contiguous."""
+    base = torch.from_numpy(rng.standard_normal((rows, 2 * columns)))
+    return base[:, ::2] if view else base[:, ::2].contiguous()
+
+
+def strided_views(ctx, views: tuple[int, ...], seed: int = 23):
+    """Issue 23 item 1: ``all_gather(x[:, ::2], dim=0, sizes=...)`` on the ranks in `views` (a contiguous x
+    elsewhere) and ``reduce_scatter(..., sizes=...)`` whose backward gets a stride-2 cotangent there. Every rank
+    draws every rank's tensors from one seed, so it knows the reference; returns this rank's max errors
+    (all_gather value, its gradient, reduce_scatter value, its gradient)."""
+    sizes, columns, rank = split_sizes(2 * ctx.world_size + 1, ctx.world_size), 3, ctx.rank
+    rng = np.random.default_rng(seed)
+    inputs = [_strided(n, columns, rng, r in views) for r, n in enumerate(sizes)]
+    cotangents = [torch.from_numpy(rng.standard_normal((sum(sizes), columns))) for _ in sizes]
+    wholes = [torch.from_numpy(rng.standard_normal((sum(sizes), columns))) for _ in sizes]
+    small = [_strided(n, columns, rng, r in views) for r, n in enumerate(sizes)]
+    x = inputs[rank].requires_grad_()
+    gathered = cl.all_gather(x, 0, sizes=sizes)
+    gathered.backward(cotangents[rank])
+    start = sum(sizes[:rank])
+    expected_grad = sum(c[start:start + sizes[rank]] for c in cotangents)
+    whole = wholes[rank].clone().requires_grad_()
+    scattered = cl.reduce_scatter(whole, 0, sizes=sizes)
+    scattered.backward(small[rank])
+    errors = [(gathered - torch.cat(inputs)).abs().max(), (x.grad - expected_grad).abs().max(),
+              (scattered - sum(wholes)[start:start + sizes[rank]]).abs().max(),
+              (whole.grad - torch.cat(small)).abs().max()]
+    return [float(error) for error in errors]
