@@ -4,8 +4,8 @@ through transformers' attention registry, and check it against the same model tr
 1e-10 relative, or any AdamW step's loss by more than 1e-12.
 
     torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ulysses --seq-len 37
-    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ring --seq-len 64
-    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention usp --seq-len 64  # 2 x 2
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ring --seq-len 37
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention usp --seq-len 37   # 2 x 2
 
 The recipe (what a user writes): `register()` once; build the model with ``attn_implementation="commlib"``;
 inside ``commlib_torch.sequence.parallel(layout, ...)`` feed each rank its shard of the tokens with their GLOBAL
