@@ -14,7 +14,11 @@ messages below are the only ones they raise, so torch and JAX say the same thing
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -160,3 +164,36 @@ def check_positions(plan: ParallelPlan, shard: int, matches: bool, received: obj
         raise comm_error(CALL_OP, f"position_ids must be the global positions of shard {shard} of the layout "
                          f"({want}; sequence.shard_tokens gives them)", position_ids=received,
                          layout=plan.layout)
+
+
+State = TypeVar("State")
+
+
+class Contexts(Generic[State]):
+    """A frontend's entered `parallel` contexts, per thread (a contextvar): the innermost wins, and leaving one
+    restores the one around it. `context` names the frontend's context manager in the outside-every-context
+    error."""
+
+    def __init__(self, name: str, context: str) -> None:
+        self._innermost: contextvars.ContextVar[State | None] = contextvars.ContextVar(name, default=None)
+        self.context = context
+
+    @contextlib.contextmanager
+    def entered(self, state: State) -> Iterator[State]:
+        """`state` is the innermost context inside the ``with``."""
+        token = self._innermost.set(state)
+        try:
+            yield state
+        finally:
+            self._innermost.reset(token)
+
+    def innermost(self) -> State | None:
+        """The innermost entered context, None outside every one."""
+        return self._innermost.get()
+
+    def current(self, op_name: str) -> State:
+        """The innermost entered context; `outside_error` (op `op_name`) outside every one."""
+        state = self._innermost.get()
+        if state is None:
+            raise outside_error(op_name, self.context)
+        return state

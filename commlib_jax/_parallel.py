@@ -8,7 +8,6 @@ traced."""
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 
 from jax import lax
@@ -47,7 +46,9 @@ class Parallel:
         return usp_attention(q, k, v, self.ulysses_axis, self.ring_axis, causal=causal, scale=scale, **keywords)
 
 
-_CURRENT: contextvars.ContextVar[Parallel | None] = contextvars.ContextVar("commlib_jax_parallel", default=None)
+#: The entered contexts of this thread; `current(op_name)` is the innermost (the spec's error outside every one).
+CONTEXTS = spec.Contexts[Parallel]("commlib_jax_parallel", "commlib_jax.sequence.parallel")
+current = CONTEXTS.current
 _NAMES = ("axis_name", "ulysses_axis", "ring_axis")
 
 
@@ -71,23 +72,3 @@ def enter(layout: object, axis_name: object, attention: str, ulysses_axis: objec
         sizes = dict(ulysses_size=1, ring_size=_known_size(axis_name))
     plan = spec.parallel_plan(layout, attention, **sizes)
     return Parallel(plan, axis_name, ulysses_axis, ring_axis)
-
-
-def push(state: Parallel) -> contextvars.Token:
-    return _CURRENT.set(state)
-
-
-def pop(token: contextvars.Token) -> None:
-    _CURRENT.reset(token)
-
-
-def current(op_name: str) -> Parallel:
-    """The innermost entered context of this thread.
-
-    Raises:
-        CommError: outside every `parallel` context.
-    """
-    state = _CURRENT.get()
-    if state is None:
-        raise spec.outside_error(op_name, "commlib_jax.sequence.parallel")
-    return state

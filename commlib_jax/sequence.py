@@ -271,11 +271,8 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
         True
     """
     state = _parallel.enter(layout, axis_name, attention, ulysses_axis, ring_axis)
-    token = _parallel.push(state)
-    try:
+    with _parallel.CONTEXTS.entered(state):
         yield state.plan
-    finally:
-        _parallel.pop(token)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,

@@ -4,7 +4,6 @@ shard, decided once on entry; `current` and `Parallel.attend` are what an integr
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 
 import torch
@@ -43,7 +42,9 @@ class Parallel:
         return usp_attention(q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale, **keywords)
 
 
-_CURRENT: contextvars.ContextVar[Parallel | None] = contextvars.ContextVar("commlib_torch_parallel", default=None)
+#: The entered contexts of this thread; `current(op_name)` is the innermost (the spec's error outside every one).
+CONTEXTS = spec.Contexts[Parallel]("commlib_torch_parallel", "commlib_torch.sequence.parallel")
+current = CONTEXTS.current
 _NAMES = ("group", "ulysses_group", "ring_group")
 
 
@@ -65,23 +66,3 @@ def enter(layout: object, group: object, attention: str, ulysses_group: object, 
     sizes = dict(ulysses_size=size, ring_size=1) if attention == "ulysses" else dict(ulysses_size=1, ring_size=size)
     plan = spec.parallel_plan(layout, attention, **sizes)
     return Parallel(plan, resolved, None, None, group_rank(resolved))
-
-
-def push(state: Parallel) -> contextvars.Token:
-    return _CURRENT.set(state)
-
-
-def pop(token: contextvars.Token) -> None:
-    _CURRENT.reset(token)
-
-
-def current(op_name: str) -> Parallel:
-    """The innermost entered context of this thread.
-
-    Raises:
-        CommError: outside every `parallel` context.
-    """
-    state = _CURRENT.get()
-    if state is None:
-        raise spec.outside_error(op_name, "commlib_torch.sequence.parallel")
-    return state

@@ -270,8 +270,5 @@ def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: 
         ('ulysses', torch.Size([2, 5, 4, 8]))
     """
     state = _parallel.enter(layout, group, attention, ulysses_group, ring_group)
-    token = _parallel.push(state)
-    try:
+    with _parallel.CONTEXTS.entered(state):
         yield state.plan
-    finally:
-        _parallel.pop(token)

@@ -154,4 +154,4 @@ def test_nesting():
             assert plan.keywords == {"layout": "contiguous"}
         seen.append(_parallel.current("test").plan.attention)
     assert seen == ["ulysses", "ring", "ulysses"]
-    assert _parallel._CURRENT.get() is None
+    assert _parallel.CONTEXTS.innermost() is None

@@ -89,7 +89,7 @@ def nesting(ctx) -> list[str]:
         with parallel(inner, attention="ring"):
             seen.append(_parallel.current("test").plan.attention)
         seen.append(_parallel.current("test").plan.attention)
-    seen.append(str(_parallel._CURRENT.get()))
+    seen.append(str(_parallel.CONTEXTS.innermost()))
     return seen
 
 
