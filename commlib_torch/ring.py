@@ -66,23 +66,39 @@ def nan_rows(q: torch.Tensor, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...
     return tuple(x.masked_fill(bad.view(*bad.shape, *(1,) * (x.dim() - bad.dim())), float("nan")) for x in outputs)
 
 
+def _kernel_mask(mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """A piece's mask as the flash kernels take it: ``(causal, additive float mask [B or 1, 1, Sq, Sk] or None)``
+    (a bool array mask -- segments, or positions -- becomes 0 where seen, -inf elsewhere)."""
+    if isinstance(mask, str):
+        return mask == "causal-diagonal", None
+    seen = mask.reshape(-1, 1, *mask.shape[-2:])
+    return False, torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+
+
 def _attend(plan: spec.RingPlan, q, k, v, mask):
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`; a mask array: its
-    einsum rules)."""
-    if _FLASH_CPU is None or not _flash(q, v) or not isinstance(mask, str):
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
+    where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf)."""
+    if _FLASH_CPU is None or not _flash(q, v):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
+    causal, additive = _kernel_mask(mask, q)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
-                          mask == "causal-diagonal", scale=plan.scale)
-    return nan_rows(q, out.transpose(1, 2), lse.transpose(1, 2))
+                          causal, attn_mask=additive, scale=plan.scale)
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    if additive is not None:  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
+        seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return nan_rows(q, out, lse)
 
 
 def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
-    if _FLASH_CPU_BACKWARD is None or not _flash(q, v) or not isinstance(mask, str):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
+    causal, additive = _kernel_mask(mask, q)
+    finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
-                                     _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
-                                     mask == "causal-diagonal", scale=plan.scale)
+                                     _heads_major(v, plan.group), _heads_major(out), finite.transpose(1, 2), 0.0,
+                                     causal, attn_mask=additive, scale=plan.scale)
     fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2)  # noqa: E731
     return dq.transpose(1, 2), fold(dk), fold(dv)
 
