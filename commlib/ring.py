@@ -8,6 +8,10 @@ pair: an index into a small table of static cases, each a tuple of `Piece`\\ s (
 pieces the causal mask hides entirely left out. At step 0 every rank attends its own block with case 0, one
 piece over every row. The backward passes dk/dv with k/v the same way and one final hop brings them home.
 
+With segment ids (``segment_ids=``, `commlib.masks`) the ids of each rank's block travel with k/v in the same
+sends, every piece is masked by them as well, and a piece none of whose queries sees any of its keys is skipped
+(`RingBackend.when_visible`; `pieces_computed` counts what is left).
+
 The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, sends a list of
 arrays one ring step, and picks the case of a step for its rank (torch and the reference know the rank; JAX
 switches on the traced axis index). The step math is `commlib.blockwise`'s.

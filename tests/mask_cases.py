@@ -23,11 +23,13 @@ def handed_ids(seq: int = 40) -> np.ndarray:
     return np.stack([segment_ids([3, 17, 9, 11], 40), segment_ids([25], 40)])[:, :seq]
 
 
-def whole_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> list:
-    """Whole-sequence float64 q, k, v and the output cotangent."""
+def whole_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0,
+                 value_dim: int | None = None) -> list:
+    """Whole-sequence float64 q, k, v (v's head dim `value_dim`, default D) and the output cotangent."""
     rng = np.random.default_rng(seed)
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, head_dim),
-              (batch, seq, heads, head_dim)]
+    value_dim = head_dim if value_dim is None else value_dim
+    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, value_dim),
+              (batch, seq, heads, value_dim)]
     return [rng.standard_normal(shape) for shape in shapes]
 
 

@@ -100,11 +100,12 @@ def test_bad_segment_ids(pool, op, ids_shape, ids_dtype, text):
     ("ring_attention", SequenceLayout(16, ring_size=2, layout="zigzag")),
 ])
 @pytest.mark.parametrize("row", ["nan", "blind"])
-def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row):
+@pytest.mark.parametrize("value_dim", [4, 3])
+def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row, value_dim):
     """Issue 23 item 5, causal: a NaN in q's row 3 gives a NaN output row (SDPA's and the ring's CPU flash kernels
     gave 0), as the reference; row 9, whose every score is -inf ("blind"), gives exactly 0 and dq exactly 0; the
-    other rows equal the reference."""
-    whole = masks.whole_inputs(1, 16, 2, 1, 4)
+    other rows equal the reference. ``D_v != D`` takes the ring's einsum rules and JAX's route in Ulysses."""
+    whole = masks.whole_inputs(1, 16, 2, 1, 4, value_dim=value_dim)
     whole[1][..., 0] = np.abs(whole[1][..., 0]) + 0.5  # every key positive in dim 0
     if row == "nan":
         whole[0][0, 3] = np.nan
