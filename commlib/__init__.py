@@ -8,6 +8,7 @@
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
 - `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
   attention reference;
+- `commlib.masks`: segment masks (`segment_ids`, their validation and the mask of two id arrays);
 - `commlib.sequence`: the sequence layouts (`SequenceLayout` for any length; the even `shard_positions`,
   `shard_sequence`, `unshard_sequence`);
 - `commlib.sequence_helpers`: the whole model's sequence helpers (tokens, positions, global labels, the take and
@@ -26,6 +27,7 @@ Frontends: `commlib_torch`, `commlib_jax`. Importing this package never imports 
 
 from commlib.errors import CommError, CommFailure, CommTimeout
 from commlib.layout import Convention, Plan, Rearrange
+from commlib.masks import segment_ids
 from commlib.plans import CONVENTIONS, OP_NAMES
 from commlib.reduce_op import ReduceOp
 from commlib.sequence import SequenceLayout, shard_positions, shard_sequence, unshard_sequence
@@ -45,6 +47,7 @@ __all__ = [
     "OP_NAMES",
     "split_sizes",
     "SequenceLayout",
+    "segment_ids",
     "shard_positions",
     "shard_sequence",
     "unshard_sequence",

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.errors import comm_error, kind_error
+from commlib.masks import check_segment_ids, segment_mask
 from commlib.reduce_op import FLOAT_DTYPES, is_floating
 from commlib.uneven import Sizes, check_sizes, split_sizes
 
@@ -217,6 +218,7 @@ class UlyssesPlan:
     #   None where the received heads group evenly (GQA as they are). Exact layout: one row (this rank).
     out_scatter_sizes: tuple[int, ...] | None  # the output all-to-all's sizes (None: even)
     out_gather_sizes: tuple[int, ...] | None
+    segmented: bool = False  # segment ids given: all-gathered over the group (``seq_sizes``), the mask of attn_fn
 
     @property
     def seq(self) -> int:
@@ -379,12 +381,13 @@ def _kv_index(split: HeadSplit, rank: int | None) -> tuple[tuple[int, ...], ...]
 
 
 def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=None, dtypes=("float32",) * 3,
-                 causal=False, scale=None, layout="exact") -> UlyssesPlan:
+                 causal=False, scale=None, layout="exact", segment_ids=None) -> UlyssesPlan:
     """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes)`` on `rank` (exact
     layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` / `TypeError`.
 
     q ``[B, S_r, H, D]``, k and v ``[B, S_r, H_kv, D]`` (v may have its own head dim ``D_v``), H % H_kv == 0;
     S_r = ``seq_sizes[rank]`` (exact) or ``max(seq_sizes)`` (padded); `seq_sizes` None: every rank S_r.
+    `segment_ids`: ``(shape, dtype name)`` of the segment ids given (``[B, S_r]``, integers), None: none.
 
     >>> ulysses_plan((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4), 4, rank=0)
     Traceback (most recent call last):
@@ -404,6 +407,8 @@ def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=
     rank = None if layout == "padded" else _check_int("rank", rank, received)
     sizes = _check_seq_sizes(seq_sizes, world_size, rank, q[1], received)
     scale = _check_options(tuple(dtypes), causal, scale, q[3], received)
+    if segment_ids is not None:
+        check_segment_ids(OP_NAME, _shown(segment_ids[0]), str(segment_ids[1]), q, received)
     split = head_split(q[2], checked["k"][2], world_size)
     fused = _INPUTS if v[3] == q[3] else ("q", "k")
     gather_sizes = _even(sizes)
@@ -411,7 +416,8 @@ def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=
     local = (split.q_sizes[rank], split.kv_sizes[rank]) if rank is not None else (max(split.q_sizes),
                                                                                    max(split.kv_sizes))
     return UlyssesPlan(world_size, rank, layout, q[0], sizes, q[3], v[3], str(dtypes[0]), causal, scale, split,
-                       exchanges, local[0], local[1], _kv_index(split, rank), _even(sizes), _even(split.q_sizes))
+                       exchanges, local[0], local[1], _kv_index(split, rank), _even(sizes), _even(split.q_sizes),
+                       segment_ids is not None)
 
 
 def _shown(shape: object) -> object:
@@ -426,13 +432,22 @@ def _shown(shape: object) -> object:
 # The float64 reference
 # ---------------------------------------------------------------------------------------------------------
 
-def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions, k_positions) -> np.ndarray:
-    """``[Sq, Sk]`` bool: which keys each query sees (all, or the causal mask over global positions)."""
+def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions, k_positions, q_segments=None,
+             k_segments=None) -> np.ndarray:
+    """Which keys each query sees: ``[Sq, Sk]`` bool (all, or the causal mask over global positions), and with
+    segment ids (``[B, Sq]``, ``[B, Sk]``) ``[B, 1, Sq, Sk]``: also only keys of the query's segment, padding
+    (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`)."""
     if not causal:
-        return np.ones((q.shape[1], k.shape[1]), dtype=bool)
-    q_positions = np.arange(q.shape[1]) if q_positions is None else q_positions
-    k_positions = np.arange(k.shape[1]) if k_positions is None else k_positions
-    return causal_mask(q_positions, k_positions)
+        visible = np.ones((q.shape[1], k.shape[1]), dtype=bool)
+    else:
+        q_positions = np.arange(q.shape[1]) if q_positions is None else q_positions
+        k_positions = np.arange(k.shape[1]) if k_positions is None else k_positions
+        visible = causal_mask(q_positions, k_positions)
+    if q_segments is None and k_segments is None:
+        return visible
+    q_segments = np.asarray(q_segments)
+    k_segments = q_segments if k_segments is None else np.asarray(k_segments)
+    return (visible & segment_mask(q_segments, k_segments))[:, None]
 
 
 def _probabilities(q, k, scale, visible) -> np.ndarray:
@@ -450,29 +465,40 @@ def _expanded(x: np.ndarray, group: int) -> np.ndarray:
     return np.repeat(np.asarray(x, dtype=np.float64), group, axis=2)
 
 
-def _prepared(q, k, v, causal, scale, q_positions, k_positions):
+def _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments=None, k_segments=None):
     q = np.asarray(q, dtype=np.float64)
     group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
     k_full, v_full = _expanded(k, group), _expanded(v, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    probs = _probabilities(q, k_full, scale, _visible(q, k_full, causal, q_positions, k_positions))
+    visible = _visible(q, k_full, causal, q_positions, k_positions, q_segments, k_segments)
+    probs = _probabilities(q, k_full, scale, visible)
     return q, k_full, v_full, group, scale, probs
 
 
-def attention(q, k, v, *, causal=False, scale=None, q_positions=None, k_positions=None) -> np.ndarray:
+def attention(q, k, v, *, causal=False, scale=None, q_positions=None, k_positions=None, q_segments=None,
+              k_segments=None) -> np.ndarray:
     """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
     ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
     ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
-    at positions <= p (positions default to ``0..S-1``); a query that sees no key gives zeros."""
-    _, _, v_full, _, _, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions)
+    at positions <= p (positions default to ``0..S-1``); `q_segments` / `k_segments` (integers ``[B, Sq]`` /
+    ``[B, Sk]``; k's default to q's): a query sees only the keys of its segment, a negative id (padding) sees
+    and is seen by nothing. A query that sees no key gives zeros (and gradient 0); a NaN in q, k or v gives
+    NaN in the rows that see it.
+
+    >>> q = k = v = np.ones((1, 3, 1, 2))
+    >>> attention(q, k, v, q_segments=np.array([[0, 0, -1]]))[0, :, 0].tolist()  # the padding row: 0
+    [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    """
+    _, _, v_full, _, _, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments)
     return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
 
 
-def attention_vjp(q, k, v, cotangent, *, causal=False, scale=None, q_positions=None,
-                  k_positions=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64); a kv head's
-    gradient sums over the q heads that use it."""
-    q, k_full, v_full, group, scale, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions)
+def attention_vjp(q, k, v, cotangent, *, causal=False, scale=None, q_positions=None, k_positions=None,
+                  q_segments=None, k_segments=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64; the keywords as
+    `attention`'s); a kv head's gradient sums over the q heads that use it. A query that sees no key adds 0."""
+    q, k_full, v_full, group, scale, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions,
+                                                       q_segments, k_segments)
     cotangent = np.asarray(cotangent, dtype=np.float64)
     dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cotangent)
     dprobs = np.einsum("bqhd,bkhd->bhqk", cotangent, v_full)

@@ -99,7 +99,7 @@ def _probabilities(math_: ArrayMath, q5, k, scale: float, mask, lse=None):
     if lse is None:
         return scores
     lse = math_.einsum("bqng->bngq", lse)
-    return math_.exp(scores - (lse if isinstance(mask, str) else _finite(math_, lse))[..., None])
+    return math_.exp(scores - _finite(math_, lse)[..., None])
 
 
 def _finite(math_: ArrayMath, x):
@@ -107,29 +107,25 @@ def _finite(math_: ArrayMath, x):
     return math_.where(math_.isfinite(x), x, 0.0)
 
 
-def attend(math_: ArrayMath, q, k, v, scale: float, mask: str):
+def attend(math_: ArrayMath, q, k, v, scale: float, mask):
     """One piece: q ``[B, Sq, H, D]`` against k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` (q head i using kv
     head ``i // (H // H_kv)``) -> ``(out [B, Sq, H, D_v], lse [B, Sq, H])``, softmax-normalised within the piece,
-    in the dtype of the arrays given (the walk casts to `RingPlan.compute_dtype` first). Under a named mask
-    every q row must see at least one kv row (the plan's pieces do); under a bool array mask a row that sees
-    none gets output 0 and LSE -inf."""
+    in the dtype of the arrays given (the walk casts to `RingPlan.compute_dtype` first). `mask` a name, or a bool
+    array broadcasting against the scores ``[B, H_kv, G, Sq, Sk]``. A row that sees no key (its mask, or every
+    score -inf) gets output 0 and LSE -inf; a NaN score gives a NaN row and LSE."""
     batch, rows, heads, _ = q.shape
     scores = _probabilities(math_, _grouped(q, k.shape[2]), k, scale, mask)
-    if isinstance(mask, str):
-        top = math_.max_last(scores)
-        lse = top + math_.log(math_.sum_last(math_.exp(scores - top[..., None])))
-        weights = math_.exp(scores - lse[..., None])
-    else:
-        lse, weights = _masked_softmax(math_, scores)
+    lse, weights = _masked_softmax(math_, scores)
     out = math_.einsum("bngqk,bknd->bqngd", weights, v)
     return out.reshape(batch, rows, heads, v.shape[-1]), math_.einsum("bngq->bqng", lse).reshape(batch, rows, heads)
 
 
 def _masked_softmax(math_: ArrayMath, scores):
-    """``(lse, weights)`` of masked scores where a row may see no key: its LSE -inf, its weights 0."""
+    """``(lse, weights)`` of masked scores where a row may see no key: its LSE -inf, its weights 0 (a NaN score:
+    its row's LSE NaN)."""
     top = _finite(math_, math_.max_last(scores))
     sums = math_.sum_last(math_.exp(scores - top[..., None]))
-    seen = sums > 0
+    seen = sums != 0
     lse = math_.where(seen, top + math_.log(math_.where(seen, sums, 1.0)), -math.inf)
     return lse, math_.exp(scores - _finite(math_, lse)[..., None])
 

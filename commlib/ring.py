@@ -8,6 +8,10 @@ pair: an index into a small table of static cases, each a tuple of `Piece`\\ s (
 pieces the causal mask hides entirely left out. At step 0 every rank attends its own block with case 0, one
 piece over every row. The backward passes dk/dv with k/v the same way and one final hop brings them home.
 
+With segment ids (``segment_ids=``, `commlib.masks`) the ids of each rank's block travel with k/v in the same
+sends, every piece is masked by them as well, and a piece none of whose queries sees any of its keys is skipped
+(`RingBackend.when_visible`; `pieces_computed` counts what is left).
+
 The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, sends a list of
 arrays one ring step, and picks the case of a step for its rank (torch and the reference know the rank; JAX
 switches on the traced axis index). The step math is `commlib.blockwise`'s.
@@ -29,8 +33,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from commlib.attention import _check_int, _check_options, _check_shapes, _shown
-from commlib.blockwise import ArrayMath, delta, merge, merge_masked, position_mask
+from commlib.blockwise import NUMPY, ArrayMath, delta, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
+from commlib.masks import check_segment_ids, segment_mask
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "RingBackend",
     "forward",
     "backward",
+    "pieces_computed",
 ]
 
 RING_OP = "ring_attention"
@@ -100,6 +106,9 @@ class RingPlan:
     # to `sequence.max_size` rows, ring block r is shards r*U .. r*U+U-1 end to end, and one piece over every
     # row per step takes its mask from global positions (`key_masks`); padding rows see and are seen by nothing.
     sequence: SequenceLayout | None = None
+    # Segment ids given (``segment_ids=``): they travel with k/v, every piece is masked by them too, and a piece
+    # none of whose queries sees any of its keys is skipped (`pieces_computed` counts the rest).
+    segmented: bool = False
 
     @property
     def perm(self) -> tuple[tuple[int, int], ...]:
@@ -207,7 +216,8 @@ def _check_heads(op_name: str, heads: int, kv_heads: int, ulysses_size: int, rec
 
 
 def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None, layout="contiguous",
-              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP, shard: int | None = None) -> RingPlan:
+              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP, shard: int | None = None,
+              segment_ids=None) -> RingPlan:
     """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
     ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
 
@@ -218,6 +228,8 @@ def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None,
     exact: `shard` the caller's shard index ``r * U + u``) or ``layout.max_size`` (JAX: `shard` None, padded);
     where the length is one the layout string cuts evenly the plan is that string's, else the ring walks ``U *
     max_size`` rows (every shard padded) with masks from global positions (`RingPlan.key_masks`).
+    `segment_ids`: ``(shape, dtype name)`` of the segment ids this rank holds (``[B, S_r]``, integers: checked
+    here, `commlib.masks.check_segment_ids`), None: none.
 
     >>> ring_plan((1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4), 2, layout="zigzag")
     Traceback (most recent call last):
@@ -248,6 +260,8 @@ def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None,
     if sequence is None:
         check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
     scale = _check_options(tuple(dtypes), causal, scale, q[3], received, op_name)
+    if segment_ids is not None:
+        check_segment_ids(op_name, _shown(segment_ids[0]), str(segment_ids[1]), q, received)
     if sequence is None:
         rows = q[1] * ulysses_size
         named = _cases(rows, causal, layout)
@@ -260,7 +274,8 @@ def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None,
     shared = tuple(step[0] if len(set(step)) == 1 else None for step in index)
     return RingPlan(op_name, ring_size, layout, causal, scale, q[0], rows, q[2] // ulysses_size,
                     k[2] // ulysses_size, q[3], v[3], str(dtypes[0]), ulysses_size,
-                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared, sequence)
+                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared, sequence,
+                    segment_ids is not None)
 
 
 def _is_even(sequence: SequenceLayout) -> bool:
@@ -339,78 +354,147 @@ class RingBackend(Protocol):
         """Masked plans: `x` with the padding rows of this rank's ring block set to 0 (what a padded shard
         holds there is ignored)."""
 
+    def when_visible(self, mask: Any, function: Callable[..., Any], *operands: Any) -> Any:
+        """Segmented plans: ``function(*operands)`` where some entry of the piece's bool `mask` is True, else
+        `operands` unchanged (the skip rule; a backend may compute a piece that sees nothing: it changes
+        nothing, exactly)."""
 
-def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any) -> Any:
+
+def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any,
+             segments: tuple[Any, Any] | None = None) -> Any:
     """`function` (a case rule) on this rank's case at `step`: static where every rank has the same case (masked
-    plans: always, with this rank's mask of the step)."""
+    plans: always, with this rank's mask of the step). `segments`: the ids of this rank's q rows and of the kv
+    block it holds (segmented plans)."""
     shared = plan.shared_case[step]
     if plan.masked:
-        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step))
+        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments)
     if shared is not None:
-        return function(backend, plan.cases[shared], *operands)
-    return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
+        return function(backend, plan.cases[shared], *operands, segments=segments)
+    if segments is None:
+        return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
+    # the ids travel as operands: a backend may split every operand by rank (the reference's simulated ranks)
+    rule = lambda pieces, *arrays: function(backend, pieces, *arrays[:-2], segments=arrays[-2:])  # noqa: E731
+    return backend.switch(step, rule, *operands, *segments)
 
 
-def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None):
+def _piece_mask(math_: ArrayMath, mask, segments: tuple[Any, Any] | None, rows: slice, keys: slice):
+    """A piece's mask: its name (or the key mask of a "positions" piece) and, with segment ids, the bool array
+    ``[B, 1, 1, Sq, Sk]`` of the name's mask and `commlib.masks.segment_mask` of the piece's rows."""
+    if segments is None:
+        return mask
+    same = segment_mask(segments[0][:, rows], segments[1][:, keys])[:, None, None]
+    if not isinstance(mask, str):
+        return same & mask
+    if mask == "causal-diagonal":
+        return same & math_.causal_mask(same.shape[-1], same)
+    return same
+
+
+def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None, segments=None):
     """Merge the pieces of one case into this rank's (out, lse); `out` None: the first piece (step 0's own
-    block, every row) is the start. `key_mask`: the mask of a "positions" piece (masked plans)."""
+    block, every row) is the start. `key_mask`: the mask of a "positions" piece (masked plans); `segments`: the
+    ids of the q rows and kv rows (segmented plans: a later piece that no query of it sees is skipped)."""
     for piece in pieces:
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        mask = key_mask if piece.mask == "positions" else piece.mask
-        part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
+        mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
+
+        def merged(out, lse, rows=rows, keys=keys, mask=mask):
+            part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
+            merged_out, merged_lse = merge_masked(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
+            return backend.set_rows(out, rows, merged_out), backend.set_rows(lse, rows, merged_lse)
+
         if out is None:
-            out, lse = part_out, part_lse
-            continue
-        rule = merge if key_mask is None else merge_masked
-        merged_out, merged_lse = rule(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
-        out, lse = backend.set_rows(out, rows, merged_out), backend.set_rows(lse, rows, merged_lse)
+            out, lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
+        elif segments is None:
+            out, lse = merged(out, lse)
+        else:
+            out, lse = backend.when_visible(mask, merged, out, lse)
     return out, lse
 
 
-def forward(plan: RingPlan, backend: RingBackend, q, k, v):
+def forward(plan: RingPlan, backend: RingBackend, q, k, v, segments=None):
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
-    softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step)."""
+    softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments`: this rank's
+    segment ids ``[B, rows]`` (segmented plans): they travel with k/v, in the same sends."""
     if plan.masked:
         q, k, v = (backend.real_rows(x) for x in (q, k, v))
     query = backend.compute(q)
     out = lse = None
-    held = [k, v]
+    held = [k, v] if segments is None else [k, v, segments]
     for step in range(plan.ring_size):
         keys, values = backend.compute(held[0]), backend.compute(held[1])
-        out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse)
+        ids = None if segments is None else (segments, held[2])
+        out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse, segments=ids)
         if step < plan.ring_size - 1:
             held = backend.send(held)
     return backend.restore(out, q), lse
 
 
-def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv, key_mask=None):
-    """Add the pieces of one case to this rank's dq and the travelling dk, dv."""
+def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv, key_mask=None,
+                   segments=None):
+    """Add the pieces of one case to this rank's dq and the travelling dk, dv (segmented plans: the pieces the
+    forward computed)."""
     for piece in pieces:
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        mask = key_mask if piece.mask == "positions" else piece.mask
-        grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows], lse[:, rows],
-                                   delta[:, rows], mask)
-        dq = backend.add_rows(dq, rows, grads[0])
-        dk, dv = backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
+        mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
+
+        def added(dq, dk, dv, rows=rows, keys=keys, mask=mask):
+            grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows],
+                                       lse[:, rows], delta[:, rows], mask)
+            dq = backend.add_rows(dq, rows, grads[0])
+            return dq, backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
+
+        dq, dk, dv = added(dq, dk, dv) if segments is None else backend.when_visible(mask, added, dq, dk, dv)
     return dq, dk, dv
 
 
-def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out):
+def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, segments=None):
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
-    (compute dtype) travelling with k/v, one more send of dk/dv at the end to bring them home. Masked plans:
-    what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients are 0."""
+    (compute dtype) travelling with k/v (and the segment ids), one more send of dk/dv at the end to bring them
+    home. Masked plans: what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients
+    are 0."""
     if plan.masked:
         q, k, v, d_out = (backend.real_rows(x) for x in (q, k, v, d_out))
     query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
     rowsums = delta(backend.math, out_c, d_out_c)
     dq = backend.zeros(q)
-    held = [k, v, backend.zeros(k), backend.zeros(v)]
+    held = [k, v, backend.zeros(k), backend.zeros(v)] + ([] if segments is None else [segments])
     for step in range(plan.ring_size):
         keys, values = backend.compute(held[0]), backend.compute(held[1])
+        ids = None if segments is None else (segments, held[4])
         dq, dk, dv = _at_step(plan, backend, step, _backward_case, query, keys, values, out_c, d_out_c, lse,
-                              rowsums, dq, held[2], held[3])
+                              rowsums, dq, held[2], held[3], segments=ids)
         if step < plan.ring_size - 1:
-            held = backend.send([held[0], held[1], dk, dv])
+            held = backend.send([held[0], held[1], dk, dv, *held[4:]])
         else:
             held = [held[0], held[1], *backend.send([dk, dv])]
     return backend.restore(dq, q), backend.restore(held[2], k), backend.restore(held[3], v)
+
+
+def pieces_computed(plan: RingPlan, segments) -> tuple[int, int]:
+    """The ring's skip rule counted (numpy): ``(computed, scheduled)``, the pieces the forward walk computes over
+    every step and rank and the pieces its schedule holds. `segments`: every rank's segment ids of its ring
+    block as the ring walks it, int ``[W, B, rows]`` (None: no segment ids, nothing skipped). A piece is
+    computed when some query of it sees some key of it (causal and segments); step 0's first piece always is
+    (it starts each rank's accumulators). The backward computes the same pieces.
+
+    >>> plan = ring_plan((1, 4, 1, 2), (1, 4, 1, 2), (1, 4, 1, 2), 2, causal=True, segment_ids=((1, 4), "int32"))
+    >>> pieces_computed(plan, np.array([[[0, 0, 0, 0]], [[1, 1, 1, 1]]]))  # rank 1's step 1 (block 0) skipped
+    (2, 3)
+    """
+    computed = scheduled = 0
+    for step in range(plan.ring_size):
+        for rank in range(plan.ring_size):
+            block = plan.kv_block(step, rank)
+            key_mask = plan.key_masks(step)[rank] if plan.masked else None
+            for index, piece in enumerate(plan.cases[0 if plan.masked else plan.case_index[step][rank]]):
+                scheduled += 1
+                if segments is None or (step == 0 and index == 0):
+                    computed += 1
+                    continue
+                ids = (np.asarray(segments[rank]), np.asarray(segments[block]))
+                mask = _piece_mask(NUMPY, key_mask if piece.mask == "positions" else piece.mask, ids,
+                                   slice(*piece.q), slice(*piece.kv))
+                computed += int(np.any(mask))
+    return computed, scheduled
+

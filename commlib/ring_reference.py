@@ -19,17 +19,19 @@ __all__ = ["reference", "SimulatedRanks", "simulate_ring"]
 
 
 def reference(qs, ks, vs, cotangents, ring_size: int, *, causal=False, scale=None, layout="contiguous",
-              ulysses_size: int = 1):
+              ulysses_size: int = 1, segment_ids=None):
     """float64: every shard's output and ``(dq, dk, dv)`` of attention on the whole sequence (shards in the
     layout: shard ``r * U + u`` at index ``r * U + u``): ``(outs, dqs, dks, dvs)``, lists of W * U arrays.
-    `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows."""
+    `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows. `segment_ids`: every
+    shard's ids ``[B, S_r]`` (as q), the segment masks of `commlib.attention.attention`."""
     if isinstance(layout, SequenceLayout):
-        whole = [layout.unshard(xs, 1).astype(np.float64) for xs in (qs, ks, vs, cotangents)]
+        unshard = lambda xs: layout.unshard(xs, 1)  # noqa: E731
     else:
-        whole = [unshard_sequence(xs, 1, ring_size, layout, ulysses_size).astype(np.float64)
-                 for xs in (qs, ks, vs, cotangents)]
-    out = attention(*whole[:3], causal=causal, scale=scale)
-    grads = attention_vjp(*whole, causal=causal, scale=scale)
+        unshard = lambda xs: unshard_sequence(xs, 1, ring_size, layout, ulysses_size)  # noqa: E731
+    whole = [unshard(xs).astype(np.float64) for xs in (qs, ks, vs, cotangents)]
+    ids = None if segment_ids is None else unshard([np.asarray(x)[..., None, None] for x in segment_ids])[..., 0, 0]
+    out = attention(*whole[:3], causal=causal, scale=scale, q_segments=ids)
+    grads = attention_vjp(*whole, causal=causal, scale=scale, q_segments=ids)
     if isinstance(layout, SequenceLayout):
         return tuple(layout.shard(x, 1) for x in (out, *grads))
     return tuple(shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in (out, *grads))
@@ -43,6 +45,8 @@ class SimulatedRanks:
 
     def __init__(self, plan: ring.RingPlan) -> None:
         self.plan = plan
+        self.computed = np.zeros(plan.ring_size, dtype=np.int64)  # pieces each rank computed (segmented plans)
+        self.rank: int | None = None  # the rank `switch` is running (its arrays are that rank's alone)
 
     def compute(self, x):
         return np.asarray(x, dtype=np.float64)
@@ -90,26 +94,39 @@ class SimulatedRanks:
         real = np.repeat(self.plan.valid_rows(), self.plan.batch, axis=0)[:, :, None, None]
         return np.where(real, x, 0.0)
 
+    def when_visible(self, mask, function: Callable[..., Any], *operands):
+        """Every rank computes the piece (where a rank's queries see none of its keys that changes nothing,
+        exactly); `computed` counts it for the ranks whose queries see some key."""
+        if self.rank is None:
+            self.computed += np.asarray(mask).reshape(self.plan.ring_size, -1).any(axis=1)
+        else:
+            self.computed[self.rank] += bool(np.any(mask))
+        return function(*operands)
+
     def switch(self, step: int, function: Callable[..., Any], *operands):
         """Each rank's case on its own rows, the results stacked back."""
         results = []
         for rank, arrays in enumerate(zip(*(self.split(x) for x in operands), strict=True)):
+            self.rank = rank
             results.append(function(self.plan.cases[self.plan.case_index[step][rank]], *arrays))
+        self.rank = None
         return tuple(np.concatenate(parts) for parts in zip(*results, strict=True))
 
 
-def simulate_ring(plan: ring.RingPlan, qs, ks, vs, cotangents=None):
+def simulate_ring(plan: ring.RingPlan, qs, ks, vs, cotangents=None, segment_ids=None):
     """The ring walked on W simulated numpy ranks (float64), as the frontends walk it: ``outs`` (and, with
     `cotangents`, ``(outs, dqs, dks, dvs)``), lists of W arrays in the ring layout. A masked plan (an uneven
     `SequenceLayout`) takes the ``R * U`` shards of ``layout.sizes`` rows (or of ``max_size`` rows, as JAX holds
     them: what the padding holds is ignored) and gives shards of ``layout.sizes`` rows, walking them padded to
-    ``max_size`` as the frontends do."""
+    ``max_size`` as the frontends do. `segment_ids`: every shard's ids ``[B, S_r]`` (a segmented plan; padding
+    rows get -1)."""
     ranks = SimulatedRanks(plan)
     q, k, v = (_ring_blocks(plan, xs) for xs in (qs, ks, vs))
-    out, lse = ring.forward(plan, ranks, q, k, v)
+    ids = None if segment_ids is None else _ring_ids(plan, segment_ids)
+    out, lse = ring.forward(plan, ranks, q, k, v, ids)
     if cotangents is None:
         return _shards(plan, ranks.split(out))
-    grads = ring.backward(plan, ranks, q, k, v, out, lse, _ring_blocks(plan, cotangents))
+    grads = ring.backward(plan, ranks, q, k, v, out, lse, _ring_blocks(plan, cotangents), ids)
     return _shards(plan, ranks.split(out)), *(_shards(plan, ranks.split(x)) for x in grads)
 
 
@@ -123,6 +140,12 @@ def _ring_blocks(plan: ring.RingPlan, xs):
     padded = [np.pad(x, [(0, 0), (0, size - x.shape[1]), (0, 0), (0, 0)]) for x in xs]
     return np.concatenate([np.concatenate(padded[r * plan.ulysses_size:(r + 1) * plan.ulysses_size], axis=1)
                            for r in range(plan.ring_size)])
+
+
+def _ring_ids(plan: ring.RingPlan, segment_ids) -> np.ndarray:
+    """int64 ``[W * B, rows]``: every rank's segment ids of its ring block (`_ring_blocks`; padding rows -1)."""
+    shifted = [np.asarray(x, dtype=np.int64)[..., None, None] + 1 for x in segment_ids]  # padding: 0 -> -1
+    return _ring_blocks(plan, shifted)[..., 0, 0].astype(np.int64) - 1
 
 
 def _shards(plan: ring.RingPlan, blocks: list) -> list:

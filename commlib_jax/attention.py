@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
+from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
-from commlib_jax.functional import all_to_all, all_to_all_4d
+from commlib_jax.functional import all_gather, all_to_all, all_to_all_4d
 from commlib_jax.ring import ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
@@ -31,38 +32,48 @@ __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 AttentionFn = Callable[..., jax.Array]
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """``jax.nn.dot_product_attention`` on ``[B, S, H, D]``: q ``[B, S, H, D]``, k ``[B, S, H_kv, D]``, v
-    ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H // H_kv)`` (its GQA);
-    `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``. The default `attn_fn` of
-    `ulysses_attention`.
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None):
+    """GQA attention on ``[B, S, H, D]`` (``jax.nn.dot_product_attention``'s layout and grouping): q ``[B, S, H, D]``,
+    k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H //
+    H_kv)``; `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``; `segment_ids`
+    (integers ``[B, S]``): position i sees position j only when their ids are equal, a negative id (padding)
+    seeing and seen by nothing. The default `attn_fn` of `ulysses_attention`.
 
-    float64, and a v whose head dim differs from k's, run the same math here (`_grouped_attention`):
-    ``jax.nn.dot_product_attention`` takes the softmax in float32 whatever the dtype (jax 0.10-0.11), which
-    would cap a float64 layer at float32 accuracy, and it needs v shaped as k.
+    The spec's rules, which ``jax.nn.dot_product_attention`` does not keep (jax 0.10): a row that sees no key, or
+    whose every score is -inf, outputs 0 with gradient 0 (it fills masked scores with a large finite negative, so
+    such a row averaged the masked keys); a NaN gives NaN rows; float64 stays float64 (it takes the softmax in
+    float32); v may have its own head dim. So this is the same math in plain XLA (`_grouped_attention`).
 
     Example:
         >>> import jax.numpy as jnp
         >>> q, k, v = jnp.ones((1, 4, 8, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 32))  # 4 q heads per kv
         >>> attention(q, k, v, causal=True).shape
         (1, 4, 8, 32)
+        >>> attention(q, k, v, segment_ids=jnp.array([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
+        [1.0, 1.0, 1.0, 0.0]
     """
-    if q.dtype != jnp.float64 and v.shape == k.shape:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
-    return _grouped_attention(q, k, v, causal=causal, scale=scale)
+    return _grouped_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
 
-def _grouped_attention(q, k, v, *, causal: bool, scale: float | None):
+def _grouped_attention(q, k, v, *, causal: bool, scale: float | None, segment_ids=None):
     """GQA attention in plain XLA: q head i of ``[B, T, H, D]`` with kv head ``i // (H // H_kv)``; logits and
-    softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64."""
+    softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64. Masked scores are
+    -inf and a row with no finite score gets weights 0 (`commlib.blockwise`'s rule)."""
     batch, length, heads, head_dim = q.shape
     logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
     grouped = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # [B, T, K, G, D]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     logits = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=logits_dtype) * scale
-    if causal:
-        logits = jnp.where(jnp.tril(jnp.ones((length, k.shape[1]), dtype=bool)), logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    visible = jnp.tril(jnp.ones((length, k.shape[1]), dtype=bool)) if causal else None
+    if segment_ids is not None:
+        same = segment_mask(segment_ids, segment_ids)[:, None, None]  # [B, 1, 1, T, S]
+        visible = same if visible is None else same & visible
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = (weights / jnp.where(total == 0, 1.0, total)).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, length, heads, v.shape[-1])
 
@@ -83,7 +94,7 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
 
 
 def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None, layout="contiguous"):
+                      attn_fn: AttentionFn | None = None, layout="contiguous", segment_ids=None):
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -102,6 +113,10 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         layout: "contiguous" (rank order, `seq_sizes` as given), or a `commlib.SequenceLayout` of W shards
             holding the sequence in rank order (``ring_size == 1`` or contiguous): ``seq_sizes=layout.sizes``,
             every shard padded to ``layout.max_size``.
+        segment_ids: integers ``[B, S_r]`` laid out as q (``commlib.segment_ids`` builds a row; rows past
+            ``seq_sizes[r]`` are ignored): a query sees a key only when their ids are equal; a negative id is
+            padding (sees and is seen by nothing: output 0, gradient 0). All-gathered over the axis (integers,
+            no gradient) and given to `attn_fn` as ``segment_ids=`` (``[B, S]``), which must then accept it.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
@@ -111,8 +126,9 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
             `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), a `layout` of another world size,
-            "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes.
-        TypeError: wrong kinds (causal not a bool, scale not a number).
+            "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids not
+            ``[B, S_r]``.
+        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -127,16 +143,21 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
     axes = axes_of(axis_name)
     size = axis_size(spec.OP_NAME, axes)
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
-                             layout="padded")
+                             layout="padded", segment_ids=segment_type)
     inputs, local = {"q": q, "k": k, "v": v}, {}
     for exchange in plan.exchanges:
         local.update(_exchange(exchange, inputs, axis_name))
+    masks = {}
+    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
+        masks["segment_ids"] = all_gather(segment_ids, axis_name, 1, sizes=plan.exchanges[0].gather_sizes)
     keys, values = local["k"], local["v"]
     if plan.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
         index = jnp.asarray(np.asarray(plan.kv_index, dtype=np.int32))[rank(axes)]
         keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
     bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
-    out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale)
+    out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
     return all_to_all_4d(out, axis_name, 1, 2, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))

@@ -20,25 +20,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import dtype_name, rank
-from commlib_jax.functional import all_to_all_4d, permute
+from commlib_jax.functional import all_gather, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]
 
 MATH = blockwise.ArrayMath(jnp)
 
 
-def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v):
+def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
-    q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block."""
-    varying = tuple(sorted(set(axes) | varying_axes(q) | varying_axes(k) | varying_axes(v), key=str))
+    q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block (and its
+    segment ids ``[B, rows]``)."""
+    arrays = [x for x in (q, k, v, segments) if x is not None]
+    varying = tuple(sorted(set(axes).union(*(varying_axes(x) for x in arrays)), key=str))
     q, k, v = (to_varying(x, varying) for x in (q, k, v))
-    return _ring(plan, axes, q, k, v)
+    return _ring(plan, axes, q, k, v, None if segments is None else to_varying(segments, varying))
 
 
 class _AxisBackend:
@@ -90,27 +93,34 @@ class _AxisBackend:
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
         return jax.lax.switch(case, branches, *operands)
 
+    def when_visible(self, mask, function, *operands):
+        """``lax.cond`` on whether some query of the piece sees some key: a skipped piece is the branch that
+        returns its accumulators unchanged."""
+        return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(plan: spec.RingPlan, axes: tuple, q, k, v):
-    return spec.forward(plan, _AxisBackend(plan, axes), q, k, v)[0]
+def _ring(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
+    return spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)[0]
 
 
-def _ring_forward(plan: spec.RingPlan, axes: tuple, q, k, v):
-    out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v)
-    return out, (q, k, v, out, lse)
+def _ring_forward(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
+    out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)
+    return out, (q, k, v, out, lse, segments)
 
 
 def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals, cotangent):
-    q, k, v, out, lse = residuals
-    return spec.backward(plan, _AxisBackend(plan, axes), q, k, v, out, lse, cotangent)
+    q, k, v, out, lse, segments = residuals
+    grads = spec.backward(plan, _AxisBackend(plan, axes), q, k, v, out, lse, cotangent, segments)
+    no_gradient = None if segments is None else np.zeros(segments.shape, dtype=jax.dtypes.float0)  # integers
+    return (*grads, no_gradient)
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
 def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous"):
+                   layout: str = "contiguous", segment_ids=None):
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
     q's dtype; equal to `attention` on the whole sequence, cut back the same way.
@@ -128,6 +138,11 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
             `commlib.SequenceLayout` (``ring_size == W``) for any length: every rank holds ``layout.max_size``
             rows, rank r's ``layout.sizes[r]`` first (``layout.shard(x, 1, padded=True)[r]``); what the rows
             past them hold is ignored (gradient exactly 0) and the output there is 0.
+        segment_ids: integers ``[B, S/W]`` laid out as q (``commlib.segment_ids`` builds a row): a query sees a
+            key only when their ids are equal (and, with causal, its position is not after the query's); a
+            negative id is padding, seeing and seen by nothing (output 0, gradient 0). They travel with k and v
+            (one more `permute` a step), and a (q, kv) piece none of whose queries sees any of its keys is
+            skipped (``lax.cond``). No gradient.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -164,18 +179,28 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
             by W (contiguous) or 2W (zigzag), an unknown layout, a `SequenceLayout` whose ring_size is not W or
-            whose max_size is not the seq held, unequal dtypes; `axis_name` not bound.
-        TypeError: wrong kinds (causal not a bool, scale not a number, axis names).
+            whose max_size is not the seq held, unequal dtypes, segment_ids not ``[B, S/W]``; `axis_name` not
+            bound.
+        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, axis names).
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
+    segment_ids, segment_type = _segments(segment_ids)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
-                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)])
-    return _ring_on_axes(plan, axes, q, k, v)
+                          dtypes=[dtype_name(x.dtype) for x in (q, k, v)], segment_ids=segment_type)
+    return _ring_on_axes(plan, axes, q, k, v, segment_ids)
+
+
+def _segments(segment_ids) -> tuple:
+    """``(array, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
+    if segment_ids is None:
+        return None, None
+    segment_ids = jnp.asarray(segment_ids)
+    return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
 def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, scale: float | None = None,
-                  layout: str = "contiguous"):
+                  layout: str = "contiguous", segment_ids=None):
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
     to `attention` on the whole sequence, cut back the same way.
@@ -187,6 +212,8 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
         ring_axis: the mesh axis (or tuple of axes) of the R ranks of one ring.
         causal, scale, layout: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
             (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
+        segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
+            `ulysses_axis` into ring block r's ids, then travelling around the ring with k and v.
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
@@ -213,8 +240,11 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
+    segment_ids, segment_type = _segments(segment_ids)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, axis_size(spec.USP_OP, ring_axes), causal=causal,
-                             scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                             ulysses_size=ulysses_size, op_name=spec.USP_OP)
+                          scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+                          ulysses_size=ulysses_size, op_name=spec.USP_OP, segment_ids=segment_type)
     q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
-    return all_to_all_4d(_ring_on_axes(plan, ring_axes, q, k, v), ulysses_axis, 1, 2)
+    if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
+        segment_ids = all_gather(segment_ids, ulysses_axis, 1)
+    return all_to_all_4d(_ring_on_axes(plan, ring_axes, q, k, v, segment_ids), ulysses_axis, 1, 2)

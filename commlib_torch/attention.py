@@ -15,12 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
+from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
-from commlib_torch.functional import all_to_all, all_to_all_4d
-from commlib_torch.ring import ring_attention, usp_attention
+from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
+from commlib_torch.ring import nan_rows, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 
@@ -28,20 +29,34 @@ AttentionFn = Callable[..., torch.Tensor]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
-    to ``1 / sqrt(D)``. The default `attn_fn` of `ulysses_attention`.
+    to ``1 / sqrt(D)``; `segment_ids` (integers ``[B, S]``): position i sees position j only when their ids are
+    equal, a negative id (padding) sees and is seen by nothing, and a row that sees nothing outputs 0 with
+    gradient 0. A NaN in q gives a NaN row (SDPA's CPU flash kernel alone would give 0). The default `attn_fn`
+    of `ulysses_attention`.
 
     Example:
         >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
         >>> attention(q, k, v, causal=True).shape
         torch.Size([1, 4, 8, 32])
+        >>> attention(q, k, v, segment_ids=torch.tensor([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
+        [1.0, 1.0, 1.0, 0.0]
     """
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+    query, key, value = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+    if segment_ids is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return nan_rows(q, out.transpose(1, 2))[0]
+    mask = segment_mask(segment_ids, segment_ids)  # [B, S, S]
+    if causal:
+        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    seen = mask.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=(mask | ~seen[..., None])[:, None],
+                                         scale=scale, enable_gqa=gqa)
+    return torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0)
 
 
 def _select(runs: tuple[tuple[int, int, int], ...], inputs) -> torch.Tensor:
@@ -101,7 +116,8 @@ def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
                       causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None, layout="contiguous") -> torch.Tensor:
+                      attn_fn: AttentionFn | None = None, layout="contiguous",
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -117,6 +133,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             using kv head ``i // (h // h_kv)``), e.g. a flash-attention wrapper; default `attention` (SDPA).
         layout: "contiguous" (rank order, `seq_sizes` as given), or a `commlib.SequenceLayout` of W shards
             holding the sequence in rank order (``ring_size == 1`` or contiguous): ``seq_sizes=layout.sizes``.
+        segment_ids: integers ``[B, S_r]`` laid out as q (``commlib.segment_ids`` builds a row): a query sees a
+            key only when their ids are equal; a negative id is padding (sees and is seen by nothing: output 0,
+            gradient 0). All-gathered over the group (integers, no gradient) and given to `attn_fn` as
+            ``segment_ids=`` (``[B, S]``), which must then accept it.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
@@ -126,9 +146,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
-            size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, a rank
-            outside `group`, a mesh dim that does not exist.
-        TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
+            size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids
+            not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist.
+        TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
+            scale not a number, group).
 
     Example:
         >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
@@ -140,11 +161,19 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     size = world_size(spec.OP_NAME, group)
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    segment_type = None
+    if segment_ids is not None:
+        segment_ids = check_tensor(spec.OP_NAME, segment_ids, "segment_ids")
+        segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=seq_sizes,
-                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale)
+                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
+                             segment_ids=segment_type)
     inputs, local = {"q": q, "k": k, "v": v}, {}
     for exchange in plan.exchanges:
         local.update(_exchange(exchange, inputs, group))
+    masks = {}
+    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
+        masks["segment_ids"] = all_gather(segment_ids, 1, group, sizes=plan.exchanges[0].gather_sizes)
     if plan.local_heads == 0:  # no heads here: an empty output, still on the graph (every rank runs backward)
         out = local["v"].permute(1, 2, 0, 3)
     else:
@@ -153,5 +182,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             index = torch.tensor(plan.kv_index[0], device=keys.device)
             keys, values = keys.index_select(0, index), values.index_select(0, index)
         bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
-        out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale)
+        out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
     return all_to_all_4d(out, 1, 2, group, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))

@@ -25,7 +25,7 @@ from commlib_torch._groups import GroupArgument as Group
 from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
-from commlib_torch.functional import all_to_all, all_to_all_4d
+from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
 
 __all__ = ["ring_attention", "usp_attention"]
 
@@ -58,23 +58,47 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def nan_rows(q: torch.Tensor, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`outputs` (``[B, S, H, ...]``) NaN in the rows where q ``[B, S, H, D]`` holds a NaN: torch's CPU flash kernels
+    (and SDPA through them, read on 2.11-2.13) give such a row 0 (and LSE 0) where the spec's rule, the reference
+    and JAX give NaN. One pass over q; the outputs' other rows and their gradients are untouched."""
+    bad = q.isnan().any(-1)
+    return tuple(x.masked_fill(bad.view(*bad.shape, *(1,) * (x.dim() - bad.dim())), float("nan")) for x in outputs)
+
+
+def _kernel_mask(mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """A piece's mask as the flash kernels take it: ``(causal, additive float mask [B or 1, 1, Sq, Sk] or None)``
+    (a bool array mask -- segments, or positions -- becomes 0 where seen, -inf elsewhere)."""
+    if isinstance(mask, str):
+        return mask == "causal-diagonal", None
+    seen = mask.reshape(-1, 1, *mask.shape[-2:])
+    return False, torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+
+
 def _attend(plan: spec.RingPlan, q, k, v, mask):
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`; a mask array: its
-    einsum rules)."""
-    if _FLASH_CPU is None or not _flash(q, v) or not isinstance(mask, str):
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
+    where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf)."""
+    if _FLASH_CPU is None or not _flash(q, v):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
+    causal, additive = _kernel_mask(mask, q)
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
-                          mask == "causal-diagonal", scale=plan.scale)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+                          causal, attn_mask=additive, scale=plan.scale)
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    if additive is not None:  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
+        seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return nan_rows(q, out, lse)
 
 
 def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask):
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
-    if _FLASH_CPU_BACKWARD is None or not _flash(q, v) or not isinstance(mask, str):
+    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
+    causal, additive = _kernel_mask(mask, q)
+    finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
     dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
-                                     _heads_major(v, plan.group), _heads_major(out), lse.transpose(1, 2), 0.0,
-                                     mask == "causal-diagonal", scale=plan.scale)
+                                     _heads_major(v, plan.group), _heads_major(out), finite.transpose(1, 2), 0.0,
+                                     causal, attn_mask=additive, scale=plan.scale)
     fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2)  # noqa: E731
     return dq.transpose(1, 2), fold(dk), fold(dv)
 
@@ -144,15 +168,19 @@ class _RankBackend:
     def switch(self, step: int, function, *operands):
         return function(self.plan.cases[self.plan.case_index[step][self.rank]], *operands)
 
+    def when_visible(self, mask: torch.Tensor, function, *operands):
+        """The piece where some query of it sees some key (one host read of the mask's any), else skipped."""
+        return function(*operands) if bool(mask.any()) else operands
 
-def _forward(plan: spec.RingPlan, q, k, v, group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _forward(plan: spec.RingPlan, q, k, v, group, rank: int, segments=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`)."""
-    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v)
+    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, segments)
 
 
-def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int):
+def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int, segments=None):
     """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out)
+    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out, segments)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -178,20 +206,20 @@ class _Ring(torch.autograd.Function):
     """The ring walk (`_forward`); backward `_backward` from the saved q, k, v, output and LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: spec.RingPlan, group, rank: int):
-        out, lse = _forward(plan, q, k, v, group, rank)
+    def forward(ctx, q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):
+        out, lse = _forward(plan, q, k, v, group, rank, segments)
         ctx.plan, ctx.group, ctx.rank = plan, group, rank
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, segments = ctx.saved_tensors
         with torch.no_grad():  # the walk is not differentiated: its in-place sums need no graph
-            grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank)
+            grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank, segments)
         if torch.is_grad_enabled():  # a graph of the gradient is recorded: a second order must not come out zero
             grads = _FirstOrderOnly.apply(ctx.plan.op_name, *grads, q, k, v, d_out)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 class _FunctorchRing(_Ring):
@@ -199,19 +227,19 @@ class _FunctorchRing(_Ring):
     non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
-    def forward(q, k, v, plan: spec.RingPlan, group, rank: int):  # type: ignore[override]
-        return _forward(plan, q, k, v, group, rank)
+    def forward(q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):  # type: ignore[override]
+        return _forward(plan, q, k, v, group, rank, segments)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-        q, k, v, plan, group, rank = inputs
+        q, k, v, plan, group, rank, segments = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.plan, ctx.group, ctx.rank = plan, group, rank
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int):
+    def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):
         raise frontend_errors.no_vmap(plan.op_name)
 
     @staticmethod
@@ -219,16 +247,29 @@ class _FunctorchRing(_Ring):
         return _Ring.backward(ctx, d_out)
 
 
-def _ring(q, k, v, plan: spec.RingPlan, group, rank: int) -> torch.Tensor:
+def _ring(q, k, v, plan: spec.RingPlan, group, rank: int, segments=None) -> torch.Tensor:
     if transforms_active():
-        return _FunctorchRing.apply(q, k, v, plan, group, rank)[0]
-    return _Ring.apply(q, k, v, plan, group, rank)
+        return _FunctorchRing.apply(q, k, v, plan, group, rank, segments)[0]
+    return _Ring.apply(q, k, v, plan, group, rank, segments)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     """`x` ``[B, S_r, h, D]`` with zero rows appended up to `rows` (an uneven layout's shard, held padded to
-    ``max_size`` while it walks; the gradient of the padding is dropped by autograd)."""
-    return x if x.shape[1] == rows else torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
+    ``max_size`` while it walks; the gradient of the padding is dropped by autograd); segment ids ``[B, S_r]``
+    padded with -1 (padding)."""
+    if x.shape[1] == rows:
+        return x
+    if x.dim() == 2:
+        return torch.nn.functional.pad(x, (0, rows - x.shape[1]), value=-1)
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
+
+
+def _segments(op_name: str, segment_ids) -> tuple[torch.Tensor | None, tuple | None]:
+    """``(tensor, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
+    if segment_ids is None:
+        return None, None
+    segment_ids = check_tensor(op_name, segment_ids, "segment_ids")
+    return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
 def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
@@ -241,7 +282,8 @@ def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
-                   scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
+                   scale: float | None = None, layout: str = "contiguous",
+                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
     H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
 
@@ -257,6 +299,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             any length: rank r holds exactly ``layout.sizes[r]`` rows (``layout.positions(r)``; some may hold
             none) and gets that many output rows. Uneven shards travel padded to the largest with the padding
             keys masked; a query row that sees no key outputs 0 with gradient 0.
+        segment_ids: integers ``[B, S/W]`` laid out as q (this rank's rows; ``commlib.segment_ids`` builds a
+            row): a query sees a key only when their ids are equal (and, with causal, its position is not
+            after the query's); a negative id is padding, seeing and seen by nothing. They travel with k and v
+            (one more `permute` a step, their dtype), and a (q, kv) piece none of whose queries sees any of its
+            keys is skipped. No gradient.
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -281,22 +328,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     >>> out = ring_attention(q, k, v, causal=True, layout=commlib.SequenceLayout(7, layout="zigzag"))
     >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
     True
+    >>> ids = torch.tensor(commlib.segment_ids([4, 2], 7)).expand(2, 7)  # two documents, then a padding token
+    >>> out = ring_attention(q, k, v, causal=True, segment_ids=ids)
+    >>> torch.allclose(out, attention(q, k, v, causal=True, segment_ids=ids), atol=1e-5), bool((out[:, 6] == 0).all())
+    (True, True)
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
             layout, an odd shard in the zigzag layout, a `SequenceLayout` whose ring_size is not W or whose
-            ``sizes[rank]`` is not this rank's seq, unequal dtypes, a rank outside `group`.
-        TypeError: wrong kinds (q, k, v not tensors, causal not a bool, scale not a number, group).
+            ``sizes[rank]`` is not this rank's seq, unequal dtypes, segment_ids not ``[B, S/W]``, a rank outside
+            `group`.
+        TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
+            scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
     q, k, v = _checked(spec.RING_OP, q, k, v)
+    segments, segment_type = _segments(spec.RING_OP, segment_ids)
     rank = group_rank(group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
                           layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          shard=_shard_index(layout, rank))
+                          shard=_shard_index(layout, rank), segment_ids=segment_type)
     if not plan.masked:
-        return _ring(q, k, v, plan, group, rank)
-    out = _ring(_padded(q, plan.rows), _padded(k, plan.rows), _padded(v, plan.rows), plan, group, rank)
+        return _ring(q, k, v, plan, group, rank, segments)
+    padded_q, padded_k, padded_v = (_padded(x, plan.rows) for x in (q, k, v))
+    out = _ring(padded_q, padded_k, padded_v, plan, group, rank, None if segments is None else
+                _padded(segments, plan.rows))
     return out[:, :q.shape[1]]
 
 
@@ -318,7 +374,8 @@ def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: Group, ring_group: Group, *,
-                  causal: bool = False, scale: float | None = None, layout: str = "contiguous") -> torch.Tensor:
+                  causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+                  segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
     `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
     -> ``[B, S/(W U), H, D_v]``, q's dtype.
@@ -331,7 +388,9 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     `ring_attention`; the gradient is exact (the all-to-alls' VJPs and the ring's backward). A
     `commlib.SequenceLayout` (``ring_size == W``, ``ulysses_size == U``) for any length: this rank holds
     exactly ``layout.sizes[r * U + u]`` rows; the shards travel padded to ``layout.max_size`` (the all-to-all
-    then gathers ring block r as U padded pieces) with the padding masked.
+    then gathers ring block r as U padded pieces) with the padding masked. `segment_ids` (integers ``[B, S/(W U)]``
+    laid out as q) as in `ring_attention`: all-gathered over `ulysses_group` into ring block r's ids, then
+    travelling around the ring with k and v.
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -352,15 +411,19 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
     q, k, v = _checked(spec.USP_OP, q, k, v)
+    segments, segment_type = _segments(spec.USP_OP, segment_ids)
     ring_rank = group_rank(ring_group)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP,
-                          shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)))
+                          shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)), segment_ids=segment_type)
     rows = q.shape[1]
     if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
         q, k, v = (_padded(x, plan.rows // plan.ulysses_size) for x in (q, k, v))
+        segments = None if segments is None else _padded(segments, plan.rows // plan.ulysses_size)
     local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_group)
-    out = _ring(local_q, local_k, local_v, plan, ring_group, ring_rank)
+    if segments is not None and plan.ulysses_size > 1:  # ring block r's ids: the U shards' in order (integers)
+        segments = all_gather(segments, 1, ulysses_group)
+    out = _ring(local_q, local_k, local_v, plan, ring_group, ring_rank, segments)
     out = out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
     return out[:, :rows] if plan.masked else out

@@ -1,0 +1,160 @@
+"""Segment masks (``segment_ids=``) in `ulysses_attention`, `ring_attention` and `usp_attention` on simulated CPU
+devices (issue 22): the handed case within 1e-10 of the unsharded masked reference on every rank (outputs and
+dq/dk/dv, ``jax.grad`` of per-rank losses under ``shard_map``, check_vma True and False), padding rows exactly
+0 with gradient exactly 0; documents of random lengths at any length (every shard padded to ``max_size``);
+bad segment ids refused by name; and issue 23 item 5: a NaN in q gives NaN rows and a query whose every score is
+-inf gives 0 (gradient 0) through JAX's default attention and the ring (JAX's ring gave NaN)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commlib
+from commlib import CommError, SequenceLayout
+from commlib_jax.attention import attention, ring_attention, ulysses_attention, usp_attention
+from tests import mask_cases as masks
+
+#: (op, SequenceLayout, the layout the call is given) of the handed case: W = 4, S = 40.
+HANDED = [
+    ("ulysses_attention", SequenceLayout(40, ulysses_size=4), "contiguous"),
+    ("ring_attention", SequenceLayout(40, ring_size=4), "contiguous"),
+    ("ring_attention", SequenceLayout(40, ring_size=4, layout="zigzag"), "zigzag"),
+    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2), "contiguous"),
+    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "zigzag"),
+]
+
+
+def _mesh(op, layout):
+    devices = np.array(jax.devices()[:layout.world_size])
+    if op == "usp_attention":
+        return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), P(("ring", "ulysses"))
+    return Mesh(devices, ("i",)), P("i")
+
+
+def _call(op, name, q, k, v, **kwargs):
+    if op == "usp_attention":
+        return usp_attention(q, k, v, "ulysses", "ring", layout=name, **kwargs)
+    if op == "ulysses_attention":
+        return ulysses_attention(q, k, v, "i", layout=name, **kwargs)
+    return ring_attention(q, k, v, "i", layout=name, **kwargs)
+
+
+def _run(op, layout, name, whole, ids, causal, check_vma=True, dtype=jnp.float64):
+    """Per shard (exact rows): ``[outs, dqs, dks, dvs]`` (float64 numpy) of `op` with segment ids `ids` (None:
+    none), from ``jax.grad`` of the per-rank losses summed outside ``shard_map``."""
+    mesh, spec = _mesh(op, layout)
+    stacked = [np.stack(masks.shards(x, layout, padded=True)) for x in whole]
+    segments = None if ids is None else jnp.asarray(np.stack(masks.shards(ids, layout, padded=True)), jnp.int32)
+
+    def body(cotangent, q, k, v, segment_ids):
+        kwargs = {} if segment_ids is None else {"segment_ids": segment_ids[0]}
+        out = _call(op, name, q[0], k[0], v[0], causal=causal, **kwargs)
+        return out[None], (out.astype(cotangent.dtype) * cotangent[0]).sum()[None]
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (None if ids is None else spec,),
+                           out_specs=(spec, spec), check_vma=check_vma)
+
+    def total(inputs):
+        out, losses = mapped(jnp.asarray(stacked[3]), *inputs, segments)
+        return losses.sum(), out
+
+    grads, out = jax.jit(jax.grad(total, has_aux=True))([jnp.asarray(x, dtype) for x in stacked[:3]])
+    return [[np.asarray(x[i], np.float64)[:, :size] for i, size in enumerate(layout.sizes)]
+            for x in (out, *grads)]
+
+
+@pytest.mark.parametrize(("op", "layout", "name"), HANDED, ids=lambda x: str(getattr(x, "layout", x)))
+def test_handed_case(op, layout, name):
+    """W = 4, B = 2, S = 40, H = 8, H_kv = 2, D = 16, float64, causal; row 0 documents of 3, 17, 9, 11, row 1
+    25 tokens then 15 of padding: within 1e-10 on every rank (check_vma True and False); padding rows' output,
+    dq, dk, dv exactly 0."""
+    whole, ids = masks.whole_inputs(*masks.HANDED_SHAPE), masks.handed_ids()
+    want = masks.expected(whole, ids, True)
+    for check_vma in (True, False):
+        got = _run(op, layout, name, whole, ids, True, check_vma)
+        error = masks.worst_error(got, want, layout)
+        print(f"{op} {name} check_vma={check_vma}: worst error {error:.2e}")
+        assert error < masks.TOLERANCE
+        for values in got:
+            for part, padding in zip(values, masks.padding_rows(ids, layout), strict=True):
+                assert np.all(part[padding] == 0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_documents_at_any_length(world_size):
+    """S = 37 (uneven shards, held padded), documents of random lengths (some shorter than a shard, some
+    crossing shards, a padding tail), causal: ring (both layouts) and Ulysses at W, USP 2 x 2 at W = 4."""
+    rng = np.random.default_rng(world_size)
+    ids = np.stack([commlib.segment_ids(rng.integers(1, 12, size=4), 37) for _ in range(2)])
+    whole = masks.whole_inputs(2, 37, 4, 2, 3, seed=world_size)
+    settings = [("ring_attention", SequenceLayout(37, ring_size=world_size, layout=name)) for name in
+                ("contiguous", "zigzag")] + [("ulysses_attention", SequenceLayout(37, ulysses_size=world_size))]
+    if world_size == 4:
+        settings.append(("usp_attention", SequenceLayout(37, ring_size=2, ulysses_size=2, layout="zigzag")))
+    want = masks.expected(whole, ids, True)
+    failed = []
+    for op, layout in settings:
+        error = masks.worst_error(_run(op, layout, layout, whole, ids, True), want, layout)
+        failed += [f"{op} {layout}: {error:.2e}"] if error > masks.TOLERANCE else []
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("op", ["ulysses_attention", "ring_attention", "usp_attention"])
+@pytest.mark.parametrize(("ids", "text"), [
+    (np.zeros((1, 3), np.float32), "TypeError: {op}: segment_ids dtype (float32) must be an integer dtype"),
+    (np.zeros((1, 4), np.int32), "CommError: {op}: segment_ids shape (1, 4) must be q's [batch, seq] (1, 3)"),
+])
+def test_bad_segment_ids(op, ids, text):
+    """Refused while tracing, before any collective, naming the layer and the argument (the torch text)."""
+    layout = SequenceLayout(12, ring_size=2, ulysses_size=2)
+    mesh, spec = _mesh("usp_attention", layout) if op == "usp_attention" else _mesh(op, SequenceLayout(12, 4))
+    name = "contiguous"
+
+    def body(q):
+        return _call(op, name, q[0], q[0], q[0], segment_ids=jnp.asarray(ids))[None]
+
+    with pytest.raises((CommError, TypeError)) as raised:
+        jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.zeros((4, 1, 3, 2, 4)))
+    message = f"{type(raised.value).__name__}: {raised.value}"
+    assert message.startswith(text.format(op=op) + ". Received: "), message
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+@pytest.mark.parametrize(("op", "layout"), [
+    ("ulysses_attention", SequenceLayout(16, ulysses_size=2)),
+    ("ring_attention", SequenceLayout(16, ring_size=2)),
+    ("ring_attention", SequenceLayout(16, ring_size=2, layout="zigzag")),
+])
+@pytest.mark.parametrize("row", ["nan", "blind"])
+def test_nan_rows_and_rows_that_see_no_finite_score(op, layout, dtype, row):
+    """Issue 23 item 5, causal: a NaN in q's row 3 gives a NaN output row, as the reference; row 9, whose every
+    score is -inf ("blind"), gives exactly 0 and dq exactly 0 (JAX's ring gave NaN, its default attention the
+    average of the keys the causal mask hides); the other rows equal the reference."""
+    whole = masks.whole_inputs(1, 16, 2, 1, 4)
+    whole[1][..., 0] = np.abs(whole[1][..., 0]) + 0.5  # every key positive in dim 0
+    if row == "nan":
+        whole[0][0, 3] = np.nan
+    else:
+        whole[0][0, 9, :, 0] = -np.inf
+    want_out = masks.expected(whole, None, True)[0]
+    got = _run(op, layout, layout.layout, whole, None, True, dtype=dtype)
+    out, dq = (layout.unshard(parts, 1) for parts in got[:2])
+    assert np.array_equal(np.isnan(out), np.isnan(want_out))
+    if row == "nan":
+        assert np.all(np.isnan(out[0, 3]))
+    else:
+        assert np.all(out[0, 9] == 0) and np.all(dq[0, 9] == 0)
+    rows = [index for index in range(16) if index != 3]
+    tolerance = 1e-10 if dtype == jnp.float64 else 1e-5
+    np.testing.assert_allclose(out[:, rows], want_out[:, rows], rtol=0, atol=tolerance)
+
+
+def test_default_attention_masks():
+    """`attention` with segment ids is the reference (float64), a padding row exactly 0."""
+    whole, ids = masks.whole_inputs(2, 12, 4, 2, 3), np.stack([commlib.segment_ids([5, 4], 12)] * 2)
+    out = attention(*(jnp.asarray(x) for x in whole[:3]), causal=True, segment_ids=jnp.asarray(ids))
+    np.testing.assert_allclose(out, masks.expected(whole, ids, True)[0], rtol=0, atol=1e-12)
+    assert np.all(np.asarray(out)[:, 9:] == 0)
