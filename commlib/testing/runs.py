@@ -5,11 +5,13 @@ The gradients ``run`` returns are those of each rank's loss ``sum over its float
 cotangent)`` with convention "sum" (the objective is the sum of every rank's loss: a rank's input gradient
 includes what reached it through collectives from the other ranks' losses). A 0-d output's cotangent is 1, so
 a function returning its loss gets that loss's gradient; an array output's cotangent is a seeded standard
-normal array, drawn from ``(seed, rank, leaf index)``: the same in both frameworks for the same output shapes.
+normal array, drawn from ``(seed, rank, crc32 of the leaf's path)``: the same in both frameworks for the same
+output paths and shapes (whatever order a framework keeps a dict's keys in).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,7 +86,7 @@ def cotangents(outputs: Any, seed: int, rank: int) -> Any:
     {'loss': array(1.), 'ids': None}
     """
     flat = flatten(outputs)
-    drawn = {path: _cotangent(leaf, (seed, rank, index)) for index, (path, leaf) in enumerate(flat.items())}
+    drawn = {path: _cotangent(leaf, (seed, rank, zlib.crc32(path.encode()))) for path, leaf in flat.items()}
     return unflatten(drawn, outputs)
 
 
