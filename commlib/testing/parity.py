@@ -22,6 +22,7 @@ __all__ = ["TOLERANCES", "assert_parity", "tolerance"]
 #: exact). Complex dtypes use their component's entry.
 TOLERANCES = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
 _COMPONENT = {"complex128": "float64", "complex64": "float32"}
+_MAX_ROWS = 40  # rows of the failure table; the header counts them all
 
 
 def tolerance(*dtypes: Any) -> float:
@@ -172,10 +173,13 @@ def _report(differences: Sequence[_Difference], count: int, rtol: float | None, 
     header = (f"assert_parity: {len(differences)} of {count} arrays differ between {names[0]} and {names[1]} "
               f"({rule})")
     rows = [["path", "rank", "max abs", "max rel", "first index", names[0], names[1]]]
-    for row in differences:
+    order = {path: index for index, path in reversed(list(enumerate(row.path for row in differences)))}
+    shown_rows = sorted(differences, key=lambda row: order[row.path])[:_MAX_ROWS]  # by path, then rank
+    for row in shown_rows:
         rows.append([shown(row.path), "-" if row.rank is None else str(row.rank), f"{row.max_abs:.1e}",
                      f"{row.max_rel:.1e}", str(row.index), repr(row.value_a), repr(row.value_b)])
     widths = [max(len(cells[column]) for cells in rows) for column in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
              for cells in rows]
-    return "\n".join([header, *lines])
+    more = [f"... and {len(differences) - _MAX_ROWS} more"] if len(differences) > _MAX_ROWS else []
+    return "\n".join([header, *lines, *more])

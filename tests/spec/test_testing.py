@@ -91,6 +91,15 @@ def test_every_differing_array_is_a_row():
     b = [{"x": np.ones(2), "y": np.zeros(2)}, {"x": np.ones(2), "y": np.ones(2)}]
     rows = _message(a, b).splitlines()[2:]
     assert [row.split()[:2] for row in rows] == [["'x'", "0"], ["'x'", "1"], ["'y'", "1"]]
+    b[0]["y"] = np.ones(2)
+    rows = _message(a, b).splitlines()[2:]
+    assert [row.split()[:2] for row in rows] == [["'x'", "0"], ["'x'", "1"], ["'y'", "0"], ["'y'", "1"]]
+
+
+def test_the_table_is_cut_at_forty_rows():
+    lines = _message({f"w{i}": 0.0 for i in range(45)}, {f"w{i}": 1.0 for i in range(45)}).splitlines()
+    assert lines[0].startswith("assert_parity: 45 of 45 arrays differ")
+    assert len(lines) == 2 + 40 + 1 and lines[-1] == "... and 5 more" and lines[-2].startswith("'w39'")
 
 
 def test_a_single_tree_against_every_rank():
@@ -146,7 +155,7 @@ def test_flatten_and_unflatten_round_trip():
     flat = flatten(tree)
     assert flat == {"a.0": 1, "a.1.0": 2, "a.1.1": 3, "b.c": None}
     assert unflatten(flat, tree) == tree
-    with pytest.raises(KeyError, match="'a.1.1'"):
+    with pytest.raises(KeyError, match=r"'a\.1\.1'"):
         unflatten({"a.0": 1, "a.1.0": 2, "b.c": None}, tree)
 
 
