@@ -71,10 +71,11 @@ def run(fn: Callable[..., Any], mesh_shape: int | tuple[int, ...], *, axis_names
     mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=check_vma))
     fixed = {path: value for path, value in stacked.items() if path not in floating}
     differentiable = {path: stacked[path] for path in floating}
+    if not grad:
+        outputs = mapped(differentiable, fixed)
+        return RunResult({"outputs": _rank_outputs(outputs, rank), "gradients": None} for rank in range(world_size))
     outputs, pullback = jax.vjp(lambda values: mapped(values, fixed), differentiable)
     per_rank = [_rank_outputs(outputs, rank) for rank in range(world_size)]
-    if not grad:
-        return RunResult({"outputs": output, "gradients": None} for output in per_rank)
     (gradients,) = pullback(_stacked_cotangents(outputs, per_rank, seed))
     return RunResult({"outputs": output, "gradients": _rank_gradients(flat, gradients, rank, arrays)}
                      for rank, output in enumerate(per_rank))
