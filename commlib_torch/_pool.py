@@ -1,4 +1,4 @@
-"""Persistent torch.distributed worker processes for tests and CLIs.
+"""Persistent torch.distributed worker processes for tests, CLIs and `commlib_torch.testing.run` (its ranks).
 
 `WorkerPool(W)` starts W processes that each join one process group, then serve jobs: `pool.run(fn, *args)` calls
 `fn(WorkerContext, *args)` on every rank and returns the results in rank order. Workers come from a forkserver
