@@ -28,6 +28,7 @@ import numpy as np
 from commlib import attention, plans, reference, ring, ring_reference, sequence, uneven
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
+from commlib.testing.parity import TOLERANCES
 from commlib.uneven import split_sizes
 
 __all__ = [
@@ -61,8 +62,8 @@ ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
 #: walk `case.plan()`); `commlib parity` runs both (`parity_table`).
 CONTEXT_OPS = ("ring_attention", "usp_attention")
 
-#: Max abs error allowed relative to max(1, max |reference|), by dtype.
-_TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
+#: Max abs error allowed relative to max(1, max |reference|), by dtype (shared with `commlib.testing.assert_parity`).
+_TOLERANCE = TOLERANCES
 
 
 @dataclasses.dataclass(frozen=True)

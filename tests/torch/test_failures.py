@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import commlib_torch.tools.pool as pool_module
+import commlib_torch._pool as pool_module
 from commlib import CommFailure, CommTimeout
 from commlib.tools import cases, parity
 from commlib.tools.parity import Results

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-import commlib_torch.tools.pool as pool_module
+import commlib_torch._pool as pool_module
 from commlib_torch.tools.pool import STRAGGLER_GRACE, WorkerError, WorkerPool
 from tests.torch import pool_jobs
 
