@@ -414,7 +414,11 @@ class LayerCall:
 
 def layer_call(layer: str, /, **options: object) -> LayerCall:
     """The `LayerCall` of `layer` called with `options` (any values: `_text` turns each into its text). A new
-    option of a layer is one more keyword here, at the layer's checked-mode hook."""
+    option of a layer is one more keyword here, at the layer's checked-mode hook.
+
+    >>> layer_call("ring_attention", scale=1, segment_ids=np.zeros((2, 5), dtype=np.int32)).options
+    (('scale', '1'), ('segment_ids', 'a ndarray'))
+    """
     return LayerCall(layer, tuple((name, _text(value)) for name, value in options.items()))
 
 
@@ -454,7 +458,12 @@ def sequence_call(layer: str, shape: Sequence[int], dim: object, dtype: str, /, 
 
 def layers_differ(fingerprints: np.ndarray) -> bool:
     """Whether the rows differ and every rank ran a layer: then the ranks exchange their `LayerCall.encode`
-    texts and call `compare_layers` (otherwise `compare` tells what differs from the rows alone)."""
+    texts and call `compare_layers` (otherwise `compare` tells what differs from the rows alone).
+
+    >>> rows = np.stack([layer_call("ring_attention", causal=causal).fingerprint() for causal in (True, False)])
+    >>> layers_differ(rows), layers_differ(rows[[0, 0]])
+    (True, False)
+    """
     rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
     return bool((rows != rows[0]).any() and (rows[:, _VERSION] == _LAYER_MAGIC).all())
 
