@@ -59,6 +59,7 @@ from commlib.steps import (
 __all__ = [
     "FINGERPRINT_SIZE",
     "PHASES",
+    "ENV_VARIABLE",
     "Call",
     "LayerCall",
     "attention_call",
@@ -68,6 +69,7 @@ __all__ = [
     "fingerprint",
     "layer_call",
     "layers_differ",
+    "says_checked",
     "sequence_call",
 ]
 
@@ -94,6 +96,20 @@ FINGERPRINT_SIZE = 48
 assert _GRAD_SCALE + 1 <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
+#: The environment variable that turns checked mode on (both frontends; torch also has `set_checked` / `checked`).
+ENV_VARIABLE = "COMMLIB_CHECK"
+
+
+def says_checked(value: str | bytes | None) -> bool:
+    """Whether a value of ``COMMLIB_CHECK`` turns checked mode on: set, and not empty, 0, false, no or off.
+
+    >>> says_checked("1"), says_checked(" Off "), says_checked(None)
+    (True, False, False)
+    """
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return text is not None and text.strip().lower() not in ("", "0", "false", "no", "off")
+
+
 #: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
 LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy")
 _KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),

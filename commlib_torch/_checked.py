@@ -34,7 +34,7 @@ from commlib_torch._walk import all_gather_single, dtype_name, group_rank, group
 
 __all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_layer", "exchange_pair", "is_checked", "set_checked"]
 
-ENV_VARIABLE = "COMMLIB_CHECK"
+ENV_VARIABLE = check.ENV_VARIABLE
 _override: bool | None = None  # set_checked / checked(); None: follow the environment variable
 
 
@@ -46,8 +46,7 @@ _ENVIRON_KEY = os.environ.encodekey(ENV_VARIABLE) if _ENVIRON is not os.environ 
 
 @functools.lru_cache(maxsize=16)
 def _says_checked(value: str | bytes) -> bool:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    return text.strip().lower() not in ("", "0", "false", "no", "off")
+    return check.says_checked(value)
 
 
 def is_checked() -> bool:
