@@ -156,10 +156,10 @@ def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgumen
         tensor([[0., 1., 2.]])
     """
     x = check_tensor("gather_sequence", x)
+    layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(sequence_call("gather_sequence", x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim,
-                                     convention=convention), (resolve_group("gather_sequence", group),), x.device)
-    layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
+                                     convention=convention), (resolved,), x.device)
     dim = spec.check_sequence("gather_sequence", tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
     whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
     if spec.gather_order(layout) is None:
@@ -192,6 +192,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgume
     logits, labels = check_tensor("cross_entropy", logits, "logits"), check_tensor("cross_entropy", labels, "labels")
     resolved = resolve_group("cross_entropy", group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
+        world_size("cross_entropy", resolved)  # (a rank outside the group: the spec's error, not an exchange)
         exchange_layer(sequence_call("cross_entropy", logits.shape[-1:], None, dtype_name(logits.dtype),
                                      ignore_index=ignore_index, labels_dtype=dtype_name(labels.dtype)),
                        (resolved,), logits.device)
