@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import re
 import zlib
 from collections.abc import Sequence
 from typing import assert_never
@@ -364,6 +365,9 @@ def _runs(row: np.ndarray) -> str:
     return decode(row).collective if row[_VERSION] == _MAGIC else "no commlib call"
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _text(value: object) -> str:
     """How an option is compared and shown: numbers by value (``1 == 1.0`` as a scale), sequences item by item,
     an array or tensor by its presence (its rows may differ by design), a function by its qualified name."""
@@ -380,9 +384,10 @@ def _text(value: object) -> str:
             return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"a {type(value).__name__}"
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', None) or '?'}.{value.__qualname__}"
-    return repr(value)
+    if callable(value):  # a function by its name; a partial or a callable object by its type's
+        named = value if hasattr(value, "__qualname__") else type(value)
+        return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
+    return _ADDRESS.sub("", repr(value))  # (an object's default repr holds its address, another on every rank)
 
 
 class _Shown(str):

@@ -3,6 +3,8 @@ backend failure texts into CommTimeout / CommFailure."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -174,7 +176,8 @@ def _layer_message(calls, rank=0) -> str:
     ("value", "text"),
     [(None, "None"), (True, "True"), ("zigzag", "'zigzag'"), (np.int64(3), "3"), (1.0, "1"), (0.125, "0.125"),
      (np.float32(0.5), "0.5"), ([10, np.int32(9)], "(10, 9)"), ((4,), "(4,)"), (np.zeros((3, 2)), "a ndarray"),
-     (check.layer_call, "commlib.check.layer_call"),
+     (check.layer_call, "commlib.check.layer_call"), (functools.partial(check.layer_call, "x"), "functools.partial"),
+     (object(), "<object object>"),
      (commlib.SequenceLayout(7, 2, layout="zigzag"),
       "SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='zigzag')")],
 )
