@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["bound_axis_names", "manual_axes", "mesh_axis_names", "varying_axes"]
+__all__ = ["bound_axis_names", "distributed_client", "manual_axes", "mesh_axis_names", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -49,3 +49,15 @@ def bound_axis_names() -> tuple[str, ...]:
     except ImportError:
         return manual_axes()
     return tuple(name for name in unsafe_get_axis_names() if isinstance(name, str))
+
+
+def distributed_client() -> Any:
+    """``jax.distributed``'s runtime client, whose key-value store on the coordinator the processes share
+    (``key_value_set_bytes``, ``blocking_key_value_get_bytes``): jax's private
+    ``jax._src.distributed.global_state.client`` (read on 0.10.2); None without ``jax.distributed`` or where
+    jax keeps it elsewhere."""
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(getattr(distributed, "global_state", None), "client", None)

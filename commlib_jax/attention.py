@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
+from commlib.check import attention_call
 from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
+from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
@@ -142,6 +144,10 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.OP_NAME, axes)
+    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
+        exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
+                                      attn_fn=attn_fn, segment_ids=segment_ids))
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))

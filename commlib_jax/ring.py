@@ -24,6 +24,8 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
+from commlib.check import attention_call
+from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import dtype_name, rank
@@ -185,6 +187,10 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
+    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
+        exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      world_size=size, causal=causal, scale=scale, layout=layout,
+                                      segment_ids=segment_ids))
     segment_ids, segment_type = _segments(segment_ids)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
                           dtypes=[dtype_name(x.dtype) for x in (q, k, v)], segment_ids=segment_type)
@@ -240,6 +246,10 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
+    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
+        exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      ulysses_size=ulysses_size, ring_size=axis_size(spec.USP_OP, ring_axes),
+                                      causal=causal, scale=scale, layout=layout, segment_ids=segment_ids))
     segment_ids, segment_type = _segments(segment_ids)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, axis_size(spec.USP_OP, ring_axes), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],

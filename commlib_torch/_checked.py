@@ -7,6 +7,10 @@ dtype, dims, reduce op, convention, root, perm or accum_dtype makes every rank r
 `commlib.CommError` before the real collective runs. `DeviceCommunicator.gather` is checked the same way, and
 `DeviceCommunicator.send` / `recv` swap fingerprints between the two ends (`exchange_pair`).
 
+The attention layers are checked once more, before their first collective, on the options the user passed
+(`exchange_layer`: `commlib.check.LayerCall`), so a disagreement is named by the layer and its argument
+(``ulysses_attention: ranks disagree on seq_sizes: ...``), not by an internal buffer.
+
 It costs one small all_gather (plus, on CUDA, one device-to-host copy) per collective. It is eager-only:
 under ``torch.compile`` the ops run unchecked. Ranks must all be in checked mode or all out of it (the
 exchange is itself a collective).
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +29,12 @@ import torch.distributed as dist
 from commlib import check
 from commlib.layout import Plan
 from commlib.steps import Permute
-from commlib_torch._walk import all_gather_single, dtype_name, group_rank
+from commlib_torch._groups import ResolvedGroup
+from commlib_torch._walk import all_gather_single, dtype_name, group_rank, group_size
 
-__all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_pair", "is_checked", "set_checked"]
+__all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_layer", "exchange_pair", "is_checked", "set_checked"]
 
-ENV_VARIABLE = "COMMLIB_CHECK"
+ENV_VARIABLE = check.ENV_VARIABLE
 _override: bool | None = None  # set_checked / checked(); None: follow the environment variable
 
 
@@ -41,8 +46,7 @@ _ENVIRON_KEY = os.environ.encodekey(ENV_VARIABLE) if _ENVIRON is not os.environ 
 
 @functools.lru_cache(maxsize=16)
 def _says_checked(value: str | bytes) -> bool:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    return text.strip().lower() not in ("", "0", "false", "no", "off")
+    return check.says_checked(value)
 
 
 def is_checked() -> bool:
@@ -107,3 +111,43 @@ def exchange_pair(plan: Plan, tensor: torch.Tensor, group: dist.ProcessGroup | N
         step()
     rows = torch.stack([mine, theirs] if rank == source else [theirs, mine]).cpu().numpy()
     check.compare(rows, rank, ranks=(source, destination))
+
+
+def _gather(mine: torch.Tensor, groups: Sequence[ResolvedGroup]) -> torch.Tensor:
+    """Every rank's `mine` (1-D, the same length on every rank) as rows: all-gathered over each group in turn
+    (each rank sending the rows it has), so the rows of ``groups = (inner, outer)`` are ordered ``outer rank *
+    inner size + inner rank``."""
+    rows = mine.reshape(1, -1)
+    for group in groups:
+        everyone = rows.new_empty(group_size(group) * rows.numel())
+        all_gather_single(everyone, rows.reshape(-1), group=group)
+        rows = everyone.view(-1, rows.shape[1])
+    return rows
+
+
+def _index(groups: Sequence[ResolvedGroup]) -> int:
+    """This rank's row in `_gather`'s rows."""
+    index, before = 0, 1
+    for group in groups:
+        index, before = group_rank(group) * before + index, before * group_size(group)
+    return index
+
+
+def exchange_layer(call: check.LayerCall, groups: Sequence[ResolvedGroup], device: torch.device) -> None:
+    """Checked mode for a layer, before its first collective: the ranks of `groups` (one group, or USP's
+    Ulysses then ring group: every rank of both) all-gather `call`'s fingerprint; where the rows differ they
+    all-gather their calls' texts too, and every rank raises the spec's `CommError` naming the layer and the
+    options they disagree on (`commlib.check.compare_layers`; ranks numbered by row: group rank, or USP's shard
+    index ``r * U + u``)."""
+    rows = _gather(torch.from_numpy(call.fingerprint()).to(device), groups).cpu().numpy()
+    index = _index(groups)
+    if not check.layers_differ(rows):
+        check.compare(rows, index)  # equal: returns; a collective where another rank runs a layer: raises
+        return
+    text = torch.frombuffer(bytearray(call.encode()), dtype=torch.uint8)
+    lengths = _gather(torch.tensor([len(text)], device=device), groups).cpu().reshape(-1).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[:len(text)] = text
+    texts = _gather(padded.to(device), groups).cpu().numpy()
+    calls = [check.LayerCall.decode(row[:length].tobytes()) for row, length in zip(texts, lengths, strict=True)]
+    check.compare_layers(calls, index)

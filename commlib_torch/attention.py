@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
+from commlib.check import attention_call
 from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
+from commlib_torch._checked import exchange_layer, is_checked
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
@@ -160,6 +162,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     group = resolve_group(spec.OP_NAME, group)
     q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     size = world_size(spec.OP_NAME, group)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
+        exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
+                                      attn_fn=attn_fn, segment_ids=segment_ids), (group,), q.device)
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_type = None
     if segment_ids is not None:

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
+from commlib.check import attention_call
 from commlib.sequence import SequenceLayout
+from commlib_torch._checked import exchange_layer, is_checked
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._groups import GroupArgument as Group
@@ -345,6 +347,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     q, k, v = _checked(spec.RING_OP, q, k, v)
     segments, segment_type = _segments(spec.RING_OP, segment_ids)
     rank = group_rank(group)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
+        exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      world_size=world_size(spec.RING_OP, group), causal=causal, scale=scale,
+                                      layout=layout, segment_ids=segment_ids), (group,), q.device)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
                           layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           shard=_shard_index(layout, rank), segment_ids=segment_type)
@@ -413,6 +419,11 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     q, k, v = _checked(spec.USP_OP, q, k, v)
     segments, segment_type = _segments(spec.USP_OP, segment_ids)
     ring_rank = group_rank(ring_group)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks of both groups compare the options first
+        exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
+                                      ulysses_size=world_size(spec.USP_OP, ulysses_group),
+                                      ring_size=world_size(spec.USP_OP, ring_group), causal=causal, scale=scale,
+                                      layout=layout, segment_ids=segment_ids), (ulysses_group, ring_group), q.device)
     plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
                           scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
                           ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP,

@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from commlib import SequenceLayout
 from commlib import sequence_helpers as spec
+from commlib.check import sequence_call
 from commlib.parallel import ParallelPlan
 from commlib_torch import _parallel
+from commlib_torch._checked import exchange_layer, is_checked
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import ReduceOpArgument, all_gather, all_reduce, shard
@@ -155,6 +157,9 @@ def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgumen
     """
     x = check_tensor("gather_sequence", x)
     layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
+        exchange_layer(sequence_call("gather_sequence", x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim,
+                                     convention=convention), (resolved,), x.device)
     dim = spec.check_sequence("gather_sequence", tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
     whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
     if spec.gather_order(layout) is None:
@@ -186,6 +191,11 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgume
     """
     logits, labels = check_tensor("cross_entropy", logits, "logits"), check_tensor("cross_entropy", labels, "labels")
     resolved = resolve_group("cross_entropy", group)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
+        world_size("cross_entropy", resolved)  # (a rank outside the group: the spec's error, not an exchange)
+        exchange_layer(sequence_call("cross_entropy", logits.shape[-1:], None, dtype_name(logits.dtype),
+                                     ignore_index=ignore_index, labels_dtype=dtype_name(labels.dtype)),
+                       (resolved,), logits.device)
     ignore = spec.check_cross_entropy(tuple(logits.shape), tuple(labels.shape), dtype_name(logits.dtype),
                                       dtype_name(labels.dtype), ignore_index)
     accumulate = torch.promote_types(logits.dtype, torch.float32)

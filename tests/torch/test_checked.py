@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from commlib.tools import cases
+from commlib_torch.attention import attention
 from commlib_torch.tools.parity_jobs import merge
-from tests.torch import failure_jobs
+from tests.torch import checked_jobs, failure_jobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -188,3 +189,129 @@ def test_double_backward_collectives_are_checked(pool):
         shape = (3,) if rank == 0 else (4,)
         assert message.startswith(f"all_reduce backward: ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have "
                                   f"(4,). Received: rank={rank}, phase='backward', shape={shape}")
+
+
+# --- The attention layers: the options the user passed -------------------------------------------------------
+
+ULYSSES, RING, USP = "ulysses_attention", "ring_attention", "usp_attention"
+
+
+def _layer_errors(replies):
+    """Every rank's message: every rank raised CommError before any data collective (only the fingerprint
+    all_gathers, which `attention_jobs._counting` does not count, ran)."""
+    assert all(reply[:2] == ("error", "CommError") for reply in replies), replies
+    assert all(reply[3] == [] for reply in replies), [reply[3] for reply in replies]
+    return [reply[2] for reply in replies]
+
+
+def _ranks(world_size, layer, rows=8, **options):
+    return [(layer, rows, options)] * world_size
+
+
+def _with(calls, rank, rows=None, **options):
+    layer, own_rows, own = calls[rank]
+    calls = list(calls)
+    calls[rank] = (layer, own_rows if rows is None else rows, {**own, **options})
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("calls", "expected"),
+    [
+        (_with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 10)), 3, seq_sizes=None),
+         "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 10), rank 3 has None"),
+        (_with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 9)), 3, 9, seq_sizes=None),  # rows follow: not named
+         "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 9), rank 3 has None"),
+        (_with(_ranks(2, ULYSSES, 4), 1, 5), "rows: rank 0 has 4, rank 1 has 5"),
+        (_with(_ranks(2, ULYSSES), 1, causal=True), "causal: rank 0 has False, rank 1 has True"),
+        (_with(_ranks(3, ULYSSES, scale=0.5), 2, scale=None), "scale: ranks 0, 1 have 0.5, rank 2 has None"),
+        (_with(_ranks(2, ULYSSES, layout=(8, 1, 2)), 0, layout="contiguous"),
+         "layout: rank 0 has 'contiguous', rank 1 has SequenceLayout(seq_len=8, ring_size=1, ulysses_size=2, "
+         "layout='contiguous')"),
+        (_with(_ranks(2, ULYSSES), 1, attn_fn=attention), "attn_fn: rank 0 has None, rank 1 has "
+                                                          "commlib_torch.attention.attention"),
+        (_with(_ranks(2, ULYSSES), 0, dtype="float64"), "dtype: rank 0 has float64, rank 1 has float32"),
+        (_with(_ranks(2, ULYSSES), 1, heads=6), "q shape: rank 0 has (1, S_r, 4, 8), rank 1 has (1, S_r, 6, 8)"),
+        (_with(_ranks(2, RING, layout="zigzag"), 1, layout="contiguous"),
+         "layout: rank 0 has 'zigzag', rank 1 has 'contiguous'"),
+        (_with(_ranks(3, RING, causal=True), 0, causal=False), "causal: rank 0 has False, ranks 1, 2 have True"),
+        (_with(_with(_ranks(4, RING, scale=1), 2, scale=0.25), 3, scale=1.0),  # 1 and 1.0 agree
+         "scale: ranks 0, 1, 3 have 1, rank 2 has 0.25"),
+        (_with(_ranks(3, RING, 3, layout=(9, 3, 1, "zigzag")), 1, layout=(9, 3, 1, "contiguous")),
+         "layout: ranks 0, 2 have SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, layout='zigzag'), rank 1 has "
+         "SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, layout='contiguous')"),
+        (_with(_ranks(4, USP, causal=True, ulysses_size=2), 3, causal=False),
+         "causal: ranks 0, 1, 2 have True, rank 3 has False"),
+        (_with(_ranks(4, USP, layout="zigzag", ulysses_size=2), 0, layout="contiguous"),
+         "layout: rank 0 has 'contiguous', ranks 1, 2, 3 have 'zigzag'"),
+        (_with(_ranks(4, USP, ulysses_size=2), 1, scale=0.5), "scale: ranks 0, 2, 3 have None, rank 1 has 0.5"),
+        (_with(_ranks(2, ULYSSES), 1, segment_ids="one document"),
+         "segment_ids: rank 0 has None, rank 1 has a Tensor"),
+        (_with(_ranks(3, RING, causal=True, segment_ids="one document"), 0, segment_ids=None),
+         "segment_ids: rank 0 has None, ranks 1, 2 have a Tensor"),
+        (_with(_ranks(4, USP, ulysses_size=2), 2, segment_ids="one document"),
+         "segment_ids: ranks 0, 1, 3 have None, rank 2 has a Tensor"),
+    ],
+    ids=["ulysses-forgotten-seq_sizes", "ulysses-forgotten-uneven", "ulysses-rows", "ulysses-causal",
+         "ulysses-scale", "ulysses-layout", "ulysses-attn_fn", "ulysses-dtype", "ulysses-heads", "ring-layout",
+         "ring-causal", "ring-scale", "ring-SequenceLayout", "usp-causal", "usp-layout", "usp-scale",
+         "ulysses-segment_ids", "ring-segment_ids", "usp-segment_ids"],
+)
+def test_layers_that_disagree_raise_on_every_rank_before_any_collective(pool, calls, expected):
+    messages = _layer_errors(pool(len(calls)).run(checked_jobs.layer_call, calls))
+    assert _same_body(messages) == f"ranks disagree on {expected}"
+    layer = calls[0][0]
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"{layer}: ranks disagree on {expected}. Received: rank={rank}, "), message
+
+
+def test_a_layer_where_another_rank_runs_a_collective(pool):
+    calls = [(RING, 8, {}), ("all_reduce", 8, {})]
+    replies = pool(2).run(checked_jobs.layer_call, calls)
+    messages = [reply[2] for reply in replies]
+    assert [reply[:2] for reply in replies] == [("error", "CommError")] * 2, replies
+    expected = "ranks disagree on the collective: rank 0 runs ring_attention, rank 1 runs all_reduce"
+    assert _same_body(messages) == expected
+    assert messages[0].startswith("ring_attention: ") and messages[1].startswith("all_reduce: ")
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [_ranks(2, ULYSSES, causal=True), [(ULYSSES, rows, {"seq_sizes": (3, 3, 2), "scale": 0.5}) for rows in (3, 3, 2)],
+     _ranks(4, ULYSSES, 2, layout=(8, 1, 4)), _ranks(2, RING, causal=True, layout="zigzag"),
+     [(RING, rows, {"layout": (7, 3, 1, "zigzag"), "causal": True}) for rows in (3, 2, 2)],
+     _ranks(4, RING), _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2),
+     _ranks(2, ULYSSES, causal=True, segment_ids="one document"),
+     _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2, segment_ids="one document")],
+    ids=["ulysses-2", "ulysses-3-uneven", "ulysses-4-layout", "ring-2-zigzag", "ring-3-any-length", "ring-4",
+         "usp-2x2", "ulysses-2-segment_ids", "usp-2x2-segment_ids"],
+)
+def test_layers_that_agree_give_the_unchecked_values(pool, calls):
+    """Checked mode changes nothing when the ranks agree: the same outputs as unchecked, every rank, forward and
+    backward, and the same data collectives (also the control for the test above: they are counted)."""
+    checked_replies = pool(len(calls)).run(checked_jobs.layer_call, calls)
+    unchecked_replies = pool(len(calls)).run(checked_jobs.unchecked_never_exchanges, calls)
+    for with_check, without in zip(checked_replies, unchecked_replies, strict=True):
+        assert with_check[0] == without[0] == "ok", (with_check, without)
+        assert (with_check[1] == without[1]).all()
+        assert with_check[2] == without[2] and with_check[2], with_check[2]
+
+
+@pytest.mark.parametrize(
+    ("calls", "expected"),
+    [
+        ([("gather_sequence", {"layout": (7, 2, 1, "zigzag")}), ("gather_sequence", {"layout": (7, 2)})],
+         "layout: rank 0 has SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='zigzag'), rank 1 has "
+         "SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='contiguous')"),
+        ([("gather_sequence", {"layout": (6, 3), "convention": "replicated"})] * 2 + [("gather_sequence",
+                                                                                       {"layout": (6, 3)})],
+         "convention: ranks 0, 1 have 'replicated', rank 2 has 'sum'"),
+        ([("cross_entropy", {})] * 3 + [("cross_entropy", {"ignore_index": 2})],
+         "ignore_index: ranks 0, 1, 2 have -100, rank 3 has 2"),
+    ],
+    ids=["gather_sequence-layout", "gather_sequence-convention", "cross_entropy-ignore_index"],
+)
+def test_sequence_helpers_that_disagree_raise_on_every_rank(pool, calls, expected):
+    messages = _layer_errors(pool(len(calls)).run(checked_jobs.helper_call, calls))
+    assert _same_body(messages) == f"ranks disagree on {expected}"
+    assert all(message.startswith(f"{calls[0][0]}: ") for message in messages)
