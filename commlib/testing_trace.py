@@ -28,6 +28,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,7 @@ class Trace(Sequence[Call]):
     def __init__(self, calls: Iterable[Call] = ()) -> None:
         self.calls = list(calls)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self.calls[index]
 
     def __len__(self) -> int:
@@ -128,7 +129,14 @@ class Recorder:
     """What a frontend's ``record()`` writes into while it is active: `open` a call (its place is decided
     then, in program order, also under ``jax.jit`` where the arrays arrive later through callbacks), `store`
     its arrays (thread-safe: JAX callbacks may run on other threads), and `inside` a call, where the calls it
-    makes are not recorded."""
+    makes are not recorded.
+
+    >>> recorder = Recorder()
+    >>> index = recorder.open("all_reduce", "model.norm", {})
+    >>> recorder.store(index, "inputs", "x", 1, np.ones(2))
+    >>> recorder.trace[0].inputs
+    {'x': {1: array([1., 1.])}}
+    """
 
     def __init__(self) -> None:
         self.trace = Trace()
@@ -172,9 +180,20 @@ def calling_module(recorder: Recorder, is_module: Callable[[object], bool],
                    named: Callable[[object], Iterable[tuple[str, object]]]) -> str:
     """The name of the innermost module on the Python stack (a frame whose ``self`` `is_module`), relative to
     the outermost one (the root, as ``named(root)`` names its modules: torch ``named_modules``, the nnx graph);
-    the root itself is shown by its class name, no module on the stack as ``""``."""
-    modules = []
-    frame = sys._getframe(1)
+    the root itself is shown by its class name, no module on the stack as ``""``.
+
+    >>> class Module:
+    ...     def __init__(self, **children):
+    ...         self.children = children
+    ...     def call(self, name=None):
+    ...         return self.children[name].call() if name else calling_module(Recorder(), is_module, named)
+    >>> is_module = lambda owner: isinstance(owner, Module)
+    >>> named = lambda root: [("", root), *root.children.items()]
+    >>> Module(mlp=Module()).call("mlp")
+    'mlp'
+    """
+    modules: list[object] = []
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if owner is not None and is_module(owner) and (not modules or modules[-1] is not owner):
@@ -187,7 +206,12 @@ def calling_module(recorder: Recorder, is_module: Callable[[object], bool],
 
 
 def describe_plan(plan: Any) -> dict[str, str]:
-    """What a `commlib.layout.Plan` was asked, as a trace keeps it: world size, shapes, dtype, convention, step."""
+    """What a `commlib.layout.Plan` was asked, as a trace keeps it: world size, shapes, dtype, convention, step.
+
+    >>> from commlib import plans
+    >>> describe_plan(plans.all_gather((3, 5), 4, dim=0))["out_shape"]
+    '(12, 5)'
+    """
     return {"world_size": str(plan.world_size), "in_shape": str(tuple(plan.in_shape)),
             "out_shape": str(tuple(plan.out_shape)), "dtype": plan.dtype, "convention": str(plan.convention.value),
             "step": repr(plan.step)}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from commlib.layout import Plan
 from commlib.testing_trace import Recorder, Trace, calling_module, describe_plan
 
-__all__ = ["ACTIVE", "record", "recorded_layer", "recorded_op"]
+__all__ = ["record"]  # `ACTIVE`, `recorded_op` and `recorded_layer`: the hooks of the call path
 
 #: The recorders of the enclosing `record()` blocks, innermost last; empty when not recording (the one check).
 ACTIVE: list[Recorder] = []
