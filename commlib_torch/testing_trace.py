@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from commlib.layout import Plan
 from commlib.testing_trace import Recorder, Trace, calling_module, describe_plan
+from commlib_torch._compat import host_copy
 
 __all__ = ["record"]  # `ACTIVE`, `recorded_op` and `recorded_layer`: the hooks of the call path
 
@@ -63,12 +64,6 @@ def _module(recorder: Recorder) -> str:
                           lambda root: root.named_modules())  # type: ignore[attr-defined]
 
 
-def _numpy(x: torch.Tensor):
-    """A host copy of `x` as numpy (bfloat16, which numpy lacks, as float32)."""
-    x = x.detach()
-    return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -88,10 +83,10 @@ def recorded_op(plan: Plan, x: torch.Tensor, group: Any, apply: Callable) -> tor
         with recorder.inside():
             return apply(plan, x, group)
     index = recorder.open(plan.op_name, _module(recorder), describe_plan(plan))
-    recorder.store(index, "inputs", "x", _rank(), _numpy(x))
+    recorder.store(index, "inputs", "x", _rank(), host_copy(x))
     with recorder.inside():
         out = apply(plan, x, group)
-    recorder.store(index, "outputs", "out", _rank(), _numpy(out))
+    recorder.store(index, "outputs", "out", _rank(), host_copy(out))
     return out
 
 
@@ -105,8 +100,8 @@ def recorded_layer(op: str, layer: Callable, q: torch.Tensor, k: torch.Tensor, v
     plan.update(dtype=str(q.dtype).removeprefix("torch."), **{key: str(value) for key, value in keywords.items()})
     index = recorder.open(op, _module(recorder), plan, inputs=("q", "k", "v"))
     for name, x in (("q", q), ("k", k), ("v", v)):
-        recorder.store(index, "inputs", name, _rank(), _numpy(x))
+        recorder.store(index, "inputs", name, _rank(), host_copy(x))
     with recorder.inside():
         out = layer(q, k, v, **keywords)
-    recorder.store(index, "outputs", "out", _rank(), _numpy(out))
+    recorder.store(index, "outputs", "out", _rank(), host_copy(out))
     return out

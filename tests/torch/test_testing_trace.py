@@ -33,6 +33,18 @@ def test_every_forward_call_in_order_with_its_module_and_arrays(pool, world_size
         np.testing.assert_array_equal(trace[2].outputs["out"][rank], got_scattered)
 
 
+def test_calls_under_torch_func_grad_are_recorded_by_value(pool):
+    replies = pool(2).run(trace_jobs.under_grad, 5)
+    trace = Trace.merge([trace for trace, _ in replies])
+    xs = [trace_jobs.inputs(rank, 2, 5)[0] for rank in range(2)]
+    assert [call.op for call in trace] == ["all_gather"]
+    for rank in range(2):
+        np.testing.assert_array_equal(trace[0].inputs["x"][rank], xs[rank])
+        np.testing.assert_array_equal(trace[0].outputs["out"][rank], np.concatenate(xs))
+        # each rank's loss is |all_gather(x)|^2: 2 x_r from each of the W = 2 ranks' losses (convention "sum")
+        np.testing.assert_allclose(replies[rank][1], 2 * 2 * xs[rank], rtol=1e-12)
+
+
 @pytest.mark.parametrize(("world_size", "seq_len"), [(1, 5), (2, 6), (4, 8)])
 def test_an_attention_layer_is_one_call_with_q_k_v(pool, world_size, seq_len):
     replies = pool(world_size).run(trace_jobs.attention, seq_len)

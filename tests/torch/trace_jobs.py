@@ -55,6 +55,14 @@ def tree(ctx, seed: int):
     return trace, gathered.detach().numpy(), scattered.detach().numpy()
 
 
+def under_grad(ctx, seed: int):
+    """This rank's trace of ``torch.func.grad`` through an all_gather of its x (recorded by value)."""
+    x = torch.tensor(inputs(ctx.rank, ctx.world_size, seed)[0])
+    with record() as trace:
+        gradient = torch.func.grad(lambda x: all_gather(x, dim=0).square().sum())(x)
+    return trace, gradient.numpy()
+
+
 class SelfAttention(torch.nn.Module):
     """Calls the transformers integration as a transformers attention module does."""
 
