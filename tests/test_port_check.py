@@ -2,8 +2,8 @@
 (4 gloo ranks) against its Flax port (4 CPU devices) under Ulysses, float64, one torch run against both ports.
 The faithful port agrees (logits, loss, every gradient within 1e-10 relative, the traces call for call); the
 port whose RoPE is fed local positions is reported at layer 0's attention call, q and k on ranks 1-3, not at
-the loss. XLA at -O0 (as tests/jax/conftest.py): the JAX side in half the time; ~60 s on 2 cores under a
-load of 11."""
+the loss. XLA at -O0 (as tests/jax/conftest.py): the JAX side in half the time (25 s against 50 s at a load of
+11); the whole test ~40 s on 2 cores at a load of 5."""
 
 import os
 import re
