@@ -20,6 +20,7 @@ from commlib.layout import Plan
 from commlib_jax._compat import bound_axis_names
 from commlib_jax._vma import axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
+from commlib_jax.testing_trace import ACTIVE, recorded_op
 
 __all__ = ["collective", "apply", "axis_size", "world_size", "accum"]
 
@@ -31,7 +32,7 @@ class _Backend:
         self.axes, self.differentiable = axes, differentiable
 
     def collective(self, plan: Plan, x):
-        return apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
+        return _apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
 
 
     def isnan(self, x):
@@ -75,6 +76,14 @@ collective.defvjp(_forward, _backward)
 
 
 def apply(plan: Plan, axes: tuple, x):
+    """`plan` applied to `x` through `collective`; recorded while `commlib_jax.testing_trace.record()` is active
+    (outside every recorded call; the backward's collectives, `_apply`, are not)."""
+    if ACTIVE and not ACTIVE[-1].depth:
+        return recorded_op(plan, axes, x, _apply)
+    return _apply(plan, axes, x)
+
+
+def _apply(plan: Plan, axes: tuple, x):
     if plan.is_empty:  # XLA rejects zero-size all_gather / reduce_scatter dims, and nothing moves anyway
         return to_varying(x, axes).reshape(plan.out_shape)
     return x if plan.is_trivial else collective(plan, axes, to_varying(x, axes))

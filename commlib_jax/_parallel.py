@@ -16,6 +16,7 @@ from commlib import parallel as spec
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg
 from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
+from commlib_jax.testing_trace import ACTIVE, recorded_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,16 @@ class Parallel:
             dict(ulysses_size=1, ring_size=size)
 
     def attend(self, q, k, v, *, causal: bool, scale: float | None):
-        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards."""
+        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (one call of
+        a `commlib_jax.testing_trace.record()` trace while recording)."""
+        if ACTIVE:
+            axes = axes_of(self.axis_name) if self.axis_name is not None else \
+                axes_of(self.ring_axis) + axes_of(self.ulysses_axis)  # shard r * U + u
+            return recorded_layer(f"{self.plan.attention}_attention", self._layer, axes, q, k, v, causal=causal,
+                                  scale=scale)
+        return self._layer(q, k, v, causal=causal, scale=scale)
+
+    def _layer(self, q, k, v, *, causal: bool, scale: float | None):
         keywords = self.plan.keywords
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.axis_name, causal=causal, scale=scale, **keywords)

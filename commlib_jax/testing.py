@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from commlib.testing.runs import RunResult, cotangents, is_floating, seeded_inputs
 from commlib.testing.trees import flatten, tree_map, unflatten
+from commlib_jax.testing_trace import record
 
-__all__ = ["load_named_arrays", "named_arrays", "run"]
+__all__ = ["load_named_arrays", "named_arrays", "record", "run"]
 
 
 def run(fn: Callable[..., Any], mesh_shape: int | tuple[int, ...], *, axis_names: str | tuple[str, ...] | None = None,

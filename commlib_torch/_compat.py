@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["COPY_COMPILED_OUTPUT", "FLASH_CPU", "FLASH_CPU_BACKWARD", "RELEASE", "all_gather_single",
-           "c_apply", "default_group", "functorch_transforms_active", "has_torch_function_unary",
+           "c_apply", "default_group", "functorch_transforms_active", "host_copy", "has_torch_function_unary",
            "process_group_all_gather", "process_group_all_to_all", "process_group_reduce_scatter",
            "reduce_scatter_single", "unwrap_if_dead"]
 
@@ -30,6 +30,18 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 #: A dead functorch wrapper's inner tensor (a tensor as it is otherwise): what `Function.apply` does to each
 #: argument before the C apply. Private (torch._C._functorch), read on 2.11-2.13; no fallback.
 unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = torch._C._functorch.unwrap_if_dead
+
+
+def host_copy(x: torch.Tensor) -> Any:
+    """A numpy copy of `x`'s value, also under torch.func.grad / vjp / jvp, whose wrappers have no storage of their
+    own: the plain tensor under them, read with functorch off. What `commlib_torch.testing_trace` records. Private
+    (``torch._C._DisableFuncTorch``, ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``),
+    read on 2.13; no fallback."""
+    with torch._C._DisableFuncTorch():
+        while torch._C._functorch.is_functorch_wrapped_tensor(x):
+            x = torch._C._functorch.get_unwrapped(x)
+        x = x.detach()
+        return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy().copy()
 
 
 def c_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

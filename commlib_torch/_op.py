@@ -30,6 +30,7 @@ from commlib_torch._groups import (
     world_size,
 )
 from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
+from commlib_torch.testing_trace import ACTIVE, recorded_op
 
 __all__ = ["FunctorchPlanFunction", "PlanFunction", "apply", "at_boundary", "plan_inputs", "transforms_active"]
 
@@ -169,7 +170,10 @@ _apply_plan_function = c_apply(PlanFunction)
 
 def apply(plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None = None) -> torch.Tensor:
     """`plan` applied to `x` through the autograd Function (`PlanFunction`; `FunctorchPlanFunction` under a
-    torch.func transform): x itself where the plan is trivial."""
+    torch.func transform): x itself where the plan is trivial. While `commlib_torch.testing_trace.record()` is
+    active, a forward call (no `origin`) is recorded."""
+    if ACTIVE and origin is None and not ACTIVE[-1].depth:
+        return recorded_op(plan, x, group, apply)
     if plan.is_trivial:
         return x
     if transforms_active():

@@ -11,6 +11,7 @@ import torch
 from commlib import parallel as spec
 from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
+from commlib_torch.testing_trace import ACTIVE, recorded_layer
 
 
 @dataclasses.dataclass
@@ -33,7 +34,14 @@ class Parallel:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                scale: float | None) -> torch.Tensor:
-        """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards."""
+        """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards (one call of a
+        `commlib_torch.testing_trace.record()` trace while recording)."""
+        if ACTIVE:
+            return recorded_layer(f"{self.plan.attention}_attention", self._layer, q, k, v, causal=causal, scale=scale)
+        return self._layer(q, k, v, causal=causal, scale=scale)
+
+    def _layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               scale: float | None) -> torch.Tensor:
         keywords = self.plan.keywords
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)

@@ -15,8 +15,9 @@ import torch
 from commlib.testing.runs import RankError, RunResult, cotangents, is_floating, seeded_inputs
 from commlib.testing.trees import flatten, tree_map, unflatten
 from commlib_torch._pool import WorkerContext, WorkerError, WorkerPool
+from commlib_torch.testing_trace import record
 
-__all__ = ["load_named_arrays", "named_arrays", "run"]
+__all__ = ["load_named_arrays", "named_arrays", "record", "run"]
 
 
 def run(fn: Callable[..., Any], world_size: int, *, inputs: Any = None, seed: int = 0, timeout: float = 120.0,

@@ -90,6 +90,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "bench-full-seconds": lambda: _seconds(_FULL),
     "bench-full-comparisons": lambda: str(len(_json(_FULL)["rows"])),
     "dead-rank": lambda: _dead_rank("benchmarks/results/cpu-2026-12-01-dead-rank/dead_rank.json"),
+    "port-check": lambda: _line("port-check.txt", "port with bug none:"),
+    "port-check-bug": lambda: _line("port-check.txt", "port with bug local-positions:"),
 }
 
 
