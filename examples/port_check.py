@@ -35,26 +35,28 @@ from pathlib import Path
 
 import numpy as np
 
-from commlib.testing import Trace, first_divergence
+from commlib.testing import LINEAR, ParameterMap, Trace, first_divergence
 
 TOLERANCE = 1e-10  # relative: logits, loss, every parameter's gradient (float64)
 WORLD, SEED, DATA_SEED, VOCAB = 4, 0, 1, 256
 HERE = Path(__file__).resolve().parent
 
 
-def torch_to_flax(layers: int) -> list[tuple[str, tuple, bool]]:
-    """``(torch name, Flax param path, transposed)`` of every parameter: the port's weight mapping."""
-    table = [("model.embed_tokens.weight", ("embed", "embedding"), False),
-             ("model.norm.weight", ("norm", "scale"), False), ("lm_head.weight", ("head", "kernel"), True)]
-    for i in range(layers):
-        prefix = f"model.layers.{i}."
-        table += [(prefix + f"self_attn.{name}_proj.weight", ("layers", i, "attention", port, "kernel"), True)
-                  for name, port in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "output"))]
-        table += [(prefix + f"mlp.{name}_proj.weight", ("layers", i, name, "kernel"), True)
-                  for name in ("gate", "up", "down")]
-        table += [(prefix + "input_layernorm.weight", ("layers", i, "attention_norm", "scale"), False),
-                  (prefix + "post_attention_layernorm.weight", ("layers", i, "mlp_norm", "scale"), False)]
-    return table
+# The port's weight mapping: transformers' names <-> the Flax decoder's paths (Linear [out, in] is Dense [in, out]).
+LLAMA_TO_FLAX = ParameterMap([
+    ("model.embed_tokens.weight", "embed.embedding"),
+    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.scale"),
+    ("model.layers.{layer}.self_attn.q_proj.weight", "layers.{layer}.attention.query.kernel", LINEAR),
+    ("model.layers.{layer}.self_attn.k_proj.weight", "layers.{layer}.attention.key.kernel", LINEAR),
+    ("model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attention.value.kernel", LINEAR),
+    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.output.kernel", LINEAR),
+    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.scale"),
+    ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.gate.kernel", LINEAR),
+    ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.up.kernel", LINEAR),
+    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.down.kernel", LINEAR),
+    ("model.norm.weight", "norm.scale"),
+    ("lm_head.weight", "head.kernel", LINEAR),
+])
 
 
 def tokens(batch: int, seq_len: int) -> np.ndarray:
@@ -121,25 +123,6 @@ def torch_side(out: Path, batch: int, seq_len: int) -> None:
     dist.destroy_process_group()
 
 
-def _port_weights(params, weights, table):
-    """The Flax params with the torch weights put in (transposed where the table says)."""
-    from flax import nnx
-
-    pure = nnx.to_pure_dict(params)
-    for name, path, transposed in table:
-        node = pure
-        for key in path[:-1]:
-            node = node[key]
-        want = node[path[-1]].shape
-        value = weights[name].T if transposed else weights[name]
-        if value.shape != want:
-            raise ValueError(f"port_check: {name} {weights[name].shape} does not map to "
-                             f"{'.'.join(map(str, path))} {want}")
-        node[path[-1]] = value
-    nnx.replace_by_pure_dict(params, pure)
-    return params
-
-
 def jax_side(out: Path, batch: int, seq_len: int, bugs: list[str]) -> None:
     """The Flax port on 4 CPU devices with the torch weights, Ulysses under shard_map, once per planted bug
     ("none": the faithful port): its forward recorded under jax.jit, then the loss and gradients
@@ -149,18 +132,18 @@ def jax_side(out: Path, batch: int, seq_len: int, bugs: list[str]) -> None:
     from flax import nnx
 
     import commlib
+    from commlib_jax.testing import load_named_arrays, named_arrays
 
     layout = commlib.SequenceLayout(seq_len, ulysses_size=WORLD)
     graphdef, params = nnx.split(flax_llama.Decoder(nnx.Rngs(0)), nnx.Param)
-    table = torch_to_flax(flax_llama.LAYERS)
     with np.load(out / "torch_weights.npz") as weights:
-        params = _port_weights(params, dict(weights), table)
+        params = load_named_arrays(params, LLAMA_TO_FLAX.to_jax(dict(weights), like=named_arrays(params)))
     for bug in bugs:
         (out / bug).mkdir()
-        _jax_run(out / bug, graphdef, params, table, layout, tokens(batch, seq_len), bug)
+        _jax_run(out / bug, graphdef, params, layout, tokens(batch, seq_len), bug)
 
 
-def _jax_run(out: Path, graphdef, params, table, layout, input_ids: np.ndarray, bug: str) -> None:
+def _jax_run(out: Path, graphdef, params, layout, input_ids: np.ndarray, bug: str) -> None:
     """One port (`bug`) on the mesh: the trace of its forward, its logits, loss and gradients under `out`."""
     import jax
     import jax.numpy as jnp
@@ -169,7 +152,7 @@ def _jax_run(out: Path, graphdef, params, table, layout, input_ids: np.ndarray, 
     from jax.sharding import PartitionSpec as P
 
     from commlib_jax import sequence
-    from commlib_jax.testing import record
+    from commlib_jax.testing import named_arrays, record
     from commlib_jax.training import value_and_grad
 
     mesh = Mesh(np.array(jax.devices()[:WORLD]), ("sp",))
@@ -195,13 +178,7 @@ def _jax_run(out: Path, graphdef, params, table, layout, input_ids: np.ndarray, 
         (value, logits), grads = step(params, input_ids)
     trace.save(out / "jax_trace.npz")
     np.save(out / "jax_logits.npy", np.asarray(logits))
-    pure = nnx.to_pure_dict(grads)
-    flat = {}
-    for name, path, transposed in table:
-        node = pure
-        for key in path:
-            node = node[key]
-        flat[name] = np.asarray(node).T if transposed else np.asarray(node)
+    flat = LLAMA_TO_FLAX.to_torch(named_arrays(grads))
     np.savez(out / "jax_grads.npz", loss=np.asarray(value), **flat)
 
 
