@@ -38,7 +38,7 @@ from commlib.tools import progress
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 
 __all__ = ["B", "D", "V", "IGNORE", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data", "expected",
-           "layouts", "model_cases", "run"]
+           "layouts", "model_cases", "model_name", "name", "pad", "run"]
 
 B, D, V = 2, 3, 11  # batch > 1, a hidden size, a vocabulary
 IGNORE = -100
@@ -193,36 +193,39 @@ def _model_row(case: str, framework: str, mode: str, errors: dict) -> Row:
     return Row(case, framework, mode, out_error, grad_error, out_error <= TOLERANCE and grad_error <= TOLERANCE)
 
 
+def model_name(model: str, attention: str) -> str:
+    return f"model[{model},{attention},S={MODEL_LENGTH}]"
+
+
+def _expected_cases(framework: str, world_size: int) -> list[str]:
+    """The cases a runner of `framework` must report: every layout, and its example's model rows."""
+    example = "transformers" if framework == "torch" else "flax"
+    return [name(layout) for layout in layouts(world_size)] + [
+        model_name(model, attention) for model, attention in model_cases(world_size) if model == example]
+
+
+def _case_rows(case: str, framework: str, mode: str, meta: dict, stored: dict, world_size: int, want) -> list[Row]:
+    """One reported (case, mode): its error as a failed row, a model row, or a layout's helper rows."""
+    error = meta["errors"].get(f"{case}|{mode}")
+    if error is not None:
+        label = case if case.startswith("model[") else f"sequence helpers[{case}]"
+        return [Row(label, framework, mode, None, None, False, error)]
+    if case.startswith("model["):
+        return [_model_row(case, framework, mode, _ranks(stored, case, mode, ("loss", "logits", "gradients"), 1)[0])]
+    return _helper_rows(case, framework, mode, _ranks(stored, case, mode, OUTPUTS, world_size), want[case])
+
+
 def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> list[Row]:
     """Rows of one runner: every helper on every layout against the reference, every model row as measured; a
     case it never ran is a failed row."""
     meta, stored = _load(result_dir)
-    ran = {case for case, _ in meta["entries"]}
+    want = {name(layout): expected(layout, seed) for layout in layouts(world_size)}
     rows = []
-    for layout in layouts(world_size):
-        case = name(layout)
-        want = expected(layout, seed)
-        for entry_case, mode in meta["entries"]:
-            if entry_case != case:
-                continue
-            error = meta["errors"].get(f"{case}|{mode}")
-            if error is not None:
-                rows.append(Row(f"sequence helpers[{case}]", framework, mode, None, None, False, error))
-            else:
-                rows += _helper_rows(case, framework, mode, _ranks(stored, case, mode, OUTPUTS, world_size), want)
-    for model, attention in model_cases(world_size):
-        case = f"model[{model},{attention},S={MODEL_LENGTH}]"
-        for entry_case, mode in meta["entries"]:
-            if entry_case == case:
-                error = meta["errors"].get(f"{case}|{mode}")
-                rows.append(Row(case, framework, mode, None, None, False, error) if error is not None else
-                            _model_row(case, framework, mode, _ranks(stored, case, mode,
-                                                                     ("loss", "logits", "gradients"), 1)[0]))
-    expected_cases = [name(layout) for layout in layouts(world_size)]
-    expected_cases += [f"model[{model},{attention},S={MODEL_LENGTH}]" for model, attention in model_cases(world_size)
-                       if model == ("transformers" if framework == "torch" else "flax")]
-    rows += [Row(case, framework, "-", None, None, False, "not run") for case in expected_cases if case not in ran]
-    return rows
+    for case, mode in meta["entries"]:
+        rows += _case_rows(case, framework, mode, meta, stored, world_size, want)
+    ran = {case for case, _ in meta["entries"]}
+    return rows + [Row(case, framework, "-", None, None, False, "not run")
+                   for case in _expected_cases(framework, world_size) if case not in ran]
 
 
 def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:

@@ -134,7 +134,7 @@ def record(in_dir: Path, results: spec.SequenceResults) -> None:
             example = _example("flax_llama")
         except Exception as error:  # no checkout or no flax: failed rows, the helpers still run
             for attention in models:
-                results.fail(f"model[flax,{attention},S={spec.MODEL_LENGTH}]", MODES[0], f"crash: {error!r}")
+                results.fail(spec.model_name("flax", attention), MODES[0], f"crash: {error!r}")
     layouts = spec.layouts(world_size)
     progress.expect(len(layouts) + len(models))
     for layout in layouts:
@@ -144,7 +144,7 @@ def record(in_dir: Path, results: spec.SequenceResults) -> None:
             except Exception as error:  # a crash in one layout is a failed row, not a dead runner
                 results.fail(spec.name(layout), mode, error)
     for attention in models if example is not None else []:
-        case = f"model[flax,{attention},S={spec.MODEL_LENGTH}]"
+        case = spec.model_name("flax", attention)
         try:
             results.add(case, MODES[0], [model(example, attention, spec.MODEL_LENGTH)])
         except Exception as error:  # as above

@@ -119,7 +119,7 @@ def record(pool: WorkerPool, in_dir: Path, results: spec.SequenceResults) -> Non
         except WorkerError as error:
             results.fail(spec.name(layout), "gloo", error)
     for attention in models:
-        case = f"model[transformers,{attention},S={spec.MODEL_LENGTH}]"
+        case = spec.model_name("transformers", attention)
         try:
             results.add(case, "gloo", [_worst(pool.run(model, attention, spec.MODEL_LENGTH))])
         except WorkerError as error:
