@@ -1,6 +1,7 @@
 """The pictures in docs/, drawn from the spec and from stored results (needs matplotlib: ``commlib[bench]``).
 
-    python docs/figures.py            # rewrites docs/ulysses.png, docs/layouts.png, docs/benchmarks-cpu.png
+    python docs/figures.py            # rewrites docs/ulysses.png, docs/layouts.png, docs/sequence-layouts.png,
+                                      # docs/benchmarks-cpu.png
     python docs/figures.py --out DIR  # the same files into DIR
 
 - ``ulysses.png``: the Ulysses exchange ``all_to_all_4d(x, scatter_dim=2, gather_dim=1)`` at W = 4, S = 8, H = 4,
@@ -8,6 +9,9 @@
   2r, 2r+1 of every head; after, every position of head r. Colour: the rank that held the cell before.
 - ``layouts.png``: which shard holds each of S = 16 positions (`commlib.shard_positions`) for the contiguous and
   zigzag rings of 4 and the USP meshes (ring 2 x Ulysses 2), with the causal work of each ring block.
+- ``sequence-layouts.png``: each shard's positions of a `commlib.SequenceLayout` (contiguous and zigzag rings of
+  4, USP ring 2 x Ulysses 2, an uneven length, and S = 3 over 4 shards: one empty), from ``layout.positions(i)``,
+  with each shard's rows as torch holds them (exact) and as JAX does (padded to ``max_size``).
 - ``benchmarks-cpu.png``: `commlib.tools.bench.plot` of the stored full sweep
   (``benchmarks/results/cpu-2026-11-30/full.json``), what ``commlib bench --plot`` draws.
 """
@@ -104,6 +108,51 @@ def layouts(path: Path, seq: int = 16) -> None:
     plt.close(figure)
 
 
+SEQUENCE_LAYOUTS = (commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4, layout="zigzag"),
+                    commlib.SequenceLayout(16, ring_size=2, ulysses_size=2, layout="zigzag"),
+                    commlib.SequenceLayout(13, ring_size=4, layout="zigzag"),
+                    commlib.SequenceLayout(3, ring_size=4, layout="zigzag"))
+
+
+def _shard_rows(axis, layout: commlib.SequenceLayout) -> None:
+    """Right panel: shard i's rows in order (``positions(i)``), padding rows (JAX) hatched."""
+    rows = np.full((layout.world_size, layout.max_size), -1)
+    for index in range(layout.world_size):
+        rows[index, :layout.sizes[index]] = layout.positions(index)
+    owner = np.where(rows >= 0, np.arange(layout.world_size)[:, None], -1)
+    axis.imshow(np.ma.masked_less(owner, 0), cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    for (index, row), position in np.ndenumerate(rows):
+        axis.text(row, index, "pad" if position < 0 else str(position), ha="center", va="center", fontsize=7,
+                  color="grey" if position < 0 else "black")
+    axis.set_xticks(range(layout.max_size), [str(row) for row in range(layout.max_size)], fontsize=6)
+    axis.set_yticks(range(layout.world_size), [f"shard {index}" for index in range(layout.world_size)], fontsize=7)
+    axis.set_title(f"rows per shard: sizes {layout.sizes}, max_size {layout.max_size}", fontsize=8)
+
+
+def sequence_layouts(path: Path) -> None:
+    """Which shard holds each position (left) and each shard's rows (right), per `SequenceLayout`."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(len(SEQUENCE_LAYOUTS), 2, figsize=(12, 1.6 * len(SEQUENCE_LAYOUTS) + 0.6),
+                                gridspec_kw={"width_ratios": [3, 2]})
+    for (left, right), layout in zip(axes, SEQUENCE_LAYOUTS, strict=True):
+        owner = np.empty(layout.seq_len, dtype=int)
+        for index in range(layout.world_size):
+            owner[layout.positions(index)] = index
+        left.imshow(owner[None], cmap="tab10", vmin=0, vmax=9, aspect="auto")
+        for position, index in enumerate(owner):
+            left.text(position, 0, f"{position}\ns{index}", ha="center", va="center", fontsize=7)
+        left.set(xticks=[], yticks=[])
+        mesh = f"ring {layout.ring_size}" + (f" x Ulysses {layout.ulysses_size}" if layout.ulysses_size > 1 else "")
+        left.set_title(f"SequenceLayout({layout.seq_len}, ring_size={layout.ring_size}, ulysses_size="
+                       f"{layout.ulysses_size}, layout={layout.layout!r}): {mesh}", fontsize=8)
+        _shard_rows(right, layout)
+    figure.suptitle("Sequence layouts: position p is held by shard s (left, 'p / s'); shard i's rows are "
+                    "layout.positions(i) (right; torch holds sizes[i] rows, JAX pads to max_size)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def benchmarks(path: Path) -> None:
     rows = [bench.Row(**row) for row in json.loads(FULL.read_text())["rows"]]
     bench.plot(rows, path)
@@ -116,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ulysses(args.out / "ulysses.png")
     layouts(args.out / "layouts.png")
+    sequence_layouts(args.out / "sequence-layouts.png")
     benchmarks(args.out / "benchmarks-cpu.png")
-    print(f"wrote ulysses.png, layouts.png, benchmarks-cpu.png in {args.out}")
+    print(f"wrote ulysses.png, layouts.png, sequence-layouts.png, benchmarks-cpu.png in {args.out}")
     return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import commlib
-from commlib.tools import bench, host_bench, parity, train_parity
+from commlib.tools import bench, host_bench, parity, sequence_parity, train_parity
 
 __all__ = ["main"]
 
@@ -84,6 +84,8 @@ def _parity(args: argparse.Namespace) -> int:
         rows += parity.run(args.world_size, **options)
     if args.workload in ("train", "all"):
         rows += train_parity.run(args.world_size, **options)
+    if args.workload in ("sequence", "all"):
+        rows += sequence_parity.run(args.world_size, **options)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
     print(f"\nworld_size={args.world_size} seed={args.seed} workload={args.workload}: {len(rows) - failed} passed, "
@@ -181,7 +183,8 @@ a line every few seconds otherwise, with the time left).
 examples:
   commlib parity --world-size 4
   commlib parity --world-size 2 --frameworks torch --json parity.json
-  commlib parity --workload train"""
+  commlib parity --workload train
+  commlib parity --workload sequence --world-size 4"""
 
 BENCH = """Time commlib's ops against raw collectives, the seed's code and bare jax.lax on this machine's CPU (gloo,
 XLA CPU devices) and print one row per comparison (median ms, ratio to the baseline, wire MiB, the target
@@ -228,8 +231,9 @@ def _add_parity(commands) -> None:
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS),
                        help="which frontends to compare with the reference (each in a subprocess of its own)")
-    check.add_argument("--workload", choices=("ops", "train", "all"), default="ops",
-                       help="ops: the case table; train: the training block on every SP x TP mesh; all: both")
+    check.add_argument("--workload", choices=("ops", "train", "sequence", "all"), default="ops",
+                       help="ops: the case table; train: the training block on every SP x TP mesh; sequence: the "
+                            "sequence helpers on every layout and the two model examples (W = 4); all: the three")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
 

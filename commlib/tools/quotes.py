@@ -92,6 +92,10 @@ QUOTES: dict[str, Callable[[], str]] = {
     "dead-rank": lambda: _dead_rank("benchmarks/results/cpu-2026-12-01-dead-rank/dead_rank.json"),
     "port-check": lambda: _line("port-check.txt", "port with bug none:"),
     "port-check-bug": lambda: _line("port-check.txt", "port with bug local-positions:"),
+    "parity-sequence": lambda: _line("parity-sequence.txt", "world_size="),
+    "parity-sequence-largest": lambda: _largest_error(f"{RESULTS}/parity-sequence.json"),
+    "model-step": lambda: _line("../../benchmarks/results/cpu-2026-12-01-model-step/model_step.txt", "ratio"),
+    "glue-lines": lambda: _line("glue-lines.txt", "hand-written"),
 }
 
 

@@ -2,7 +2,8 @@
 
 Runs every case of the table on N gloo worker processes (mode "gloo"), and the attention cases also
 unsharded on one process (mode "unsharded"); writes every rank's output and input gradients. With
-``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`).
+``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`);
+``--workload sequence``: the sequence helpers and the transformers example (`commlib_torch.tools.sequence_parity`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 
 from commlib.tools import cases
 from commlib.tools.parity import Results
+from commlib.tools.sequence_parity import SequenceResults
 from commlib.tools.train_parity import TrainResults
-from commlib_torch.tools import train_parity
+from commlib_torch.tools import sequence_parity, train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--workload", choices=("ops", "train"), default="ops")
+    parser.add_argument("--workload", choices=("ops", "train", "sequence"), default="ops")
     args = parser.parse_args(argv)
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     if args.workload == "train":
@@ -36,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         with WorkerPool(args.world_size) as pool:
             train_parity.record(pool, args.in_dir, train_results)
         train_results.save(args.out_dir, versions)
+        return 0
+    if args.workload == "sequence":
+        sequence_results = SequenceResults("torch")
+        with WorkerPool(args.world_size) as pool:
+            sequence_parity.record(pool, args.in_dir, sequence_results)
+        sequence_results.save(args.out_dir, versions)
         return 0
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
