@@ -156,3 +156,22 @@ def llama_default_positions(ctx) -> str:
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with checked(), parallel(layout):
         return _error(lambda: model(input_ids=ids[:, layout.positions(ctx.rank)], use_cache=False))
+
+
+def helpers_in_context(ctx) -> dict:
+    """Inside a ring context over a contiguous layout: shard_tokens / position_ids with layout (and group) None
+    against the explicit call, and the errors of a zigzag layout given to each helper."""
+    from commlib_torch import sequence
+
+    contiguous = commlib.SequenceLayout(13, ring_size=ctx.world_size)
+    zigzag = commlib.SequenceLayout(13, ring_size=ctx.world_size, layout="zigzag")
+    ids = torch.arange(13)[None]
+    x = torch.zeros(1, 13, 2)
+    with parallel(contiguous, attention="ring"):
+        defaults = [t.tolist() for t in (*sequence.shard_tokens(ids), sequence.position_ids())]
+        explicit = [t.tolist() for t in (*sequence.shard_tokens(ids, contiguous), sequence.position_ids(contiguous))]
+        errors = [_error(lambda: sequence.shard_tokens(ids, zigzag)), _error(lambda: sequence.position_ids(zigzag)),
+                  _error(lambda: sequence.shard_sequence(x, zigzag)),
+                  _error(lambda: sequence.gather_sequence(x[:, :zigzag.sizes[ctx.rank]], zigzag))]
+    outside = _error(lambda: sequence.position_ids())
+    return {"defaults": defaults, "explicit": explicit, "errors": errors, "outside": outside}

@@ -112,6 +112,22 @@ def test_llama_without_position_ids_is_refused_on_every_rank(pool):
         assert "expected [3, 4, 5], received [0, 1, 2]" in replies[1]
 
 
+def test_helpers_take_and_must_match_the_context_layout(pool):
+    """Inside a context the helpers' layout None (and group None) are the context's; a zigzag layout under a
+    contiguous context is refused by every helper, naming both layouts; outside, a layout is required."""
+    contiguous = commlib.SequenceLayout(13, ring_size=3)
+    zigzag = commlib.SequenceLayout(13, ring_size=3, layout="zigzag")
+    for rank, reply in enumerate(pool(3).run(jobs.helpers_in_context)):
+        assert reply["defaults"] == reply["explicit"]
+        assert reply["defaults"][1] == [contiguous.positions(rank).tolist()]
+        for name, text in zip(("shard_tokens", "position_ids", "shard_sequence", "gather_sequence"),
+                              reply["errors"], strict=True):
+            assert text.startswith(f"CommError: {name}: layout ({zigzag!r}) must be the parallel context's layout "
+                                   f"({contiguous!r})"), text
+        assert reply["outside"].startswith("CommError: position_ids: layout is required outside a parallel(...) "
+                                           "context")
+
+
 def test_nesting(pool):
     """The innermost context wins; the outer one is back on exit; nothing is left after."""
     for reply in pool(2).run(jobs.nesting):
