@@ -316,14 +316,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             ``layout.max_size``; the layer's own errors.
         jax.errors.JaxRuntimeError: (when run) `positions` not the shards' global positions (see above).
 
-    Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA):
+    Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA; the positions checked):
         >>> import commlib, jax, jax.numpy as jnp, numpy as np
         >>> from jax.sharding import Mesh, PartitionSpec as P
         >>> layout = commlib.SequenceLayout(16, ring_size=4, layout="zigzag")
         >>> rng = np.random.default_rng(0)
         >>> q, k = rng.standard_normal((2, 16, 4, 8), np.float32), rng.standard_normal((2, 16, 2, 8), np.float32)
         >>> cut = lambda x: jnp.asarray(np.concatenate(layout.shard(x), axis=1))  # shard r's rows at block r
-        >>> body = lambda q, k: dot_product_attention(q, k, k, is_causal=True)
+        >>> body = lambda q, k: dot_product_attention(q, k, k, is_causal=True, positions=position_ids()[None])
         >>> with parallel(layout, "x", attention="ring"):
         ...     out = jax.shard_map(body, mesh=Mesh(jax.devices()[:4], ("x",)), in_specs=P(None, "x"),
         ...                         out_specs=P(None, "x"))(cut(q), cut(k))
