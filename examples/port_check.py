@@ -143,6 +143,15 @@ def jax_side(out: Path, batch: int, seq_len: int, bugs: list[str]) -> None:
         _jax_run(out / bug, graphdef, params, layout, tokens(batch, seq_len), bug)
 
 
+def _without_positions(query, key, value, *, is_causal: bool = False, positions=None):
+    """`commlib_jax.sequence.dot_product_attention` as a port calls it when it does not opt in to ``positions=``:
+    with them, commlib itself refuses local positions on every rank (docs/integrations.md), and nothing is
+    left for the trace to find."""
+    from commlib_jax import sequence
+
+    return sequence.dot_product_attention(query, key, value, is_causal=is_causal)
+
+
 def _jax_run(out: Path, graphdef, params, layout, input_ids: np.ndarray, bug: str) -> None:
     """One port (`bug`) on the mesh: the trace of its forward, its logits, loss and gradients under `out`."""
     import jax
@@ -159,9 +168,11 @@ def _jax_run(out: Path, graphdef, params, layout, input_ids: np.ndarray, bug: st
 
     def forward(params, input_ids):
         ids, positions, labels = sequence.shard_tokens(input_ids, layout, "sp")
-        if bug == "local-positions":  # the port's bug: RoPE fed this shard's own row numbers
+        attention = sequence.dot_product_attention
+        if bug == "local-positions":  # the port's bug: RoPE fed this shard's own row numbers ...
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        return nnx.merge(graphdef, params)(ids, positions, sequence.dot_product_attention), labels
+            attention = _without_positions  # ... in a port that does not hand them to commlib (which would refuse)
+        return nnx.merge(graphdef, params)(ids, positions, attention), labels
 
     def loss(params, input_ids):
         logits, labels = forward(params, input_ids)
