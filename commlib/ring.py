@@ -12,8 +12,9 @@ With segment ids (``segment_ids=``, `commlib.masks`) the ids of each rank's bloc
 sends, every piece is masked by them as well, and a piece none of whose queries sees any of its keys is skipped
 (`RingBackend.when_visible`; `pieces_computed` counts what is left).
 
-The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, sends a list of
-arrays one ring step, and picks the case of a step for its rank (torch and the reference know the rank; JAX
+The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, starts and waits
+the send of a list of arrays one ring step (step t+1's k/v begun before step t's pieces and waited after them:
+the DESIGN's Overlap; torch sends asynchronously, JAX and the reference complete at once), and picks the case of a step for its rank (torch and the reference know the rank; JAX
 switches on the traced axis index). The step math is `commlib.blockwise`'s.
 
 >>> plan = ring_plan((2, 4, 4, 3), (2, 4, 2, 3), (2, 4, 2, 3), 4, causal=True, layout="zigzag")
@@ -340,8 +341,12 @@ class RingBackend(Protocol):
     def add_rows(self, x: Any, rows: slice, value: Any) -> Any:
         """`x` with ``x[:, rows] += value``."""
 
-    def send(self, arrays: list[Any]) -> list[Any]:
-        """One ring step: every array of `arrays` from rank r to rank r + 1 (`RingPlan.perm`)."""
+    def start(self, arrays: list[Any]) -> Any:
+        """Begin one ring step: every array of `arrays` from rank r to rank r + 1 (`RingPlan.perm`); the walk
+        computes a step meanwhile and never writes `arrays` before `wait`. A backend may complete it at once."""
+
+    def wait(self, pending: Any) -> list[Any]:
+        """The arrays a `start` sent, received (as `start` got them, in order)."""
 
     def switch(self, step: int, function: Callable[..., Any], *operands: Any) -> Any:
         """``function(pieces, *operands)`` with the pieces of this rank's case at `step`."""
@@ -412,21 +417,40 @@ def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None
     return out, lse
 
 
-def forward(plan: RingPlan, backend: RingBackend, q, k, v, segments=None):
+def _start(plan: RingPlan, backend: RingBackend, step: int, arrays: list[Any], overlap: bool) -> Any:
+    """Step `step`'s send of `arrays` (the blocks of step + 1), begun before the step computes (`overlap`),
+    else sent and received at once (the sequential order); None at the last step, which sends nothing."""
+    if step == plan.ring_size - 1:
+        return None
+    pending = backend.start(arrays)
+    return pending if overlap else backend.wait(pending)
+
+
+def _received(backend: RingBackend, pending: Any, overlap: bool, held: list[Any]) -> list[Any]:
+    """What `_start` began, received after the step computed (`held` at the last step)."""
+    if pending is None:
+        return held
+    return backend.wait(pending) if overlap else pending
+
+
+def forward(plan: RingPlan, backend: RingBackend, q, k, v, segments=None, *, overlap: bool = True):
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
     softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments`: this rank's
-    segment ids ``[B, rows]`` (segmented plans): they travel with k/v, in the same sends."""
+    segment ids ``[B, rows]`` (segmented plans): they travel with k/v, in the same sends. `overlap`: step t+1's
+    k/v send begins before step t's pieces and is waited after them (`RingBackend.start` / `wait`); False: sent
+    and received before them (the sequential order; the same values bit for bit: only the order of the
+    communication differs)."""
     if plan.masked:
         q, k, v = (backend.real_rows(x) for x in (q, k, v))
     query = backend.compute(q)
     out = lse = None
     held = [k, v] if segments is None else [k, v, segments]
     for step in range(plan.ring_size):
+        pending = _start(plan, backend, step, held, overlap)
         keys, values = backend.compute(held[0]), backend.compute(held[1])
         ids = None if segments is None else (segments, held[2])
         out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse, segments=ids)
-        if step < plan.ring_size - 1:
-            held = backend.send(held)
+        held = _received(backend, pending, overlap, held)
     return backend.restore(out, q), lse
 
 
@@ -448,27 +472,28 @@ def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta
     return dq, dk, dv
 
 
-def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, segments=None):
+def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, segments=None, *,
+             overlap: bool = True):
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
-    (compute dtype) travelling with k/v (and the segment ids), one more send of dk/dv at the end to bring them
+    (compute dtype) travelling behind k/v (and the segment ids), one more send of dk/dv at the end to bring them
     home. Masked plans: what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients
-    are 0."""
+    are 0. `overlap` as in `forward`: step t+1's k/v (and ids) are sent while step t computes; the dk/dv of a
+    step are its pieces' sums, so their send begins after them."""
     if plan.masked:
         q, k, v, d_out = (backend.real_rows(x) for x in (q, k, v, d_out))
     query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
     rowsums = delta(backend.math, out_c, d_out_c)
-    dq = backend.zeros(q)
-    held = [k, v, backend.zeros(k), backend.zeros(v)] + ([] if segments is None else [segments])
+    dq, dk, dv = backend.zeros(q), backend.zeros(k), backend.zeros(v)
+    held = [k, v] + ([] if segments is None else [segments])
     for step in range(plan.ring_size):
+        pending = _start(plan, backend, step, held, overlap)
         keys, values = backend.compute(held[0]), backend.compute(held[1])
-        ids = None if segments is None else (segments, held[4])
+        ids = None if segments is None else (segments, held[2])
         dq, dk, dv = _at_step(plan, backend, step, _backward_case, query, keys, values, out_c, d_out_c, lse,
-                              rowsums, dq, held[2], held[3], segments=ids)
-        if step < plan.ring_size - 1:
-            held = backend.send([held[0], held[1], dk, dv, *held[4:]])
-        else:
-            held = [held[0], held[1], *backend.send([dk, dv])]
-    return backend.restore(dq, q), backend.restore(held[2], k), backend.restore(held[3], v)
+                              rowsums, dq, dk, dv, segments=ids)
+        dk, dv = backend.wait(backend.start([dk, dv]))
+        held = _received(backend, pending, overlap, held)
+    return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v)
 
 
 def pieces_computed(plan: RingPlan, segments) -> tuple[int, int]:

@@ -75,8 +75,8 @@ class SimulatedRanks:
         """The W ranks' arrays of `x`."""
         return np.split(x, self.plan.ring_size)
 
-    def send(self, arrays: list) -> list:
-        """`permute` over `plan.perm`: rank dst gets rank src's rows."""
+    def start(self, arrays: list) -> list:
+        """`permute` over `plan.perm`, complete at once: rank dst gets rank src's rows (new arrays)."""
         moved = []
         for x in arrays:
             ranks = self.split(x)
@@ -85,6 +85,10 @@ class SimulatedRanks:
                 received[dst] = ranks[src]
             moved.append(np.concatenate(received))
         return moved
+
+    def wait(self, pending: list) -> list:
+        """What `start` sent: received already."""
+        return pending
 
     def key_mask(self, step: int):
         """Every rank's mask of `step`, rank r's on its batch rows: ``[W * B, 1, 1, rows, rows]``."""

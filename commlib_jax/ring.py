@@ -77,8 +77,13 @@ class _AxisBackend:
     def add_rows(self, x, rows: slice, value):
         return x.at[:, rows].add(value)
 
-    def send(self, arrays: list) -> list:
+    def start(self, arrays: list) -> list:
+        """One `permute` per array, traced where the walk starts it (before the step's pieces: it reads none
+        of their results, and XLA may run it during them)."""
         return [permute(x, axis_arg(self.axes), self.plan.perm) for x in arrays]
+
+    def wait(self, pending: list) -> list:
+        return pending
 
     def key_mask(self, step: int):
         """This rank's mask of `step`, from the positions of its block and of the block it holds (the plan's

@@ -6,9 +6,11 @@ and backward (`commlib.ring.forward` / `backward`); this module gives that walk 
 torch's fused CPU flash kernels where they apply, else `commlib.blockwise`'s einsum rules) inside one autograd
 Function whose backward is written by hand: dk/dv travel around the ring with k/v and the probabilities are
 recomputed blockwise from the saved log-sum-exp, so a rank saves q, k, v, the output and the LSE for backward
--- O(S/W) -- and no k/v block or score matrix of any step. Every ring step is one `permute` of commlib's own
-(the plan walked at commlib's boundary: checked mode and failure translation included) per dtype of what
-travels.
+-- O(S/W) -- and no k/v block or score matrix of any step. Every ring step sends one buffer per dtype of what
+travels, asynchronously (`dist.batch_isend_irecv`, begun before the step's pieces and waited after them: the
+DESIGN's Overlap; checked mode fingerprints each buffer's `permute` plan first, and a backend error is translated
+as at commlib's boundary); under Dynamo it is one `permute` of commlib's own (the plan walked at commlib's
+boundary).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
 from commlib.check import attention_call
 from commlib.sequence import SequenceLayout
-from commlib_torch._checked import exchange_layer, is_checked
+from commlib_torch._checked import exchange, exchange_layer, is_checked
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
+from commlib_torch._failures import translate
 from commlib_torch._groups import GroupArgument as Group
-from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, check_tensor, global_rank, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
@@ -122,6 +125,56 @@ def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessG
     return moved  # type: ignore[return-value]
 
 
+class _Sending:
+    """A ring step under way (`_start`): the c10d works and what each tensor will hold once they complete."""
+
+    __slots__ = ("flat", "received", "works")
+
+    def __init__(self, works: list, received: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+        self.works, self.received, self.flat = works, received, flat
+
+
+def _start(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, rank: int,
+           checked: bool = False) -> _Sending:
+    """`_pass` begun, not waited: per dtype among `tensors` one buffer (their elements end to end) sent to rank
+    r + 1 and one received from rank r - 1, all in one `dist.batch_isend_irecv` (asynchronous c10d work).
+    `checked`: each buffer's `permute` plan fingerprinted first (checked mode's exchange, as `_pass` does)."""
+    ops: list = []
+    moved: list[torch.Tensor | None] = [None] * len(tensors)
+    flat = None
+    peers = (global_rank(group, (rank + 1) % plan.ring_size), global_rank(group, (rank - 1) % plan.ring_size))
+    try:
+        for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
+            members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
+            flat = torch.cat([tensors[index].reshape(-1) for index in members])
+            if checked:
+                exchange(plans.permute(tuple(flat.shape), plan.ring_size, plan.perm, dtype=dtype_name(dtype),
+                                       backend_dtypes=backend_dtypes(group, flat)), flat, group)
+            received = torch.empty_like(flat)
+            ops += [dist.P2POp(dist.isend, flat, peers[0], group), dist.P2POp(dist.irecv, received, peers[1], group)]
+            for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
+                moved[index] = part.view(tensors[index].shape)
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as error:
+        raise _translated(error, plan, flat if flat is not None else tensors[0], group) from error
+    return _Sending(works, moved, flat)  # type: ignore[arg-type]
+
+
+def _wait(plan: spec.RingPlan, sending: _Sending, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """The tensors `_start` sent, received: its works waited (a backend error as CommTimeout / CommFailure)."""
+    try:
+        for work in sending.works:
+            work.wait()
+    except RuntimeError as error:
+        raise _translated(error, plan, sending.flat, group) from error
+    return sending.received
+
+
+def _translated(error: RuntimeError, plan: spec.RingPlan, tensor, group) -> RuntimeError:
+    """`error` as `translate` gives it for the ring's permute (`error` itself where it means no failure)."""
+    return translate(error, plan.op_name, tensor, group, "forward")
+
+
 class _RankBackend:
     """`commlib.ring.RingBackend` on this rank's tensors: the pieces on the fused CPU flash kernels where they
     apply (`_attend`), rows written in place, a ring step one `permute` per dtype (`_pass`), the case picked
@@ -133,6 +186,10 @@ class _RankBackend:
                  device: torch.device) -> None:
         self.plan, self.group, self.rank, self.device = plan, group, rank, device
         self.dtype = getattr(torch, plan.compute_dtype)
+        # asynchronous c10d sends (`_start` / `_wait`; checked mode fingerprints each first) but under Dynamo,
+        # which traces the synchronous `permute` (`_pass`)
+        self.asynchronous = plan.ring_size > 1 and not torch.compiler.is_compiling()
+        self.checked = is_checked()
 
     def key_mask(self, step: int) -> torch.Tensor:
         held = (self.plan.positions(block) for block in (self.rank, self.plan.kv_block(step, self.rank)))
@@ -164,8 +221,14 @@ class _RankBackend:
         x[:, rows] += value
         return x
 
-    def send(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def start(self, tensors: list[torch.Tensor]):
+        """Asynchronous where it may be (`_start`), else `_pass` done at once."""
+        if self.asynchronous:
+            return _start(self.plan, tensors, self.group, self.rank, self.checked)
         return _pass(self.plan, tensors, self.group)
+
+    def wait(self, pending) -> list[torch.Tensor]:
+        return _wait(self.plan, pending, self.group) if self.asynchronous else pending
 
     def switch(self, step: int, function, *operands):
         return function(self.plan.cases[self.plan.case_index[step][self.rank]], *operands)
@@ -175,14 +238,18 @@ class _RankBackend:
         return function(*operands) if bool(mask.any()) else operands
 
 
-def _forward(plan: spec.RingPlan, q, k, v, group, rank: int, segments=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`)."""
-    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, segments)
+def _forward(plan: spec.RingPlan, q, k, v, group, rank: int, segments=None,
+             overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`;
+    `overlap` False: the sequential order, which the tests and the bench compare with)."""
+    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, segments, overlap=overlap)
 
 
-def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int, segments=None):
+def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int, segments=None,
+              overlap: bool = True):
     """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out, segments)
+    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out, segments,
+                         overlap=overlap)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -309,9 +376,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
-    float64 for float64); W - 1 `permute`\\ s of k and v, unrepeated (``B * S/W * H_kv * (D + D_v)`` elements
-    a step). Gradient: exact; the backward recomputes the scores blockwise from the saved LSE and passes dk/dv
-    around the ring with k/v (W permutes, dk/dv in the compute dtype). Saved for backward: q, k, v, the
+    float64 for float64); W - 1 sends of k and v, unrepeated (``B * S/W * H_kv * (D + D_v)`` elements a step),
+    each begun before the step's pieces and waited after them (asynchronous c10d work; docs/attention.md,
+    "Overlap"). Gradient: exact; the backward recomputes the scores blockwise from the saved LSE and passes dk/dv
+    around the ring behind k/v (W sends, dk/dv in the compute dtype). Saved for backward: q, k, v, the
     output and the LSE (``[B, S/W, H]``).
 
     On one rank (WORLD of size 1) it is attention on the whole sequence; with W ranks each passes its shard

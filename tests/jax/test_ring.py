@@ -221,20 +221,23 @@ def _subjaxprs(eqn):
 
 def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
     """For every ``ppermute`` the program runs (in order), whether its operand depends on a ``dot_general`` (the
-    attention of a step); `tainted`: the invars of `jaxpr` that do."""
+    attention of a step); `tainted`: the invars of `jaxpr` that do (updated with every var that does)."""
     found = []
     for eqn in jaxpr.eqns:
         computed = any(not isinstance(var, core.Literal) and var in tainted for var in eqn.invars)
         if eqn.primitive.name == "ppermute":
             found.append(computed)
-        out_tainted = computed or eqn.primitive.name == "dot_general"
+        out_tainted = [computed or eqn.primitive.name == "dot_general"] * len(eqn.outvars)
         for inner, feeding in _subjaxprs(eqn):
             inner_tainted = {var for var, outer in zip(inner.invars, feeding, strict=True)
                              if not isinstance(outer, core.Literal) and outer in tainted}
             found += _permute_inputs_computed(inner, inner_tainted)
-            out_tainted = out_tainted or _computes(inner)
-        if out_tainted:
-            tainted.update(eqn.outvars)
+            if len(inner.outvars) == len(eqn.outvars) and eqn.primitive.name != "scan":  # output i from output i
+                inner_out = [not isinstance(var, core.Literal) and var in inner_tainted for var in inner.outvars]
+                out_tainted = [was or now for was, now in zip(out_tainted, inner_out, strict=True)]
+            elif _computes(inner):
+                out_tainted = [True] * len(eqn.outvars)
+        tainted.update(var for var, flag in zip(eqn.outvars, out_tainted, strict=True) if flag)
     return found
 
 
@@ -244,9 +247,11 @@ def _computes(jaxpr) -> bool:
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_forward_permutes_do_not_wait_for_the_step(layout):
+def test_permutes_do_not_wait_for_the_step(layout):
     """The forward's permute of step t reads the k/v block step t attends with, never a result of that (or any)
-    step's attention: XLA may overlap them (the DESIGN's Overlap); the backward's dk/dv permutes do depend on it."""
+    step's attention: XLA may overlap them (the DESIGN's Overlap). The backward's k/v permutes neither; its
+    dk/dv permutes (a step's sums) do, each after its step's k/v: the gradient's program runs the forward's
+    2 (W - 1), then per step k, v (independent) and dk, dv (computed), and dk, dv home."""
     W, B, S, H, H_kv, D = 4, 2, 16, 4, 2, 3
     mesh, spec = _ring_mesh(W)
     call = lambda q, k, v: ring_attention(q, k, v, "i", causal=True, layout=layout)  # noqa: E731
@@ -256,4 +261,6 @@ def test_forward_permutes_do_not_wait_for_the_step(layout):
     forward = jax.make_jaxpr(lambda *xs: mapped(cotangent, *xs)[0])(*inputs)
     assert _permute_inputs_computed(forward.jaxpr, set()) == [False] * 2 * (W - 1)
     gradient = jax.make_jaxpr(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum()))(inputs)
-    assert any(_permute_inputs_computed(gradient.jaxpr, set()))
+    backward = [False, False, True, True] * (W - 1) + [True, True]
+    found = _permute_inputs_computed(gradient.jaxpr, set())
+    assert found == [False] * 2 * (W - 1) + backward, str(found)

@@ -14,7 +14,8 @@ from commlib_torch import _c10d
 from commlib_torch.attention import ulysses_attention
 
 #: The c10d calls a commlib collective can make (torch.distributed's and the names _c10d bound at import).
-_COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "reduce", "gather", "scatter", "send", "recv")
+_COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "reduce", "gather", "scatter", "send", "recv",
+                "batch_isend_irecv")
 _BOUND = ("all_gather_single", "reduce_scatter_single")
 
 
@@ -29,6 +30,8 @@ def _counting(calls: list):
 
         def counted(*args, **kwargs):
             output = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if name == "batch_isend_irecv":  # what its irecvs receive
+                output = torch.cat([op.tensor.reshape(-1) for op in args[0] if op.op is dist.irecv])
             calls.append((name, 0 if output is None else output.numel() * output.element_size()))
             return original(*args, **kwargs)
 

@@ -76,8 +76,9 @@ def test_torch_func_grad_causal(pool, layout):
 
 def test_handed_case(pool):
     """The handed case within 1e-10 (outputs, dq, dk, dv on every rank) from non-contiguous inputs. Forward:
-    W - 1 = 3 permutes (one all_to_all_single each) carrying k and v unrepeated, B * S/W * H_kv * (D + D_v)
-    float64s; backward: 3 permutes of k, v, dk, dv and one of dk, dv home."""
+    W - 1 = 3 ring steps (one asynchronous ``batch_isend_irecv`` each) carrying k and v unrepeated, B * S/W *
+    H_kv * (D + D_v) float64s; backward: at each of 3 steps one of k, v (begun before the step's pieces) and one
+    of dk, dv (their sums, after them), and one of dk, dv home."""
     case = _handed_case()
     replies = pool(4).run(jobs.counted_call, case, cases.make_arrays(case, 0), transposed=True)
     row = _row(case, replies)
@@ -85,8 +86,8 @@ def test_handed_case(pool):
     assert row.passed and row.out_error <= 1e-10 and row.grad_error <= 1e-10, row
     kv = 2 * 4 * 2 * (3 + 3) * 8  # bytes of k and v one rank receives per step
     for _, _, forward, backward in replies:
-        assert forward == [("all_to_all_single", kv)] * 3, forward
-        assert backward == [("all_to_all_single", 2 * kv)] * 3 + [("all_to_all_single", kv)], backward
+        assert forward == [("batch_isend_irecv", kv)] * 3, forward
+        assert backward == [("batch_isend_irecv", kv)] * 7, backward
 
 
 @pytest.mark.parametrize("case", [_handed_case(), _handed_case(dtype="bfloat16"),
@@ -120,12 +121,12 @@ def test_saved_for_backward(pool, case):
 
 def test_usp_collectives(pool):
     """USP on 2 x 2: one all-to-all for q, k, v together and one for the output (each way), and the ring's
-    permutes over the ring group (1 forward, 2 backward at W = 2)."""
+    steps over the ring group (1 forward; 3 backward at W = 2: k/v, then dk/dv, and dk/dv home)."""
     case = cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag")
     replies = pool(4).run(jobs.counted_call, case, cases.make_arrays(case, 0))
     assert _row(case, replies).passed
     for _, _, forward, backward in replies:
-        assert len(forward) == 3 and len(backward) == 4, (forward, backward)
+        assert len(forward) == 3 and len(backward) == 5, (forward, backward)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "constant"])
