@@ -22,11 +22,12 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from commlib.errors import comm_error, kind_error
+from commlib.errors import CommError, comm_error, kind_error
 from commlib.sequence import SequenceLayout
 
-__all__ = ["ATTENTIONS", "CALL_OP", "OP_NAME", "ParallelPlan", "check_call", "check_groups", "check_positions",
-           "check_sizes", "check_world", "outside_error", "parallel_plan"]
+__all__ = ["ATTENTIONS", "CALL_OP", "OP_NAME", "ParallelPlan", "check_call", "check_groups", "check_positions_shape",
+           "check_sizes", "check_world", "helper_axes", "helper_layout", "outside_error", "parallel_plan",
+           "positions_error", "refused_elsewhere_error"]
 
 OP_NAME = "parallel"
 CALL_OP = "commlib attention"  # the name of an integration's call inside the context (transformers, Flax)
@@ -60,29 +61,30 @@ def _keywords(layout: SequenceLayout, attention: str) -> dict:
     return {"layout": layout.layout if _names_even_layout(layout) else layout}
 
 
-def check_groups(attention: object, given: dict[str, bool], names: tuple[str, str, str], *,
+def check_groups(attention: object, received: dict[str, object], names: tuple[str, str, str], *,
                  group_required: bool = False) -> None:
     """`attention` one of `ATTENTIONS`; USP given both of its groups (axes), Ulysses and ring neither (and, with
     `group_required` -- JAX, where no axis means the world -- their group).
 
-    `names` are the frontend's keywords ``(group, ulysses_group, ring_group)`` (JAX: the axes); `given` says
-    which of them the user passed.
+    `names` are the frontend's keywords ``(group, ulysses_group, ring_group)`` (JAX: the axes); `received` maps
+    each to what the user passed as the message shows it (JAX: the axis names; torch: the group's kind), None
+    where it was not given.
     """
-    received = {name: ("given" if given[name] else None) for name in names}
+    given = {name: received[name] is not None for name in names}
     if not isinstance(attention, str):
         raise kind_error(OP_NAME, f"attention must be a str, not {type(attention).__name__}", attention=attention)
     if attention not in ATTENTIONS:
         raise comm_error(OP_NAME, f"attention ({attention!r}) must be one of {', '.join(ATTENTIONS)}",
                          attention=attention)
     _, ulysses, ring = names
+    shown = {name: received[name] for name in names}
     if attention == "usp" and not (given[ulysses] and given[ring]):
-        raise comm_error(OP_NAME, f"attention='usp' needs both {ulysses} and {ring}", attention=attention,
-                         **received)
+        raise comm_error(OP_NAME, f"attention='usp' needs both {ulysses} and {ring}", attention=attention, **shown)
     if attention != "usp" and (given[ulysses] or given[ring]):
         raise comm_error(OP_NAME, f"{ulysses} and {ring} are for attention='usp'; attention={attention!r} runs "
-                         f"over {names[0]}", attention=attention, **received)
+                         f"over {names[0]}", attention=attention, **shown)
     if attention != "usp" and group_required and not given[names[0]]:
-        raise comm_error(OP_NAME, f"attention={attention!r} needs {names[0]}", attention=attention, **received)
+        raise comm_error(OP_NAME, f"attention={attention!r} needs {names[0]}", attention=attention, **shown)
 
 
 def outside_error(op_name: str, context: str):
@@ -109,13 +111,29 @@ def parallel_plan(layout: object, attention: str, *, ulysses_size: int | None, r
     return ParallelPlan(layout, attention, _keywords(layout, attention))
 
 
+#: Why each layer wants each of the layout's sizes: (attention, size name) -> the expected value's meaning.
+_SIZE_MEANINGS = {
+    ("ulysses", "ulysses_size"): "the group's size for attention='ulysses'",
+    ("ulysses", "ring_size"): "attention='ulysses' runs no ring: a ring layout needs attention='ring' or 'usp'",
+    ("ring", "ring_size"): "the group's size for attention='ring'",
+    ("ring", "ulysses_size"): "attention='ring' runs no Ulysses all-to-all: Ulysses pieces need attention='usp'",
+    ("usp", "ulysses_size"): "the Ulysses group's size for attention='usp'",
+    ("usp", "ring_size"): "the ring group's size for attention='usp'",
+}
+
+
 def check_sizes(layout: SequenceLayout, attention: str, *, ulysses_size: int | None, ring_size: int | None) -> None:
-    """The layout's ``ulysses_size`` / ``ring_size`` equal to the groups' (sizes None are skipped)."""
+    """The layout's ``ulysses_size`` / ``ring_size`` equal to the groups' (sizes None are skipped).
+
+    >>> check_sizes(SequenceLayout(8, ring_size=2), "ulysses", ulysses_size=1, ring_size=1)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: parallel: layout.ring_size (2) must be 1 (attention='ulysses' runs no ring: ...
+    """
     for name, size in (("ulysses_size", ulysses_size), ("ring_size", ring_size)):
         if size is not None and getattr(layout, name) != size:
-            groups = {"ulysses": "the group's size", "ring": "the group's size", "usp": "its group's size"}
-            raise comm_error(OP_NAME, f"layout.{name} ({getattr(layout, name)}) must be {size} ({groups[attention]} "
-                             f"for attention={attention!r})", layout=layout, attention=attention)
+            raise comm_error(OP_NAME, f"layout.{name} ({getattr(layout, name)}) must be {size} "
+                             f"({_SIZE_MEANINGS[attention, name]})", layout=layout, attention=attention)
 
 
 def check_world(layout: SequenceLayout, world_size: int) -> None:
@@ -152,18 +170,110 @@ def check_call(plan: ParallelPlan, *, shard: int | None, rows: int, mask: bool =
                          attention=plan.attention)
 
 
-def check_positions(plan: ParallelPlan, shard: int, matches: bool, received: object) -> None:
-    """The model's ``position_ids`` equal to the global positions of this rank's shard (RoPE fed local
-    positions, or a layout other than the context's, is silently wrong).
+def _listed(values: np.ndarray) -> str:
+    """Up to `_SHOWN` values as a list, ``...`` after it when there are more."""
+    shown = ", ".join(str(int(value)) for value in values[:_SHOWN])
+    return f"[{shown}{', ...' if len(values) > _SHOWN else ''}]"
 
-    Raises:
-        CommError: `matches` False.
+
+_SHOWN = 8  # positions shown from the first difference on
+
+
+def positions_error(plan: ParallelPlan, shard: int, received: np.ndarray, *, name: str = "position_ids") -> CommError:
+    """The `CommError` of a model's ``position_ids`` that are not the global positions of shard `shard` (RoPE fed
+    local positions, or tokens sharded by another layout than the context's, is silently wrong): the first
+    differing positions, expected against received. `received` ``[..., n]``: the shard's valid rows (JAX: the
+    padding rows dropped); `name`: the argument (transformers' ``position_ids``, JAX's ``positions``).
+
+    >>> plan = parallel_plan(SequenceLayout(8, ulysses_size=2), "ulysses", ulysses_size=2, ring_size=1)
+    >>> print(str(positions_error(plan, 1, np.arange(4)[None])).split("): ")[1])  # RoPE fed local positions
+    from row 0 of batch row 0, expected [4, 5, 6, 7], received [0, 1, 2, 3]. Received: position_ids_shape=(1, 4), ...
     """
-    if not matches:
-        want = np.array2string(plan.layout.positions(shard), threshold=12)
-        raise comm_error(CALL_OP, f"position_ids must be the global positions of shard {shard} of the layout "
-                         f"({want}; sequence.shard_tokens gives them)", position_ids=received,
-                         layout=plan.layout)
+    want = plan.layout.positions(shard)
+    rows = np.asarray(received).reshape(-1, np.shape(received)[-1] if np.ndim(received) else 1)
+    what = f"{name} must be the global positions of shard {shard} of the layout (layout.positions({shard}); " \
+           "sequence.shard_tokens and sequence.position_ids give them)"
+    if rows.shape[1] != len(want):
+        return comm_error(CALL_OP, f"{what}: {name}.shape[-1] ({rows.shape[1]}) must be the shard's rows "
+                          f"({len(want)})", **{f"{name}_shape": tuple(np.shape(received))}, layout=plan.layout)
+    batch, row = (int(index[0]) for index in np.nonzero(rows != want))
+    return comm_error(CALL_OP, f"{what}: from row {row} of batch row {batch}, expected {_listed(want[row:])}, "
+                      f"received {_listed(rows[batch, row:])}", **{f"{name}_shape": tuple(np.shape(received))},
+                      layout=plan.layout)
+
+
+def check_positions_shape(plan: ParallelPlan, shape: tuple[int, ...]) -> None:
+    """JAX's `dot_product_attention(..., positions=)`: ``[..., layout.max_size]`` (each shard padded).
+
+    >>> plan = parallel_plan(SequenceLayout(10, ulysses_size=4), "ulysses", ulysses_size=4, ring_size=None)
+    >>> check_positions_shape(plan, (2, 10))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: commlib attention: positions.shape[-1] (10) must be layout.max_size (3): ...
+    """
+    if not shape or shape[-1] != plan.layout.max_size:
+        rows = shape[-1] if shape else None
+        raise comm_error(CALL_OP, f"positions.shape[-1] ({rows}) must be layout.max_size ({plan.layout.max_size}): "
+                         "this rank's positions, padded as its tokens (sequence.shard_tokens gives them)",
+                         positions_shape=shape, layout=plan.layout)
+
+
+def helper_layout(op_name: str, plan: ParallelPlan | None, layout: object) -> object:
+    """The layout a sequence helper (`op_name`: shard_tokens, position_ids, ...) runs on: `layout`, or, given
+    None, the innermost `parallel` context's (`plan`; None outside every context). Inside a context a
+    `SequenceLayout` other than the context's is refused: tokens, positions or a sequence sharded one way and
+    attended another are silently wrong.
+
+    >>> plan = parallel_plan(SequenceLayout(8, ring_size=2), "ring", ulysses_size=1, ring_size=2)
+    >>> helper_layout("shard_tokens", plan, None)
+    SequenceLayout(seq_len=8, ring_size=2, ulysses_size=1, layout='contiguous')
+    >>> helper_layout("shard_tokens", plan, SequenceLayout(8, ring_size=2, layout="zigzag"))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: shard_tokens: layout (SequenceLayout(seq_len=8, ring_size=2, ulysses_size=1, ...
+    """
+    if layout is None:
+        if plan is None:
+            raise comm_error(op_name, "layout is required outside a parallel(...) context", layout=None)
+        return plan.layout
+    if plan is not None and isinstance(layout, SequenceLayout) and layout != plan.layout:
+        raise comm_error(op_name, f"layout ({layout}) must be the parallel context's layout ({plan.layout}): "
+                         f"what {op_name} shards must be what the attention layer attends (pass layout=None to "
+                         "take the context's)", layout=layout, context_layout=plan.layout)
+    return layout
+
+
+def helper_axes(op_name: str, context_axes: tuple | None, axes: tuple | None) -> tuple:
+    """JAX: the axes a sequence helper shards over: `axes`, or, given None (an empty tuple), the innermost
+    context's sequence axes `context_axes` (USP: ``ring_axis`` then ``ulysses_axis``: shard ``r * U + u``); None
+    outside every context. Inside a context other axes, or the same in another order, are refused.
+
+    >>> helper_axes("shard_tokens", ("ring", "ulysses"), ("ulysses", "ring"))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: shard_tokens: axis_name (('ulysses', 'ring')) must be the parallel context's ...
+    """
+    if not axes:
+        if context_axes is None:
+            raise comm_error(op_name, "axis_name is required outside a parallel(...) context", axis_name=None)
+        return context_axes
+    if context_axes is not None and tuple(axes) != tuple(context_axes):
+        raise comm_error(op_name, f"axis_name ({tuple(axes)}) must be the parallel context's sequence axes "
+                         f"({tuple(context_axes)}) in that order (USP: ring axis, then Ulysses axis; shard "
+                         "r * U + u): sharded over other axes, the tokens are not the ones the layer attends",
+                         axis_name=tuple(axes), context_axes=tuple(context_axes))
+    return tuple(axes)
+
+
+def refused_elsewhere_error() -> CommError:
+    """Checked mode: the `CommError` raised by a rank whose own call passed when another rank of the layer's
+    groups refused its call (so no rank enters the collective alone and waits for the timeout).
+
+    >>> refused_elsewhere_error()  # doctest: +ELLIPSIS
+    CommError('commlib attention: another rank of the layer refused this call (its own error says why): ...')
+    """
+    return comm_error(CALL_OP, "another rank of the layer refused this call (its own error says why): every rank "
+                      "raises rather than one entering the collective alone")
 
 
 State = TypeVar("State")

@@ -8,11 +8,14 @@ read here with ``getattr`` so an older or newer layout degrades to "no checked a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import jax
 
-__all__ = ["bound_axis_names", "distributed_client", "manual_axes", "mesh_axis_names", "varying_axes"]
+__all__ = ["JitKeyedState", "bound_axis_names", "distributed_client", "manual_axes", "mesh_axis_names", "varying_axes"]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -61,3 +64,48 @@ def distributed_client() -> Any:
     except ImportError:
         return None
     return getattr(getattr(distributed, "global_state", None), "client", None)
+
+
+class JitKeyedState:
+    """A per-thread value that code reads while JAX traces it, made part of ``jax.jit``'s cache key: a function
+    jitted (traced) under one value and called under another is traced again, instead of silently keeping what
+    it read the first time.
+
+    jax keeps such values (its mesh and compute-on contexts) in ``jax._src.config.config_ext.Config(name, default,
+    include_in_jit_key=True, include_in_trace_context=True)``, private, read on 0.10.2; where it is missing, a
+    contextvar (a function jitted under one value then keeps it when called under another).
+    """
+
+    def __init__(self, name: str) -> None:
+        try:
+            from jax._src.config import config_ext
+
+            self._state: Any = config_ext.Config(name, None, include_in_jit_key=True, include_in_trace_context=True)
+        except (ImportError, AttributeError, TypeError):
+            self._state = None
+        self._fallback: contextvars.ContextVar[Any] = contextvars.ContextVar(name, default=None)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the value is part of jit's cache key (False: the contextvar fallback)."""
+        return self._state is not None
+
+    def get(self) -> Any:
+        """The value bound in this thread (None where none is)."""
+        return self._fallback.get() if self._state is None else self._state.value
+
+    @contextlib.contextmanager
+    def bound(self, value: Hashable) -> Iterator[None]:
+        """`value` inside the ``with`` (hashable: it is part of jit's key), the previous one after."""
+        if self._state is None:
+            token = self._fallback.set(value)
+            try:
+                yield
+            finally:
+                self._fallback.reset(token)
+            return
+        previous = self._state.swap_local(value)
+        try:
+            yield
+        finally:
+            self._state.set_local(previous)

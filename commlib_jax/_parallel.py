@@ -9,12 +9,17 @@ traced."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import io_callback
 
 from commlib import parallel as spec
+from commlib_jax._compat import JitKeyedState
 from commlib_jax._op import axis_size
-from commlib_jax._vma import axes_of, axis_arg
+from commlib_jax._vma import axes_of, axis_arg, to_varying
 from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
 
 
@@ -36,6 +41,31 @@ class Parallel:
         return dict(ulysses_size=size, ring_size=1) if self.plan.attention == "ulysses" else \
             dict(ulysses_size=1, ring_size=size)
 
+    def key(self) -> tuple:
+        """What the context decides for the code traced inside it (the plan and the axes, hashable): part of
+        jit's cache key (`JIT_KEY`)."""
+        axes = (self.axis_name, self.ulysses_axis, self.ring_axis)
+        return (self.plan, *(None if axis is None else axes_of(axis) for axis in axes))
+
+    def sequence_axes(self) -> tuple:
+        """The axes the layout's shards lie along, in shard order: ``axis_name``'s, or USP's ring axes then its
+        Ulysses axes (the rank at ring index r and Ulysses index u holds shard ``r * U + u``)."""
+        if self.plan.attention == "usp":
+            return axes_of(self.ring_axis) + axes_of(self.ulysses_axis)
+        return axes_of(self.axis_name)
+
+    def check_positions(self, positions) -> None:
+        """Refuse, on every rank, a model's `positions` ``[..., max_size]`` whose valid rows are not the global
+        positions of the rank's shard (RoPE fed local positions, tokens sharded by another layout). The shape is
+        checked when traced; the values when the step runs: the ranks' positions are all-gathered over the
+        layout's axes (``W * positions.size`` ints) and a host callback on every device raises the spec's error
+        for the first shard that differs (expected against received), inside JAX's runtime error."""
+        spec.check_positions_shape(self.plan, tuple(np.shape(positions)))
+        axes = self.sequence_axes()
+        positions = to_varying(jnp.asarray(positions).astype(jnp.int32), axes)
+        everyone = lax.all_gather(positions, axis_arg(axes))  # [W, ..., max_size], shard order
+        io_callback(functools.partial(_refuse_positions, self.plan), None, everyone, ordered=False)
+
     def attend(self, q, k, v, *, causal: bool, scale: float | None):
         """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards."""
         keywords = self.plan.keywords
@@ -46,9 +76,23 @@ class Parallel:
         return usp_attention(q, k, v, self.ulysses_axis, self.ring_axis, causal=causal, scale=scale, **keywords)
 
 
+def _refuse_positions(plan: spec.ParallelPlan, everyone) -> None:
+    """Host side of `Parallel.check_positions`: every shard's positions ``[W, ..., max_size]``; the error of
+    the first shard whose valid rows are not its global positions (the same on every device)."""
+    everyone = np.asarray(everyone)
+    for shard, size in enumerate(plan.layout.sizes):
+        mine = everyone[shard][..., :size]
+        if (mine != plan.layout.positions(shard)).any():
+            raise spec.positions_error(plan, shard, mine, name="positions")
+
+
 #: The entered contexts of this thread; `current(op_name)` is the innermost (the spec's error outside every one).
 CONTEXTS = spec.Contexts[Parallel]("commlib_jax_parallel", "commlib_jax.sequence.parallel")
 current = CONTEXTS.current
+#: The innermost context's `Parallel.key`, part of jax.jit's cache key: a function jitted (traced) in one context
+#: -- or outside every one -- and called in another is traced again there, instead of keeping the first one's
+#: layer, layout and axes (and its helpers' checks against them).
+JIT_KEY = JitKeyedState("commlib_jax_parallel")
 _NAMES = ("axis_name", "ulysses_axis", "ring_axis")
 
 
@@ -62,8 +106,8 @@ def _known_size(axis) -> int | None:
 
 def enter(layout: object, axis_name: object, attention: str, ulysses_axis: object, ring_axis: object) -> Parallel:
     """The context of ``parallel(layout, axis_name, attention=..., ...)``, checked by the spec."""
-    given = dict(zip(_NAMES, (axis_name is not None, ulysses_axis is not None, ring_axis is not None), strict=True))
-    spec.check_groups(attention, given, _NAMES, group_required=True)
+    spec.check_groups(attention, dict(zip(_NAMES, (axis_name, ulysses_axis, ring_axis), strict=True)), _NAMES,
+                      group_required=True)
     if attention == "usp":
         sizes = dict(ulysses_size=_known_size(ulysses_axis), ring_size=_known_size(ring_axis))
     elif attention == "ulysses":

@@ -3,7 +3,11 @@ rank's tokens, global positions and globally shifted labels (`shard_tokens`, `po
 take and gather of a sequence (`shard_sequence`, `gather_sequence`) and the loss over every rank's tokens
 (`cross_entropy`); `commlib_jax.training.value_and_grad` takes the gradient.
 
-Each takes a `commlib.SequenceLayout` whose world size is the size of `axis_name`. Every device holds one shape:
+Each takes a `commlib.SequenceLayout` whose world size is the size of `axis_name`. Inside a `parallel` context
+`layout` and `axis_name` may be left out (None): they are the context's layout and its sequence axes (USP: the
+ring axis, then the Ulysses axis: shard ``r * U + u``); given, they must be those (a `CommError` naming the helper,
+the argument, the context's value and the given one), so the tokens, positions and sequences the helpers shard
+are the ones the attention layer attends. Outside every context both are required. Every device holds one shape:
 shard r padded to ``layout.max_size`` rows, its own ``layout.sizes[r]`` first (padding rows: id 0, position 0,
 label `ignore_index`, zeros in `shard_sequence`'s output; ignored by `gather_sequence`, gradient exactly 0).
 The spec (`commlib.sequence_helpers`) validates every call at trace time and owns the index tables; the float64
@@ -39,8 +43,14 @@ __all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", 
 
 
 
-def _layout(op_name: str, layout: object, axis_name: AxisName) -> tuple[SequenceLayout, tuple]:
-    axes = axes_of(axis_name)
+def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[SequenceLayout, tuple]:
+    """The layout and axes a helper runs on: the given ones, or inside a `parallel` context its layout and
+    sequence axes where None (given ones must be the context's: the spec refuses others); the layout's world
+    size checked against the axes'."""
+    state = _parallel.CONTEXTS.innermost()
+    layout = parallel_spec.helper_layout(op_name, None if state is None else state.plan, layout)
+    axes = parallel_spec.helper_axes(op_name, None if state is None else state.sequence_axes(),
+                                     () if axis_name is None else axes_of(axis_name))
     return spec.check_layout(op_name, layout, axis_size(op_name, axes)), axes
 
 
@@ -57,12 +67,13 @@ def _check_array(op_name: str, x, name: str = "x"):
     return x
 
 
-def position_ids(layout: SequenceLayout, axis_name: AxisName) -> jax.Array:
+def position_ids(layout: SequenceLayout | None = None, axis_name: AxisName | None = None) -> jax.Array:
     """This rank's global positions: int32 ``[layout.max_size]`` (``layout.positions(rank)``, then 0 on padding
     rows), for RoPE and position embeddings (local positions 0..n-1 are the silent mistake this replaces).
 
     Raises:
-        CommError: ``layout.world_size`` is not the size of `axis_name`, an unbound axis name.
+        CommError: ``layout.world_size`` is not the size of `axis_name`, an unbound axis name; a layout or axes
+            not the `parallel` context's (see the module).
         TypeError: `layout` not a `SequenceLayout`.
 
     Example:
@@ -79,7 +90,7 @@ def position_ids(layout: SequenceLayout, axis_name: AxisName) -> jax.Array:
     return jnp.asarray(np.maximum(spec.position_table(layout), 0).astype(np.int32))[rank(axes)]
 
 
-def shard_tokens(input_ids, layout: SequenceLayout, axis_name: AxisName, *,
+def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
                  ignore_index: int = -100) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     ``[B, layout.max_size]`` (ids and labels in input_ids' dtype, positions int32).
@@ -89,7 +100,8 @@ def shard_tokens(input_ids, layout: SequenceLayout, axis_name: AxisName, *,
     rows get `ignore_index`), not shifted per shard. Padding rows: id 0, position 0. No communication.
 
     Raises:
-        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the axis size.
+        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the axis size; a
+            layout or axes not the `parallel` context's (see the module).
         TypeError: input_ids not an integer array, `layout` not a `SequenceLayout`, `ignore_index` not an int.
 
     Example:
@@ -109,11 +121,12 @@ def shard_tokens(input_ids, layout: SequenceLayout, axis_name: AxisName, *,
     ids = jnp.take(input_ids, rows, axis=1, mode="fill", fill_value=0)
     labels = jnp.take(input_ids, _rows(spec.label_table(layout), layout, axes), axis=1, mode="fill",
                       fill_value=ignore)
-    positions = jnp.broadcast_to(position_ids(layout, axis_name), ids.shape)
+    positions = jnp.broadcast_to(position_ids(layout, axes), ids.shape)
     return ids, positions, labels
 
 
-def shard_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int = 1) -> jax.Array:
+def shard_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
+                   dim: int = 1) -> jax.Array:
     """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., max_size, ..]``
     along `dim` (``S == layout.seq_len``; rows past ``sizes[rank]`` are zeros), x's dtype; no communication
     forward.
@@ -125,7 +138,8 @@ def shard_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int =
 
     Raises:
         CommError: `dim` out of range, ``x.shape[dim] != layout.seq_len``, ``layout.world_size`` not the axis
-            size. TypeError: `layout` not a `SequenceLayout`.
+            size; a layout or axes not the `parallel` context's (see the module). TypeError: `layout` not a
+            `SequenceLayout`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -147,10 +161,10 @@ def shard_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int =
     if order is not None:
         index = np.where(order < 0, layout.seq_len, order).astype(np.int32)
         x = jnp.take(x, jnp.asarray(index), axis=dim, mode="fill", fill_value=0)
-    return shard(x, axis_name, dim)
+    return shard(x, axes, dim)
 
 
-def gather_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int = 1,
+def gather_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1,
                     convention: str = "sum") -> jax.Array:
     """The inverse of `shard_sequence`: every rank's shard ``[.., max_size, ..]`` (its first ``sizes[r]`` rows
     valid) gathered into the whole sequence ``[.., S, ..]`` in natural position order along `dim`, on every
@@ -162,7 +176,8 @@ def gather_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int 
 
     Raises:
         CommError: `dim` out of range, ``x.shape[dim] != layout.max_size``, unknown convention,
-            ``layout.world_size`` not the axis size. TypeError: `layout` not a `SequenceLayout`.
+            ``layout.world_size`` not the axis size; a layout or axes not the `parallel` context's (see the
+            module). TypeError: `layout` not a `SequenceLayout`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -176,9 +191,9 @@ def gather_sequence(x, layout: SequenceLayout, axis_name: AxisName, *, dim: int 
         Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     x = _check_array("gather_sequence", x)
-    layout, _ = _layout("gather_sequence", layout, axis_name)
+    layout, axes = _layout("gather_sequence", layout, axis_name)
     dim = spec.check_sequence("gather_sequence", x.shape, dim, layout.max_size, "layout.max_size")
-    whole = all_gather(x, axis_name, dim, convention=convention, sizes=spec.gather_sizes(layout))
+    whole = all_gather(x, axes, dim, convention=convention, sizes=spec.gather_sizes(layout))
     order = spec.gather_order(layout)
     return whole if order is None else jnp.take(whole, jnp.asarray(order.astype(np.int32)), axis=dim)
 
@@ -247,8 +262,10 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
 
     Yields the spec's `commlib.parallel.ParallelPlan`. Contexts nest (the innermost wins; the outer one is back
     on exit) and are per thread (a contextvar). The layout's sizes are checked against the axes' on entry
-    inside a shard_map, else when the attention is traced. A jitted function keeps the layer it was traced with:
-    jit it inside the context it runs in. Gradients are the layers' (exact, every JAX mode).
+    inside a shard_map, else when the attention is traced. The context is part of ``jax.jit``'s cache key: a
+    function jitted in one context (or outside every one) and called in another is traced again there (on a
+    jax without the private API this rests on, `commlib_jax._compat.JitKeyedState`, it keeps the first
+    context's layer: jit it inside the context it runs in). Gradients are the layers' (exact, every JAX mode).
 
     Raises:
         CommError: an unknown `attention`, USP without both axes (Ulysses / ring without `axis_name`, or given
@@ -271,12 +288,12 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
         True
     """
     state = _parallel.enter(layout, axis_name, attention, ulysses_axis, ring_axis)
-    with _parallel.CONTEXTS.entered(state):
+    with _parallel.CONTEXTS.entered(state), _parallel.JIT_KEY.bound(state.key()):
         yield state.plan
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False):
+                          is_causal: bool = False, positions=None):
     """``jax.nn.dot_product_attention``'s signature and layout, run by the innermost `parallel` context's layer on
     this rank's shard: query ``[B, T, N, H]``, key and value ``[B, T, K, H]`` (``T = layout.max_size``; GQA by head
     counts, ``N % K == 0``) -> ``[B, T, N, H]``, query's dtype; rows past this shard's own are zeros.
@@ -284,18 +301,29 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     `is_causal` masks by global positions; `scale` defaults to ``1 / sqrt(H)``. Gradient: exact, the layer's
     (rows past a shard's own get gradient 0).
 
+    `positions` (optional, int ``[..., T]``: the positions the model fed RoPE / its position embeddings,
+    ``shard_tokens``' second output): checked against the global positions of this rank's shard (padding rows
+    ignored), on every rank -- RoPE fed local positions, or tokens sharded by another layout than the context's
+    (e.g. by `shard_tokens` outside the context), is otherwise silently wrong, as the layer sees no positions.
+    The check costs one all_gather of the positions (``W * positions.size`` ints) and a host callback per call;
+    a mismatch raises, when the step runs, ``jax.errors.JaxRuntimeError`` carrying the spec's `CommError` text
+    (the first shard that differs: its expected and received positions) on every rank, so none waits in the
+    layer's collectives; JAX reports it again at exit. None (default): not checked, nothing added.
+
     Raises:
         CommError: outside a `parallel` context (at trace time); a `bias` or a `mask` (commlib owns the causal
-            mask only); T not ``layout.max_size``; the layout's sizes not the axes'; the layer's own errors.
+            mask only); T not ``layout.max_size``; the layout's sizes not the axes'; ``positions.shape[-1]`` not
+            ``layout.max_size``; the layer's own errors.
+        jax.errors.JaxRuntimeError: (when run) `positions` not the shards' global positions (see above).
 
-    Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA):
+    Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA; the positions checked):
         >>> import commlib, jax, jax.numpy as jnp, numpy as np
         >>> from jax.sharding import Mesh, PartitionSpec as P
         >>> layout = commlib.SequenceLayout(16, ring_size=4, layout="zigzag")
         >>> rng = np.random.default_rng(0)
         >>> q, k = rng.standard_normal((2, 16, 4, 8), np.float32), rng.standard_normal((2, 16, 2, 8), np.float32)
         >>> cut = lambda x: jnp.asarray(np.concatenate(layout.shard(x), axis=1))  # shard r's rows at block r
-        >>> body = lambda q, k: dot_product_attention(q, k, k, is_causal=True)
+        >>> body = lambda q, k: dot_product_attention(q, k, k, is_causal=True, positions=position_ids()[None])
         >>> with parallel(layout, "x", attention="ring"):
         ...     out = jax.shard_map(body, mesh=Mesh(jax.devices()[:4], ("x",)), in_specs=P(None, "x"),
         ...                         out_specs=P(None, "x"))(cut(q), cut(k))
@@ -307,4 +335,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     parallel_spec.check_call(state.plan, shard=None, rows=query.shape[1], mask=mask is not None,
                              bias=bias is not None)
     parallel_spec.check_sizes(state.plan.layout, state.plan.attention, **state.sizes(parallel_spec.CALL_OP))
+    if positions is not None:
+        state.check_positions(positions)
     return state.attend(query, key, value, causal=is_causal, scale=scale)

@@ -12,20 +12,21 @@ parameter, so it can leave the shard_map with the parameter's own spec.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 
 import jax
 from jax import lax
 
 from commlib import training
-from commlib_jax._compat import manual_axes
+from commlib_jax._compat import JitKeyedState, manual_axes
 from commlib_jax._vma import axes_of, axis_arg, checked_axes, to_varying, varying_axes
 
 __all__ = ["value_and_grad"]
 
-#: The axes the `value_and_grad` being traced sums over (None outside one): read by `cross_entropy`.
-_SUMMED_AXES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("summed_axes", default=None)
+#: The axes the `value_and_grad` being traced sums over (None outside one): read by `cross_entropy` when traced,
+#: and part of jit's cache key, so a function jitted outside `value_and_grad` and called inside it (or the
+#: reverse) is traced again rather than keeping the other mode's `cross_entropy`.
+_SUMMED_AXES = JitKeyedState("commlib_value_and_grad_axes")
 
 
 def _mesh_axes() -> tuple:
@@ -103,11 +104,8 @@ def value_and_grad(fun, axis_name, *, argnums: int | Sequence[int] = 0, has_aux:
 
     def step(*args):
         mesh_axes = _mesh_axes()
-        token = _SUMMED_AXES.set(data_axes)
-        try:
+        with _SUMMED_AXES.bound(data_axes):
             value, grads = differentiate(*_own_copies(args, numbers, mesh_axes))
-        finally:
-            _SUMMED_AXES.reset(token)
         params = args[argnums] if isinstance(argnums, int) else tuple(args[number] for number in numbers)
 
         def reduce(path, grad, param):

@@ -5,10 +5,14 @@ shard, decided once on entry; `current` and `Parallel.attend` are what an integr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from commlib import CommError
 from commlib import parallel as spec
+from commlib_torch._checked import is_checked
 from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
 
@@ -31,6 +35,35 @@ class Parallel:
             self._positions[device] = torch.as_tensor(self.plan.layout.positions(self.shard), device=device)[None]
         return self._positions[device]
 
+    def groups(self) -> tuple[ResolvedGroup, ...]:
+        """The groups whose ranks run the layer together: Ulysses' or ring's group; USP's whole group if given,
+        else its Ulysses and ring groups (a flag reduced over one, then the other, reaches every rank of both)."""
+        if self.plan.attention != "usp" or self.group is not None:
+            return (self.group,)
+        return (self.ulysses_group, self.ring_group)
+
+    def refuse_together(self, checks: Callable[[], None], device: torch.device) -> None:
+        """Run an integration call's `checks` (they raise the spec's `CommError`). In checked mode
+        (``COMMLIB_CHECK=1``) the ranks of the layer first exchange whether each refused (one int64 all_reduce
+        per group), so every rank raises -- the refusing ones their own error, the others
+        `commlib.parallel.refused_elsewhere_error` -- instead of the passing ones entering the collective alone.
+        Off: `checks` alone, each rank deciding from its own shard."""
+        if not is_checked():
+            checks()
+            return
+        refusal = None
+        try:
+            checks()
+        except CommError as error:
+            refusal = error
+        flag = torch.tensor([int(refusal is not None)], dtype=torch.int64, device=device)
+        for group in self.groups():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if refusal is not None:
+            raise refusal
+        if flag.item():
+            raise spec.refused_elsewhere_error()
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                scale: float | None) -> torch.Tensor:
         """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards."""
@@ -50,8 +83,8 @@ _NAMES = ("group", "ulysses_group", "ring_group")
 
 def enter(layout: object, group: object, attention: str, ulysses_group: object, ring_group: object) -> Parallel:
     """The context of ``parallel(layout, group, attention=..., ...)``: checked by the spec, groups resolved."""
-    given = dict(zip(_NAMES, (group is not None, ulysses_group is not None, ring_group is not None), strict=True))
-    spec.check_groups(attention, given, _NAMES)
+    shown = (None if value is None else type(value).__name__ for value in (group, ulysses_group, ring_group))
+    spec.check_groups(attention, dict(zip(_NAMES, shown, strict=True)), _NAMES)
     if attention == "usp":
         ulysses, ring = (resolve_group(spec.OP_NAME, g) for g in (ulysses_group, ring_group))
         sizes = dict(ulysses_size=world_size(spec.OP_NAME, ulysses), ring_size=world_size(spec.OP_NAME, ring))

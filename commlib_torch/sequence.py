@@ -4,8 +4,11 @@ sequence (`shard_sequence`, `gather_sequence`), the loss over every rank's token
 gradient sync of replicated parameters (`sync_gradients`).
 
 Each takes a `commlib.SequenceLayout` whose world size is the group's; rank r holds shard r exactly
-(``layout.sizes[r]`` rows, possibly none). The spec (`commlib.sequence_helpers`) validates every call before
-any communication and owns the index tables; the float64 references there are what the tests compare with.
+(``layout.sizes[r]`` rows, possibly none). Inside a `parallel` context `layout` may be left out (None: the
+context's; another one is refused with a `CommError` naming both) and `group` None is the context's (Ulysses' or
+ring's group; USP's whole group, WORLD where none was given). The spec (`commlib.sequence_helpers`) validates
+every call before any communication and owns the index tables; the float64 references there are what the tests
+compare with.
 
 And the `parallel` context that names the
 attention layer (Ulysses, ring, USP), its groups and the `commlib.SequenceLayout` for the code inside it
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commlib import SequenceLayout
+from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
 from commlib.check import sequence_call
 from commlib.parallel import ParallelPlan
@@ -38,7 +42,13 @@ __all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", 
 
 
 def _rank_layout(op_name: str, layout: object, group: GroupArgument) -> tuple[SequenceLayout, ResolvedGroup, int]:
-    """The layout checked against the group, the resolved group and this rank in it."""
+    """The layout checked against the group, the resolved group and this rank in it. Inside a `parallel` context
+    a layout None is the context's (another one is refused by the spec) and a group None the context's
+    (Ulysses' or ring's group; USP's whole group, WORLD where none was given)."""
+    state = _parallel.CONTEXTS.innermost()
+    layout = parallel_spec.helper_layout(op_name, None if state is None else state.plan, layout)
+    if group is None and state is not None:
+        group = state.group
     resolved = resolve_group(op_name, group)
     layout = spec.check_layout(op_name, layout, world_size(op_name, resolved))
     return layout, resolved, dist.get_rank(resolved)
@@ -62,13 +72,14 @@ def _table(kind: str, layout: SequenceLayout, rank: int, device: torch.device) -
     return torch.tensor(table, dtype=torch.int64, device=device)
 
 
-def position_ids(layout: SequenceLayout, group: GroupArgument = None) -> torch.Tensor:
+def position_ids(layout: SequenceLayout | None = None, group: GroupArgument = None) -> torch.Tensor:
     """This rank's global positions: int64 ``[layout.sizes[rank]]`` (``layout.positions(rank)``) on the CPU
     (``.to(device)`` them), for RoPE and position embeddings (feeding local positions 0..n-1 instead is the
     silent mistake this replaces); `shard_tokens` returns them ``[B, n]`` on input_ids' device.
 
     Raises:
-        CommError: ``layout.world_size`` is not the group's size. TypeError: `layout` not a `SequenceLayout`.
+        CommError: ``layout.world_size`` is not the group's size; a layout other than the `parallel`
+            context's, or none outside one. TypeError: `layout` not a `SequenceLayout`.
 
     Example:
         >>> from commlib import SequenceLayout
@@ -79,7 +90,7 @@ def position_ids(layout: SequenceLayout, group: GroupArgument = None) -> torch.T
     return _table("positions", layout, rank, torch.device("cpu")).clone()
 
 
-def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
+def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
                  ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     int64-indexed ``[B, sizes[rank]]`` (ids and labels in input_ids' dtype, positions int64).
@@ -89,7 +100,8 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupAr
     `ignore_index`), not shifted per shard. No communication; no gradient (integers).
 
     Raises:
-        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the group's.
+        CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the group's; a
+            layout other than the `parallel` context's, or none outside one.
         TypeError: input_ids not an integer tensor, `layout` not a `SequenceLayout`, `ignore_index` not an int.
 
     Example:
@@ -108,7 +120,7 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout, group: GroupAr
     return ids, rows.repeat(input_ids.shape[0], 1), labels
 
 
-def shard_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *,
+def shard_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
                    dim: int = 1) -> torch.Tensor:
     """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., sizes[rank], ..]``
     along `dim` (``S == layout.seq_len``), x's dtype; no communication forward.
@@ -118,7 +130,8 @@ def shard_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument
     ``layout.max_size`` rows in the shard order, the padding's cotangent dropped).
 
     Raises:
-        CommError: `dim` out of range, ``x.shape[dim] != layout.seq_len``, ``layout.world_size`` not the group's.
+        CommError: `dim` out of range, ``x.shape[dim] != layout.seq_len``, ``layout.world_size`` not the group's;
+            a layout other than the `parallel` context's, or none outside one.
         TypeError: x not a tensor, `layout` not a `SequenceLayout`.
 
     Example:
@@ -137,7 +150,7 @@ def shard_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument
     return out if layout.is_even else out.narrow(dim, 0, layout.sizes[rank])
 
 
-def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgument = None, *, dim: int = 1,
+def gather_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *, dim: int = 1,
                     convention: str = "sum") -> torch.Tensor:
     """The inverse of `shard_sequence`: every rank's shard ``[.., sizes[r], ..]`` gathered into the whole
     sequence ``[.., S, ..]`` in natural position order along `dim`, on every rank; x's dtype.
@@ -148,7 +161,8 @@ def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: GroupArgumen
 
     Raises:
         CommError: `dim` out of range, ``x.shape[dim] != layout.sizes[rank]``, unknown convention,
-            ``layout.world_size`` not the group's. TypeError: x not a tensor, `layout` not a `SequenceLayout`.
+            ``layout.world_size`` not the group's; a layout other than the `parallel` context's, or none
+            outside one. TypeError: x not a tensor, `layout` not a `SequenceLayout`.
 
     Example:
         >>> from commlib import SequenceLayout

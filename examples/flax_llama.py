@@ -13,11 +13,15 @@ The recipe (what a user writes): the model calls `commlib_jax.sequence.dot_produ
 GLOBAL positions (RoPE) and globally shifted labels (`shard_tokens`, padded to ``layout.max_size`` rows), the loss is
 `cross_entropy` (the mean over every device's tokens) and `commlib_jax.training.value_and_grad` takes the gradient:
 the global mean as the loss, the unsharded gradients, typed replicated so they leave the shard_map with ``P()``
-and feed optax outside it, in the same jitted step.
+and feed optax outside it, in the same jitted step. Inside the context the helpers' layout and axes must be the
+context's (they may be left out), and the attention is handed the positions RoPE used (``positions=``), which it
+checks against the layout's on every rank: local positions, or tokens sharded another way, raise instead of
+training silently wrong.
 
 The context and jit: `dot_product_attention` reads the innermost ``commlib_jax.sequence.parallel`` context when it is
-traced, and a jitted function keeps what it was traced with. So the step is built and called (so traced) inside
-``with parallel(...)``: the whole training loop runs in the context, and the one jitted step is traced once there.
+traced (the context is part of jit's cache key: a step traced in another context is traced again). So the step is
+built and called (so traced) inside ``with parallel(...)``: the whole training loop runs in the context, and the one
+jitted step is traced once there.
 The unsharded model passes its own attention function (the model takes it as an argument), so it never reads the
 context: `unsharded_attention`, ``jax.nn.dot_product_attention``'s math through `commlib_jax.attention.attention`,
 because ``jax.nn.dot_product_attention`` itself takes the softmax in float32 whatever the dtype (jax 0.10), which
@@ -67,9 +71,9 @@ def linear(inputs: int, outputs: int, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(inputs, outputs, use_bias=False, dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
 
 
-def unsharded_attention(query, key, value, *, is_causal: bool = False) -> jax.Array:
+def unsharded_attention(query, key, value, *, is_causal: bool = False, positions=None) -> jax.Array:
     """``jax.nn.dot_product_attention(query, key, value, is_causal=...)`` on the whole sequence with the softmax in
-    the inputs' float64 (jax.nn's own takes it in float32)."""
+    the inputs' float64 (jax.nn's own takes it in float32); `positions` (0..S-1 here) is not needed."""
     return local_attention(query, key, value, causal=is_causal)
 
 
@@ -87,7 +91,8 @@ class Attention(nnx.Module):
         q = rope(self.query(x).reshape(batch, rows, HEADS, HEAD_DIM), positions)
         k = rope(self.key(x).reshape(batch, rows, KV_HEADS, HEAD_DIM), positions)
         v = self.value(x).reshape(batch, rows, KV_HEADS, HEAD_DIM)
-        return self.output(attention(q, k, v, is_causal=True).reshape(batch, rows, HEADS * HEAD_DIM))
+        out = attention(q, k, v, is_causal=True, positions=positions)  # commlib checks RoPE's positions
+        return self.output(out.reshape(batch, rows, HEADS * HEAD_DIM))
 
 
 class Layer(nnx.Module):

@@ -67,7 +67,11 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
     Raises:
         CommError: outside a `parallel` context; a padding or custom attention mask, dropout > 0, a sliding
             window, softcapping, attention sinks, a position bias; query rows not ``layout.sizes[shard]``;
-            ``position_ids`` not the shard's global positions; the layer's own errors.
+            ``position_ids`` not the shard's global positions (the first differing ones shown); the layer's own
+            errors. Each rank decides these from its own shard: in checked mode (``COMMLIB_CHECK=1``) the ranks
+            of the layer exchange whether any refused (one small all_reduce), and every rank raises -- the others
+            "another rank of the layer refused this call" -- where otherwise a rank whose shard passes enters the
+            layer's collective alone and waits for the timeout.
 
     Example (one rank: WORLD of size 1):
         >>> import commlib
@@ -79,6 +83,16 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
         (torch.Size([1, 6, 8, 16]), None)
     """
     state = _parallel.current(spec.CALL_OP)
+    state.refuse_together(lambda: _check(state, query, attention_mask, dropout, kwargs), query.device)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = state.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
+                       scale=scaling)
+    return out, None
+
+
+def _check(state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+           kwargs: dict) -> None:
+    """What `attention_forward` refuses: the spec's call checks, and ``position_ids`` other than the shard's."""
     refused = any(kwargs.get(name) is not None for name in ("s_aux", "sinks", "position_bias"))
     spec.check_call(state.plan, shard=state.shard, rows=query.shape[2], mask=attention_mask is not None,
                     bias=refused, dropout=dropout, sliding_window=kwargs.get("sliding_window"),
@@ -86,9 +100,5 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
     position_ids = kwargs.get("position_ids")
     if position_ids is not None:
         expected = state.positions(position_ids.device)
-        matches = position_ids.shape[-1] == expected.shape[-1] and bool((position_ids == expected).all())
-        spec.check_positions(state.plan, state.shard, matches, tuple(position_ids.shape))
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = state.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                       scale=scaling)
-    return out, None
+        if position_ids.shape[-1] != expected.shape[-1] or not bool((position_ids == expected).all()):
+            raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())

@@ -193,6 +193,25 @@ def test_value_and_grad_with_argnums_and_has_aux(mode):
                                    rtol=1e-12, atol=1e-14, err_msg=name)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_cross_entropy_jitted_outside_value_and_grad_then_called_inside(mode):
+    """The loss function jitted and traced OUTSIDE value_and_grad first (where cross_entropy is the global mean on
+    every rank), then called inside it (where it must be each rank's share): traced again there, so the loss is
+    the unsharded mean, not W times it; and called outside again, the global mean again. With the mode read from
+    a contextvar the second call kept its first trace (loss 4x)."""
+    layout = SequenceLayout(37, 4, layout="zigzag")
+    params = {name: jnp.asarray(value) for name, value in model_parameters(37).items()}
+    ids = jnp.asarray(data(layout)["ids"])
+    want = float(_model_loss(params, ids, None))
+    loss = jax.jit(functools.partial(_model_loss, layout=layout))
+    outside = jax.jit(_mapped_step(loss, mode, 4))
+    inside = jax.jit(_mapped_step(value_and_grad(loss, "i"), mode, 4))
+    np.testing.assert_allclose(np.asarray(outside(params, ids)), np.full(4, want), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(inside(params, ids)[0]), np.full(4, want), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(jax.jit(_mapped_step(loss, mode, 4))(params, ids)), np.full(4, want),
+                               rtol=1e-13)
+
+
 def test_value_and_grad_of_cross_entropy_over_other_axes_is_refused():
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "sp"))
     step = value_and_grad(lambda w, y: sequence.cross_entropy(w[None], y, "sp"), "dp")

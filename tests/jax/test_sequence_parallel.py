@@ -4,6 +4,8 @@ dq/dk/dv (padded layout: rows past a shard's own are zeros with gradient 0) agai
 with its message; nested contexts; a context entered inside the shard_map body.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import commlib
 from commlib import CommError
 from commlib import attention as A
-from commlib_jax import _parallel
+from commlib_jax import _parallel, sequence
 from commlib_jax.sequence import dot_product_attention, parallel
 
 TOLERANCE = 1e-10
@@ -155,3 +157,153 @@ def test_nesting():
         seen.append(_parallel.current("test").plan.attention)
     assert seen == ["ulysses", "ring", "ulysses"]
     assert _parallel.CONTEXTS.innermost() is None
+
+
+# --- the helpers and the context agree on one layout and one axis order ----------------------------------------
+
+
+def _tokens_in(context, call, layout):
+    """`call(ids)` (a sequence helper) inside a W = 4 shard_map over `layout`'s mesh, traced inside `context`
+    (None: outside every context)."""
+    attention = "usp" if layout.ulysses_size > 1 and layout.ring_size > 1 else "ring"
+    mesh, spec = _mesh(layout, attention)
+    ids = jnp.arange(layout.seq_len)[None]
+    mapped = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=spec))
+    if context is None:
+        return mapped(ids)
+    with context:
+        return mapped(ids)
+
+
+def test_helpers_default_to_the_context_layout_and_axes():
+    """Inside a context, layout=None and axis_name=None are the context's: the same tokens, positions and labels
+    as given explicitly; USP's sequence axes are (ring_axis, ulysses_axis)."""
+    for layout, attention in [(commlib.SequenceLayout(37, ring_size=4, layout="zigzag"), "ring"),
+                              (commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag"), "usp")]:
+        axes = ("ring", "ulysses") if attention == "usp" else "x"
+        explicit = functools.partial(lambda ids, layout, axes: jnp.stack(sequence.shard_tokens(ids, layout, axes)),
+                                     layout=layout, axes=axes)
+        given = _tokens_in(_context(layout, attention), explicit, layout)
+        default = _tokens_in(_context(layout, attention), lambda ids: jnp.stack(sequence.shard_tokens(ids)), layout)
+        np.testing.assert_array_equal(np.asarray(default), np.asarray(given))
+        positions = _tokens_in(_context(layout, attention), lambda ids: sequence.position_ids()[None], layout)
+        want = spec_positions(layout)
+        np.testing.assert_array_equal(np.asarray(positions)[0], want)
+
+
+def spec_positions(layout):
+    """Every shard's positions, padded to max_size with 0, in shard order (what position_ids gives)."""
+    from commlib import sequence_helpers
+
+    return np.maximum(sequence_helpers.position_table(layout), 0).reshape(-1)
+
+
+def test_a_helper_with_another_layout_than_the_context_is_refused():
+    """The newcomer's zigzag tokens under a context told contiguous (gradients 94-110% off): refused, naming the
+    helper, the argument, the context's layout and the given one."""
+    contiguous = commlib.SequenceLayout(37, ring_size=4)
+    zigzag = commlib.SequenceLayout(37, ring_size=4, layout="zigzag")
+    for helper in (lambda ids: sequence.shard_tokens(ids, zigzag, "x")[0],
+                   lambda ids: sequence.position_ids(zigzag, "x")[None],
+                   lambda ids: sequence.shard_sequence(ids.astype(jnp.float32), zigzag, "x"),
+                   lambda ids: sequence.gather_sequence(ids[:, :10].astype(jnp.float32), zigzag, "x")[:, :10]):
+        text = _error(lambda helper=helper: _tokens_in(_context(contiguous, "ring"), helper, contiguous))
+        assert f"layout ({zigzag!r}) must be the parallel context's layout ({contiguous!r})" in text, text
+        assert text.split(":")[0] in ("shard_tokens", "position_ids", "shard_sequence", "gather_sequence")
+
+
+def test_usp_axes_in_the_other_order_are_refused():
+    """USP with the tokens sharded over (ulysses, ring) while the context's shard r * U + u is (ring, ulysses)
+    (74-89% off): refused with both orders."""
+    layout = commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag")
+    text = _error(lambda: _tokens_in(_context(layout, "usp"),
+                                     lambda ids: sequence.shard_tokens(ids, layout, ("ulysses", "ring"))[0], layout))
+    assert text.startswith("shard_tokens: axis_name (('ulysses', 'ring')) must be the parallel context's sequence "
+                           "axes (('ring', 'ulysses')) in that order"), text
+
+
+def test_helpers_outside_every_context_need_a_layout():
+    layout = commlib.SequenceLayout(8, ring_size=4)
+    assert _error(lambda: _tokens_in(None, lambda ids: sequence.shard_tokens(ids)[0], layout)).startswith(
+        "shard_tokens: layout is required outside a parallel(...) context")
+    assert _error(lambda: _tokens_in(None, lambda ids: sequence.shard_tokens(ids, layout)[0], layout)).startswith(
+        "shard_tokens: axis_name is required outside a parallel(...) context")
+
+
+# --- positions=: the model's positions checked against the layout's ---------------------------------------------
+
+
+def _attend(layout, attention, positions_of):
+    """`dot_product_attention(q, q, q, positions=positions_of(ids))` over `layout`, materialised."""
+    mesh, spec = _mesh(layout, attention)
+    q = jnp.asarray(np.concatenate(layout.shard(_whole(layout.seq_len)[0], padded=True), axis=1))
+
+    def body(q, ids):
+        return dot_product_attention(q, q, q, is_causal=True, positions=positions_of(ids))
+
+    with _context(layout, attention):
+        step = jax.jit(jax.grad(lambda q: jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(
+            q, jnp.arange(layout.seq_len)[None]).sum()))
+        return np.asarray(step(q))
+
+
+def _runtime_error(call) -> str:
+    """The text of the JaxRuntimeError `call` raises. JAX keeps the failed callback's runtime token and raises it
+    again at interpreter exit (over pytest's summary); the test drops it (jax's private ``runtime_tokens``,
+    read on 0.10.2), a user's process that goes on after the error does not need to."""
+    from jax._src import dispatch
+
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+        call()
+    dispatch.runtime_tokens.clear()
+    return str(raised.value)
+
+
+def test_positions_from_shard_tokens_pass():
+    layout = commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag")
+    checked = _attend(layout, "usp", lambda ids: sequence.shard_tokens(ids)[1])
+    unchecked = _attend(layout, "usp", lambda ids: None)
+    np.testing.assert_array_equal(checked, unchecked)
+
+
+def test_local_positions_are_refused_on_every_rank():
+    """RoPE fed local positions (97% off): the step raises, with the first shard that differs, its expected and
+    received positions (rank 0's local positions are its global ones: the error is still raised)."""
+    layout = commlib.SequenceLayout(10, ulysses_size=4)
+    text = _runtime_error(lambda: _attend(layout, "ulysses",
+                                          lambda ids: jnp.broadcast_to(jnp.arange(layout.max_size), (1, 3))))
+    assert "commlib attention: positions must be the global positions of shard 1 of the layout" in text
+    assert "from row 0 of batch row 0, expected [3, 4, 5], received [0, 1, 2]" in text
+
+
+def test_tokens_sharded_outside_the_context_by_another_layout_are_refused():
+    """shard_tokens called outside every context with a zigzag layout, its positions used inside a contiguous
+    ring context: the positions check sees it."""
+    contiguous, zigzag = commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4,
+                                                                                         layout="zigzag")
+    mesh, spec = _mesh(zigzag, "ring")
+    positions = jax.jit(jax.shard_map(lambda ids: sequence.shard_tokens(ids, zigzag, "x")[1], mesh=mesh,
+                                      in_specs=P(), out_specs=spec))(jnp.arange(16)[None])
+    text = _runtime_error(lambda: _attend(contiguous, "ring", lambda ids: jax.lax.dynamic_slice_in_dim(
+        jnp.asarray(positions), jax.lax.axis_index("x") * 4, 4, axis=1)))
+    assert "positions must be the global positions of shard 0 of the layout" in text
+    assert "from row 2 of batch row 0, expected [2, 3], received [14, 15]" in text  # zigzag: chunks 0 and 7
+
+
+def test_positions_of_the_wrong_length_are_refused_when_traced():
+    layout = commlib.SequenceLayout(10, ulysses_size=4)
+    text = _error(lambda: _attend(layout, "ulysses", lambda ids: jnp.zeros((1, 10), jnp.int32)))
+    assert text.startswith("commlib attention: positions.shape[-1] (10) must be layout.max_size (3)"), text
+
+
+def test_a_function_jitted_in_one_context_is_traced_again_in_another():
+    """The context is part of jit's cache key: the same jitted function called in a zigzag context after a
+    contiguous one gives the zigzag shards (it kept the contiguous trace before), and fails in neither."""
+    contiguous, zigzag = commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4,
+                                                                                         layout="zigzag")
+    mesh, spec = _mesh(zigzag, "ring")
+    step = jax.jit(jax.shard_map(lambda ids: sequence.shard_tokens(ids)[1], mesh=mesh, in_specs=P(), out_specs=spec))
+    ids = jnp.arange(16)[None]
+    for layout in (contiguous, zigzag, contiguous):
+        with _context(layout, "ring"):
+            np.testing.assert_array_equal(np.asarray(step(ids))[0], spec_positions(layout))

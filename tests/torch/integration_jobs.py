@@ -122,3 +122,56 @@ def llama(ctx, seq_len: int, padding: bool):
         logits = sharded(**mine).logits
     want = reference(input_ids=ids, use_cache=False).logits[:, positions]
     return outside, float((logits - want).abs().max() / want.abs().max())
+
+
+def refusal_on_some_ranks(ctx, what: str) -> str:
+    """In checked mode, a call refused on some ranks only (`what`: "positions" -- local positions, which rank 0's
+    global ones equal under contiguous Ulysses; "mask" -- a padding mask on the last rank only): the error on
+    this rank, which must raise too instead of entering the all-to-all alone."""
+    from commlib_torch import checked
+
+    layout = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
+    rows = layout.sizes[ctx.rank]
+    q, k = torch.ones(1, 4, rows, 8, dtype=torch.float64), torch.ones(1, 2, rows, 8, dtype=torch.float64)
+    positions = torch.arange(rows)[None]  # local: rank 0's are its global ones
+    mask = torch.ones(1, 1, rows, 8, dtype=torch.bool) if what == "mask" and ctx.rank == ctx.world_size - 1 else None
+    if what == "mask":
+        positions = torch.as_tensor(layout.positions(ctx.rank))[None]
+    with checked(), parallel(layout):
+        return _error(lambda: integration.attention_forward(None, q, k, k, mask, position_ids=positions))
+
+
+def llama_default_positions(ctx) -> str:
+    """A Llama called inside the context without `position_ids` (transformers then makes local ones, 0..n-1) in
+    checked mode: the error on this rank (rank 0's local positions are its global ones: it raises too)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from commlib_torch import checked
+
+    integration.register()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="commlib", dtype=torch.float64)
+    layout = commlib.SequenceLayout(9, ulysses_size=ctx.world_size)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with checked(), parallel(layout):
+        return _error(lambda: model(input_ids=ids[:, layout.positions(ctx.rank)], use_cache=False))
+
+
+def helpers_in_context(ctx) -> dict:
+    """Inside a ring context over a contiguous layout: shard_tokens / position_ids with layout (and group) None
+    against the explicit call, and the errors of a zigzag layout given to each helper."""
+    from commlib_torch import sequence
+
+    contiguous = commlib.SequenceLayout(13, ring_size=ctx.world_size)
+    zigzag = commlib.SequenceLayout(13, ring_size=ctx.world_size, layout="zigzag")
+    ids = torch.arange(13)[None]
+    x = torch.zeros(1, 13, 2)
+    with parallel(contiguous, attention="ring"):
+        defaults = [t.tolist() for t in (*sequence.shard_tokens(ids), sequence.position_ids())]
+        explicit = [t.tolist() for t in (*sequence.shard_tokens(ids, contiguous), sequence.position_ids(contiguous))]
+        errors = [_error(lambda: sequence.shard_tokens(ids, zigzag)), _error(lambda: sequence.position_ids(zigzag)),
+                  _error(lambda: sequence.shard_sequence(x, zigzag)),
+                  _error(lambda: sequence.gather_sequence(x[:, :zigzag.sizes[ctx.rank]], zigzag))]
+    outside = _error(lambda: sequence.position_ids())
+    return {"defaults": defaults, "explicit": explicit, "errors": errors, "outside": outside}

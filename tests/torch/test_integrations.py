@@ -70,7 +70,9 @@ def test_refusals(pool):
     assert "sliding_window (4) is not supported" in first["sliding_window"]
     assert "softcap (30.0) is not supported" in first["softcap"]
     assert "an attention bias is not supported" in first["sinks"]
-    assert "position_ids must be the global positions of shard 0" in first["local positions"]
+    assert "position_ids must be the global positions of shard 0 of the layout (layout.positions(0); " \
+        "sequence.shard_tokens and sequence.position_ids give them): from row 0 of batch row 0, expected [0, 1], " \
+        "received [1, 2]" in first["local positions"]
     assert "query rows (3) must be layout.sizes[0] (2)" in first["rows"]
     assert "parallel: layout.ulysses_size (5) must be 4 (the group's size for attention='ulysses')" in \
         first["layout world size"]
@@ -81,6 +83,49 @@ def test_refusals(pool):
     for rank, reply in enumerate(replies):
         assert f"shard {rank}" in reply["local positions"]
         assert all(text != "no error" for text in reply.values()), (rank, reply)
+
+
+@pytest.mark.parametrize("what", ["positions", "mask"])
+def test_checked_mode_refusal_reaches_every_rank(pool, what):
+    """In checked mode a refusal decided on some ranks only (local positions: rank 0's equal its global ones; a
+    padding mask on the last rank only) makes every rank raise, the refusing ranks their own error and the others
+    "another rank ... refused", instead of the passing ranks waiting in the all-to-all for the timeout."""
+    replies = pool(4).run(jobs.refusal_on_some_ranks, what)
+    refusing = range(1, 4) if what == "positions" else [3]
+    for rank, text in enumerate(replies):
+        if rank in refusing:
+            wanted = f"position_ids must be the global positions of shard {rank}" if what == "positions" else \
+                "an attention mask (padding or custom) is not supported"
+            assert wanted in text, (rank, text)
+        else:
+            assert text.startswith("CommError: commlib attention: another rank of the layer refused this call"), \
+                (rank, text)
+
+
+def test_llama_without_position_ids_is_refused_on_every_rank(pool):
+    """transformers' default positions are local (0..n-1 on each rank): the integration sees them and refuses,
+    and in checked mode rank 0, whose local positions are its global ones, raises too."""
+    replies = pool(3).run(jobs.llama_default_positions)
+    assert replies[0].startswith("CommError: commlib attention: another rank of the layer refused this call")
+    for rank in (1, 2):
+        assert f"position_ids must be the global positions of shard {rank} of the layout" in replies[rank]
+        assert "expected [3, 4, 5], received [0, 1, 2]" in replies[1]
+
+
+def test_helpers_take_and_must_match_the_context_layout(pool):
+    """Inside a context the helpers' layout None (and group None) are the context's; a zigzag layout under a
+    contiguous context is refused by every helper, naming both layouts; outside, a layout is required."""
+    contiguous = commlib.SequenceLayout(13, ring_size=3)
+    zigzag = commlib.SequenceLayout(13, ring_size=3, layout="zigzag")
+    for rank, reply in enumerate(pool(3).run(jobs.helpers_in_context)):
+        assert reply["defaults"] == reply["explicit"]
+        assert reply["defaults"][1] == [contiguous.positions(rank).tolist()]
+        for name, text in zip(("shard_tokens", "position_ids", "shard_sequence", "gather_sequence"),
+                              reply["errors"], strict=True):
+            assert text.startswith(f"CommError: {name}: layout ({zigzag!r}) must be the parallel context's layout "
+                                   f"({contiguous!r})"), text
+        assert reply["outside"].startswith("CommError: position_ids: layout is required outside a parallel(...) "
+                                           "context")
 
 
 def test_nesting(pool):
