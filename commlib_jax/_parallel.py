@@ -66,9 +66,10 @@ class Parallel:
         everyone = lax.all_gather(positions, axis_arg(axes))  # [W, ..., max_size], shard order
         io_callback(functools.partial(_refuse_positions, self.plan), None, everyone, ordered=False)
 
-    def attend(self, q, k, v, *, causal: bool, scale: float | None):
-        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards."""
-        keywords = self.plan.keywords
+    def attend(self, q, k, v, *, causal: bool, scale: float | None, segment_ids=None):
+        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (and
+        segment ids ``[B, max_size]``, None: no segment mask)."""
+        keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.axis_name, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":

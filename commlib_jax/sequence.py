@@ -321,7 +321,7 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False, positions=None):
+                          is_causal: bool = False, positions=None, segment_ids=None):
     """``jax.nn.dot_product_attention``'s signature and layout, run by the innermost `parallel` context's layer on
     this rank's shard: query ``[B, T, N, H]``, key and value ``[B, T, K, H]`` (``T = layout.max_size``; GQA by head
     counts, ``N % K == 0``) -> ``[B, T, N, H]``, query's dtype; rows past this shard's own are zeros.
@@ -338,10 +338,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     (the first shard that differs: its expected and received positions) on every rank, so none waits in the
     layer's collectives; JAX reports it again at exit. None (default): not checked, nothing added.
 
+    `segment_ids` (optional, integers ``[B, T]``: packed documents and padding, ``shard_tokens(...,
+    segment_ids=)``'s fourth output; padding rows -1): the segment mask of the layers' ``segment_ids=`` -- a
+    query attends a key of the same document only (and, with `is_causal`, not after it); a negative id is
+    padding, whose rows output 0 with gradient 0. A keyword of its own, as MaxText's decoder segment ids, since
+    a dense `mask` ``[B, N, T, S]`` cannot say what other shards hold: a Flax model passes it down to its
+    attention modules (e.g. through ``nnx.MultiHeadAttention``'s ``attention_fn`` with ``functools.partial``).
+
     Raises:
         CommError: outside a `parallel` context (at trace time); a `bias` or a `mask` (commlib owns the causal
-            mask only); T not ``layout.max_size``; the layout's sizes not the axes'; ``positions.shape[-1]`` not
-            ``layout.max_size``; the layer's own errors.
+            and segment masks only); T not ``layout.max_size``; the layout's sizes not the axes';
+            ``positions.shape[-1]`` not ``layout.max_size``; segment_ids not ``[B, T]``; the layer's own errors.
+        TypeError: segment_ids not of an integer dtype.
         jax.errors.JaxRuntimeError: (when run) `positions` not the shards' global positions (see above).
 
     Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA; the positions checked):
@@ -365,4 +373,4 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     parallel_spec.check_sizes(state.plan.layout, state.plan.attention, **state.sizes(parallel_spec.CALL_OP))
     if positions is not None:
         state.check_positions(positions)
-    return state.attend(query, key, value, causal=is_causal, scale=scale)
+    return state.attend(query, key, value, causal=is_causal, scale=scale, segment_ids=segment_ids)
