@@ -124,7 +124,7 @@ SEGMENTED = [(commlib.SequenceLayout(37, ulysses_size=4), "ulysses"), (commlib.S
              (commlib.SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "usp")]
 
 
-@pytest.mark.parametrize(("layout", "attention"), SEGMENTED, ids=[f"{a}-{l!r}" for l, a in SEGMENTED])
+@pytest.mark.parametrize(("layout", "attention"), SEGMENTED, ids=[f"{kind}-{case!r}" for case, kind in SEGMENTED])
 def test_segment_ids_are_the_masked_reference(layout, attention):
     """The handed documents (3, 17, 9, 11; 25 then padding), cut to S: every shard equals the unsharded masked
     attention; padding outputs exactly 0 with gradient exactly 0."""
