@@ -287,7 +287,8 @@ def sync_gradients(parameters: Iterable[torch.Tensor], group: GroupArgument = No
 
 @contextlib.contextmanager
 def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: str = "ulysses",
-             ulysses_group: GroupArgument = None, ring_group: GroupArgument = None) -> Iterator[ParallelPlan]:
+             ulysses_group: GroupArgument = None, ring_group: GroupArgument = None,
+             packed: bool = False) -> Iterator[ParallelPlan]:
     """A context in which an integration's attention call (a transformers model built with
     ``attn_implementation="commlib"``) runs commlib's `attention` layer on this rank's shard of `layout`.
 
@@ -299,6 +300,11 @@ def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: 
         attention: ``"ulysses"`` (`commlib_torch.attention.ulysses_attention`: ``layout.ulysses_size`` = the
             group's size, ``ring_size`` 1), ``"ring"`` (`ring_attention`: ``ring_size`` = the group's size) or
             ``"usp"`` (`usp_attention` over `ulysses_group` and `ring_group`, both required).
+        packed: the model's ``position_ids`` are those of packed documents (restarting at 0 at each document,
+            as transformers' ``DataCollatorWithFlattening`` and ``shard_tokens(..., segment_ids=)`` make): the
+            integration masks attention by document (`commlib_torch.integrations.transformers.attention_forward`).
+            A flag of the context, the same on every rank, since whether a rank's shard restarts is its own:
+            the ranks of a layer must all pass segment ids or none. False: global positions, checked.
 
     Yields the spec's `commlib.parallel.ParallelPlan` (the layer and its layout keywords). Contexts nest (the
     innermost wins, the outer one is back on exit) and are per thread (a contextvar). The rank at Ulysses
@@ -322,5 +328,6 @@ def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: 
         ('ulysses', torch.Size([2, 5, 4, 8]))
     """
     state = _parallel.enter(layout, group, attention, ulysses_group, ring_group)
+    state.packed = bool(packed)
     with _parallel.CONTEXTS.entered(state):
         yield state.plan
