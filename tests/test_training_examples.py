@@ -85,22 +85,28 @@ def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\S+{' packed' if packed else ''}, ", done.stdout,
-                     re.MULTILINE), done.stdout
+    tag = " packed" if packed else ""
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+        done.stdout
 
 
-@pytest.mark.parametrize(("attention", "seq_len"), [("ulysses", 30), ("ring", 32), ("usp", 30)])
-def test_flax_llama_with_python(attention, seq_len):
+@pytest.mark.parametrize(("attention", "seq_len", "packed"),
+                         [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, False), ("usp", 30, True)])
+def test_flax_llama_with_python(attention, seq_len, packed):
     """examples/flax_llama.py on 4 CPU devices: a Flax nnx decoder (GQA, RoPE) with commlib's attention swapped in
     under shard_map, 5 optax adamw steps in one jitted step equal to the unsharded model's. Three launches of the
     six (ulysses, ring, usp) x (S = 30, 32), each ~30-50 s on 2 busy cores: Ulysses S = 30 (shards of 8, 8, 7, 7
     rows, held padded to 8), ring zigzag S = 32 (even), USP 2 x 2 S = 30 (8, 7, 8, 7: the ring over an uneven
-    SequenceLayout)."""
-    command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len)]
+    SequenceLayout); and `--packed` USP S = 30 (documents of random lengths, some shorter than a shard, some crossing
+    shards, and padding; the JAX shards' padding rows too)."""
+    command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len),
+               *(["--packed"] if packed else [])]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
                           stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} ", done.stdout, re.MULTILINE), done.stdout
+    tag = " packed" if packed else ""
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+        done.stdout
