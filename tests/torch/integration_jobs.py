@@ -63,6 +63,7 @@ def refusals(ctx) -> dict[str, str]:
     return {
         "outside": _error(lambda: integration.attention_forward(None, q, k, k, None)),
         "mask": _error(lambda: call(attention_mask=torch.ones(1, 1, rows, 7, dtype=torch.bool))),
+        "padding shape": _error(lambda: call(attention_mask=torch.ones(1, rows + 1, dtype=torch.bool))),
         "dropout": _error(lambda: call(dropout=0.1)),
         "sliding_window": _error(lambda: call(sliding_window=4)),
         "softcap": _error(lambda: call(softcap=30.0)),

@@ -66,6 +66,7 @@ def test_refusals(pool):
     assert first["outside"].startswith("CommError: commlib attention: called outside a "
                                        "commlib_torch.sequence.parallel(...) context")
     assert "an attention mask (padding or custom) is not supported" in first["mask"]
+    assert "a padding attention_mask (1, 3) must be [batch, this rank's rows] (1, 2)" in first["padding shape"]
     assert "dropout (0.1) must be 0" in first["dropout"]
     assert "sliding_window (4) is not supported" in first["sliding_window"]
     assert "softcap (30.0) is not supported" in first["softcap"]
