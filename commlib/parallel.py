@@ -152,10 +152,11 @@ def check_call(plan: ParallelPlan, *, shard: int | None, rows: int, mask: bool =
     causal mask only).
 
     Raises:
-        CommError: a mask, a bias, dropout > 0, a sliding window, softcapping, q rows not the layout's.
+        CommError: a dense mask, a bias, dropout > 0, a sliding window, softcapping, q rows not the layout's.
     """
-    refused = [(mask, "an attention mask (padding or custom) is not supported: commlib applies the causal mask "
-                      "only; drop padding or pack documents without one"),
+    refused = [(mask, "a dense attention mask is not supported: commlib masks by the causal rule and segment ids "
+                      "(padding and packed documents: segment_ids=, or in transformers a 2-D padding attention_mask "
+                      "or packed position_ids with parallel(..., packed=True))"),
                (bias, "an attention bias is not supported"),
                (dropout != 0.0, f"dropout ({dropout}) must be 0"),
                (sliding_window is not None, f"sliding_window ({sliding_window}) is not supported"),

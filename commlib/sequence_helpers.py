@@ -10,7 +10,10 @@ per shard. The rules, for a layout of S tokens over W shards (shard i holds ``la
 - the loss is the mean over every rank's non-ignored tokens; rank r's tokens' share of it is
   ``sum of rank r's token losses / global count``, so the shares sum to the loss;
 - torch holds shard i exactly (``sizes[i]`` rows); JAX padded to ``max_size`` rows: padding rows hold id 0,
-  position 0 and label ``ignore_index``.
+  position 0 and label ``ignore_index``;
+- packed documents (``segment_ids`` ``[B, S]``, as `commlib.segment_ids` makes): the position of a token counts
+  from its document's first token (a document is a run of equal ids), a document's last token and padding
+  (negative ids) get ``ignore_index`` as label and padding position 0; JAX padding rows get segment id -1.
 
 >>> layout = SequenceLayout(5, ring_size=2, layout="zigzag")  # chunks (2, 1, 1, 1): blocks [0, 1, 4] and [2, 3]
 >>> position_table(layout).tolist(), label_table(layout).tolist()  # -1: padding / ignore_index
@@ -29,10 +32,10 @@ from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
 
 __all__ = ["check_layout", "check_tokens", "check_sequence", "check_cross_entropy", "check_share_axes",
-           "check_sync_op", "sparse_gradient_error",
+           "check_sync_op", "sparse_gradient_error", "check_token_segments",
            "position_table", "label_table", "shard_order", "gather_order", "gather_sizes", "next_token_labels",
-           "shard_tokens_reference", "shard_sequence_reference", "gather_sequence_reference",
-           "cross_entropy_reference"]
+           "document_positions", "document_labels", "shard_tokens_reference", "shard_sequence_reference",
+           "gather_sequence_reference", "cross_entropy_reference"]
 
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
@@ -91,6 +94,23 @@ def check_tokens(op_name: str, shape: object, dtype: str, layout: SequenceLayout
         raise comm_error(op_name, f"input_ids.shape[1] ({dims[1]}) must be layout.seq_len ({layout.seq_len})",
                          **received)
     return ignore
+
+
+def check_token_segments(op_name: str, shape: object, dtype: str, ids_shape: tuple[int, ...]) -> None:
+    """`segment_ids` of `shard_tokens`: input_ids' shape ``[B, S]`` and an integer dtype.
+
+    >>> check_token_segments("shard_tokens", (2, 5), "float32", (2, 5))
+    Traceback (most recent call last):
+    ...
+    TypeError: shard_tokens: segment_ids must have an integer dtype, not float32. Received: ...
+    """
+    received = dict(segment_ids_shape=shape, segment_ids_dtype=dtype, input_ids_shape=tuple(ids_shape))
+    dims = _dims(op_name, shape, received)
+    if dtype not in INTEGER_DTYPES:
+        raise kind_error(op_name, f"segment_ids must have an integer dtype, not {dtype}", **received)
+    if dims != tuple(ids_shape):
+        raise comm_error(op_name, f"segment_ids.shape ({dims}) must be input_ids.shape ({tuple(ids_shape)})",
+                         **received)
 
 
 def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: str) -> int:
@@ -252,18 +272,55 @@ def next_token_labels(input_ids, ignore_index: int = -100) -> np.ndarray:
     return np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), ignore_index, dtype=ids.dtype)], axis=1)
 
 
-def shard_tokens_reference(input_ids, layout: SequenceLayout, ignore_index: int = -100, *,
-                           padded: bool = False) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def document_positions(segment_ids) -> np.ndarray:
+    """int64 ``[B, S]``: each token's position in its document (a run of equal ids), 0 on padding (id < 0).
+
+    >>> document_positions(np.array([[0, 0, 0, 1, 1, -1]])).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    segments = np.asarray(segment_ids)
+    index = np.arange(segments.shape[1])
+    starts = np.ones(segments.shape, dtype=bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return np.where(segments < 0, 0, index - first)
+
+
+def document_labels(input_ids, segment_ids, ignore_index: int = -100) -> np.ndarray:
+    """``[B, S]`` labels of packed documents: token p + 1 where it is in p's document, `ignore_index` at a
+    document's last token and on padding (id < 0).
+
+    >>> document_labels(np.array([[5, 6, 7, 8, 9]]), np.array([[0, 0, 1, 1, -1]])).tolist()
+    [[6, -100, 8, -100, -100]]
+    """
+    ids, segments = np.asarray(input_ids), np.asarray(segment_ids)
+    labels = next_token_labels(ids, ignore_index)
+    same = np.zeros(segments.shape, dtype=bool)
+    same[:, :-1] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)
+    return np.where(same, labels, ignore_index).astype(labels.dtype)
+
+
+def shard_tokens_reference(input_ids, layout: SequenceLayout, ignore_index: int = -100, *, padded: bool = False,
+                           segment_ids=None) -> list[tuple[np.ndarray, ...]]:
     """Every rank's ``(ids, position_ids, labels)``, each ``[B, sizes[r]]`` (padded: ``[B, max_size]`` with id 0,
     position 0 and label `ignore_index` on padding rows): the whole sequence's tokens, positions
-    (``arange(S)``) and `next_token_labels` sharded by `layout`.
+    (``arange(S)``) and `next_token_labels` sharded by `layout`. With `segment_ids` ``[B, S]``: ``(ids,
+    position_ids, labels, segment_ids)``, the positions `document_positions`, the labels `document_labels` and
+    the segment ids sharded too (padding rows: -1).
 
     >>> [ids.tolist() for ids, _, _ in shard_tokens_reference(np.array([[5, 6, 7]]), SequenceLayout(3, 2))]
     [[[5, 6]], [[7]]]
+    >>> shard_tokens_reference(np.array([[5, 6, 7]]), SequenceLayout(3, 2), segment_ids=np.array([[0, 1, 1]]))[1]
+    (array([[7]]), array([[1]]), array([[-100]]), array([[1]]))
     """
     ids = np.asarray(input_ids)
-    whole = (ids, np.broadcast_to(np.arange(layout.seq_len), ids.shape), next_token_labels(ids, ignore_index))
-    fill = (0, 0, ignore_index)
+    whole: tuple[np.ndarray, ...]
+    if segment_ids is None:
+        whole = (ids, np.broadcast_to(np.arange(layout.seq_len), ids.shape), next_token_labels(ids, ignore_index))
+    else:
+        segments = np.asarray(segment_ids)
+        whole = (ids, document_positions(segments), document_labels(ids, segments, ignore_index), segments)
+    fill = (0, 0, ignore_index, -1)[:len(whole)]
     shards = [layout.shard(array, 1) for array in whole]
     if padded:
         shards = [[_pad(shard, layout.max_size, value) for shard in part] for part, value in zip(shards, fill,

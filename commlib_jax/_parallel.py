@@ -67,18 +67,19 @@ class Parallel:
         everyone = lax.all_gather(positions, axis_arg(axes))  # [W, ..., max_size], shard order
         io_callback(functools.partial(_refuse_positions, self.plan), None, everyone, ordered=False)
 
-    def attend(self, q, k, v, *, causal: bool, scale: float | None):
-        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (one call of
-        a `commlib_jax.testing_trace.record()` trace while recording)."""
+    def attend(self, q, k, v, *, causal: bool, scale: float | None, segment_ids=None):
+        """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (and
+        segment ids ``[B, max_size]``, None: no segment mask); one call of a `commlib_jax.testing.record()` trace
+        while recording."""
         if ACTIVE:
             axes = axes_of(self.axis_name) if self.axis_name is not None else \
                 axes_of(self.ring_axis) + axes_of(self.ulysses_axis)  # shard r * U + u
             return recorded_layer(f"{self.plan.attention}_attention", self._layer, axes, q, k, v, causal=causal,
-                                  scale=scale)
-        return self._layer(q, k, v, causal=causal, scale=scale)
+                                  scale=scale, segment_ids=segment_ids)
+        return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
-    def _layer(self, q, k, v, *, causal: bool, scale: float | None):
-        keywords = self.plan.keywords
+    def _layer(self, q, k, v, *, causal: bool, scale: float | None, segment_ids=None):
+        keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.axis_name, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":

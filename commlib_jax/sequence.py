@@ -91,7 +91,7 @@ def position_ids(layout: SequenceLayout | None = None, axis_name: AxisName | Non
 
 
 def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
-                 ignore_index: int = -100) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 ignore_index: int = -100, segment_ids=None) -> tuple[jax.Array, ...]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     ``[B, layout.max_size]`` (ids and labels in input_ids' dtype, positions int32).
 
@@ -99,10 +99,17 @@ def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: Axi
     each position over the whole sequence (the label of position p is token p + 1; position S - 1 and padding
     rows get `ignore_index`), not shifted per shard. Padding rows: id 0, position 0. No communication.
 
+    `segment_ids` (integers ``[B, S]`` like input_ids, e.g. rows of `commlib.segment_ids`: packed documents, a
+    negative id padding): returns ``(ids, position_ids, labels, segment_ids)``; the positions restart at each
+    document (a run of equal ids; padding 0), a document's last token and padding get `ignore_index` as label,
+    and the fourth output is this rank's segment ids (their dtype; padding rows -1), for the attention layers'
+    ``segment_ids=``.
+
     Raises:
         CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the axis size; a
-            layout or axes not the `parallel` context's (see the module).
-        TypeError: input_ids not an integer array, `layout` not a `SequenceLayout`, `ignore_index` not an int.
+            layout or axes not the `parallel` context's (see the module); segment_ids not input_ids' shape.
+        TypeError: input_ids or segment_ids not an integer array, `layout` not a `SequenceLayout`,
+            `ignore_index` not an int.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -113,16 +120,37 @@ def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: Axi
         ...                   in_specs=P(), out_specs=P(None, "x"))
         >>> f(jnp.array([[10, 11, 12, 13, 14]])).tolist()  # labels, [1, 2] per rank: token p + 1, then padding
         [[11, 12, 13, -100, 14, -100, -100, -100]]
+        >>> g = jax.shard_map(lambda ids, segments: shard_tokens(ids, SequenceLayout(5, 4), "x",
+        ...                   segment_ids=segments)[1:], mesh=mesh, in_specs=P(), out_specs=P(None, "x"))
+        >>> [part.tolist() for part in g(jnp.array([[10, 11, 12, 13, 14]]), jnp.array([[0, 0, 0, 1, -1]]))]
+        [[[0, 1, 2, 0, 0, 0, 0, 0]], [[11, 12, -100, -100, -100, -100, -100, -100]], [[0, 0, 0, -1, 1, -1, -1, -1]]]
     """
     input_ids = _check_array("shard_tokens", input_ids, "input_ids")
     layout, axes = _layout("shard_tokens", layout, axis_name)
     ignore = spec.check_tokens("shard_tokens", input_ids.shape, dtype_name(input_ids.dtype), layout, ignore_index)
     rows = _rows(spec.position_table(layout), layout, axes)
+    if segment_ids is not None:
+        return _shard_documents(input_ids, _check_array("shard_tokens", segment_ids, "segment_ids"), rows, ignore)
     ids = jnp.take(input_ids, rows, axis=1, mode="fill", fill_value=0)
     labels = jnp.take(input_ids, _rows(spec.label_table(layout), layout, axes), axis=1, mode="fill",
                       fill_value=ignore)
     positions = jnp.broadcast_to(position_ids(layout, axes), ids.shape)
     return ids, positions, labels
+
+
+def _shard_documents(input_ids, segment_ids, rows: jax.Array, ignore: int) -> tuple[jax.Array, ...]:
+    """`shard_tokens` of packed documents (`spec.document_positions`, `spec.document_labels`) at `rows`
+    (``seq_len``: a padding row)."""
+    spec.check_token_segments("shard_tokens", segment_ids.shape, dtype_name(segment_ids.dtype), input_ids.shape)
+    input_ids, segments = jnp.asarray(input_ids), jnp.asarray(segment_ids)
+    index = jnp.broadcast_to(jnp.arange(segments.shape[1], dtype=jnp.int32), segments.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], dtype=bool), segments[:, 1:] != segments[:, :-1]], 1)
+    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    positions = jnp.where(segments < 0, 0, index - first)
+    same = jnp.concatenate([~starts[:, 1:] & (segments[:, :-1] >= 0), jnp.zeros_like(starts[:, :1])], 1)
+    labels = jnp.where(same, jnp.roll(input_ids, -1, 1), ignore).astype(input_ids.dtype)
+    return tuple(jnp.take(whole, rows, axis=1, mode="fill", fill_value=fill)
+                 for whole, fill in ((input_ids, 0), (positions, 0), (labels, ignore), (segments, -1)))
 
 
 def shard_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
@@ -293,7 +321,7 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False, positions=None):
+                          is_causal: bool = False, positions=None, segment_ids=None):
     """``jax.nn.dot_product_attention``'s signature and layout, run by the innermost `parallel` context's layer on
     this rank's shard: query ``[B, T, N, H]``, key and value ``[B, T, K, H]`` (``T = layout.max_size``; GQA by head
     counts, ``N % K == 0``) -> ``[B, T, N, H]``, query's dtype; rows past this shard's own are zeros.
@@ -310,10 +338,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     (the first shard that differs: its expected and received positions) on every rank, so none waits in the
     layer's collectives; JAX reports it again at exit. None (default): not checked, nothing added.
 
+    `segment_ids` (optional, integers ``[B, T]``: packed documents and padding, ``shard_tokens(...,
+    segment_ids=)``'s fourth output; padding rows -1): the segment mask of the layers' ``segment_ids=`` -- a
+    query attends a key of the same document only (and, with `is_causal`, not after it); a negative id is
+    padding, whose rows output 0 with gradient 0. A keyword of its own, as MaxText's decoder segment ids, since
+    a dense `mask` ``[B, N, T, S]`` cannot say what other shards hold: a Flax model passes it down to its
+    attention modules (e.g. through ``nnx.MultiHeadAttention``'s ``attention_fn`` with ``functools.partial``).
+
     Raises:
         CommError: outside a `parallel` context (at trace time); a `bias` or a `mask` (commlib owns the causal
-            mask only); T not ``layout.max_size``; the layout's sizes not the axes'; ``positions.shape[-1]`` not
-            ``layout.max_size``; the layer's own errors.
+            and segment masks only); T not ``layout.max_size``; the layout's sizes not the axes';
+            ``positions.shape[-1]`` not ``layout.max_size``; segment_ids not ``[B, T]``; the layer's own errors.
+        TypeError: segment_ids not of an integer dtype.
         jax.errors.JaxRuntimeError: (when run) `positions` not the shards' global positions (see above).
 
     Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA; the positions checked):
@@ -337,4 +373,4 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     parallel_spec.check_sizes(state.plan.layout, state.plan.attention, **state.sizes(parallel_spec.CALL_OP))
     if positions is not None:
         state.check_positions(positions)
-    return state.attend(query, key, value, causal=is_causal, scale=scale)
+    return state.attend(query, key, value, causal=is_causal, scale=scale, segment_ids=segment_ids)

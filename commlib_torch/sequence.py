@@ -91,7 +91,7 @@ def position_ids(layout: SequenceLayout | None = None, group: GroupArgument = No
 
 
 def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
-                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ignore_index: int = -100, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     int64-indexed ``[B, sizes[rank]]`` (ids and labels in input_ids' dtype, positions int64).
 
@@ -99,25 +99,53 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, 
     each position over the whole sequence (the label of position p is token p + 1; position S - 1 gets
     `ignore_index`), not shifted per shard. No communication; no gradient (integers).
 
+    `segment_ids` (integers ``[B, S]`` like input_ids, e.g. rows of `commlib.segment_ids`: packed documents, a
+    negative id padding): returns ``(ids, position_ids, labels, segment_ids)``; the positions restart at each
+    document (a run of equal ids; padding 0), a document's last token and padding get `ignore_index` as label,
+    and the fourth output is this rank's segment ids (in their dtype), for the attention layers' ``segment_ids=``.
+
     Raises:
         CommError: input_ids not 2-D, ``S != layout.seq_len``, ``layout.world_size`` not the group's; a
-            layout other than the `parallel` context's, or none outside one.
-        TypeError: input_ids not an integer tensor, `layout` not a `SequenceLayout`, `ignore_index` not an int.
+            layout other than the `parallel` context's, or none outside one; segment_ids not input_ids' shape.
+        TypeError: input_ids or segment_ids not an integer tensor, `layout` not a `SequenceLayout`,
+            `ignore_index` not an int.
 
     Example:
         >>> from commlib import SequenceLayout
         >>> ids, positions, labels = shard_tokens(torch.tensor([[5, 6, 7, 8]]), SequenceLayout(4))
         >>> ids, positions, labels  # W = 1: the labels are the tokens shifted by one
         (tensor([[5, 6, 7, 8]]), tensor([[0, 1, 2, 3]]), tensor([[   6,    7,    8, -100]]))
+        >>> segments = torch.tensor([[0, 0, 1, -1]])  # a document of 2 tokens, one of 1, padding
+        >>> shard_tokens(torch.tensor([[5, 6, 7, 8]]), SequenceLayout(4), segment_ids=segments)
+        (tensor([[5, 6, 7, 8]]), tensor([[0, 1, 0, 0]]), tensor([[   6, -100, -100, -100]]), tensor([[ 0,  0,  1, -1]]))
     """
     input_ids = check_tensor("shard_tokens", input_ids, "input_ids")
     layout, _, rank = _rank_layout("shard_tokens", layout, group)
     ignore = spec.check_tokens("shard_tokens", tuple(input_ids.shape), dtype_name(input_ids.dtype), layout,
                                ignore_index)
     rows, labels_from = (_table(kind, layout, rank, input_ids.device) for kind in ("positions", "labels"))
+    if segment_ids is not None:
+        return _shard_documents(input_ids, check_tensor("shard_tokens", segment_ids, "segment_ids"), rows, ignore)
     ids = input_ids.index_select(1, rows)
     labels = input_ids.index_select(1, labels_from.clamp(min=0)).masked_fill(labels_from < 0, ignore)
     return ids, rows.repeat(input_ids.shape[0], 1), labels
+
+
+def _shard_documents(input_ids: torch.Tensor, segment_ids: torch.Tensor, rows: torch.Tensor,
+                     ignore: int) -> tuple[torch.Tensor, ...]:
+    """`shard_tokens` of packed documents (`spec.document_positions`, `spec.document_labels`) at `rows`."""
+    spec.check_token_segments("shard_tokens", tuple(segment_ids.shape), dtype_name(segment_ids.dtype),
+                              tuple(input_ids.shape))
+    segments = segment_ids.to(input_ids.device)
+    index = torch.arange(segments.shape[1], device=segments.device).expand(segments.shape)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    positions = torch.where(segments < 0, 0, index - first)
+    same = torch.zeros_like(starts)
+    same[:, :-1] = ~starts[:, 1:] & (segments[:, :-1] >= 0)
+    labels = torch.where(same, input_ids.roll(-1, 1), ignore).to(input_ids.dtype)
+    return tuple(whole.index_select(1, rows) for whole in (input_ids, positions, labels, segments))
 
 
 def shard_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
@@ -259,7 +287,8 @@ def sync_gradients(parameters: Iterable[torch.Tensor], group: GroupArgument = No
 
 @contextlib.contextmanager
 def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: str = "ulysses",
-             ulysses_group: GroupArgument = None, ring_group: GroupArgument = None) -> Iterator[ParallelPlan]:
+             ulysses_group: GroupArgument = None, ring_group: GroupArgument = None,
+             packed: bool = False) -> Iterator[ParallelPlan]:
     """A context in which an integration's attention call (a transformers model built with
     ``attn_implementation="commlib"``) runs commlib's `attention` layer on this rank's shard of `layout`.
 
@@ -271,6 +300,11 @@ def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: 
         attention: ``"ulysses"`` (`commlib_torch.attention.ulysses_attention`: ``layout.ulysses_size`` = the
             group's size, ``ring_size`` 1), ``"ring"`` (`ring_attention`: ``ring_size`` = the group's size) or
             ``"usp"`` (`usp_attention` over `ulysses_group` and `ring_group`, both required).
+        packed: the model's ``position_ids`` are those of packed documents (restarting at 0 at each document,
+            as transformers' ``DataCollatorWithFlattening`` and ``shard_tokens(..., segment_ids=)`` make): the
+            integration masks attention by document (`commlib_torch.integrations.transformers.attention_forward`).
+            A flag of the context, the same on every rank, since whether a rank's shard restarts is its own:
+            the ranks of a layer must all pass segment ids or none. False: global positions, checked.
 
     Yields the spec's `commlib.parallel.ParallelPlan` (the layer and its layout keywords). Contexts nest (the
     innermost wins, the outer one is back on exit) and are per thread (a contextvar). The rank at Ulysses
@@ -294,5 +328,6 @@ def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: 
         ('ulysses', torch.Size([2, 5, 4, 8]))
     """
     state = _parallel.enter(layout, group, attention, ulysses_group, ring_group)
+    state.packed = bool(packed)
     with _parallel.CONTEXTS.entered(state):
         yield state.plan

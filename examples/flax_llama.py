@@ -7,6 +7,14 @@ than 1e-12.
     python examples/flax_llama.py --attention ulysses --seq-len 30
     python examples/flax_llama.py --attention ring --seq-len 30    # zigzag
     python examples/flax_llama.py --attention usp --seq-len 32     # a 2 x 2 mesh ("ring", "ulysses")
+    python examples/flax_llama.py --attention ring --seq-len 32 --packed
+
+``--packed``: each row packs documents of random lengths (some shorter than a shard, some crossing shard
+boundaries) and ends in padding. `shard_tokens(..., segment_ids=)` gives the positions that restart at each document,
+the labels that stop at each document's end and the shard's segment ids, which the model hands its attention
+(``dot_product_attention(..., segment_ids=)``); the reference is the unsharded model with the same segment ids and
+document positions. The positions are then document positions, not global ones, so the attention is not handed
+``positions=`` (which checks global positions).
 
 The recipe (what a user writes): the model calls `commlib_jax.sequence.dot_product_attention` where it would call
 ``jax.nn.dot_product_attention``; inside ``jax.shard_map`` each device takes its shard of the full tokens with their
@@ -46,6 +54,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import commlib  # noqa: E402
+from commlib.sequence_helpers import document_labels, document_positions  # noqa: E402
 from commlib_jax import sequence  # noqa: E402
 from commlib_jax.attention import attention as local_attention  # noqa: E402
 from commlib_jax.training import value_and_grad  # noqa: E402
@@ -71,10 +80,11 @@ def linear(inputs: int, outputs: int, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(inputs, outputs, use_bias=False, dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
 
 
-def unsharded_attention(query, key, value, *, is_causal: bool = False, positions=None) -> jax.Array:
+def unsharded_attention(query, key, value, *, is_causal: bool = False, positions=None, segment_ids=None) -> jax.Array:
     """``jax.nn.dot_product_attention(query, key, value, is_causal=...)`` on the whole sequence with the softmax in
-    the inputs' float64 (jax.nn's own takes it in float32); `positions` (0..S-1 here) is not needed."""
-    return local_attention(query, key, value, causal=is_causal)
+    the inputs' float64 (jax.nn's own takes it in float32), masked by `segment_ids` where given; `positions`
+    (0..S-1 here) is not needed."""
+    return local_attention(query, key, value, causal=is_causal, segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):
@@ -86,12 +96,15 @@ class Attention(nnx.Module):
         self.value = linear(HIDDEN, KV_HEADS * HEAD_DIM, rngs)
         self.output = linear(HEADS * HEAD_DIM, HIDDEN, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attention) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, attention, segment_ids=None) -> jax.Array:
         batch, rows, _ = x.shape
         q = rope(self.query(x).reshape(batch, rows, HEADS, HEAD_DIM), positions)
         k = rope(self.key(x).reshape(batch, rows, KV_HEADS, HEAD_DIM), positions)
         v = self.value(x).reshape(batch, rows, KV_HEADS, HEAD_DIM)
-        out = attention(q, k, v, is_causal=True, positions=positions)  # commlib checks RoPE's positions
+        if segment_ids is None:
+            out = attention(q, k, v, is_causal=True, positions=positions)  # commlib checks RoPE's positions
+        else:  # packed documents: positions restart at each one (not the global ones positions= checks)
+            out = attention(q, k, v, is_causal=True, segment_ids=segment_ids)
         return self.output(out.reshape(batch, rows, HEADS * HEAD_DIM))
 
 
@@ -106,8 +119,8 @@ class Layer(nnx.Module):
         self.up = linear(HIDDEN, INTERMEDIATE, rngs)
         self.down = linear(INTERMEDIATE, HIDDEN, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attention) -> jax.Array:
-        x = x + self.attention(self.attention_norm(x), positions, attention)
+    def __call__(self, x: jax.Array, positions: jax.Array, attention, segment_ids=None) -> jax.Array:
+        x = x + self.attention(self.attention_norm(x), positions, attention, segment_ids)
         y = self.mlp_norm(x)
         return x + self.down(jax.nn.silu(self.gate(y)) * self.up(y))
 
@@ -122,10 +135,11 @@ class Decoder(nnx.Module):
         self.norm = nnx.RMSNorm(HIDDEN, dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
         self.head = linear(HIDDEN, VOCAB, rngs)
 
-    def __call__(self, ids: jax.Array, positions: jax.Array, attention=unsharded_attention) -> jax.Array:
+    def __call__(self, ids: jax.Array, positions: jax.Array, attention=unsharded_attention,
+                 segment_ids=None) -> jax.Array:
         x = self.embed(ids)
         for layer in self.layers:
-            x = layer(x, positions, attention)
+            x = layer(x, positions, attention, segment_ids)
         return self.head(self.norm(x))
 
 
@@ -149,17 +163,21 @@ def setup(attention: str, seq_len: int, ulysses_size: int):
 def sharded_step(graphdef, optimizer, layout, mesh, axes):
     """The jitted sharded step: ``(params, opt_state, input_ids) -> (params, opt_state, loss, grads, logits)``;
     logits ``[B, W * max_size, V]``, every device's padded shard in shard order."""
-    def loss(params, input_ids):
-        ids, positions, labels = sequence.shard_tokens(input_ids, layout, axes)
-        logits = nnx.merge(graphdef, params)(ids, positions, sequence.dot_product_attention)
+    def loss(params, input_ids, segments):
+        if segments is None:
+            ids, positions, labels = sequence.shard_tokens(input_ids, layout, axes)
+            mine = None
+        else:  # packed documents: positions and labels per document, this shard's segment ids
+            ids, positions, labels, mine = sequence.shard_tokens(input_ids, layout, axes, segment_ids=segments)
+        logits = nnx.merge(graphdef, params)(ids, positions, sequence.dot_product_attention, mine)
         return sequence.cross_entropy(logits, labels, axes), logits
 
     body = value_and_grad(loss, axes, has_aux=True)
-    gradients = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=((P(), P(None, axes)), P()))
+    gradients = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=((P(), P(None, axes)), P()))
 
     @jax.jit
-    def step(params, opt_state, input_ids):
-        (value, logits), grads = gradients(params, input_ids)
+    def step(params, opt_state, input_ids, segments=None):
+        (value, logits), grads = gradients(params, input_ids, segments)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, grads, logits
 
@@ -168,19 +186,39 @@ def sharded_step(graphdef, optimizer, layout, mesh, axes):
 
 def unsharded_step(graphdef, optimizer):
     """The jitted reference step on the whole sequence (`unsharded_attention`)."""
-    def loss(params, input_ids):
-        logits = nnx.merge(graphdef, params)(input_ids, jnp.broadcast_to(jnp.arange(input_ids.shape[1]),
-                                                                         input_ids.shape))
-        token_losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], input_ids[:, 1:])
-        return token_losses.mean(), logits
+    def loss(params, input_ids, segments):
+        if segments is None:
+            logits = nnx.merge(graphdef, params)(input_ids, jnp.broadcast_to(jnp.arange(input_ids.shape[1]),
+                                                                             input_ids.shape))
+            token_losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], input_ids[:, 1:])
+            return token_losses.mean(), logits
+        positions, labels, documents = segments  # packed: document positions, labels ignored at documents' ends
+        logits = nnx.merge(graphdef, params)(input_ids, positions, unsharded_attention, documents)
+        valid = labels >= 0
+        token_losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+        return jnp.sum(jnp.where(valid, token_losses, 0)) / valid.sum(), logits
 
     @jax.jit
-    def step(params, opt_state, input_ids):
-        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params, input_ids)
+    def step(params, opt_state, input_ids, segments=None):
+        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params, input_ids, segments)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, grads, logits
 
     return step
+
+
+def packed_documents(batch: int, seq_len: int, seed: int) -> np.ndarray:
+    """Segment ids ``[batch, seq_len]``: per row, documents of random lengths 1..seq_len/3 packed in order, then
+    1..seq_len/8 tokens of padding (-1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        padding = int(rng.integers(1, max(2, seq_len // 8 + 1)))
+        lengths: list[int] = []
+        while sum(lengths) < seq_len - padding:
+            lengths.append(min(int(rng.integers(1, max(2, seq_len // 3 + 1))), seq_len - padding - sum(lengths)))
+        rows.append(commlib.segment_ids(lengths, seq_len))
+    return np.stack(rows)
 
 
 def relative(got, want) -> float:
@@ -195,19 +233,27 @@ def main() -> int:
     parser.add_argument("--ulysses-size", type=int, default=2, help="USP's Ulysses axis size")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--packed", action="store_true", help="packed documents of random lengths and padding")
     args = parser.parse_args()
     layout, mesh, axes, sequence_parallel = setup(args.attention, args.seq_len, args.ulysses_size)
     graphdef, params = nnx.split(Decoder(nnx.Rngs(0)), nnx.Param)
     optimizer = optax.adamw(1e-3)
     input_ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq_len), 0, VOCAB)
+    sharded_documents = unsharded_documents = None
+    if args.packed:  # the same documents for both: segment ids, and the unsharded positions and labels
+        segments = packed_documents(args.batch, args.seq_len, seed=2)
+        sharded_documents = jnp.asarray(segments)
+        unsharded_documents = (jnp.asarray(document_positions(segments)),
+                               jnp.asarray(document_labels(np.asarray(input_ids), segments, -1)), sharded_documents)
     states = {"sharded": (params, optimizer.init(params)), "unsharded": (params, optimizer.init(params))}
     reference = unsharded_step(graphdef, optimizer)
     errors = {"loss": 0.0, "logits": 0.0, "gradients": 0.0}
     with sequence_parallel:  # the sharded step is traced (at its first call) inside the context
         step = sharded_step(graphdef, optimizer, layout, mesh, axes)
         for number in range(1, args.steps + 1):
-            *states["sharded"], loss, grads, logits = step(*states["sharded"], input_ids)
-            *states["unsharded"], want, want_grads, want_logits = reference(*states["unsharded"], input_ids)
+            *states["sharded"], loss, grads, logits = step(*states["sharded"], input_ids, sharded_documents)
+            *states["unsharded"], want, want_grads, want_logits = reference(*states["unsharded"], input_ids,
+                                                                            unsharded_documents)
             errors["loss"] = max(errors["loss"], relative(loss, want))
             if number == 1:
                 shards = np.split(np.asarray(logits), layout.world_size, axis=1)
@@ -218,7 +264,8 @@ def main() -> int:
               and errors["gradients"] <= TOLERANCE)
     shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
     print(f"{'PASS' if passed else 'FAIL'}: {args.attention} W={layout.world_size} S={args.seq_len} "
-          f"sizes={layout.sizes}, {args.steps} adamw steps; relative errors {shown}", flush=True)
+          f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} adamw steps; relative errors {shown}",
+          flush=True)
     return 0 if passed else 1
 
 

@@ -6,6 +6,13 @@ through transformers' attention registry, and check it against the same model tr
     torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ulysses --seq-len 37
     torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ring --seq-len 37
     torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention usp --seq-len 37   # 2 x 2
+    torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ring --packed
+
+``--packed``: each row packs documents of random lengths (some shorter than a shard, some crossing shard
+boundaries) and ends in padding; `shard_tokens(..., segment_ids=)` gives positions that restart at each document
+and labels that stop at each document's end, the model gets those positions (``parallel(..., packed=True)``)
+and the padding ``attention_mask``; the reference is the unsharded model given the same documents as a 4-D mask
+(logits compared on the tokens that are not padding).
 
 The recipe (what a user writes): `register()` once; build the model with ``attn_implementation="commlib"``;
 inside ``commlib_torch.sequence.parallel(layout, ...)`` feed each rank its shard of the tokens with their GLOBAL
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import commlib
+from commlib.sequence_helpers import document_labels, document_positions
 from commlib_torch import all_reduce
 from commlib_torch.integrations.transformers import register
 from commlib_torch.sequence import cross_entropy, parallel, shard_tokens, sync_gradients
@@ -45,19 +53,21 @@ def usp_groups(ulysses_size: int):
     return ulysses[rank // ulysses_size], ring[rank % ulysses_size]
 
 
-def context(attention: str, seq_len: int, ulysses_size: int):
-    """The layout and the `parallel` context of `attention` over WORLD (this rank holds shard ``rank``)."""
+def context(attention: str, seq_len: int, ulysses_size: int, packed: bool = False):
+    """The layout and the `parallel` context of `attention` over WORLD (this rank holds shard ``rank``);
+    `packed`: the position_ids restart at each document."""
     world = dist.get_world_size()
     if attention == "ulysses":
         layout = commlib.SequenceLayout(seq_len, ulysses_size=world)
-        return layout, parallel(layout, attention="ulysses")
+        return layout, parallel(layout, attention="ulysses", packed=packed)
     if attention == "ring":
         layout = commlib.SequenceLayout(seq_len, ring_size=world, layout="zigzag")
-        return layout, parallel(layout, attention="ring")
+        return layout, parallel(layout, attention="ring", packed=packed)
     layout = commlib.SequenceLayout(seq_len, ring_size=world // ulysses_size, ulysses_size=ulysses_size,
                                     layout="zigzag")
     ulysses_group, ring_group = usp_groups(ulysses_size)
-    return layout, parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group)
+    return layout, parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group,
+                            packed=packed)
 
 
 def models(seed: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
@@ -69,6 +79,30 @@ def models(seed: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
     sharded.load_state_dict(reference.state_dict())
     return sharded, reference
+
+
+def packed_documents(batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Segment ids ``[batch, seq_len]``: per row, documents of random lengths 1..seq_len/3 packed in order, then
+    1..seq_len/8 tokens of padding (-1)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        padding = int(torch.randint(1, max(2, seq_len // 8 + 1), (1,), generator=generator))
+        lengths: list[int] = []
+        while sum(lengths) < seq_len - padding:
+            lengths.append(min(int(torch.randint(1, max(2, seq_len // 3 + 1), (1,), generator=generator)),
+                               seq_len - padding - sum(lengths)))
+        rows.append(torch.as_tensor(commlib.segment_ids(lengths, seq_len), dtype=torch.int64))
+    return torch.stack(rows)
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The unsharded reference's 4-D bool mask ``[B, 1, S, S]``: causal and within a document; a padding row sees
+    itself only (its output is not compared and its label ignored; a row seeing nothing would be NaN in SDPA)."""
+    seq_len = segments.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] >= 0)
+    return ((same & causal) | torch.eye(seq_len, dtype=torch.bool))[:, None]
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -87,28 +121,43 @@ def main() -> int:
     parser.add_argument("--ulysses-size", type=int, default=2, help="USP's Ulysses group size")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--packed", action="store_true", help="packed documents of random lengths and padding")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     register()
-    layout, sequence_parallel = context(args.attention, args.seq_len, args.ulysses_size)
+    layout, sequence_parallel = context(args.attention, args.seq_len, args.ulysses_size, packed=args.packed)
     sharded, reference = models(seed=0)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (sharded, reference)]
     input_ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
-    ids, position_ids, labels = shard_tokens(input_ids, layout)  # this rank's shard: WORLD rank r holds shard r
+    # this rank's shard (WORLD rank r holds shard r), and the unsharded model's inputs and labels
+    whole: dict = dict(input_ids=input_ids, use_cache=False)
+    if args.packed:
+        segments = packed_documents(args.batch, args.seq_len, seed=2)
+        ids, position_ids, labels, mine = shard_tokens(input_ids, layout, segment_ids=segments)
+        extra = dict(attention_mask=(mine >= 0).long())  # padding; the documents come from position_ids
+        whole_labels = torch.as_tensor(document_labels(input_ids, segments))
+        whole |= dict(position_ids=torch.as_tensor(document_positions(segments)),
+                      attention_mask=document_mask(segments))
+        kept = (segments >= 0)[:, layout.positions(rank)]  # the tokens whose logits are compared
+    else:
+        ids, position_ids, labels = shard_tokens(input_ids, layout)
+        extra, whole_labels = {}, torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -100)], 1)
+        kept = torch.ones_like(ids, dtype=torch.bool)
     errors = {"loss": 0.0, "logits": 0.0, "gradients": 0.0}
     with sequence_parallel:
         for step in range(1, args.steps + 1):
-            logits = sharded(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+            logits = sharded(input_ids=ids, position_ids=position_ids, use_cache=False, **extra).logits
             loss = cross_entropy(logits, labels)
             loss.backward()
             sync_gradients(sharded.parameters())
-            want_logits = reference(input_ids=input_ids, use_cache=False).logits
-            want = F.cross_entropy(want_logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+            want_logits = reference(**whole).logits
+            want = F.cross_entropy(want_logits.flatten(0, 1), whole_labels.flatten(), ignore_index=-100)
             want.backward()
             errors["loss"] = max(errors["loss"], relative(loss.detach(), want.detach()))
             if step == 1:
-                errors["logits"] = worst(relative(logits.detach(), want_logits.detach()[:, layout.positions(rank)]))
+                errors["logits"] = worst(relative(logits.detach()[kept],
+                                                  want_logits.detach()[:, layout.positions(rank)][kept]))
                 errors["gradients"] = worst(max(relative(p.grad, q.grad) for p, q in
                                                 zip(sharded.parameters(), reference.parameters(), strict=True)))
             for optimizer in optimizers:
@@ -121,7 +170,8 @@ def main() -> int:
     if rank == 0:
         shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
         print(f"{'PASS' if passed else 'FAIL'}: {args.attention} W={dist.get_world_size()} S={args.seq_len} "
-              f"sizes={layout.sizes}, {args.steps} AdamW steps; relative errors {shown}", flush=True)
+              f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} AdamW steps; relative errors "
+              f"{shown}", flush=True)
     dist.destroy_process_group()
     return 0 if passed else 1
 

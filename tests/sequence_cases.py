@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from commlib import SequenceLayout
+from commlib.masks import segment_ids
 from commlib.sequence_helpers import next_token_labels
 
 B, D, V = 2, 3, 11  # batch > 1, a hidden size, a vocabulary
@@ -51,3 +52,17 @@ def model_parameters(seq_len: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, seq_len])
     return {"embed": rng.standard_normal((V, D)), "position": rng.standard_normal((seq_len, D)),
             "head": rng.standard_normal((D, V))}
+
+
+def documents(layout: SequenceLayout, seed: int = 0) -> np.ndarray:
+    """Seeded segment ids ``[B, S]`` of packed documents: row 0 documents of random lengths 1..S/3 (shorter than
+    a shard and crossing shard boundaries) then a few padding tokens; row 1 one document over most of the row
+    then padding (two adjacent documents with the same id would be one document: ids count up)."""
+    rng = np.random.default_rng([seed, layout.seq_len, layout.world_size, 7])
+    S = layout.seq_len
+    lengths: list[int] = []
+    while sum(lengths) < S - S // 8:
+        lengths.append(int(rng.integers(1, max(2, S // 3) + 1)))
+    while sum(lengths) > S - S // 8:
+        lengths[-1] -= 1
+    return np.stack([segment_ids(lengths, S), segment_ids([S - S // 4], S)]).astype(np.int64)

@@ -68,35 +68,45 @@ def test_jax_example_with_two_processes():
     assert re.search(r"^PASS: process 1 of 2, sp=2 tp=2, 20 steps", outputs[1], re.MULTILINE), outputs[1]
 
 
-@pytest.mark.parametrize(("attention", "seq_len"),
-                         [("ulysses", 37), ("ulysses", 5), ("ring", 37), ("ring", 64), ("usp", 37)])
-def test_transformers_llama_with_torchrun(attention, seq_len):
+@pytest.mark.parametrize(("attention", "seq_len", "packed"),
+                         [("ulysses", 37, False), ("ulysses", 5, False), ("ring", 37, False), ("ring", 64, False),
+                          ("usp", 37, False), ("ring", 37, True)])
+def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     """examples/transformers_llama.py over 4 ranks: a transformers Llama (GQA) with commlib's attention through the
     registry, 5 AdamW steps equal to the unsharded model's: the issue's handed lengths (S = 37: shards of 10, 9, 9, 9
-    or 9, 9, 9, 10 rows; S = 5: 2, 1, 1, 1; S = 64 even)."""
+    or 9, 9, 9, 10 rows; S = 5: 2, 1, 1, 1; S = 64 even); and `--packed` (ring zigzag S = 37: documents of random
+    lengths, some shorter than a shard, some crossing shards, and padding, against the unsharded model given the
+    same documents as a mask)."""
     command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py",
-               "--attention", attention, "--seq-len", str(seq_len)]
+               "--attention", attention, "--seq-len", str(seq_len), *(["--packed"] if packed else [])]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
                           stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} ", done.stdout, re.MULTILINE), done.stdout
+    tag = " packed" if packed else ""
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+        done.stdout
 
 
-@pytest.mark.parametrize(("attention", "seq_len"), [("ulysses", 30), ("ring", 32), ("usp", 30)])
-def test_flax_llama_with_python(attention, seq_len):
+@pytest.mark.parametrize(("attention", "seq_len", "packed"),
+                         [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, False), ("usp", 30, True)])
+def test_flax_llama_with_python(attention, seq_len, packed):
     """examples/flax_llama.py on 4 CPU devices: a Flax nnx decoder (GQA, RoPE) with commlib's attention swapped in
     under shard_map, 5 optax adamw steps in one jitted step equal to the unsharded model's. Three launches of the
     six (ulysses, ring, usp) x (S = 30, 32), each ~30-50 s on 2 busy cores: Ulysses S = 30 (shards of 8, 8, 7, 7
     rows, held padded to 8), ring zigzag S = 32 (even), USP 2 x 2 S = 30 (8, 7, 8, 7: the ring over an uneven
-    SequenceLayout)."""
-    command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len)]
+    SequenceLayout); and `--packed` USP S = 30 (documents of random lengths, some shorter than a shard, some crossing
+    shards, and padding; the JAX shards' padding rows too)."""
+    command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len),
+               *(["--packed"] if packed else [])]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
                           stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} ", done.stdout, re.MULTILINE), done.stdout
+    tag = " packed" if packed else ""
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+        done.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from commlib import parallel as spec
+from commlib.errors import comm_error
 from commlib_torch import _parallel
 
 __all__ = ["attention_forward", "padding_mask", "register"]
@@ -38,17 +39,17 @@ def register(name: str = "commlib") -> None:
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """transformers' mask function for ``attn_implementation="commlib"``: None (the causal mask, which the layer
-    applies from global positions) when the model's 2-D padding mask is absent or keeps every token; else that
-    mask, which `attention_forward` refuses (commlib owns no padding mask). transformers' own causal or packed
-    mask function (`mask_function`) is not used: the layer masks by the context layout's global positions, and
-    `attention_forward` checks the model's ``position_ids`` against them.
+    applies from global positions) when the model is given no padding mask; else that 2-D mask ``[B, S_r]``
+    (this rank's tokens), which `attention_forward` turns into segment ids (padding: -1) -- even where it keeps
+    every token, since the ranks of a layer must all pass segment ids or none, and only the mask's presence is
+    the same on every rank. transformers' own causal or packed mask function (`mask_function`) is not used: the
+    layer masks by the context layout's global positions, and `attention_forward` reads packed documents from
+    ``position_ids`` (``parallel(..., packed=True)``).
 
     Example:
-        >>> padding_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
-        True
+        >>> padding_mask(2, 4, 4) is None, padding_mask(2, 4, 4, attention_mask=torch.ones(2, 4)).shape
+        (True, torch.Size([2, 4]))
     """
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
     return attention_mask
 
 
@@ -61,13 +62,21 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
 
     Causal from `is_causal`, else the module's ``is_causal`` (default True); `scaling` the softmax scale. The
     model's ``position_ids`` (transformers passes them to the attention) must be the global positions of this
-    rank's shard, ``layout.positions(shard)``: RoPE fed local positions is silently wrong. Gradient: exact, the
-    layer's.
+    rank's shard, ``layout.positions(shard)`` (RoPE fed local positions is silently wrong); in a
+    ``parallel(..., packed=True)`` context, positions of packed documents (``shard_tokens(..., segment_ids=)``'
+    second output; `DataCollatorWithFlattening`'s form): they restart at 0 at each document's first token and
+    count up by one, a token at global position g with position p belonging to the document that starts at
+    g - p, which becomes its segment id (a document may cross shards). A 2-D padding mask (`padding_mask`) makes
+    its zeros padding (segment id -1: output 0, gradient 0). Both go to the layer as ``segment_ids=``; neither
+    costs anything when absent. Gradient: exact, the layer's.
 
     Raises:
-        CommError: outside a `parallel` context; a padding or custom attention mask, dropout > 0, a sliding
+        CommError: outside a `parallel` context; a custom (not 2-D padding) attention mask, dropout > 0, a sliding
             window, softcapping, attention sinks, a position bias; query rows not ``layout.sizes[shard]``;
-            ``position_ids`` not the shard's global positions (the first differing ones shown); the layer's own
+            ``position_ids`` not the shard's global positions, or (packed) not packed documents' (negative,
+            past the global position, a step other than +1 or a restart at 0, or the local positions 0..n-1
+            transformers makes when given none): the first differing ones shown; a padding mask not ``[B, S_r]``;
+            the layer's own
             errors. Each rank decides these from its own shard: in checked mode (``COMMLIB_CHECK=1``) the ranks
             of the layer exchange whether any refused (one small all_reduce), and every rank raises -- the others
             "another rank of the layer refused this call" -- where otherwise a rank whose shard passes enters the
@@ -83,22 +92,51 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
         (torch.Size([1, 6, 8, 16]), None)
     """
     state = _parallel.current(spec.CALL_OP)
-    state.refuse_together(lambda: _check(state, query, attention_mask, dropout, kwargs), query.device)
+    segments: list[torch.Tensor | None] = []
+    state.refuse_together(lambda: segments.append(_check(state, query, attention_mask, dropout, kwargs)),
+                          query.device)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = state.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                       scale=scaling)
+                       scale=scaling, segment_ids=segments[0])
     return out, None
 
 
 def _check(state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-           kwargs: dict) -> None:
-    """What `attention_forward` refuses: the spec's call checks, and ``position_ids`` other than the shard's."""
+           kwargs: dict) -> torch.Tensor | None:
+    """What `attention_forward` refuses: the spec's call checks, and ``position_ids`` neither the shard's nor
+    packed documents'. Returns the segment ids ``[B, S_r]`` of packed documents and padding (None: neither)."""
     refused = any(kwargs.get(name) is not None for name in ("s_aux", "sinks", "position_bias"))
-    spec.check_call(state.plan, shard=state.shard, rows=query.shape[2], mask=attention_mask is not None,
+    padding = attention_mask is not None and attention_mask.dim() == 2
+    spec.check_call(state.plan, shard=state.shard, rows=query.shape[2], mask=attention_mask is not None and not padding,
                     bias=refused, dropout=dropout, sliding_window=kwargs.get("sliding_window"),
                     softcap=kwargs.get("softcap"))
+    segments = None
     position_ids = kwargs.get("position_ids")
     if position_ids is not None:
         expected = state.positions(position_ids.device)
-        if position_ids.shape[-1] != expected.shape[-1] or not bool((position_ids == expected).all()):
+        if position_ids.shape[-1] != expected.shape[-1] or not (state.packed or bool((position_ids == expected).all())):
             raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())
+        if state.packed:
+            segments = _documents(state, position_ids, expected)
+    if padding:
+        assert attention_mask is not None
+        if tuple(attention_mask.shape) != tuple(query.shape[:1]) + tuple(query.shape[2:3]):
+            raise comm_error(spec.CALL_OP, f"a padding attention_mask {tuple(attention_mask.shape)} must be "
+                             f"[batch, this rank's rows] {(query.shape[0], query.shape[2])}",
+                             attention=state.plan.attention, layout=state.plan.layout)
+        kept = attention_mask.to(torch.bool)
+        segments = torch.where(kept, 0 if segments is None else segments, -1)
+    return None if segments is None else segments.expand(query.shape[0], -1).contiguous()
+
+
+def _documents(state: _parallel.Parallel, position_ids: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Segment ids ``[*, S_r]`` of packed documents' positions: g - p, each document named by the global position
+    of its first token; the spec's positions error where the positions cannot be a packing."""
+    steps = expected[:, 1:] == expected[:, :-1] + 1  # consecutive global positions within the shard
+    after = position_ids[..., 1:]
+    counts = (after == position_ids[..., :-1] + 1) | (after == 0)
+    local = torch.arange(expected.shape[-1], device=expected.device)
+    if bool((position_ids < 0).any() | (position_ids > expected).any() | (steps & ~counts).any()) or (
+            bool((position_ids == local).all()) and not bool((expected == local).all())):
+        raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())
+    return (expected - position_ids).to(torch.int64)

@@ -7,6 +7,7 @@ with argnums and has_aux."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
 from commlib_jax import sequence
 from commlib_jax.training import value_and_grad
-from tests.sequence_cases import IGNORE, B, D, V, data, layouts, model_parameters
+from tests.sequence_cases import IGNORE, B, D, V, data, documents, layouts, model_parameters
 
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap")
 CASES = [(layout, mode) for world_size in (1, 2, 3, 4) for layout in layouts(world_size) for mode in MODES
@@ -107,6 +108,34 @@ def test_every_helper_against_the_reference(layout, mode):
         np.testing.assert_allclose(outputs[7][rank], loss, rtol=1e-13)
         np.testing.assert_allclose(grads[3][rank], layout.shard(logits_grad, 1, padded=True)[rank], rtol=0,
                                    atol=1e-15)
+
+
+PACKED = [(layout, mode) for world_size in (1, 2, 3, 4) for layout in layouts(world_size)
+          for mode in (MODES[0], MODES[2]) if world_size == 4 or mode == MODES[0]]
+
+
+@pytest.mark.parametrize(("layout", "mode"), PACKED, ids=[f"{layout!r}-{mode}" for layout, mode in PACKED])
+def test_shard_tokens_of_packed_documents_is_the_reference(layout, mode):
+    ids, segments = data(layout)["ids"].astype(np.int32), documents(layout).astype(np.int16)
+    W = layout.world_size
+    body = _per_rank(lambda i, s: sequence.shard_tokens(i, layout, "i", ignore_index=IGNORE, segment_ids=s), mode, W)
+    got = jax.jit(body)(np.broadcast_to(ids, (W, *ids.shape)), np.broadcast_to(segments, (W, *segments.shape)))
+    expected = spec.shard_tokens_reference(ids, layout, IGNORE, padded=True, segment_ids=segments)
+    assert [part.dtype for part in got] == [jnp.int32, jnp.int32, jnp.int32, jnp.int16]
+    for rank in range(W):
+        for part, want in zip(got, expected[rank], strict=True):
+            np.testing.assert_array_equal(np.asarray(part[rank]), want)
+
+
+@pytest.mark.parametrize(("segments", "kind", "message"), [
+    (np.zeros((B, 7), np.int32), CommError, "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape"),
+    (np.zeros((B, 8), np.float32), TypeError, "shard_tokens: segment_ids must have an integer dtype, not float32"),
+    ([[0] * 8] * B, TypeError, "shard_tokens: segment_ids must be a jax.Array or numpy.ndarray"),
+])
+def test_bad_segment_ids(segments, kind, message):
+    with pytest.raises(kind, match=re.escape(message)):
+        _per_rank(lambda ids: sequence.shard_tokens(ids, SequenceLayout(8), "i", segment_ids=segments)[0], MODES[0],
+                  1)(np.zeros((1, B, 8), np.int32))
 
 
 def test_shard_sequence_of_a_shared_value():

@@ -18,6 +18,7 @@ from commlib import CommError
 from commlib import attention as A
 from commlib_jax import _parallel, sequence
 from commlib_jax.sequence import dot_product_attention, parallel
+from tests import mask_cases
 
 TOLERANCE = 1e-10
 SCALE = 0.3
@@ -95,6 +96,56 @@ def test_usp_two_by_two():
     _check(commlib.SequenceLayout(16, ring_size=2, ulysses_size=2, layout="zigzag"), "usp", causal=True)
 
 
+def _run_segments(layout: commlib.SequenceLayout, attention: str, ids: np.ndarray):
+    """`dot_product_attention(..., is_causal=True, segment_ids=)` on every shard: output and (dq, dk, dv), whole."""
+    whole = _whole(layout.seq_len, seed=3)
+    cut = [jnp.asarray(np.concatenate(layout.shard(x, padded=True), axis=1)) for x in whole]
+    segments = jnp.asarray(np.concatenate(mask_cases.shards(ids, layout, padded=True), axis=1))
+    mesh, spec = _mesh(layout, attention)
+
+    def body(segments, cotangent, q, k, v):
+        out = dot_product_attention(q, k, v, scale=SCALE, is_causal=True, segment_ids=segments)
+        return out, (out * cotangent).sum()[None]
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P(spec[1])))
+
+    def total(q, k, v):
+        out, losses = mapped(segments, cut[3], q, k, v)
+        return losses.sum(), out
+
+    with _context(layout, attention):
+        grads, out = jax.jit(jax.grad(total, argnums=(0, 1, 2), has_aux=True))(*cut[:3])
+    split = lambda x: np.split(np.asarray(x), layout.world_size, axis=1)  # noqa: E731
+    return [layout.unshard(split(x), padded=True) for x in (out, *grads)], whole
+
+
+SEGMENTED = [(commlib.SequenceLayout(37, ulysses_size=4), "ulysses"), (commlib.SequenceLayout(37, ring_size=4), "ring"),
+             (commlib.SequenceLayout(40, ring_size=4, layout="zigzag"), "ring"),
+             (commlib.SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "usp")]
+
+
+@pytest.mark.parametrize(("layout", "attention"), SEGMENTED, ids=[f"{kind}-{case!r}" for case, kind in SEGMENTED])
+def test_segment_ids_are_the_masked_reference(layout, attention):
+    """The handed documents (3, 17, 9, 11; 25 then padding), cut to S: every shard equals the unsharded masked
+    attention; padding outputs exactly 0 with gradient exactly 0."""
+    ids = mask_cases.handed_ids(40)[:, :layout.seq_len]
+    got, whole = _run_segments(layout, attention, ids)
+    want = [A.attention(*whole[:3], causal=True, scale=SCALE, q_segments=ids),
+            *A.attention_vjp(*whole, causal=True, scale=SCALE, q_segments=ids)]
+    for name, value, wanted in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(value, wanted, rtol=0, atol=TOLERANCE, err_msg=name)
+        assert not value[ids < 0].any(), name
+
+
+def test_segment_ids_of_the_wrong_shape_are_refused():
+    layout = commlib.SequenceLayout(8, ulysses_size=4)
+    body = lambda q: dot_product_attention(q, q, q, segment_ids=jnp.zeros((2, 3), jnp.int32))  # noqa: E731
+    mapped = jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:4]), ("x",)), in_specs=P(None, "x"),
+                           out_specs=P(None, "x"))
+    with parallel(layout, "x"), pytest.raises(CommError, match=r"segment_ids shape \(2, 3\) must be q's"):
+        mapped(jnp.zeros((2, 8, 4, 4)))
+
+
 def _error(call) -> str:
     with pytest.raises((CommError, TypeError)) as raised:
         call()
@@ -120,7 +171,7 @@ def test_refusals():
                                                       "commlib_jax.sequence.parallel(...) context")
     with parallel(layout, "x"):
         assert "an attention bias is not supported" in _error(lambda: _traced(layout, bias=jnp.zeros((1, 4, 3, 3))))
-        assert "an attention mask (padding or custom) is not supported" in \
+        assert "a dense attention mask is not supported" in \
             _error(lambda: _traced(layout, mask=jnp.ones((1, 4, 3, 3), bool)))
         assert "query rows (4) must be layout.max_size (3)" in _error(lambda: _traced(layout, rows=4))
     two = commlib.SequenceLayout(10, ulysses_size=2)

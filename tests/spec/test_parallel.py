@@ -93,7 +93,7 @@ def test_call_checks():
     P.check_call(plan, shard=0, rows=2)
     P.check_call(plan, shard=3, rows=1)
     P.check_call(plan, shard=None, rows=2)  # JAX: padded to max_size
-    for keywords, message in [(dict(mask=True), r"an attention mask \(padding or custom\) is not supported"),
+    for keywords, message in [(dict(mask=True), r"a dense attention mask is not supported"),
                               (dict(bias=True), "an attention bias is not supported"),
                               (dict(dropout=0.5), r"dropout \(0.5\) must be 0"),
                               (dict(sliding_window=128), r"sliding_window \(128\) is not supported"),

@@ -10,7 +10,7 @@ import pytest
 
 from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
-from tests.sequence_cases import IGNORE, V, data, layouts
+from tests.sequence_cases import IGNORE, V, data, documents, layouts
 
 ALL = [layout for world_size in (1, 2, 3, 4) for layout in layouts(world_size)]
 
@@ -57,6 +57,44 @@ def test_references(layout):
     np.testing.assert_allclose(sum(shares), loss, rtol=1e-13)
 
 
+def _documents_by_token(ids: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The definition, token by token: position = tokens since the document's first (a run of equal ids), the
+    label the next token while it is in the same document, padding position 0 and label ignored."""
+    positions, labels = np.zeros_like(ids), np.full_like(ids, IGNORE)
+    for row, column in np.ndindex(*ids.shape):
+        if segments[row, column] < 0:
+            continue
+        start = column
+        while start > 0 and segments[row, start - 1] == segments[row, column]:
+            start -= 1
+        positions[row, column] = column - start
+        if column + 1 < ids.shape[1] and segments[row, column + 1] == segments[row, column]:
+            labels[row, column] = ids[row, column + 1]
+    return positions, labels
+
+
+@pytest.mark.parametrize("layout", ALL, ids=repr)
+@pytest.mark.parametrize("padded", [False, True])
+def test_document_references(layout, padded):
+    ids, segments = data(layout)["ids"], documents(layout)
+    positions, labels = _documents_by_token(ids, segments)
+    got = spec.shard_tokens_reference(ids, layout, IGNORE, padded=padded, segment_ids=segments)
+    for rank, shards in enumerate(got):
+        size = layout.sizes[rank]
+        for part, whole, fill in zip(shards, (ids, positions, labels, segments), (0, 0, IGNORE, -1), strict=True):
+            assert part.shape == (ids.shape[0], layout.max_size if padded else size)
+            assert part[:, :size].tolist() == whole[:, layout.positions(rank)].tolist()
+            assert (part[:, size:] == fill).all()
+
+
+def test_documents_in_a_handed_row():
+    ids, segments = np.array([[10, 11, 12, 13, 14, 15, 16]]), np.array([[0, 0, 1, 1, 1, -1, -1]])
+    assert spec.document_positions(segments).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    assert spec.document_labels(ids, segments, IGNORE).tolist() == [[11, IGNORE, 13, 14, IGNORE, IGNORE, IGNORE]]
+    # the same id in two runs is two documents for the positions and labels
+    assert spec.document_positions(np.array([[0, 0, 1, 0]])).tolist() == [[0, 1, 0, 0]]
+
+
 def test_cross_entropy_gradient_is_the_finite_difference():
     rng = np.random.default_rng(0)
     logits, labels = rng.standard_normal((2, 3, V)), np.array([[1, IGNORE, 4], [0, 2, IGNORE]])
@@ -86,6 +124,12 @@ def test_cross_entropy_gradient_is_the_finite_difference():
     (lambda: spec.check_tokens("shard_tokens", (2, 8), "int64", SequenceLayout(8), 1.5), TypeError,
      "shard_tokens: ignore_index must be an int, not float. Received: shape=(2, 8), dtype='int64', seq_len=8, "
      "ignore_index=1.5"),
+    (lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8)), TypeError,
+     "shard_tokens: segment_ids must have an integer dtype, not float32. Received: segment_ids_shape=(2, 8), "
+     "segment_ids_dtype='float32', input_ids_shape=(2, 8)"),
+    (lambda: spec.check_token_segments("shard_tokens", (2, 7), "int32", (2, 8)), CommError,
+     "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape ((2, 8)). Received: segment_ids_shape=(2, 7), "
+     "segment_ids_dtype='int32', input_ids_shape=(2, 8)"),
     (lambda: spec.check_sequence("shard_sequence", (2, 8), 2, 8, "layout.seq_len"), CommError,
      "shard_sequence: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=2"),
     (lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "int64", "int64", -100), TypeError,

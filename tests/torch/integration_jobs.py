@@ -63,6 +63,7 @@ def refusals(ctx) -> dict[str, str]:
     return {
         "outside": _error(lambda: integration.attention_forward(None, q, k, k, None)),
         "mask": _error(lambda: call(attention_mask=torch.ones(1, 1, rows, 7, dtype=torch.bool))),
+        "padding shape": _error(lambda: call(attention_mask=torch.ones(1, rows + 1, dtype=torch.bool))),
         "dropout": _error(lambda: call(dropout=0.1)),
         "sliding_window": _error(lambda: call(sliding_window=4)),
         "softcap": _error(lambda: call(softcap=30.0)),
@@ -95,8 +96,8 @@ def nesting(ctx) -> list[str]:
 
 def llama(ctx, seq_len: int, padding: bool):
     """A tiny transformers Llama (GQA) built with ``attn_implementation="commlib"``: its sharded logits on this
-    rank against the unsharded SDPA model's (relative error), or, with `padding`, the error a padding mask
-    raises."""
+    rank against the unsharded SDPA model's (relative error), or, with `padding`, the error (if any) of a call
+    with a padding mask."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,6 +123,67 @@ def llama(ctx, seq_len: int, padding: bool):
         logits = sharded(**mine).logits
     want = reference(input_ids=ids, use_cache=False).logits[:, positions]
     return outside, float((logits - want).abs().max() / want.abs().max())
+
+
+def llama_masked(ctx, seq_len: int, attention: str, what: str) -> float:
+    """The tiny Llama with ``attn_implementation="commlib"`` on this rank's shard with packed documents (`what`
+    "packed": position_ids restarting at each document, as DataCollatorWithFlattening makes, no mask) or a
+    padding ``attention_mask`` ("padding": row 0 padded at its end, row 1 at its start), against the unsharded
+    SDPA model given the same positions or mask: the largest relative error of the logits of this rank's
+    non-padding tokens."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from commlib import sequence_helpers
+    from tests.sequence_cases import documents
+
+    integration.register()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    sharded.load_state_dict(reference.state_dict())
+    layout = commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag") if attention == "ring" else \
+        commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    ids = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    mine = torch.as_tensor(layout.positions(ctx.rank))
+    if what == "packed":  # documents of random lengths crossing shards, no padding
+        segments = documents(layout)[:1].repeat(2, 0)
+        segments[segments < 0] = segments.max() + 1
+        positions = torch.as_tensor(sequence_helpers.document_positions(segments))
+        kept = torch.ones(2, seq_len, dtype=torch.bool)
+        want = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with parallel(layout, attention=attention, packed=True):
+            got = sharded(input_ids=ids[:, mine], position_ids=positions[:, mine], use_cache=False).logits
+    else:
+        mask = torch.ones(2, seq_len, dtype=torch.long)
+        mask[0, seq_len - 3:], mask[1, :2] = 0, 0
+        kept = mask.bool()
+        global_positions = torch.arange(seq_len)[None].expand(2, -1)
+        want = reference(input_ids=ids, attention_mask=mask, position_ids=global_positions, use_cache=False).logits
+        with parallel(layout, attention=attention):
+            got = sharded(input_ids=ids[:, mine], attention_mask=mask[:, mine], position_ids=global_positions[:, mine],
+                          use_cache=False).logits
+    rows = kept[:, mine]
+    return float((got - want[:, mine])[rows].abs().max() / want[:, mine][rows].abs().max())
+
+
+def not_a_packing(ctx) -> list[str]:
+    """position_ids that no packing of documents gives, on this rank (W = 2, S = 8, contiguous Ulysses): a step
+    of +2 inside the shard, a position past the token's global one, and local 0..n-1 (on rank 1; rank 0's local
+    positions are its global ones, so it gets a negative position instead)."""
+    layout = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
+    q, k = torch.ones(1, 4, 4, 8, dtype=torch.float64), torch.ones(1, 2, 4, 8, dtype=torch.float64)
+    start = 4 * ctx.rank
+    calls = [torch.tensor([[0, 1, 3, 4]]), torch.tensor([[start + 1] * 4]) + torch.arange(4),
+             torch.arange(4)[None] if ctx.rank else torch.tensor([[0, 1, 2, -1]])]
+    texts = []
+    for positions in calls:
+        with parallel(layout, packed=True):
+            texts.append(_error(lambda: integration.attention_forward(None, q, k, k, None, position_ids=positions)))  # noqa: B023
+    return texts
 
 
 def refusal_on_some_ranks(ctx, what: str) -> str:

@@ -11,7 +11,7 @@ import torch
 from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
 from commlib_torch import sequence
-from tests.sequence_cases import IGNORE, data, layouts, model_parameters
+from tests.sequence_cases import IGNORE, data, documents, layouts, model_parameters
 
 
 def _error(got: torch.Tensor, expected) -> float:
@@ -25,6 +25,33 @@ def _tokens(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
     expected = spec.shard_tokens_reference(case["ids"], layout, IGNORE)[rank]
     return [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
         _error(sequence.position_ids(layout), layout.positions(rank))]
+
+
+def packed_tokens(ctx, seed: int = 0) -> dict[str, list[float]]:
+    """shard_tokens of packed documents (`tests.sequence_cases.documents`, int32 segment ids) on every layout:
+    {layout: errors of ids, positions, labels and segment ids against the reference}, plus the dtypes kept."""
+    results = {}
+    for layout in layouts(ctx.world_size):
+        ids, segments = data(layout, seed)["ids"], documents(layout, seed).astype(np.int32)
+        got = sequence.shard_tokens(torch.from_numpy(ids), layout, ignore_index=IGNORE,
+                                    segment_ids=torch.from_numpy(segments))
+        expected = spec.shard_tokens_reference(ids, layout, IGNORE, segment_ids=segments)[ctx.rank]
+        dtypes = [str(part.dtype) for part in got]
+        results[repr(layout)] = [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
+            float(dtypes != ["torch.int64", "torch.int64", "torch.int64", "torch.int32"])]
+    return results
+
+
+def wrong_segments(ctx) -> list[str]:
+    """Segment ids of another shape than input_ids, and of a floating dtype: the spec's texts."""
+    messages = []
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    for segments in (torch.zeros(2, 7, dtype=torch.int64), torch.zeros(2, 8)):
+        try:
+            sequence.shard_tokens(ids, SequenceLayout(8, ctx.world_size), segment_ids=segments)
+        except (CommError, TypeError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
 
 
 def _shard(layout: SequenceLayout, case: dict, rank: int) -> list[float]:

@@ -65,7 +65,8 @@ def test_refusals(pool):
     first = replies[0]
     assert first["outside"].startswith("CommError: commlib attention: called outside a "
                                        "commlib_torch.sequence.parallel(...) context")
-    assert "an attention mask (padding or custom) is not supported" in first["mask"]
+    assert "a dense attention mask is not supported" in first["mask"]
+    assert "a padding attention_mask (1, 3) must be [batch, this rank's rows] (1, 2)" in first["padding shape"]
     assert "dropout (0.1) must be 0" in first["dropout"]
     assert "sliding_window (4) is not supported" in first["sliding_window"]
     assert "softcap (30.0) is not supported" in first["softcap"]
@@ -95,7 +96,7 @@ def test_checked_mode_refusal_reaches_every_rank(pool, what):
     for rank, text in enumerate(replies):
         if rank in refusing:
             wanted = f"position_ids must be the global positions of shard {rank}" if what == "positions" else \
-                "an attention mask (padding or custom) is not supported"
+                "a dense attention mask is not supported"
             assert wanted in text, (rank, text)
         else:
             assert text.startswith("CommError: commlib attention: another rank of the layer refused this call"), \
@@ -142,8 +143,20 @@ def test_llama_through_the_registry(pool):
         assert error <= TOLERANCE
 
 
-def test_llama_padding_mask_refused(pool):
-    """A padding mask handed to the model reaches the integration (its mask function) and is refused on every
-    rank, never silently dropped."""
-    for text in pool(2).run(jobs.llama, 9, True):
-        assert "an attention mask (padding or custom) is not supported" in text
+@pytest.mark.parametrize(("world_size", "seq_len", "attention", "what"), [
+    (2, 9, "ulysses", "padding"), (3, 13, "ring", "padding"), (2, 9, "ulysses", "packed"), (3, 37, "ring", "packed")])
+def test_llama_with_masks_is_the_unsharded_model(pool, world_size, seq_len, attention, what):
+    """A padding attention_mask (padding at the end of one row, the start of the other) and packed documents
+    (position_ids that restart, documents crossing shards) become segment ids: the logits of every rank's
+    non-padding tokens equal the unsharded SDPA model's with the same mask or positions."""
+    for rank, error in enumerate(pool(world_size).run(jobs.llama_masked, seq_len, attention, what)):
+        assert error <= TOLERANCE, (rank, error)
+
+
+def test_packing_that_cannot_be_is_refused(pool):
+    """In a packed context, position_ids that are no packing (a step of +2 inside the shard, a position past the
+    token's global one, a negative one) or transformers' local 0..n-1 stay the spec's positions error; a custom
+    4-D mask stays refused (`test_refusals`)."""
+    for rank, texts in enumerate(pool(2).run(jobs.not_a_packing)):
+        for text in texts:
+            assert f"position_ids must be the global positions of shard {rank}" in text, (rank, text)

@@ -22,6 +22,25 @@ def test_every_helper_against_the_reference(pool, world_size):
             assert errors[10] < 1e-13 and errors[11] < 1e-15, (rank, layout, errors)  # the loss and its gradient
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shard_tokens_of_packed_documents_is_the_reference(pool, world_size):
+    results = pool(world_size).run(sequence_jobs.packed_tokens)
+    assert len(results) == world_size and all(results)
+    for rank, per_layout in enumerate(results):
+        for layout, errors in per_layout.items():
+            assert errors == [0.0] * 5, (rank, layout, errors)  # exact, and the dtypes kept
+
+
+def test_bad_segment_ids_raise_the_spec_text_on_every_rank(pool):
+    expected = []
+    for call in (lambda: spec.check_token_segments("shard_tokens", (2, 7), "int64", (2, 8)),
+                 lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8))):
+        with pytest.raises((CommError, TypeError)) as info:
+            call()
+        expected.append(f"{info.type.__name__}: {info.value}")
+    assert pool(2).run(sequence_jobs.wrong_segments) == [expected] * 2
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_model_trained_the_commlib_way_is_the_unsharded_model(pool, world_size):
     for rank, results in enumerate(pool(world_size).run(sequence_jobs.model)):
