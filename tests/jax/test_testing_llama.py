@@ -21,34 +21,25 @@ import pytest
 import torch  # both frameworks in one process, as the torch tests' parent and the JAX tests share one
 import transformers
 
-from commlib.testing import LINEAR, ParameterMap, ParameterMapError, assert_parity
+from commlib.testing import ParameterMap, ParameterMapError, assert_parity
 from commlib_jax.testing import load_named_arrays, named_arrays
 from commlib_torch.testing import named_arrays as torch_named_arrays
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-#: transformers' LlamaForCausalLM names -> examples/flax_llama.py's Decoder paths.
-LLAMA_TO_FLAX = ParameterMap([
-    ("model.embed_tokens.weight", "embed.embedding"),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.scale"),
-    ("model.layers.{layer}.self_attn.q_proj.weight", "layers.{layer}.attention.query.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.k_proj.weight", "layers.{layer}.attention.key.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attention.value.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.output.kernel", LINEAR),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.scale"),
-    ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.gate.kernel", LINEAR),
-    ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.up.kernel", LINEAR),
-    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.down.kernel", LINEAR),
-    ("model.norm.weight", "norm.scale"),
-    ("lm_head.weight", "head.kernel", LINEAR),
-])
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: transformers' LlamaForCausalLM names -> examples/flax_llama.py's Decoder paths: the port check's own map.
+LLAMA_TO_FLAX = _example("port_check").LLAMA_TO_FLAX
 
 
 def _flax_example():
-    spec = importlib.util.spec_from_file_location("flax_llama_example", ROOT / "examples" / "flax_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # sets the 4 CPU devices and x64 this folder's conftest already set
-    return module
+    return _example("flax_llama")  # sets the 4 CPU devices and x64 this folder's conftest already set
 
 
 def _llama():
