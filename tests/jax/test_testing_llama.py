@@ -19,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch  # both frameworks in one process, as the torch tests' parent and the JAX tests share one
-import transformers
 
 from commlib.testing import ParameterMap, ParameterMapError, assert_parity
 from commlib_jax.testing import load_named_arrays, named_arrays
 from commlib_torch.testing import named_arrays as torch_named_arrays
+
+transformers = pytest.importorskip("transformers", reason="the [transformers] extra (CI installs it)")
+pytest.importorskip("flax", reason="the [flax] extra (CI installs it)")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

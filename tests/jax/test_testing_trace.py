@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -17,6 +16,8 @@ from commlib import reference
 from commlib_jax import all_gather, all_reduce, reduce_scatter
 from commlib_jax.sequence import dot_product_attention, parallel
 from commlib_jax.testing_trace import record
+
+nnx = pytest.importorskip("flax.nnx", reason="the [flax] extra (CI installs it)")
 
 
 class Inner(nnx.Module):
