@@ -4,13 +4,15 @@ and bfloat16), shared by tests/torch/test_attention.py and tests/jax/test_attent
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from commlib import SequenceLayout, segment_ids
 from commlib import attention as A
 from commlib.tools.cases import Case, attention_case
 
-__all__ = ["extra_cases", "handed_case", "chunk_cases", "kv_exact", "chunked_segments", "BAD_CHUNKS"]
+__all__ = ["extra_cases", "handed_case", "chunk_cases", "with_chunks", "kv_exact", "chunked_segments", "BAD_CHUNKS"]
 
 
 def handed_case(causal: bool = False) -> Case:
@@ -51,6 +53,11 @@ def chunk_cases(world_size: int) -> list[tuple[Case, tuple[int, ...]]]:
         (attention_case(W, (1, 2 * W + 1, 2 * W, 3), "chunks-mqa", kv_heads=1, seq_sizes="split", causal=True), (2,)),
         (attention_case(W, (1, 2 * W, 2 * W, 3), "chunks-value-dim", kv_heads=W, value_dim=5, causal=True), (2,)),
     ]
+
+
+def with_chunks(case: Case, chunks: int) -> Case:
+    """`case` called with ``chunks=chunks`` (the reference is the same: chunks changes no value)."""
+    return dataclasses.replace(case, name=f"{case.name}[chunks={chunks}]", kwargs=(*case.kwargs, ("chunks", chunks)))
 
 
 def kv_exact(case: Case, chunks: int) -> bool:
