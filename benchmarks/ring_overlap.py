@@ -67,8 +67,23 @@ def timed(ctx, shape: tuple, causal: bool, repeats: int) -> dict:
     return times
 
 
-def _summary(values: list[float]) -> dict:
+def summary(values: list[float]) -> dict:
+    """Median, min and max of `values` (shared with benchmarks/ulysses_overlap.py)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def on_ranks(world_size: int, job, *args) -> tuple[dict[str, list[float]], dict]:
+    """`job` (a module-level function returning ``{name: [seconds per repeat]}``) on `world_size` gloo ranks:
+    per name, each repeat's slowest rank (a call ends with its slowest rank), and the load average before and
+    after."""
+    from commlib_torch.tools.pool import WorkerPool
+
+    load_before = os.getloadavg()
+    with WorkerPool(world_size, timeout=1800.0) as pool:
+        per_rank = pool.run(job, *args)
+    load = {"load_average_before": load_before, "load_average_after": os.getloadavg()}
+    return {name: [max(values) for values in zip(*(rank[name] for rank in per_rank), strict=True)]
+            for name in per_rank[0]}, load
 
 
 def main() -> None:
@@ -77,26 +92,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
-    from commlib_torch.tools.pool import WorkerPool
-
     world_size, shape = 4, (1, args.seq, 8, 8, 64)  # B, S, H, H_kv, D
     job = importlib.import_module("benchmarks.ring_overlap").timed  # picklable by its module's name
-    load_before = os.getloadavg()
-    with WorkerPool(world_size, timeout=1800.0) as pool:
-        per_rank = pool.run(job, shape, args.causal, args.repeats)
-    load_after = os.getloadavg()
-    # a call ends with its slowest rank
-    slowest = {name: [max(values) for values in zip(*(rank[name] for rank in per_rank), strict=True)]
-               for name in per_rank[0]}
+    slowest, load = on_ranks(world_size, job, shape, args.causal, args.repeats)
     ratios = [seq / over for seq, over in zip(slowest["sequential"], slowest["overlapped"], strict=True)]
     print(json.dumps({"world_size": world_size, "shape_B_S_H_Hkv_D": shape, "dtype": "float32",
-                      "causal": args.causal, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-                      "load_average_before": load_before, "load_average_after": load_after,
+                      "causal": args.causal, "repeats": args.repeats, "cpu_count": os.cpu_count(), **load,
                       "torch": torch.__version__,
-                      "fwd_bwd_s": {name: _summary(slowest[name]) for name in ("overlapped", "sequential")},
-                      "one_step_send_s": _summary(slowest["send"]),
+                      "fwd_bwd_s": {name: summary(slowest[name]) for name in ("overlapped", "sequential")},
+                      "one_step_send_s": summary(slowest["send"]),
                       "sends_per_fwd_bwd": 3 * (world_size - 1) + 1,
-                      "ratio_sequential_over_overlapped": _summary(ratios)}, indent=1))
+                      "ratio_sequential_over_overlapped": summary(ratios)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ decides everything about that except the arithmetic:
   exactly those kv heads (torch) -- the minimum -- or them padded to the largest rank's count (JAX).
 - `UlyssesPlan` (built by `ulysses_plan`, which validates first): the `Exchange` that carries q, k and v in
   ONE all-to-all (stacked along heads, one block per destination), the receive offsets, the local kv index
-  where a rank's q heads do not group evenly over its kv heads, and the sizes of both collectives.
+  where a rank's q heads do not group evenly over its kv heads, and the sizes of both collectives -- per head
+  group (`HeadGroup`): with ``chunks`` > 1 each rank's q heads are cut into `head_groups`, each group with its
+  own exchange in, attention and all-to-all out, so a frontend can run group c + 1's communication during
+  group c's attention (DESIGN.md "Overlap"); ``chunks=1`` is one group of every head.
 - Positions: `contiguous_positions(seq_sizes)` gives the global positions of each rank's shard; causal masks
   compare global positions (`causal_mask`), so a layout that is not in sequence order (zigzag, USP) only
   changes the positions, not the rule.
@@ -53,9 +56,11 @@ __all__ = [
     "OP_NAME",
     "LAYOUTS",
     "HeadSplit",
+    "HeadGroup",
     "Exchange",
     "UlyssesPlan",
     "head_split",
+    "head_groups",
     "ulysses_plan",
     "contiguous_positions",
     "causal_mask",
@@ -139,12 +144,38 @@ def _grouping(local: Sequence[int], heads: int, kv_heads: int) -> int | None:
 @functools.lru_cache(maxsize=1024)
 def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
     """The `HeadSplit` of H q heads over H_kv kv heads (H % H_kv == 0, checked by `ulysses_plan`) at W ranks."""
-    group = heads // kv_heads
     q_ranges = tuple((start, start + size) for start, size in
                      zip(_offsets(split_sizes(heads, world_size)), split_sizes(heads, world_size), strict=True))
+    return _with_kv(heads, kv_heads, world_size, q_ranges)
+
+
+def _with_kv(heads: int, kv_heads: int, world_size: int, q_ranges: tuple[tuple[int, int], ...]) -> HeadSplit:
+    """The `HeadSplit` of the q heads `q_ranges` and exactly the kv heads they use."""
+    group = heads // kv_heads
     kv_ranges = tuple((start // group, (stop - 1) // group + 1) if stop > start else (0, 0)
                       for start, stop in q_ranges)
     return HeadSplit(heads, kv_heads, world_size, q_ranges, kv_ranges)
+
+
+@functools.lru_cache(maxsize=1024)
+def head_groups(split: HeadSplit, chunks: int) -> tuple[HeadSplit, ...]:
+    """`chunks` head groups of `split` (``ulysses_attention(..., chunks=)``): group c holds piece c of
+    ``split_sizes(h_r, chunks)`` of every rank r's q heads (contiguous, in order; a rank with fewer than
+    `chunks` heads has empty groups) and exactly the kv heads those use. Group c's heads of every rank,
+    concatenated in group order, are the rank's heads.
+
+    >>> [group.q_ranges for group in head_groups(head_split(6, 2, 4), 2)]
+    [((0, 1), (2, 3), (4, 5), (5, 6)), ((1, 2), (3, 4), (5, 5), (6, 6))]
+    >>> [group.kv_ranges for group in head_groups(head_split(6, 2, 4), 2)]
+    [((0, 1), (0, 1), (1, 2), (1, 2)), ((0, 1), (1, 2), (0, 0), (0, 0))]
+    """
+    pieces = []
+    for start, stop in split.q_ranges:
+        sizes = split_sizes(stop - start, chunks)
+        pieces.append([(start + offset, start + offset + size) for offset, size in zip(_offsets(sizes), sizes,
+                                                                                      strict=True)])
+    return tuple(_with_kv(split.heads, split.kv_heads, split.world_size, tuple(ranges))
+                 for ranges in zip(*pieces, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,13 +222,35 @@ class Exchange:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadGroup:
+    """One head group of a `UlyssesPlan` (all of the call's heads when ``chunks == 1``): its exchanges in,
+    the attention of its heads, its all-to-all out. Groups share nothing but the inputs, so a frontend may run
+    group c + 1's exchanges during group c's attention."""
+
+    heads: HeadSplit  # the group's q heads and the kv heads they use, on every rank (`head_groups`)
+    exchanges: tuple[Exchange, ...]  # one if q, k, v share a head dim, else two
+    local_heads: int  # q heads this rank attends with in this group (padded: the most any rank has)
+    local_kv_heads: int  # kv heads it receives for them (padded: the most any rank has)
+    kv_index: tuple[tuple[int, ...], ...] | None  # per rank: the received kv head of each local q head;
+    #   None where the received heads group evenly (GQA as they are). Exact layout: one row (this rank).
+    out_gather_sizes: tuple[int, ...] | None  # the group's q heads each rank returns (None: even)
+
+    @property
+    def out_heads(self) -> int:
+        """Heads of the group's output all-to-all's result: every rank's q heads of the group."""
+        return sum(self.heads.q_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
 class UlyssesPlan:
     """A validated `ulysses_attention` call on one rank (exact layout) or on every rank (padded layout).
 
-    Walk: each `Exchange` (q, k, v in one all-to-all where their head dims allow, else q, k in one and v in
-    another); index the received k, v by `kv_index` where given; attention over the full sequence (global
-    positions `positions`: causal masks compare them); ``all_to_all_4d(out, 1, 2, scatter_sizes=
-    out_scatter_sizes, gather_sizes=out_gather_sizes)`` back to ``[B, S_r, H, D_v]``.
+    Walk, for each of the `groups` (one unless ``chunks > 1``): each `Exchange` (q, k, v in one all-to-all
+    where their head dims allow, else q, k in one and v in another); index the received k, v by `kv_index`
+    where given; attention over the full sequence (global positions `positions`: causal masks compare them);
+    ``all_to_all_4d(out, 1, 2, scatter_sizes=out_scatter_sizes, gather_sizes=group.out_gather_sizes)`` back to
+    ``[B, S_r, h_c, D_v]``. With several groups, the result is the groups' outputs cut by `out_runs` and
+    concatenated along heads: ``[B, S_r, H, D_v]`` in head order.
     """
 
     world_size: int
@@ -210,15 +263,17 @@ class UlyssesPlan:
     dtype: str
     causal: bool
     scale: float  # the softmax scale (1 / sqrt(D) unless given)
-    heads: HeadSplit
-    exchanges: tuple[Exchange, ...]  # one if q, k, v share a head dim, else two
-    local_heads: int  # q heads this rank attends with (padded: the most any rank has)
-    local_kv_heads: int  # kv heads it receives (padded: the most any rank has)
-    kv_index: tuple[tuple[int, ...], ...] | None  # per rank: the received kv head of each local q head;
-    #   None where the received heads group evenly (GQA as they are). Exact layout: one row (this rank).
-    out_scatter_sizes: tuple[int, ...] | None  # the output all-to-all's sizes (None: even)
-    out_gather_sizes: tuple[int, ...] | None
+    heads: HeadSplit  # every head of the call
+    groups: tuple[HeadGroup, ...]  # `chunks` head groups, walked in order
+    out_scatter_sizes: tuple[int, ...] | None  # the output all-to-alls' seq sizes (None: even)
+    out_runs: tuple[tuple[int, int, int], ...] | None  # (group, start, stop): the heads of the groups' outputs
+    #   that, concatenated in this order, make the result (source rank by source rank); None: one group
     segmented: bool = False  # segment ids given: all-gathered over the group (``seq_sizes``), the mask of attn_fn
+
+    @property
+    def chunks(self) -> int:
+        """The number of head groups."""
+        return len(self.groups)
 
     @property
     def seq(self) -> int:
@@ -231,16 +286,21 @@ class UlyssesPlan:
         return tuple(position for shard in contiguous_positions(self.seq_sizes) for position in shard)
 
     @property
+    def exchanges(self) -> tuple[Exchange, ...]:
+        """Every group's exchanges in, in walk order."""
+        return tuple(exchange for group in self.groups for exchange in group.exchanges)
+
+    @property
     def fused(self) -> bool:
-        """True when q, k and v travel in one all-to-all."""
-        return len(self.exchanges) == 1
+        """True when q, k and v travel in one all-to-all (per group)."""
+        return len(self.groups[0].exchanges) == 1
 
     def kv_wire_heads(self) -> int:
-        """kv heads (of k; v the same) all ranks receive together on the wire: `HeadSplit.min_kv_heads` in the
-        exact layout, ``W * max(kv_sizes)`` in the padded one."""
+        """kv heads (of k; v the same) all ranks receive together on the wire, over every group: the groups'
+        `HeadSplit.min_kv_heads` in the exact layout, ``W * max(kv_sizes)`` per group in the padded one."""
         if self.layout == "exact":
-            return self.heads.min_kv_heads
-        return self.world_size * max(self.heads.kv_sizes)
+            return sum(group.heads.min_kv_heads for group in self.groups)
+        return sum(self.world_size * max(group.heads.kv_sizes) for group in self.groups)
 
 
 def contiguous_positions(seq_sizes: Sequence[int]) -> tuple[range, ...]:
@@ -381,18 +441,24 @@ def _kv_index(split: HeadSplit, rank: int | None) -> tuple[tuple[int, ...], ...]
 
 
 def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=None, dtypes=("float32",) * 3,
-                 causal=False, scale=None, layout="exact", segment_ids=None) -> UlyssesPlan:
-    """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes)`` on `rank` (exact
-    layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` / `TypeError`.
+                 causal=False, scale=None, layout="exact", segment_ids=None, chunks=1) -> UlyssesPlan:
+    """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes, chunks)`` on `rank`
+    (exact layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` /
+    `TypeError`.
 
     q ``[B, S_r, H, D]``, k and v ``[B, S_r, H_kv, D]`` (v may have its own head dim ``D_v``), H % H_kv == 0;
     S_r = ``seq_sizes[rank]`` (exact) or ``max(seq_sizes)`` (padded); `seq_sizes` None: every rank S_r.
     `segment_ids`: ``(shape, dtype name)`` of the segment ids given (``[B, S_r]``, integers), None: none.
+    `chunks`: head groups (`head_groups`), an int from 1 to the most q heads a rank attends with
+    (``ceil(H / W)``); 1 is one group of every head.
 
     >>> ulysses_plan((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4), 4, rank=0)
     Traceback (most recent call last):
     ...
     commlib.errors.CommError: ulysses_attention: heads (6) must be divisible by kv heads (4). Received: q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None
+    >>> plan = ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, rank=0, chunks=2)
+    >>> [group.heads.q_ranges[0] for group in plan.groups], plan.out_runs[:2]  # rank 0's heads 0 and 1
+    ([(0, 1), (1, 2)], ((0, 0, 1), (1, 0, 1)))
     """
     shapes = dict(q=q_shape, k=k_shape, v=v_shape)
     received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
@@ -410,14 +476,49 @@ def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=
     if segment_ids is not None:
         check_segment_ids(OP_NAME, _shown(segment_ids[0]), str(segment_ids[1]), q, received)
     split = head_split(q[2], checked["k"][2], world_size)
-    fused = _INPUTS if v[3] == q[3] else ("q", "k")
-    gather_sizes = _even(sizes)
-    exchanges = tuple(_exchange(split, names, rank, gather_sizes) for names in (fused, _INPUTS[len(fused):]) if names)
-    local = (split.q_sizes[rank], split.kv_sizes[rank]) if rank is not None else (max(split.q_sizes),
-                                                                                   max(split.kv_sizes))
+    chunks = _check_chunks(chunks, split, received)
+    names = _INPUTS if v[3] == q[3] else ("q", "k")
+    groups = tuple(_group(group, (names, _INPUTS[len(names):]), rank, _even(sizes))
+                   for group in head_groups(split, chunks))
     return UlyssesPlan(world_size, rank, layout, q[0], sizes, q[3], v[3], str(dtypes[0]), causal, scale, split,
-                       exchanges, local[0], local[1], _kv_index(split, rank), _even(sizes), _even(split.q_sizes),
-                       segment_ids is not None)
+                       groups, _even(sizes), _out_runs(groups), segment_ids is not None)
+
+
+def _check_chunks(chunks: object, split: HeadSplit, received: dict) -> int:
+    """`chunks` as an int from 1 to the most q heads a rank attends with (more would leave a group empty on
+    every rank)."""
+    received = {**received, "chunks": chunks}
+    chunks = _check_int("chunks", chunks, received)
+    if chunks < 1:
+        raise comm_error(OP_NAME, f"chunks ({chunks}) must be >= 1", **received)
+    most = max(split.q_sizes)
+    if chunks > most:
+        raise comm_error(OP_NAME, f"chunks ({chunks}) must be <= the most q heads a rank attends with ({most}: "
+                         f"split_sizes(heads={split.heads}, world_size={split.world_size}) = {split.q_sizes})",
+                         **received)
+    return chunks
+
+
+def _group(split: HeadSplit, names: tuple[tuple[str, ...], ...], rank: int | None, gather_sizes) -> HeadGroup:
+    """The `HeadGroup` of the heads `split` for `rank` (None: padded layout); `names`: the inputs of each
+    exchange (an empty tuple: no exchange)."""
+    exchanges = tuple(_exchange(split, inputs, rank, gather_sizes) for inputs in names if inputs)
+    if rank is not None:
+        local = (split.q_sizes[rank], split.kv_sizes[rank])
+    else:
+        local = (max(split.q_sizes), max(split.kv_sizes))
+    return HeadGroup(split, exchanges, local[0], local[1], _kv_index(split, rank), _even(split.q_sizes))
+
+
+def _out_runs(groups: tuple[HeadGroup, ...]) -> tuple[tuple[int, int, int], ...] | None:
+    """(group, start, stop) of each source rank's heads in each group's output, rank by rank then group by
+    group: the head order of the result. None for one group (its output is the result)."""
+    if len(groups) == 1:
+        return None
+    starts = [_offsets(group.heads.q_sizes) for group in groups]
+    return tuple((index, starts[index][source], starts[index][source] + group.heads.q_sizes[source])
+                 for source in range(groups[0].heads.world_size) for index, group in enumerate(groups)
+                 if group.heads.q_sizes[source])
 
 
 def _shown(shape: object) -> object:
@@ -527,36 +628,45 @@ def _exchange_ranks(exchange: Exchange, plans: Sequence[UlyssesPlan], inputs: di
 
 
 def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarray]:
-    """Every rank's output of the walk the frontends make, on W simulated numpy ranks (float64): the plans'
-    exchanges, kv indexing and the reference `attention` per rank, then the return all-to-all. ``plans[r]``
-    is rank r's plan (the padded layout: the same plan W times; inputs then hold ``max(seq_sizes)`` rows and
-    rows past a rank's size are never read). Outputs: exact ``[B, seq_sizes[r], H, D_v]``."""
+    """Every rank's output of the walk the frontends make, on W simulated numpy ranks (float64): for each head
+    group, its exchanges, kv indexing and the reference `attention` per rank, then its return all-to-all; the
+    groups' outputs cut by `UlyssesPlan.out_runs`. ``plans[r]`` is rank r's plan (the padded layout: the same
+    plan W times; inputs then hold ``max(seq_sizes)`` rows and rows past a rank's size are never read).
+    Outputs: exact ``[B, seq_sizes[r], H, D_v]``."""
+    outputs = [_simulate_group(plans, index, {"q": qs, "k": ks, "v": vs}) for index in range(plans[0].chunks)]
+    runs = plans[0].out_runs
+    if runs is None:
+        return outputs[0]
+    return [np.concatenate([outputs[index][rank][:, :, start:stop] for index, start, stop in runs], axis=2)
+            for rank in range(len(plans))]
+
+
+def _simulate_group(plans: Sequence[UlyssesPlan], index: int, inputs: dict) -> list[np.ndarray]:
+    """Head group `index` on every simulated rank: ``[B, S_r, h_c, D_v]`` (every rank's heads of the group)."""
     W, plan = len(plans), plans[0]
-    inputs = {"q": qs, "k": ks, "v": vs}
     received: list[dict[str, np.ndarray]] = [{} for _ in range(W)]
-    for index, exchange in enumerate(plan.exchanges):
+    for number, exchange in enumerate(plan.groups[index].exchanges):
         recvs = _exchange_ranks(exchange, plans, {name: inputs[name] for name in exchange.inputs})
         for rank, recv in enumerate(recvs):
-            for name, start, stop in plans[rank].exchanges[index].receive:
+            for name, start, stop in plans[rank].groups[index].exchanges[number].receive:
                 received[rank][name] = np.moveaxis(recv[start:stop], 0, 2)
     outputs = []
     for rank in range(W):
-        local, rank_plan = received[rank], plans[rank]
+        local, group = received[rank], plans[rank].groups[index]
         k, v = local["k"], local["v"]
-        if rank_plan.kv_index is not None:
-            kv_index = list(rank_plan.kv_index[0 if rank_plan.layout == "exact" else rank])
+        if group.kv_index is not None:
+            kv_index = list(group.kv_index[0 if plan.layout == "exact" else rank])
             k, v = k[:, :, kv_index], v[:, :, kv_index]
         outputs.append(attention(local["q"], k, v, causal=plan.causal, scale=plan.scale))
-    return _return_ranks(plans, outputs)
+    return _return_ranks(plans[0].groups[index].heads, plan.seq_sizes, outputs)
 
 
-def _return_ranks(plans: Sequence[UlyssesPlan], outputs: list[np.ndarray]) -> list[np.ndarray]:
+def _return_ranks(split: HeadSplit, sizes: tuple[int, ...], outputs: list[np.ndarray]) -> list[np.ndarray]:
     """The output all-to-all: rank r's rows of every rank's heads, heads concatenated in rank order."""
-    split, sizes = plans[0].heads, plans[0].seq_sizes
     bounds = (*_offsets(sizes), sum(sizes))
     result = []
-    for rank in range(len(plans)):
+    for rank in range(len(outputs)):
         rows = slice(bounds[rank], bounds[rank + 1])
         result.append(np.concatenate([outputs[source][:, rows, : split.q_sizes[source]]
-                                      for source in range(len(plans))], axis=2))
+                                      for source in range(len(outputs))], axis=2))
     return result

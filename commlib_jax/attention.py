@@ -3,8 +3,9 @@
 Ulysses (any sequence length, any head count, GQA/MQA): the spec (`commlib.attention.ulysses_plan`, padded
 layout) validates the call and decides the heads each rank attends with, the kv heads it receives and the sizes
 of the collectives; this module walks that plan: one all-to-all for q, k and v together, the attention over the
-full sequence, one all-to-all back. Every rank runs the same program, so rank-dependent head counts are padded
-to the largest rank's.
+full sequence, one all-to-all back (per head group with ``chunks > 1``: each group's all-to-alls read nothing of
+another group's attention, so XLA may overlap them). Every rank runs the same program, so rank-dependent head
+counts are padded to the largest rank's.
 
 Ring and USP: `commlib_jax.ring` (the spec's walk of `commlib.ring`: k/v around the ring with `permute`, a
 hand-written backward).
@@ -95,8 +96,45 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 
 
+def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes, attn_fn, masks: dict):
+    """One head group's attention on this rank: ``[B, S, h, D_v]`` (h padded to the largest rank's)."""
+    keys, values = local["k"], local["v"]
+    if group.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
+        index = jnp.asarray(np.asarray(group.kv_index, dtype=np.int32))[rank(axes)]
+        keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
+    bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
+    return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+
+
+def _walk(plan: spec.UlyssesPlan, inputs: dict, axis_name, attn_fn, segment_ids):
+    """The plan's head groups, traced in the torch walk's order (group c + 1's exchanges before group c's
+    attention); no group's all-to-all reads another group's attention. Segment ids: all-gathered once."""
+    axes = axes_of(axis_name)
+    received = [_exchanges(plan.groups[0], inputs, axis_name)]
+    masks = {}
+    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
+        masks["segment_ids"] = all_gather(segment_ids, axis_name, 1, sizes=plan.out_scatter_sizes)
+    outputs = []
+    for index, group in enumerate(plan.groups):
+        if index + 1 < plan.chunks:
+            received.append(_exchanges(plan.groups[index + 1], inputs, axis_name))
+        out = _attend(group, received[index], plan, axes, attn_fn, masks)
+        outputs.append(all_to_all_4d(out, axis_name, 1, 2, **_sizes(plan.out_scatter_sizes, group.out_gather_sizes)))
+    if plan.out_runs is None:
+        return outputs[0]
+    return jnp.concatenate([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], axis=2)
+
+
+def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name) -> dict:
+    """A head group's exchanges in: ``{name: [n, B, S, D]}``."""
+    local: dict = {}
+    for exchange in group.exchanges:
+        local.update(_exchange(exchange, inputs, axis_name))
+    return local
+
+
 def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None, layout="contiguous", segment_ids=None):
+                      attn_fn: AttentionFn | None = None, layout="contiguous", segment_ids=None, chunks: int = 1):
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -119,18 +157,31 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
             ``seq_sizes[r]`` are ignored): a query sees a key only when their ids are equal; a negative id is
             padding (sees and is seen by nothing: output 0, gradient 0). All-gathered over the axis (integers,
             no gradient) and given to `attn_fn` as ``segment_ids=`` (``[B, S]``), which must then accept it.
+        chunks: head groups (DESIGN "Overlap"): an int from 1 to ``ceil(H / W)`` (the most q heads a rank
+            attends with). Group c holds piece c of ``commlib.split_sizes(h_r, chunks)`` of rank r's ``h_r`` q
+            heads (padded to the largest rank's count of the group) and exactly the kv heads those use; it has
+            its own all-to-all in (``[B, S_r, *, D]`` heads -> ``[B, S, h_c + 2 kv_c, D]``), attention and
+            all-to-all out (``[B, S, h_c, D_v] -> [B, S_r, sum_r h_rc, D_v]``). No group's all-to-all reads
+            another group's attention, so XLA may run group c + 1's communication during group c's attention.
+            Where no kv head serves q heads of two groups (MHA; GQA whose groups keep a kv head's q heads
+            together) a group's attention is the same arithmetic per head and the output, dq, dk and dv equal
+            ``chunks=1``'s bit for bit; elsewhere a group attends with fewer q heads per kv head, XLA may round
+            its dots otherwise, and they equal it to rounding. With MQA / GQA a kv head is sent once per group
+            that uses it.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
-    dim differs from q's), the output in one. Gradient: exact, through both all-to-alls, in every mode
+    dim differs from q's), the output in one (per head group). Gradient: exact, through both all-to-alls, in every mode
     (``convention="sum"``: rank r's loss is its own).
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
             `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), a `layout` of another world size,
             "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids not
-            ``[B, S_r]``.
-        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers).
+            ``[B, S_r]``, `chunks` below 1 or above the most q heads a rank attends with (the message gives the
+            head counts).
+        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, chunks not an
+            int).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -141,29 +192,22 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         ...                   in_specs=P(None, "x"), out_specs=P(None, "x"))  # rank r holds rows [2r, 2r + 2)
         >>> bool(jnp.allclose(f(q, k, v), attention(q, k, v, causal=True), atol=1e-5))
         True
+        >>> pair = Mesh(jax.devices()[:2], ("x",))  # W = 2: two q heads a rank, so up to 2 groups
+        >>> chunked = lambda chunks: jax.shard_map(lambda q, k, v: ulysses_attention(q, k, v, "x", chunks=chunks),
+        ...                                        mesh=pair, in_specs=P(None, "x"), out_specs=P(None, "x"))
+        >>> bool(jnp.array_equal(chunked(2)(q, k, v), chunked(1)(q, k, v)))  # heads 0 and 2, then 1 and 3
+        True
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.OP_NAME, axes)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
-                                      attn_fn=attn_fn, segment_ids=segment_ids))
+                                      attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks))
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
-                             layout="padded", segment_ids=segment_type)
-    inputs, local = {"q": q, "k": k, "v": v}, {}
-    for exchange in plan.exchanges:
-        local.update(_exchange(exchange, inputs, axis_name))
-    masks = {}
-    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
-        masks["segment_ids"] = all_gather(segment_ids, axis_name, 1, sizes=plan.exchanges[0].gather_sizes)
-    keys, values = local["k"], local["v"]
-    if plan.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
-        index = jnp.asarray(np.asarray(plan.kv_index, dtype=np.int32))[rank(axes)]
-        keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
-    bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
-    out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
-    return all_to_all_4d(out, axis_name, 1, 2, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))
+                             layout="padded", segment_ids=segment_type, chunks=chunks)
+    return _walk(plan, {"q": q, "k": k, "v": v}, axis_name, attn_fn, segment_ids)

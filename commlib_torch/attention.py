@@ -3,7 +3,9 @@ ring attention and USP (`commlib_torch.ring`) past the head count.
 
 The spec (`commlib.attention.ulysses_plan`) validates the call and decides the heads each rank attends with,
 the kv heads it receives and the sizes of the collectives; this module walks that plan: one all-to-all for
-q, k and v together, the attention over the full sequence, one all-to-all back.
+q, k and v together, the attention over the full sequence, one all-to-all back -- per head group with
+``chunks > 1``, in pipeline order (group c + 1's exchange started before group c's attention, group c's
+output all-to-all started before group c + 1's attention), through one seam, `_start_exchange`.
 """
 
 from __future__ import annotations
@@ -105,21 +107,90 @@ def _sizes(scatter_sizes, gather_sizes) -> dict:
     return {key: value for key, value in sizes.items() if value is not None}
 
 
-def _exchange(exchange: spec.Exchange, inputs: dict[str, torch.Tensor],
-              group: ResolvedGroup) -> dict[str, torch.Tensor]:
-    """One all-to-all of the exchange's inputs: ``{name: [n_r, B, S, D]}`` (heads first) on this rank."""
+class _Finished:
+    """A collective already done: ``wait()`` returns its result (the seam's synchronous form)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
+
+def _start_exchange(collective: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> _Finished:
+    """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all); ``wait()`` gives its result.
+
+    The seam of the pipeline: today the collective runs here and ``wait()`` returns it; with
+    ``commlib_torch.functional``'s ``async_op=True`` this becomes ``collective(x, *args, async_op=True,
+    **kwargs)`` (a `commlib_torch.Handle`, whose backward is asynchronous too) and nothing else changes."""
+    return _Finished(collective(x, *args, **kwargs))
+
+
+class _Exchanges:
+    """A head group's exchanges in, started: ``wait()`` gives ``{name: [n_r, B, S, D]}`` (heads first)."""
+
+    def __init__(self, exchanges: tuple[spec.Exchange, ...], inputs: dict[str, torch.Tensor],
+                 group: ResolvedGroup) -> None:
+        self.pending = [(exchange, _start_exchange(all_to_all, _send_buffer(exchange, inputs), 0, 2, group,
+                                                   **_sizes(exchange.scatter_sizes, exchange.gather_sizes)))
+                        for exchange in exchanges]
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        local = {}
+        for exchange, pending in self.pending:
+            recv = pending.wait()
+            local.update({name: recv[start:stop] for name, start, stop in exchange.receive})
+        return local
+
+
+def _send_buffer(exchange: spec.Exchange, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The exchange's send buffer ``[C, B, S_r, D]``: the heads-first inputs' runs concatenated (one local pass)."""
     position = {name: index for index, name in enumerate(exchange.inputs)}
     runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
     select = _FunctorchSelectHeads if transforms_active() else _SelectHeads
-    send = select.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
-    recv = all_to_all(send, 0, 2, group, **_sizes(exchange.scatter_sizes, exchange.gather_sizes))
-    return {name: recv[start:stop] for name, start, stop in exchange.receive}
+    return select.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
+
+
+def _attend(group: spec.HeadGroup, local: dict[str, torch.Tensor], plan: spec.UlyssesPlan,
+            attn_fn: AttentionFn | None, masks: dict) -> torch.Tensor:
+    """One head group's attention on this rank: ``[B, S, h, D_v]`` from its received heads."""
+    if group.local_heads == 0:  # no heads here: an empty output, still on the graph (every rank runs backward)
+        return local["v"].permute(1, 2, 0, 3)
+    keys, values = local["k"], local["v"]
+    if group.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
+        index = torch.tensor(group.kv_index[0], device=keys.device)
+        keys, values = keys.index_select(0, index), values.index_select(0, index)
+    bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
+    return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+
+
+def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: ResolvedGroup,
+          attn_fn: AttentionFn | None, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """The plan's head groups in pipeline order: group c + 1's exchanges started before group c's attention,
+    group c's output all-to-all started after it (before group c + 1's attention), every output waited last.
+    The segment ids are all-gathered once (after group 0's exchanges start), for every group."""
+    incoming = _Exchanges(plan.groups[0].exchanges, inputs, group)
+    masks = {}
+    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
+        masks["segment_ids"] = all_gather(segment_ids, 1, group, sizes=plan.out_scatter_sizes)
+    outgoing = []
+    for index, head_group in enumerate(plan.groups):
+        local = incoming.wait()
+        if index + 1 < plan.chunks:
+            incoming = _Exchanges(plan.groups[index + 1].exchanges, inputs, group)
+        out = _attend(head_group, local, plan, attn_fn, masks)
+        outgoing.append(_start_exchange(all_to_all_4d, out, 1, 2, group,
+                                        **_sizes(plan.out_scatter_sizes, head_group.out_gather_sizes)))
+    outputs = [pending.wait() for pending in outgoing]
+    if plan.out_runs is None:
+        return outputs[0]
+    return torch.cat([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], dim=2)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
                       causal: bool = False, scale: float | None = None, seq_sizes=None,
                       attn_fn: AttentionFn | None = None, layout="contiguous",
-                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      segment_ids: torch.Tensor | None = None, chunks: int = 1) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -139,24 +210,38 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             key only when their ids are equal; a negative id is padding (sees and is seen by nothing: output 0,
             gradient 0). All-gathered over the group (integers, no gradient) and given to `attn_fn` as
             ``segment_ids=`` (``[B, S]``), which must then accept it.
+        chunks: head groups, pipelined (DESIGN "Overlap"): an int from 1 to ``ceil(H / W)`` (the most q heads
+            a rank attends with). Group c holds piece c of ``commlib.split_sizes(h_r, chunks)`` of rank r's
+            ``h_r`` q heads and exactly the kv heads those use; it has its own all-to-all in (``[B, S_r, *, D]``
+            heads -> ``[B, S, h_rc + 2 kv_rc, D]``), attention and all-to-all out (``[B, S, h_rc, D_v] ->
+            [B, S_r, sum_r h_rc, D_v]``). Group c + 1's all-to-all is started before group c's attention and
+            group c's output all-to-all before group c + 1's attention. A head's attention is the same
+            arithmetic in any group, so the output equals ``chunks=1``'s bit for bit; so do dq, dk and dv where
+            the attention's backward computes a head alike whatever the head count (SDPA on CPU: float32, not
+            float64) and no kv head serves q heads of two groups (MHA; GQA whose groups keep a kv head's q
+            heads together), else they equal it to rounding. With MQA / GQA a kv head is sent once per group
+            that uses it.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
-    when v's head dim differs from q's), the output in one. Gradient: exact, through both all-to-alls
-    (their VJPs are the reverse all-to-alls; a kv head sent to two ranks gets both cotangents).
+    when v's head dim differs from q's), the output in one (per head group). Gradient: exact, through both
+    all-to-alls (their VJPs are the reverse all-to-alls; a kv head sent to two ranks gets both cotangents).
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
             size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids
-            not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist.
+            not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist, `chunks` below 1 or above
+            the most q heads a rank attends with (the message gives the head counts).
         TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
-            scale not a number, group).
+            scale not a number, group, chunks not an int).
 
     Example:
         >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
         >>> out = ulysses_attention(q, k, v, causal=True)  # WORLD (W = 1 here): the full sequence is these rows
         >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-6)
+        True
+        >>> torch.equal(ulysses_attention(q, k, v, causal=True, chunks=2), out)  # heads 0-1, then 2-3
         True
     """
     group = resolve_group(spec.OP_NAME, group)
@@ -165,7 +250,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
-                                      attn_fn=attn_fn, segment_ids=segment_ids), (group,), q.device)
+                                      attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks), (group,), q.device)
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_type = None
     if segment_ids is not None:
@@ -173,20 +258,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
-                             segment_ids=segment_type)
-    inputs, local = {"q": q, "k": k, "v": v}, {}
-    for exchange in plan.exchanges:
-        local.update(_exchange(exchange, inputs, group))
-    masks = {}
-    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
-        masks["segment_ids"] = all_gather(segment_ids, 1, group, sizes=plan.exchanges[0].gather_sizes)
-    if plan.local_heads == 0:  # no heads here: an empty output, still on the graph (every rank runs backward)
-        out = local["v"].permute(1, 2, 0, 3)
-    else:
-        keys, values = local["k"], local["v"]
-        if plan.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
-            index = torch.tensor(plan.kv_index[0], device=keys.device)
-            keys, values = keys.index_select(0, index), values.index_select(0, index)
-        bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
-        out = (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
-    return all_to_all_4d(out, 1, 2, group, **_sizes(plan.out_scatter_sizes, plan.out_gather_sizes))
+                             segment_ids=segment_type, chunks=chunks)
+    return _walk(plan, {"q": q, "k": k, "v": v}, group, attn_fn, segment_ids)

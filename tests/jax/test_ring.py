@@ -17,6 +17,7 @@ from commlib import CommError, ring, ring_reference, shard_positions, shard_sequ
 from commlib.tools import cases, parity
 from commlib_jax.attention import ring_attention
 from commlib_jax.tools import parity_runner
+from tests.jax.dependencies import subjaxprs
 
 MODE = "shard_map[check_vma=True]"
 
@@ -209,16 +210,6 @@ def test_permutes_and_wire():
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
 
 
-def _subjaxprs(eqn):
-    """(jaxpr, the eqn's invars feeding its invars) of every jaxpr inside `eqn` (cond: the branches take the
-    operands after the index)."""
-    for value in eqn.params.values():
-        for inner in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(inner, (core.Jaxpr, core.ClosedJaxpr)):
-                jaxpr = getattr(inner, "jaxpr", inner)
-                yield jaxpr, eqn.invars[len(eqn.invars) - len(jaxpr.invars):]
-
-
 def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
     """For every ``ppermute`` the program runs (in order), whether its operand depends on a ``dot_general`` (the
     attention of a step); `tainted`: the invars of `jaxpr` that do (updated with every var that does)."""
@@ -228,7 +219,7 @@ def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
         if eqn.primitive.name == "ppermute":
             found.append(computed)
         out_tainted = [computed or eqn.primitive.name == "dot_general"] * len(eqn.outvars)
-        for inner, feeding in _subjaxprs(eqn):
+        for inner, feeding in subjaxprs(eqn):
             inner_tainted = {var for var, outer in zip(inner.invars, feeding, strict=True)
                              if not isinstance(outer, core.Literal) and outer in tainted}
             found += _permute_inputs_computed(inner, inner_tainted)
@@ -242,7 +233,7 @@ def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
 
 
 def _computes(jaxpr) -> bool:
-    return any(eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in _subjaxprs(eqn))
+    return any(eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in subjaxprs(eqn))
                for eqn in jaxpr.eqns)
 
 

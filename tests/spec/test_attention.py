@@ -116,22 +116,71 @@ def _padded(parts, rows):
             for part in parts]
 
 
-@given(_problem())
-def test_simulated_ulysses_is_attention(problem):
-    """Both layouts' plans, walked on simulated ranks, give unsharded GQA attention cut into every rank's rows."""
-    world_size, _, seq_sizes, *_, options = problem
+@given(_problem(), st.data())
+def test_simulated_ulysses_is_attention(problem, data):
+    """Both layouts' plans, walked on simulated ranks, give unsharded GQA attention cut into every rank's rows,
+    in one head group or in any number `chunks` allows."""
+    world_size, _, seq_sizes, heads, *_, options = problem
+    chunks = data.draw(st.integers(1, max(A.head_split(heads, 1, world_size).q_sizes)), label="chunks")
     q, k, v = _draw_problem(problem)
     expected = _rows(A.attention(q, k, v, **options), seq_sizes)
-    exact = _exact_plans([x.shape for x in (q, k, v)], world_size, seq_sizes, **options)
+    exact = _exact_plans([x.shape for x in (q, k, v)], world_size, seq_sizes, chunks=chunks, **options)
     got = A.simulate_ulysses(exact, *(_rows(x, seq_sizes) for x in (q, k, v)))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     rows = max(seq_sizes)
     padded = A.ulysses_plan(*((x.shape[0], rows, *x.shape[2:]) for x in (q, k, v)), world_size, seq_sizes=seq_sizes,
-                            layout="padded", **options)
+                            layout="padded", chunks=chunks, **options)
     got = A.simulate_ulysses([padded] * world_size, *(_padded(_rows(x, seq_sizes), rows) for x in (q, k, v)))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@given(_heads(), st.data())
+def test_head_groups(setting, data):
+    """Group c holds piece c of split_sizes(h_r, chunks) of rank r's q heads, in order, and exactly the kv heads
+    those use; the result's runs put every rank's heads back in head order; chunks=1 is the call's one group."""
+    heads, kv_heads, world_size = setting
+    split = A.head_split(heads, kv_heads, world_size)
+    chunks = data.draw(st.integers(1, max(split.q_sizes)), label="chunks")
+    groups = A.head_groups(split, chunks)
+    assert len(groups) == chunks and A.head_groups(split, 1) == (split,)
+    for rank, (start, stop) in enumerate(split.q_ranges):
+        pieces = [group.q_ranges[rank] for group in groups]
+        assert [head for first, last in pieces for head in range(first, last)] == list(range(start, stop))
+        assert [last - first for first, last in pieces] == list(A.split_sizes(stop - start, chunks))
+        for group in groups:
+            first, last = group.q_ranges[rank]
+            used = sorted({head // (heads // kv_heads) for head in range(first, last)})
+            assert list(range(*group.kv_ranges[rank])) == used
+    shapes = ((1, 2, heads, 3), (1, 2, kv_heads, 3), (1, 2, kv_heads, 3))
+    plan = A.ulysses_plan(*shapes, world_size, rank=0, chunks=chunks)
+    assert plan.chunks == chunks and [group.heads for group in plan.groups] == list(groups)
+    if chunks == 1:
+        assert plan.out_runs is None and plan.groups[0].heads == split
+        return
+    owners = [(index, source) for source in range(world_size) for index in range(chunks)
+              if groups[index].q_sizes[source]]
+    assert [(index, stop - start) for index, start, stop in plan.out_runs] == \
+        [(index, groups[index].q_sizes[source]) for index, source in owners]
+    assert sum(stop - start for _, start, stop in plan.out_runs) == heads
+
+
+def test_chunked_handed_case_plan():
+    """The handed case (H=6, H_kv=2, W=4) in 2 groups: rank r's first head, then its second (ranks 2 and 3 have
+    one: empty in group 1); each group's all-to-all carries exactly its heads and their kv heads; the output
+    runs take rank 0's heads from groups 0 and 1, then rank 1's, then ranks 2 and 3's from group 0."""
+    plan = A.ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, rank=1, seq_sizes=(3, 3, 2, 2), chunks=2)
+    first, second = plan.groups
+    assert first.heads.q_ranges == ((0, 1), (2, 3), (4, 5), (5, 6)) and second.heads.q_ranges[2:] == ((5, 5), (6, 6))
+    # group 0: 3 heads (q, k, v) to every rank (even: None); group 1: none to ranks 2 and 3
+    assert first.exchanges[0].scatter_sizes is None and second.exchanges[0].scatter_sizes == (3, 3, 0, 0)
+    assert (first.local_heads, second.local_heads) == (1, 1)  # rank 1: q head 2 (kv 0), then q head 3 (kv 1)
+    assert (first.out_gather_sizes, second.out_gather_sizes) == (None, (1, 1, 0, 0))
+    assert plan.out_runs == ((0, 0, 1), (1, 0, 1), (0, 1, 2), (1, 1, 2), (0, 2, 3), (0, 3, 4))
+    assert plan.kv_wire_heads() == 4 + 2  # each group's kv heads: kv 0 goes to rank 0 in both groups
+    assert A.ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, seq_sizes=(3, 3, 2, 2), layout="padded",
+                          chunks=2).kv_wire_heads() == 4 + 4
 
 
 def _naive_attention(q, k, v, causal, scale, q_positions, k_positions):
@@ -202,16 +251,17 @@ def test_handed_case_plan():
     """W=4, S=10, H=6, H_kv=2, seq_sizes (3, 3, 2, 2): one all-to-all of 4, 6, 3, 3 heads; 5 kv heads on the wire
     (the minimum) in the exact layout, 8 padded; the return all-to-all gathers 2, 2, 1, 1 heads."""
     plans = _exact_plans([(1, 10, 6, 4), (1, 10, 2, 4), (1, 10, 2, 4)], 4, (3, 3, 2, 2))
-    assert all(plan.fused and plan.kv_index is None for plan in plans)
+    assert all(plan.fused and plan.chunks == 1 and plan.groups[0].kv_index is None for plan in plans)
     assert plans[0].exchanges[0].scatter_sizes == (4, 6, 3, 3)
     assert plans[0].exchanges[0].gather_sizes == (3, 3, 2, 2)
     assert plans[1].exchanges[0].receive == (("q", 0, 2), ("k", 2, 4), ("v", 4, 6))
-    assert (plans[0].out_scatter_sizes, plans[0].out_gather_sizes) == ((3, 3, 2, 2), (2, 2, 1, 1))
+    assert (plans[0].out_scatter_sizes, plans[0].groups[0].out_gather_sizes) == ((3, 3, 2, 2), (2, 2, 1, 1))
+    assert plans[0].out_runs is None  # one group: its output is the result
     assert plans[0].kv_wire_heads() == plans[0].heads.min_kv_heads == 5
     padded = A.ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, seq_sizes=(3, 3, 2, 2), layout="padded")
     assert padded.kv_wire_heads() == 8
-    assert padded.kv_index == ((0, 0), (0, 1), (0, 0), (0, 0))  # rank 0's 2 q heads share its one kv head
-    assert A.ulysses_plan((1, 3, 8, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, layout="padded").kv_index is None
+    assert padded.groups[0].kv_index == ((0, 0), (0, 1), (0, 0), (0, 0))  # rank 0's 2 q heads share one kv head
+    assert A.ulysses_plan((1, 3, 8, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, layout="padded").groups[0].kv_index is None
 
 
 @pytest.mark.parametrize(("shapes", "kwargs", "error", "message"), [
@@ -235,6 +285,12 @@ def test_handed_case_plan():
     (None, dict(causal=1), TypeError, "causal must be a bool, not int"),
     (None, dict(scale="0.5"), TypeError, "scale must be a number, not str"),
     (None, dict(scale=float("inf")), CommError, "scale (inf) must be finite"),
+    (None, dict(chunks="2"), TypeError, "chunks must be an int, not str"),
+    (None, dict(chunks=2.0), TypeError, "chunks must be an int, not float"),
+    (None, dict(chunks=True), TypeError, "chunks must be an int, not bool"),
+    (None, dict(chunks=0), CommError, "chunks (0) must be >= 1"),
+    (None, dict(chunks=3), CommError, "chunks (3) must be <= the most q heads a rank attends with (2: "
+     "split_sizes(heads=6, world_size=4) = (2, 2, 1, 1))"),
 ])
 def test_errors(shapes, kwargs, error, message):
     """Each bad call raises before anything else, in the house format (op, quantity, numbers, Received)."""

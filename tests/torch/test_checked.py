@@ -251,11 +251,12 @@ def _with(calls, rank, rows=None, **options):
          "segment_ids: rank 0 has None, ranks 1, 2 have a Tensor"),
         (_with(_ranks(4, USP, ulysses_size=2), 2, segment_ids="one document"),
          "segment_ids: ranks 0, 1, 3 have None, rank 2 has a Tensor"),
+        (_with(_ranks(2, ULYSSES), 1, chunks=2), "chunks: rank 0 has 1, rank 1 has 2"),
     ],
     ids=["ulysses-forgotten-seq_sizes", "ulysses-forgotten-uneven", "ulysses-rows", "ulysses-causal",
          "ulysses-scale", "ulysses-layout", "ulysses-attn_fn", "ulysses-dtype", "ulysses-heads", "ring-layout",
          "ring-causal", "ring-scale", "ring-SequenceLayout", "usp-causal", "usp-layout", "usp-scale",
-         "ulysses-segment_ids", "ring-segment_ids", "usp-segment_ids"],
+         "ulysses-segment_ids", "ring-segment_ids", "usp-segment_ids", "ulysses-chunks"],
 )
 def test_layers_that_disagree_raise_on_every_rank_before_any_collective(pool, calls, expected):
     messages = _layer_errors(pool(len(calls)).run(checked_jobs.layer_call, calls))
@@ -282,9 +283,10 @@ def test_a_layer_where_another_rank_runs_a_collective(pool):
      [(RING, rows, {"layout": (7, 3, 1, "zigzag"), "causal": True}) for rows in (3, 2, 2)],
      _ranks(4, RING), _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2),
      _ranks(2, ULYSSES, causal=True, segment_ids="one document"),
-     _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2, segment_ids="one document")],
+     _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2, segment_ids="one document"),
+     _ranks(2, ULYSSES, causal=True, chunks=2)],
     ids=["ulysses-2", "ulysses-3-uneven", "ulysses-4-layout", "ring-2-zigzag", "ring-3-any-length", "ring-4",
-         "usp-2x2", "ulysses-2-segment_ids", "usp-2x2-segment_ids"],
+         "usp-2x2", "ulysses-2-segment_ids", "usp-2x2-segment_ids", "ulysses-2-chunks"],
 )
 def test_layers_that_agree_give_the_unchecked_values(pool, calls):
     """Checked mode changes nothing when the ranks agree: the same outputs as unchecked, every rank, forward and
