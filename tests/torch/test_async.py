@@ -1,10 +1,12 @@
 """``async_op=True`` (issue 26 item 3, DESIGN "Overlap") on real gloo ranks: every op that takes it, W = 1-4,
-every row of the parity case table for those ops (float64 / float32 / bfloat16 with accum_dtype, uneven sizes,
-empty shards, non-contiguous inputs, the rejected calls): outputs and gradients bit for bit the synchronous
-call's on every rank and within the reference's tolerance, the same error text for a bad call; the collective
-really begun asynchronously (forward, and the dual in backward, started by the wait node's backward and waited
-by the start node's with other nodes run in between); two handles waited in reverse order; torch.compile,
-torch.func and the Handle's own behaviour."""
+every row of the parity case table for those ops (float32 / bfloat16 with accum_dtype, uneven sizes, empty
+shards, non-contiguous inputs, the rejected calls; each valid float32 row in float64 too): outputs and
+gradients bit for bit the synchronous call's on every rank and within the reference's tolerance, the same error
+text for a bad call; the collective really begun asynchronously (forward, and the dual in backward, started by
+the wait node's backward and waited by the start node's with other nodes run in between); two handles waited in
+reverse order; checked mode, record(), failures, torch.compile, torch.func and the Handle's own behaviour."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -17,7 +19,12 @@ WORLD_SIZES = (1, 2, 3, 4)
 
 
 def _rows(world_size: int) -> list:
-    return [case for case in cases.case_table(world_size) if case.op in jobs.ASYNC_OPS]
+    """The case table's rows of the async ops, and each valid float32 row again in float64."""
+    rows = [case for case in cases.case_table(world_size) if case.op in jobs.ASYNC_OPS]
+    wide = [dataclasses.replace(case, dtype="float64") for case in rows
+            if case.dtype == "float32" and cases.error_text(case) is None]
+    assert len(wide) >= 20, len(wide)
+    return rows + wide
 
 
 def _check(case, arrays, results):
