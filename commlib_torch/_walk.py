@@ -208,11 +208,15 @@ def _permute(step: Permute, plan: Plan, compiling: bool, asynchronous: bool = Fa
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
     of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank.
-    `asynchronous`: the transfer returns a `Started` of what it would return."""
+    `asynchronous`: the same transfer with the collective begun, returning a `Started` of what it returns."""
     shape, pairs, world_size = plan.layout.send_shape, step.pairs, plan.world_size
     rows_shape = shape or (1,)
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
     all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
+    begun: list = []  # (asynchronous: the work the transfer began, taken at once by `started`)
+    if asynchronous:
+        begin = all_to_all
+        all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
 
     def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
@@ -225,22 +229,25 @@ def _permute(step: Permute, plan: Plan, compiling: bool, asynchronous: bool = Fa
             rows = rows[:0]
         if not receives:
             recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
-            work = all_to_all(recv, rows, group, recv_splits, send_splits)
-            return _nothing_received(recv, shape) if work is None else Started((work,), _nothing, rows)
+            all_to_all(recv, rows, group, recv_splits, send_splits)
+            return _nothing_received(recv, shape)
         # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
         recv = torch.empty_like(send, memory_format=_CONTIGUOUS)
-        work = all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
-        return recv if work is None else Started((work,), _first, recv, rows)
+        all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
+        return recv
 
-    return transfer
+    if not asynchronous:
+        return transfer
+
+    def started(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype) -> Started:
+        received = transfer(send, group, rank, x, dtype)  # (the send buffer is kept until the work is done)
+        return Started((begun.pop(),), _first, received, send)
+
+    return started  # type: ignore[return-value]
 
 
-def _nothing(*buffers: torch.Tensor) -> None:
-    return None
-
-
-def _first(recv: torch.Tensor, *buffers: torch.Tensor) -> torch.Tensor:
-    return recv
+def _first(received: torch.Tensor | None, *buffers: torch.Tensor) -> torch.Tensor | None:
+    return received
 
 
 def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
