@@ -146,6 +146,7 @@ def handle_facts(context) -> dict:
     facts["no_grad: no graph"] = quiet.grad_fn is None
     constant = commlib_torch.all_reduce(x.detach(), async_op=True).wait()
     facts["constant: no graph"] = constant.grad_fn is None
+    facts["freed without the garbage collector"] = _freed(x)
     commlib_torch.all_gather(x, async_op=True)  # never waited: it completes on every rank all the same
     after = commlib_torch.all_reduce(torch.ones(2), async_op=True).wait()
     facts["after an unwaited handle"] = torch.equal(after, torch.full((2,), float(world_size)))
@@ -157,6 +158,27 @@ def handle_facts(context) -> dict:
         (second,) = torch.autograd.grad(grad.sum(), y)
         facts[f"second derivative {'async' if asynchronous_op else 'sync'}"] = second.numpy()
     return facts
+
+
+def _freed(x: torch.Tensor) -> bool:
+    """Whether a waited and backpropagated call's shared record dies with its Handle and output, with the
+    garbage collector off (no reference cycle through the autograd graph)."""
+    import gc
+
+    def records() -> int:
+        return sum(type(thing) is handle_module._Call for thing in gc.get_objects())
+
+    gc.disable()
+    try:
+        before = records()
+        handle = commlib_torch.all_to_all(x, 0, 1, async_op=True)
+        out = handle.wait()
+        out.sum().backward()
+        alive = records() == before + (dist.get_world_size() > 1)  # (W = 1: no record, the identity)
+        del handle, out
+        return alive and records() == before
+    finally:
+        gc.enable()
 
 
 def compiled_wait(context) -> tuple[int, float, float]:
