@@ -22,6 +22,7 @@ from commlib_torch.functional import (
     shard,
     sum_grad,
 )
+from commlib_torch.handle import Handle
 
 __all__ = [
     "CommError",
@@ -29,6 +30,7 @@ __all__ = [
     "CommTimeout",
     "ReduceOp",
     "DeviceCommunicator",
+    "Handle",
     "all_reduce",
     "all_gather",
     "reduce_scatter",

@@ -16,6 +16,11 @@ What the wrappers do that these calls leave out, and why that is safe:
   is not a plain ``ProcessGroup``, no default group: the call goes to the wrapper, which handles it;
 - the coalescing context (``torch.distributed._coalescing_manager``, private): not honoured.
 
+Asynchronous calls (``asynchronous=True``, for ``async_op=True``: `commlib_torch.handle`) are the same calls with
+``asyncOp = True`` (NCCL on its own stream, joined by ``work.wait()``) that return the c10d work unwaited; the
+wrapper path passes ``async_op=True``. Only the collectives an ``async_op`` op walks have them: all_reduce,
+all_to_all (permute's too), all_gather and reduce_scatter.
+
 Under torch.compile the walks call the wrappers (``compiling=True``), which Dynamo maps to functional
 collectives. gather and scatter always go through the wrappers, whose list handling changes between torch
 releases (2.13 passes other lists to its torchcomms backend); so does the exact walk of uneven sizes.
@@ -24,6 +29,7 @@ releases (2.13 passes other lists to its torchcomms backend); so does the exact 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +46,11 @@ from commlib_torch._compat import (
 )
 from commlib_torch._groups import ResolvedGroup, global_rank
 
-__all__ = ["all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
+__all__ = ["Started", "all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
            "reduce_scatter", "reduce_scatter_single", "scatter"]
 
-Buffers = Callable[..., None]  # (tensors..., group) -> None, the collective done
+#: (tensors..., group) -> None, the collective done; an asynchronous call's: -> its c10d work, not waited
+Buffers = Callable[..., "dist.Work | None"]
 #: A c10d reduce op as ``dist.ReduceOp.SUM`` gives it (torch's stubs type the members `RedOpType`).
 ReduceOpType = dist.ReduceOp | dist.ReduceOp.RedOpType
 
@@ -51,13 +58,39 @@ _PG = dist.ProcessGroup
 _as_real = torch.view_as_real
 
 
-def _options(kind: type, **fields: object) -> object:
-    """An options struct for a synchronous call, made once per walk."""
+class Started:
+    """A collective an asynchronous walk began (`commlib_torch._walk.started_walk`): its c10d works, and the
+    local pass that turns what they receive into the output (``complete(*arguments)``), run by `wait` after the
+    works. The arguments (the buffers among them) stay referenced until then."""
+
+    __slots__ = ("arguments", "complete", "works")
+
+    def __init__(self, works: Sequence[Any], complete: Callable[..., Any], *arguments: Any) -> None:
+        self.works, self.complete, self.arguments = works, complete, arguments
+
+    def is_completed(self) -> bool:
+        """True when every work is done (c10d's ``Work.is_completed``)."""
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> Any:
+        """The works waited, then the local pass: the output (call once)."""
+        for work in self.works:
+            work.wait()
+        return self.complete(*self.arguments)
+
+    def then(self, function: Callable[[Any], Any]) -> Started:
+        """The same works, `function` applied to what `wait` would return."""
+        return Started(self.works, lambda: function(self.complete(*self.arguments)))
+
+
+def _options(kind: type, asynchronous: bool = False, **fields: object) -> object:
+    """An options struct made once per walk: for a synchronous call (NCCL on the current stream) or an
+    asynchronous one (`asynchronous`: NCCL on its own stream, joined by ``work.wait()``)."""
     options = kind()
     for name, value in fields.items():
         setattr(options, name, value)
     if hasattr(options, "asyncOp"):
-        options.asyncOp = False
+        options.asyncOp = asynchronous
     return options
 
 
@@ -73,11 +106,19 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return _as_real(tensor) if tensor.is_complex() else tensor
 
 
-def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
+def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool, asynchronous: bool = False) -> Buffers:
     """``(buffer, group)``: buffer <- the reduction over the group, in place."""
     if compiling:
         return lambda buffer, group: dist.all_reduce(buffer, op=op, group=group)
-    options = _options(dist.AllreduceOptions, reduceOp=op)
+    options = _options(dist.AllreduceOptions, asynchronous, reduceOp=op)
+    if asynchronous:
+        def begin(buffer: torch.Tensor, group: ResolvedGroup) -> dist.Work:
+            process_group = _direct(group, buffer)
+            if process_group is None:
+                return dist.all_reduce(buffer, op=op, group=group, async_op=True)
+            return process_group.allreduce([_real(buffer) if complex_ else buffer], options)
+
+        return begin
 
     def call(buffer: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, buffer)
@@ -89,13 +130,25 @@ def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
     return call
 
 
-def all_to_all(complex_: bool, compiling: bool) -> Buffers:
+def all_to_all(complex_: bool, compiling: bool, asynchronous: bool = False) -> Buffers:
     """``(recv, send, group, recv_splits=(), send_splits=())``: dim-0 blocks of send to each rank, in rank
     order, into recv (empty splits: W equal blocks)."""
     if compiling:
         return lambda recv, send, group, recv_splits=None, send_splits=None: dist.all_to_all_single(
             recv, send, recv_splits, send_splits, group=group)
-    options = _options(dist.AllToAllOptions)
+    options = _options(dist.AllToAllOptions, asynchronous)
+    if asynchronous:
+        def begin(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup, recv_splits: Sequence[int] = (),
+                  send_splits: Sequence[int] = ()) -> dist.Work:
+            process_group = _direct(group, send)
+            if process_group is None:
+                return dist.all_to_all_single(recv, send, recv_splits or None, send_splits or None, group=group,
+                                              async_op=True)
+            if complex_:
+                recv, send = _real(recv), _real(send)
+            return process_group_all_to_all(process_group, recv, send, recv_splits, send_splits, options)
+
+        return begin
 
     def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup, recv_splits: Sequence[int] = (),
              send_splits: Sequence[int] = ()) -> None:
@@ -110,11 +163,13 @@ def all_to_all(complex_: bool, compiling: bool) -> Buffers:
     return call
 
 
-def all_gather(complex_: bool, compiling: bool) -> Buffers:
+def all_gather(complex_: bool, compiling: bool, asynchronous: bool = False) -> Buffers:
     """``(recv, send, group)``: recv <- every rank's send, concatenated along dim 0 in rank order."""
     if compiling:
         return lambda recv, send, group: all_gather_single(recv, send, group=group)
-    options = _options(c10d.AllgatherOptions)
+    options = _options(c10d.AllgatherOptions, asynchronous)
+    if asynchronous:
+        return _begin_dim_0(process_group_all_gather, all_gather_single, {}, complex_, options)
 
     def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, send)
@@ -128,11 +183,13 @@ def all_gather(complex_: bool, compiling: bool) -> Buffers:
     return call
 
 
-def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers:
+def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool, asynchronous: bool = False) -> Buffers:
     """``(recv, send, group)``: recv <- this rank's dim-0 block of the reduction of every rank's send."""
     if compiling:
         return lambda recv, send, group: reduce_scatter_single(recv, send, op=op, group=group)
-    options = _options(dist.ReduceScatterOptions, reduceOp=op)
+    options = _options(dist.ReduceScatterOptions, asynchronous, reduceOp=op)
+    if asynchronous:
+        return _begin_dim_0(process_group_reduce_scatter, reduce_scatter_single, {"op": op}, complex_, options)
 
     def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup) -> None:
         process_group = _direct(group, send)
@@ -144,6 +201,22 @@ def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool) -> Buffers
             process_group_reduce_scatter(process_group, recv, send, options).wait()
 
     return call
+
+
+def _begin_dim_0(method: Callable[..., dist.Work], wrapper: Callable[..., dist.Work], keywords: dict, complex_: bool,
+                 options: object) -> Buffers:
+    """The asynchronous ``(recv, send, group) -> work`` of a dim-0 collective: the process group's `method`, or
+    the torch.distributed `wrapper` (with `keywords`) where the wrapper must take the call."""
+
+    def begin(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup) -> dist.Work:
+        process_group = _direct(group, send)
+        if process_group is None:
+            return wrapper(recv, send, group=group, async_op=True, **keywords)
+        if complex_:
+            recv, send = _real(recv), _real(send)
+        return method(process_group, recv, send, options)
+
+    return begin
 
 
 def broadcast(root: int, complex_: bool) -> Buffers:

@@ -7,12 +7,15 @@ receive buffer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from commlib import Plan
 from commlib.layout import Blocks
 from commlib.steps import AllGather
+from commlib_torch._c10d import Started
 from commlib_torch._groups import ResolvedGroup, global_rank, group_rank
 
 __all__ = ["run_exact", "scaled_first", "zeros_after"]
@@ -70,9 +73,11 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
     return out
 
 
-def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: ResolvedGroup, rank: int) -> None:
+def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: ResolvedGroup,
+                     rank: int) -> list:
     """The exchange of a pack that repeats the input (all_gather): `send` itself goes to every other rank and
-    each rank's block lands in the flat receive buffer `recv`, pairwise -- no W-fold send buffer."""
+    each rank's block lands in the flat receive buffer `recv`, pairwise -- no W-fold send buffer. Returns the
+    c10d works, begun, not waited."""
     flat, ops, offset = send.reshape(-1), [], 0
     for peer, count in enumerate(unpack.counts):
         part = recv[offset:offset + count]
@@ -84,13 +89,13 @@ def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, gro
             ops.append(dist.P2POp(dist.isend, flat, global_rank(group, peer), group))
         if count:
             ops.append(dist.P2POp(dist.irecv, part, global_rank(group, peer), group))
-    for work in dist.batch_isend_irecv(ops) if ops else ():
-        work.wait()
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup, asynchronous: bool = False) -> Any:
     """Uneven sizes held exactly: the `Blocks` pack, one all_to_all_single with their split sizes (none for a
-    local step), the `Blocks` unpack."""
+    local step), the `Blocks` unpack. `asynchronous`: the collective begun, a `commlib_torch._walk.Started`
+    returned whose wait runs the unpack."""
     pack, unpack, arithmetic = plan.layout.pack, plan.layout.unpack, plan.arithmetic
     assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan
     scale = arithmetic.scale
@@ -108,12 +113,27 @@ def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor
         # x itself when it already is; `to` keeps a view of the same dtype whose strides are uniform (x[:, ::2]
         # flattens to a stride-2 view), which c10d's send rejects: contiguous() copies exactly that case
         send = x.to(buffer_dtype, memory_format=torch.contiguous_format).contiguous()
-        _gather_pairwise(unpack, scaled_first(send, x, scale) if first else send, flat, group, rank)
+        send = scaled_first(send, x, scale) if first else send
+        works = _gather_pairwise(unpack, send, flat, group, rank)
     else:
         send = _pack_blocks(x, pack, buffer_dtype)
         send = scaled_first(send, x, scale) if first else send
-        dist.all_to_all_single(flat, send, list(unpack.counts), list(pack.counts), group=group)
+        work = dist.all_to_all_single(flat, send, list(unpack.counts), list(pack.counts), group=group,
+                                      async_op=asynchronous)
+        works = [] if work is None else [work]  # (None: done, synchronous)
+    if asynchronous:
+        return Started(works, _unpacked, plan, recv, x, send)
+    for work in works:
+        work.wait()
     del send
+    return _unpacked(plan, recv, x)
+
+
+def _unpacked(plan: Plan, recv: torch.Tensor, x: torch.Tensor, send: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact walk's output from its received buffer: the scale (where not applied first), the unpack."""
+    unpack, arithmetic = plan.layout.unpack, plan.arithmetic
+    assert isinstance(unpack, Blocks), plan
+    scale, first = arithmetic.scale, arithmetic.scale_first and arithmetic.scale != 1.0
     if scale != 1.0 and not first and not unpack.reduce:
         recv.mul_(scale)
     return _unpack_blocks(recv, unpack, x.dtype, 1.0 if first else scale)

@@ -10,7 +10,8 @@ with two calls fewer). `plan_inputs` turns a public op's ``(x, group)`` into the
 
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,13 @@ from commlib_torch._groups import (
 from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
 from commlib_torch.testing_trace import ACTIVE, recorded_op
 
-__all__ = ["FunctorchPlanFunction", "PlanFunction", "apply", "at_boundary", "plan_inputs", "transforms_active"]
+__all__ = ["FunctorchPlanFunction", "Origin", "PlanFunction", "apply", "at_boundary", "plan_inputs", "reraise",
+           "transforms_active"]
 
 #: Whether a torch.func transform (grad, vjp, vmap, ...) is active (`commlib_torch._compat`).
 transforms_active = functorch_transforms_active
 
+Result = TypeVar("Result")  # what a step at the boundary returns: the output, or (async_op) the begun collective
 Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
 
 plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
@@ -78,7 +81,8 @@ def _primal_rule(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Ten
     return gradients.forward(_Backend(group, x.device), plan, x)
 
 
-def at_boundary(step, plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None) -> torch.Tensor:
+def at_boundary(step: Callable[[Plan, torch.Tensor, ResolvedGroup], Result], plan: Plan, x: torch.Tensor,
+                group: ResolvedGroup, origin: Origin | None) -> Result:
     """``step(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
     only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
     that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the step
@@ -91,10 +95,10 @@ def at_boundary(step, plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin:
             exchange(subject, x, group, phase)
         return step(plan, x, group)
     except RuntimeError as error:
-        _reraise(error, plan, x, group, origin)
+        reraise(error, plan, x, group, origin)
 
 
-def _reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup,
+def reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup,
              origin: Origin | None) -> NoReturn:
     """Raise `error` as CommTimeout / CommFailure where it means one, else as it is."""
     subject, phase = origin or (plan, "forward")
@@ -130,7 +134,7 @@ class PlanFunction(torch.autograd.Function):
             try:  # `at_boundary(run, ...)` eagerly and unchecked, two calls fewer
                 return walk(plan)(x, group)
             except RuntimeError as error:
-                _reraise(error, plan, x, group, origin)
+                reraise(error, plan, x, group, origin)
         out = at_boundary(_primal_rule, plan, x, group, origin)
         _save(ctx, plan, group, x, out)
         return out

@@ -25,6 +25,12 @@ partitioner keeps it in the same graph (forward or backward) on every rank. Left
 a collective whose result a rank ignores and moves into the forward a backward one that does not read the
 cotangent, and the other ranks wait for it forever.
 
+An asynchronous walk (`started_walk`, for ``async_op=True``) is the same walk with the collective begun and
+not waited: it returns a `Started` -- the c10d work and the local pass after it (the unpack, the scale, the
+cast back from `accum_dtype`), which `Started.wait` runs once the work is done. all_reduce, all_to_all,
+all_gather, reduce_scatter, permute and the exact walk of uneven sizes begin asynchronously; a local step or a
+rooted collective runs at once and returns a completed `Started`.
+
 Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`)
 and taken once per plan by `walk`, which makes the plan's walk -- a closure that does only what depends on
 the call: the tensor (contiguous or not) and the group (this rank). Nothing reads a tensor's values on the
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import assert_never
+from typing import Any, assert_never
 
 import torch
 import torch.distributed as dist
@@ -59,13 +65,14 @@ from commlib.steps import (
     Slice,
 )
 from commlib_torch import _c10d, _pack
+from commlib_torch._c10d import Started
 from commlib_torch._compat import COPY_COMPILED_OUTPUT as _COPY_COMPILED_OUTPUT
 from commlib_torch._compat import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
 from commlib_torch._groups import ResolvedGroup, global_rank, group_rank, group_size
 
-__all__ = ["DTYPE_NAMES", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size", "rearrange",
-           "run", "torch_dtype", "walk"]
+__all__ = ["DTYPE_NAMES", "Started", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size",
+           "rearrange", "run", "started_walk", "torch_dtype", "walk"]
 
 _C10D_REDUCE = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -130,6 +137,15 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     return out
 
 
+def completed(out: torch.Tensor) -> Started:
+    """A `Started` whose work is done: `out`."""
+    return Started((), _itself_value, out)
+
+
+def _itself_value(x: Any) -> Any:
+    return x
+
+
 # ---- the rooted collectives and permute: (step, plan, the received buffer's shape `made`: `_finisher`) ->
 # transfer, a transfer: (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer
 # (contiguous, of `made`, which the collective receives into as a view of the plan's recv_shape), None where this
@@ -188,14 +204,19 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
     return transfer
 
 
-def _permute(step: Permute, plan: Plan, compiling: bool) -> Transfer:
+def _permute(step: Permute, plan: Plan, compiling: bool, asynchronous: bool = False) -> Transfer:
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
-    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank."""
+    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank.
+    `asynchronous`: the same transfer with the collective begun, returning a `Started` of what it returns."""
     shape, pairs, world_size = plan.layout.send_shape, step.pairs, plan.world_size
     rows_shape = shape or (1,)
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
-    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
+    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
+    begun: list = []  # (asynchronous: the work the transfer began, taken at once by `started`)
+    if asynchronous:
+        begin = all_to_all
+        all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
 
     def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
         splits = by_rank.get(rank)
@@ -215,7 +236,18 @@ def _permute(step: Permute, plan: Plan, compiling: bool) -> Transfer:
         all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
         return recv
 
-    return transfer
+    if not asynchronous:
+        return transfer
+
+    def started(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype) -> Started:
+        received = transfer(send, group, rank, x, dtype)  # (the send buffer is kept until the work is done)
+        return Started((begun.pop(),), _first, received, send)
+
+    return started  # type: ignore[return-value]
+
+
+def _first(received: torch.Tensor | None, *buffers: torch.Tensor) -> torch.Tensor | None:
+    return received
 
 
 def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -297,15 +329,35 @@ def walk(plan: Plan) -> Walk:
     return _make_walk(plan, compiling=False)
 
 
+#: An asynchronous walk: (this rank's input, the group) -> the collective begun (`Started`).
+StartedWalk = Callable[[torch.Tensor, ResolvedGroup], Started]
 
-def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved: bool = False) -> Walk:
+
+@plan_cache.held_cache(maxsize=8 * MAX_PLANS)
+def started_walk(plan: Plan) -> StartedWalk:
+    """The eager asynchronous walk of `plan`, made once (as `walk`): the pack pass and the collective begun,
+    the rest left to `Started.wait` (module docstring)."""
+    return _make_walk(plan, compiling=False, asynchronous=True)  # type: ignore[return-value]
+
+
+def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved: bool = False,
+               asynchronous: bool = False) -> Walk:
     if dtypes.is_complex(plan.dtype) and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
-        inner = _make_walk(plan, compiling, wire_viewed, resolved=True)
+        inner = _make_walk(plan, compiling, wire_viewed, resolved=True, asynchronous=asynchronous)
         return lambda x, group: inner(x.resolve_conj(), group)
     if plan.wire_view is not None and not wire_viewed:  # a dtype the backend lacks: its bits in a same-size dtype
-        inner, wire = _make_walk(plan, compiling, wire_viewed=True, resolved=True), getattr(torch, plan.wire_view)
+        inner = _make_walk(plan, compiling, wire_viewed=True, resolved=True, asynchronous=asynchronous)
+        wire = getattr(torch, plan.wire_view)
+        if asynchronous:
+            return lambda x, group: inner(x.view(wire), group).then(  # type: ignore[attr-defined]
+                lambda out: out.view(x.dtype))
         return lambda x, group: inner(x.view(wire), group).view(x.dtype)
+    if asynchronous and not isinstance(plan.step, (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)):
+        done = _make_walk(plan, compiling, wire_viewed, resolved)  # a local step or a rooted collective: at once
+        return lambda x, group: completed(done(x, group))  # type: ignore[return-value]
     if plan.is_exact:
+        if asynchronous:
+            return lambda x, group: run_exact(plan, x, group, asynchronous=True)
         return lambda x, group: run_exact(plan, x, group)
     accum_dtype = plan.arithmetic.accum_dtype
     accum = None if accum_dtype is None else getattr(torch, accum_dtype)
@@ -318,15 +370,16 @@ def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved:
         case Pad(dim=dim):
             return _pad(plan, dim)
         case AllReduce(op=op):
-            return _all_reduce(plan, op, accum, compiling)
+            return _all_reduce(plan, op, accum, compiling, asynchronous)
         case AllToAll():
-            return _all_to_all(plan, accum, compiling)
+            return _all_to_all(plan, accum, compiling, asynchronous)
         case AllGather(dim=dim):
-            return _gather_or_scatter(plan, dim, None, accum, compiling)
+            return _gather_or_scatter(plan, dim, None, accum, compiling, asynchronous)
         case ReduceScatter(dim=dim, op=op):
-            return _gather_or_scatter(plan, dim, op, accum, compiling)
+            return _gather_or_scatter(plan, dim, op, accum, compiling, asynchronous)
         case Permute():
-            return _rooted_or_permute(plan, _permute(step, plan, compiling), None, accum, compiling)
+            transfer = _permute(step, plan, compiling, asynchronous)
+            return _rooted_or_permute(plan, transfer, None, accum, compiling, asynchronous)
         case Broadcast() | Reduce() | Gather() | Scatter():
             made = _finisher(plan, accum, plan.layout.recv_shape)[1]
             transfer = (_rooted_traceable if compiling else _rooted_transfer)(step, plan, made)
@@ -396,11 +449,18 @@ def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
     return accum is not None or not (isinstance(pack, Rearrange) and pack.keeps_order)  # (Blocks: the exact walk's)
 
 
-def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: bool) -> Walk:
+def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: bool,
+                asynchronous: bool = False) -> Walk:
     """all_reduce, in place: the send buffer, a clone of x's shape, is received into."""
     send_shape = plan.layout.send_shape
     send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
-    reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), compiling)
+    reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), compiling, asynchronous)
+    if asynchronous:
+        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+            buffer = send(x)
+            return Started((reduce(buffer, group),), finish, buffer, x)
+
+        return started  # type: ignore[return-value]
 
     def all_reduce(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
@@ -410,13 +470,21 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: 
     return all_reduce
 
 
-def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
+def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool, asynchronous: bool = False) -> Walk:
     """all_to_all: the send buffer's dim 0 goes out in W blocks (c10d's all_to_all_single)."""
     shape = _a2a_buffers(plan, _packs(plan, accum), accum)
     recv_shape = shape or plan.layout.recv_shape
     send, (finish, made) = _sender(plan, accum, shape or plan.layout.send_shape), _finisher(plan, accum, recv_shape)
     viewed = made != recv_shape  # the output is received into (a view of it)
-    exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling)
+    exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
+    if asynchronous:
+        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+            buffer = send(x)
+            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+            work = exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
+            return Started((work,), _finish_sent, finish, recv, x, buffer)
+
+        return started  # type: ignore[return-value]
 
     def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
@@ -428,7 +496,8 @@ def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool) -> Walk:
     return all_to_all
 
 
-def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, compiling: bool) -> Walk:
+def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, compiling: bool,
+                       asynchronous: bool = False) -> Walk:
     """all_gather (`op` None) and reduce_scatter: c10d's dim-0 forms, x itself along dim 0 ([n, ...] <->
     [W * n, ...]), else flat buffers."""
     world_size, layout = plan.world_size, plan.layout
@@ -442,8 +511,16 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     send, (finish, made) = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
     viewed = made != recv_shape
     complex_ = dtypes.is_complex(plan.dtype)
-    collective = (_c10d.all_gather(complex_, compiling) if op is None
-                  else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling))
+    collective = (_c10d.all_gather(complex_, compiling, asynchronous) if op is None
+                  else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous))
+    if asynchronous:
+        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+            buffer = send(x)
+            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+            work = collective(recv.view(recv_shape) if viewed else recv, buffer, group)
+            return Started((work,), _finish_sent, finish, recv, x, buffer)
+
+        return started  # type: ignore[return-value]
 
     def gather_or_scatter(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
@@ -453,6 +530,12 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
         return finish(recv, x)
 
     return gather_or_scatter
+
+
+def _finish_sent(finish: Callable[..., torch.Tensor], recv: torch.Tensor, x: torch.Tensor,
+                 buffer: torch.Tensor) -> torch.Tensor:
+    """`finish` of an asynchronous walk, the send `buffer` kept until its work is done."""
+    return finish(recv, x)
 
 
 def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[int, ...] | None:
@@ -469,13 +552,20 @@ def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[i
 
 
 def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None,
-                       compiling: bool) -> Walk:
+                       compiling: bool, asynchronous: bool = False) -> Walk:
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
     the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring). `receive_only_root`:
     the root of an eager broadcast or scatter, whose other ranks' input is never read (no pack pass there)."""
     out_shape = plan.out_shape
     send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
     receives_only = receive_only_root is not None
+    if asynchronous:  # permute: its transfer returns a `Started` of the received buffer (None: zeros)
+        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+            begun = transfer(send(x), group, group_rank(group), x, x.dtype if accum is None else accum)
+            return begun.then(lambda recv: x.new_zeros(out_shape) if recv is None  # type: ignore[union-attr]
+                              else finish(recv, x))
+
+        return started  # type: ignore[return-value]
 
     def rooted(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         rank = group_rank(group)

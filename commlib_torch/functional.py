@@ -24,11 +24,18 @@ where no wire dtype is exact (docs/ops.md).
 Uneven sizes (``sizes=``, ``scatter_sizes=``, ``gather_sizes=``; `commlib.split_sizes` gives the balanced
 split) are held exactly: rank r's tensor has ``sizes[r]`` rows along the sharded dim, and nothing is padded on
 the wire (`commlib.uneven`).
+
+``async_op=True`` (all_reduce, all_gather, reduce_scatter, all_to_all, all_to_all_4d, permute): the same
+validation, then the collective started and a `commlib_torch.Handle` returned whose ``wait()`` gives the
+result, bit for bit the synchronous call's, differentiable; its backward starts the dual collective when the
+cotangent arrives and waits for it where x's gradient is needed (`commlib_torch.handle`; docs/ops.md,
+"async_op").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,7 @@ from commlib import ReduceOp, plan_cache, plans
 from commlib_torch._groups import GroupArgument, ResolvedGroup
 from commlib_torch._op import apply, at_boundary, plan_inputs
 from commlib_torch._walk import dtype_name, group_rank, run
+from commlib_torch.handle import Handle, start
 
 #: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product"), a `commlib.ReduceOp` or its torch twin.
 ReduceOpArgument = str | ReduceOp | dist.ReduceOp | dist.ReduceOp.RedOpType
@@ -44,6 +52,8 @@ ReduceOpArgument = str | ReduceOp | dist.ReduceOp | dist.ReduceOp.RedOpType
 DtypeArgument = torch.dtype | str | None
 #: Uneven sizes: W ints (rank r's rows along the sharded dim); None: the even rule.
 Sizes = Sequence[int] | None
+#: What an op with ``async_op=`` returns: the tensor, or (``async_op=True``) a `Handle` of it.
+Result = torch.Tensor | Handle
 
 __all__ = [
     "all_reduce",
@@ -59,8 +69,19 @@ __all__ = [
     "shard",
     "reduce",
 ]
+
+
+@overload
+def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
+               accum_dtype: DtypeArgument = ..., async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
+               accum_dtype: DtypeArgument = ..., async_op: Literal[True]) -> Handle: ...
+@overload
+def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
+               accum_dtype: DtypeArgument = ..., async_op: bool) -> Result: ...
 def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
-               convention: str = "sum", accum_dtype: DtypeArgument = None) -> torch.Tensor:
+               convention: str = "sum", accum_dtype: DtypeArgument = None, async_op: bool = False) -> Result:
     """Reduce `x` over the ranks of `group`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -72,6 +93,8 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
         convention: "sum" or "replicated" (the code after the op is replicated: Megatron's g).
         accum_dtype: e.g. ``torch.float32`` for bf16 input: reduce in that dtype (forward and backward),
             return x's dtype.
+        async_op: True: start the collective and return a `commlib_torch.Handle` whose ``wait()`` gives the
+            result (max / min / product: run at once, a completed Handle).
 
     Gradient: let g be all_reduce(sum) of the cotangents ("sum") or this rank's own cotangent
     ("replicated"). sum: g; avg: g / W; max/min: g on the rank(s) holding the result, split equally among
@@ -89,6 +112,9 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
         tensor([1., 2.])
         >>> all_reduce(torch.tensor([1, 5]), op="max")
         tensor([1, 5])
+        >>> handle = all_reduce(torch.tensor([1.0, 2.0]), async_op=True)  # started; overlap other work here
+        >>> handle.wait()
+        tensor([1., 2.])
         >>> all_reduce([1.0, 2.0])
         Traceback (most recent call last):
         ...
@@ -98,17 +124,27 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.all_reduce(x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             accum_dtype=accum)
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
+@overload
+def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
+               sizes: Sizes = ..., async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
+               sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+@overload
+def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
+               sizes: Sizes = ..., async_op: bool) -> Result: ...
 def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, convention: str = "sum",
-               sizes: Sizes = None) -> torch.Tensor:
+               sizes: Sizes = None, async_op: bool = False) -> Result:
     """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``, x's dtype.
 
     `group`: the process group (None: WORLD). `sizes` (uneven): W ints, rank r's `x` has ``sizes[r]`` rows
     along `dim`, the output ``sum(sizes)``. Gradient: "sum" -> reduce_scatter(sum) of the cotangent along
     `dim` (with the same `sizes`); "replicated" -> this rank's block of the cotangent (Megatron's gather).
-    Identity: ``reduce_scatter(all_gather(x)) == W * x``.
+    Identity: ``reduce_scatter(all_gather(x)) == W * x``. `async_op`: True: started, a `commlib_torch.Handle`
+    returned (``wait()`` gives the result).
 
     Raises:
         CommError: `dim` out of range, unknown convention; `sizes` not W ints >= 0, or
@@ -116,6 +152,8 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, c
 
     Example:
         >>> all_gather(torch.ones(2, 3), dim=0).shape  # shape[dim] *= W
+        torch.Size([2, 3])
+        >>> all_gather(torch.ones(2, 3), dim=0, async_op=True).wait().shape
         torch.Size([2, 3])
         >>> all_gather(torch.ones(2), dim=1)
         Traceback (most recent call last):
@@ -125,17 +163,28 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, c
     x, group, size, dtype, backend_dtypes = plan_inputs("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
+@overload
+def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
+                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ...,
+                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
+                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+@overload
+def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
+                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ..., async_op: bool) -> Result: ...
 def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
-                   accum_dtype: DtypeArgument = None, sizes: Sizes = None) -> torch.Tensor:
+                   accum_dtype: DtypeArgument = None, sizes: Sizes = None, async_op: bool = False) -> Result:
     """Reduce over the ranks of `group` (None: WORLD) and keep block `rank` of `dim`: ``shape[dim] /= W``;
     op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes` (uneven): rank r keeps
     ``sizes[r]`` rows (``sum(sizes) == shape[dim]``); the reduction runs as one all_to_all_single and a sum.
 
     Same value as ``all_reduce(x, op).chunk(W, dim)[rank]``. Gradient: all_gather of the cotangent along
-    `dim` (divided by W for avg; with the same `sizes`).
+    `dim` (divided by W for avg; with the same `sizes`). `async_op`: True: started, a `commlib_torch.Handle`
+    returned (``wait()`` gives the result).
 
     Raises:
         CommError: ``shape[dim]`` not divisible by W (no `sizes`) or not ``sum(sizes)``, op not sum/avg, avg on
@@ -144,16 +193,28 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", 
     Example:
         >>> reduce_scatter(torch.arange(4.0), op="avg")  # shape[0] /= W
         tensor([0., 1., 2., 3.])
+        >>> reduce_scatter(torch.arange(4.0), async_op=True).wait()
+        tensor([0., 1., 2., 3.])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, backend_dtypes=backend_dtypes,
                                 accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
+@overload
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
+               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ...,
+               async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
+               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+@overload
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
+               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: bool) -> Result: ...
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = None, *,
-               scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> torch.Tensor:
+               scatter_sizes: Sizes = None, gather_sizes: Sizes = None, async_op: bool = False) -> Result:
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
     x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
@@ -165,6 +226,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupA
 
     One local pass before and one after the collective at most, none where the layout allows a view.
     Gradient: all_to_all of the cotangent with the dims (and the sizes) swapped (for equal dims: the same op).
+    `async_op`: True: started, a `commlib_torch.Handle` returned (``wait()`` runs the unpack pass and gives the
+    result; the backward's all_to_all starts when the cotangent arrives).
 
     Raises:
         CommError: dims out of range (or equal, with sizes), ``shape[scatter_dim]`` not divisible by W (no
@@ -174,23 +237,36 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupA
     Example:
         >>> all_to_all(torch.ones(4, 6), scatter_dim=0, gather_dim=1).shape  # [4 / W, 6 * W]
         torch.Size([4, 6])
+        >>> all_to_all(torch.ones(4, 6), 0, 1, async_op=True).wait().shape
+        torch.Size([4, 6])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("all_to_all", x, group)
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
+@overload
+def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
+                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ...,
+                  async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
+                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+@overload
+def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
+                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: bool) -> Result: ...
 def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: GroupArgument = None, *,
-                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> torch.Tensor:
+                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None, async_op: bool = False) -> Result:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `group` (None: WORLD), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
     Uneven (any S, any H): ``(2, 1)`` is ``[B, S_r, H, D] -> [B, S, H_r, D]`` with
     ``gather_sizes=(S_0, ..., S_{W-1})``, ``scatter_sizes=(H_0, ...)`` (e.g. ``commlib.split_sizes(S, W)``);
     ``(1, 2)`` the reverse with the two swapped. Gradient: the other direction. At batch 1 one of the two local
-    passes is a view.
+    passes is a view. `async_op`: True: started, a `commlib_torch.Handle` returned (``wait()`` gives the result:
+    Ulysses' all-to-all behind other work, e.g. another head group's attention).
 
     Raises:
         CommError: ndim != 4, other dim pairs, heads (or seq) not divisible by W (without sizes), sizes not W
@@ -200,6 +276,9 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         >>> x = torch.randn(2, 8, 4, 16)  # [B, S / W, H, D]
         >>> all_to_all_4d(x, scatter_dim=2, gather_dim=1).shape  # [B, S, H / W, D]
         torch.Size([2, 8, 4, 16])
+        >>> handle = all_to_all_4d(x, async_op=True)  # started
+        >>> torch.equal(handle.wait(), all_to_all_4d(x))
+        True
         >>> all_to_all_4d(torch.ones(2, 8, 4))
         Traceback (most recent call last):
         ...
@@ -209,7 +288,7 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: GroupArgument = None) -> torch.Tensor:
@@ -275,11 +354,22 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = 
     return apply(plan, x, group)
 
 
-def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = None) -> torch.Tensor:
+@overload
+def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
+            async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
+            async_op: Literal[True]) -> Handle: ...
+@overload
+def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
+            async_op: bool) -> Result: ...
+def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = None, *,
+            async_op: bool = False) -> Result:
     """For each ``(src, dst)`` in `perm` (group ranks of `group`, None: WORLD), rank dst gets rank src's `x`
     (``lax.ppermute`` semantics); a rank that is no destination gets zeros. ``[*s] -> [*s]``, x's dtype.
 
-    Gradient: the inverse permutation of the cotangents.
+    Gradient: the inverse permutation of the cotangents. `async_op`: True: started, a `commlib_torch.Handle`
+    returned (``wait()`` gives the result).
 
     Raises:
         CommError: a rank out of range, a repeated source or destination. TypeError: `perm` not pairs.
@@ -287,10 +377,12 @@ def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgume
     Example:
         >>> permute(torch.tensor([7.0]), [(0, 0)])  # (src, dst) pairs
         tensor([7.])
+        >>> permute(torch.tensor([7.0]), [(0, 0)], async_op=True).wait()
+        tensor([7.])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("permute", x, group)
     plan = plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, backend_dtypes=backend_dtypes)
-    return apply(plan, x, group)
+    return start(plan, x, group) if async_op else apply(plan, x, group)
 
 
 def sum_grad(x: torch.Tensor, group: GroupArgument = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import sys
 MODULES = {
     "torch": ("commlib_torch.functional", "commlib_torch.attention", "commlib_torch.communicator",
               "commlib_torch.ring", "commlib_torch.sequence", "commlib_torch.integrations.transformers",
-              "commlib_torch.testing", "commlib_torch.testing_trace"),
+              "commlib_torch.testing", "commlib_torch.testing_trace", "commlib_torch.handle"),
     "jax": ("commlib_jax.functional", "commlib_jax.attention", "commlib_jax.communicator", "commlib_jax.ring",
             "commlib_jax.sequence", "commlib_jax.training", "commlib_jax.testing", "commlib_jax.testing_trace"),
 }

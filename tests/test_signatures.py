@@ -1,8 +1,9 @@
 """Both frontends' public functions take the same keyword names: the ops, the attention layers, the sequence
 helpers and the communicators' methods. The one difference is the group: torch's ``group`` (``ulysses_group`` /
 ``ring_group``) is JAX's ``axis_name`` (``ulysses_axis`` / ``ring_axis``), required in JAX and placed after the
-arrays, where torch's defaults to None (WORLD) and comes after the op's own arguments. Every other parameter has
-the same name, kind (positional or keyword-only), default and order. Each frontend is read in a fresh interpreter.
+arrays, where torch's defaults to None (WORLD) and comes after the op's own arguments; and torch's last keyword
+``async_op`` (JAX has none: XLA schedules). Every other parameter has the same name, kind (positional or
+keyword-only), default and order. Each frontend is read in a fresh interpreter.
 """
 
 import functools
@@ -15,6 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: torch's group parameters -> JAX's.
 GROUP_TO_AXIS = {"group": "axis_name", "ulysses_group": "ulysses_axis", "ring_group": "ring_axis"}
+#: torch's keyword without a JAX twin, on the ops that take it (last, keyword-only, default False).
+TORCH_ONLY = ["async_op", "KEYWORD_ONLY", "False"]
+ASYNC_OPS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d", "permute"}
 
 _PROBE = """
 import importlib, inspect, json, sys
@@ -73,8 +77,17 @@ def _differences(torch_parameters: list, jax_parameters: list) -> list[str]:
     return found
 
 
-def test_same_keywords_but_the_group():
+def test_async_op_is_torch_only_and_last():
     torch_signatures, jax_signatures = _signatures("torch"), _signatures("jax")
+    assert {name for name, parameters in torch_signatures.items() if TORCH_ONLY in parameters} == ASYNC_OPS
+    assert all(torch_signatures[name][-1] == TORCH_ONLY for name in ASYNC_OPS)
+    assert not any(TORCH_ONLY[0] in [p[0] for p in parameters] for parameters in jax_signatures.values())
+
+
+def test_same_keywords_but_the_group():
+    torch_signatures = {name: [p for p in parameters if p != TORCH_ONLY]
+                        for name, parameters in _signatures("torch").items()}
+    jax_signatures = _signatures("jax")
     differences = {name: found for name in sorted(torch_signatures.keys() & jax_signatures.keys())
                    if (found := _differences(torch_signatures[name], jax_signatures[name]))}
     assert differences == {}
