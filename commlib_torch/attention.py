@@ -5,12 +5,14 @@ The spec (`commlib.attention.ulysses_plan`) validates the call and decides the h
 the kv heads it receives and the sizes of the collectives; this module walks that plan: one all-to-all for
 q, k and v together, the attention over the full sequence, one all-to-all back -- per head group with
 ``chunks > 1``, in pipeline order (group c + 1's exchange started before group c's attention, group c's
-output all-to-all started before group c + 1's attention), through one seam, `_start_exchange`.
+output all-to-all started before group c + 1's attention), through one seam, `_start_exchange`: with
+``async_op=True`` (a `commlib_torch.Handle`; its backward is asynchronous too), so they overlap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, re
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
+from commlib_torch.handle import Handle
 from commlib_torch.ring import nan_rows, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
@@ -117,12 +120,16 @@ class _Finished:
         return self.result
 
 
-def _start_exchange(collective: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> _Finished:
+def _start_exchange(collective: Callable[..., Any], x: torch.Tensor, *args, overlap: bool,
+                    **kwargs) -> _Finished | Handle:
     """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all); ``wait()`` gives its result.
 
-    The seam of the pipeline: today the collective runs here and ``wait()`` returns it; with
-    ``commlib_torch.functional``'s ``async_op=True`` this becomes ``collective(x, *args, async_op=True,
-    **kwargs)`` (a `commlib_torch.Handle`, whose backward is asynchronous too) and nothing else changes."""
+    The seam of the pipeline: with `overlap` (``chunks > 1``) the collective is begun with ``async_op=True``
+    (a `commlib_torch.Handle`, whose backward begins the dual all-to-all when the cotangent arrives and waits
+    for it where the input's gradient is needed); without it (``chunks == 1``: nothing to overlap with) it
+    runs here, the synchronous path unchanged."""
+    if overlap:
+        return collective(x, *args, async_op=True, **kwargs)
     return _Finished(collective(x, *args, **kwargs))
 
 
@@ -130,8 +137,9 @@ class _Exchanges:
     """A head group's exchanges in, started: ``wait()`` gives ``{name: [n_r, B, S, D]}`` (heads first)."""
 
     def __init__(self, exchanges: tuple[spec.Exchange, ...], inputs: dict[str, torch.Tensor],
-                 group: ResolvedGroup) -> None:
+                 group: ResolvedGroup, overlap: bool) -> None:
         self.pending = [(exchange, _start_exchange(all_to_all, _send_buffer(exchange, inputs), 0, 2, group,
+                                                   overlap=overlap,
                                                    **_sizes(exchange.scatter_sizes, exchange.gather_sizes)))
                         for exchange in exchanges]
 
@@ -169,7 +177,8 @@ def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: Resolv
     """The plan's head groups in pipeline order: group c + 1's exchanges started before group c's attention,
     group c's output all-to-all started after it (before group c + 1's attention), every output waited last.
     The segment ids are all-gathered once (after group 0's exchanges start), for every group."""
-    incoming = _Exchanges(plan.groups[0].exchanges, inputs, group)
+    overlap = plan.chunks > 1
+    incoming = _Exchanges(plan.groups[0].exchanges, inputs, group, overlap)
     masks = {}
     if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
         masks["segment_ids"] = all_gather(segment_ids, 1, group, sizes=plan.out_scatter_sizes)
@@ -177,9 +186,9 @@ def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: Resolv
     for index, head_group in enumerate(plan.groups):
         local = incoming.wait()
         if index + 1 < plan.chunks:
-            incoming = _Exchanges(plan.groups[index + 1].exchanges, inputs, group)
+            incoming = _Exchanges(plan.groups[index + 1].exchanges, inputs, group, overlap)
         out = _attend(head_group, local, plan, attn_fn, masks)
-        outgoing.append(_start_exchange(all_to_all_4d, out, 1, 2, group,
+        outgoing.append(_start_exchange(all_to_all_4d, out, 1, 2, group, overlap=overlap,
                                         **_sizes(plan.out_scatter_sizes, head_group.out_gather_sizes)))
     outputs = [pending.wait() for pending in outgoing]
     if plan.out_runs is None:

@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 
 from commlib.tools import cases
 from commlib_torch import attention as layer
+from commlib_torch import handle
 from tests import mask_cases as masks
 from tests.torch.attention_jobs import _cotangent, _counting, _inputs, _result
 
@@ -22,22 +23,35 @@ def chunked(ctx, case: cases.Case, arrays, chunks: tuple[int, ...]) -> dict:
     return results
 
 
-def pipeline_order(ctx, case: cases.Case, arrays, chunks: int) -> tuple[list, list]:
+def pipeline_order(ctx, case: cases.Case, arrays, chunks: int) -> tuple[list, list, list, list]:
     """The forward's and the backward's events in order on this rank: ``("all_to_all_single", bytes)`` for
-    each c10d all-to-all and ``("attention", q heads)`` for each head group's attention."""
+    each c10d all-to-all and ``("attention", q heads)`` for each head group's attention; then the collectives
+    begun asynchronously (`commlib_torch.Handle`: their plans' step names) in the forward and in the backward."""
     forward: list = []
+    begun: dict[str, list] = {"forward": [], "backward": []}
+    phase = "forward"
+    begin = handle._begin
+
+    def counted(plan, x, group):
+        begun[phase].append(plan.step.name)
+        return begin(plan, x, group)
 
     def attend(q, k, v, **kwargs):
         forward.append(("attention", q.shape[2]))
         return layer.attention(q, k, v, **kwargs)
 
     q, k, v = _inputs(ctx, case, arrays)
-    with _counting(forward):
-        out = layer.ulysses_attention(q, k, v, chunks=chunks, attn_fn=attend, **cases.attention_kwargs(case))
-    backward: list = []
-    with _counting(backward):
-        (out * _cotangent(ctx, case, arrays)).sum().backward()
-    return forward, backward
+    handle._begin = counted
+    try:
+        with _counting(forward):
+            out = layer.ulysses_attention(q, k, v, chunks=chunks, attn_fn=attend, **cases.attention_kwargs(case))
+        backward: list = []
+        phase = "backward"
+        with _counting(backward):
+            (out * _cotangent(ctx, case, arrays)).sum().backward()
+    finally:
+        handle._begin = begin
+    return forward, backward, begun["forward"], begun["backward"]
 
 
 def segments(ctx, layout, whole: list, ids, chunks: int) -> dict:
