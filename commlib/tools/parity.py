@@ -144,7 +144,8 @@ def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, tim
     the failed "(runner)" row (timeout or exit status with the end of its output)."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
     command += ["--world-size", str(world_size), *extra]
-    phase = f"{framework} parity" + (" (train)" if "train" in extra else "")
+    workload = extra[extra.index("--workload") + 1] if "--workload" in extra else None
+    phase = f"{framework} parity" + (f" ({workload})" if workload else "")
     try:
         done = progress.run(command, phase=phase, timeout=timeout, total=total)
     except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``
 (``--workload train``: the training block instead, `commlib_jax.tools.train_parity`; ``--workload sequence``: the
-sequence helpers and the flax example, `commlib_jax.tools.sequence_parity`).
+sequence helpers and the flax example, `commlib_jax.tools.sequence_parity`; ``--workload masks``: the attention
+layers with segment ids, `commlib_jax.tools.mask_parity`).
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
@@ -153,12 +154,26 @@ def _sequence(args) -> int:
     return 0
 
 
+def _masks(args) -> int:
+    """The masks workload (``--workload masks``, float64): `commlib_jax.tools.mask_parity.record`."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from commlib.tools.mask_parity import MaskResults
+    from commlib_jax.tools import mask_parity
+
+    results = MaskResults("jax")
+    mask_parity.record(args.in_dir, results)
+    results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m commlib_jax.tools.parity_runner")
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--workload", choices=("ops", "train", "sequence"), default="ops")
+    parser.add_argument("--workload", choices=("ops", "train", "sequence", "masks"), default="ops")
     args = parser.parse_args(argv)
 
     import jax
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.workload == "sequence":
         return _sequence(args)
+    if args.workload == "masks":
+        return _masks(args)
     jax.config.update("jax_enable_x64", True)  # float64 rows stay float64 (every other row names its dtype)
     from commlib.errors import CommError
     from commlib.tools import cases

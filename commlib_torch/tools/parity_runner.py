@@ -3,7 +3,8 @@
 Runs every case of the table on N gloo worker processes (mode "gloo"), and the attention cases also
 unsharded on one process (mode "unsharded"); writes every rank's output and input gradients. With
 ``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`);
-``--workload sequence``: the sequence helpers and the transformers example (`commlib_torch.tools.sequence_parity`).
+``--workload sequence``: the sequence helpers and the transformers example (`commlib_torch.tools.sequence_parity`);
+``--workload masks``: the attention layers with segment ids (`commlib_torch.tools.mask_parity`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 import torch
 
 from commlib.tools import cases
+from commlib.tools.mask_parity import MaskResults
 from commlib.tools.parity import Results
 from commlib.tools.sequence_parity import SequenceResults
 from commlib.tools.train_parity import TrainResults
-from commlib_torch.tools import sequence_parity, train_parity
+from commlib_torch.tools import mask_parity, sequence_parity, train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--workload", choices=("ops", "train", "sequence"), default="ops")
+    parser.add_argument("--workload", choices=("ops", "train", "sequence", "masks"), default="ops")
     args = parser.parse_args(argv)
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     if args.workload == "train":
@@ -44,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         with WorkerPool(args.world_size) as pool:
             sequence_parity.record(pool, args.in_dir, sequence_results)
         sequence_results.save(args.out_dir, versions)
+        return 0
+    if args.workload == "masks":
+        mask_results = MaskResults("torch")
+        with WorkerPool(args.world_size) as pool:
+            mask_parity.record(pool, args.in_dir, mask_results)
+        mask_results.save(args.out_dir, versions)
         return 0
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
