@@ -19,17 +19,14 @@ output and in dq, dk and dv.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from commlib.attention import attention, attention_vjp
-from commlib.errors import CommError
 from commlib.masks import segment_ids
 from commlib.sequence import SequenceLayout
-from commlib.tools.parity import FRAMEWORKS, Row, run_runner
+from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 from commlib.tools.sequence_parity import SequenceResults, load, relative_error
 
 __all__ = ["DOCUMENTS", "FILL", "OUTPUTS", "RESULTS", "TOLERANCE", "MaskCase", "MaskResults", "cases", "compare",
@@ -182,18 +179,6 @@ class MaskResults(SequenceResults):
 
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
     """The masks workload at `world_size`: rows per framework, mode and case, then torch against JAX."""
-    if world_size < 1:
-        raise CommError(f"parity: world_size ({world_size}) must be >= 1")
-    with tempfile.TemporaryDirectory(prefix="commlib-masks-") as tmp:
-        in_dir = Path(tmp) / "inputs"
-        in_dir.mkdir()
-        (in_dir / "masks.json").write_text(json.dumps({"seed": seed, "world_size": world_size}))
-        rows, done = [], []
-        for framework in frameworks:
-            out_dir = Path(tmp) / framework
-            failed = run_runner(framework, in_dir, out_dir, world_size, timeout, ("--workload", "masks"))
-            rows += [failed] if failed else compare(framework, out_dir, world_size, seed)
-            done += [] if failed else [framework]
-        if {"torch", "jax"} <= set(done):
-            rows += cross(Path(tmp) / "torch", Path(tmp) / "jax", world_size, seed)
-        return rows
+    return run_workload("masks", world_size, seed, frameworks, timeout,
+                        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
+                        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size, seed))

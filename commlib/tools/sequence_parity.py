@@ -18,13 +18,11 @@ mapped weights is issue 25's port checker, not a row here.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from commlib.errors import CommError
 from commlib.sequence import SequenceLayout
 from commlib.sequence_helpers import (
     cross_entropy_reference,
@@ -35,7 +33,7 @@ from commlib.sequence_helpers import (
     shard_tokens_reference,
 )
 from commlib.tools import progress
-from commlib.tools.parity import FRAMEWORKS, Row, run_runner
+from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 
 __all__ = ["B", "D", "V", "IGNORE", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data", "expected",
            "layouts", "load", "model_cases", "model_name", "name", "pad", "relative_error", "run"]
@@ -251,18 +249,6 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
     """The sequence workload at `world_size`: rows per framework, mode, layout and helper, the model rows, then
     torch against JAX."""
-    if world_size < 1:
-        raise CommError(f"parity: world_size ({world_size}) must be >= 1")
-    with tempfile.TemporaryDirectory(prefix="commlib-sequence-") as tmp:
-        in_dir = Path(tmp) / "inputs"
-        in_dir.mkdir()
-        (in_dir / "sequence.json").write_text(json.dumps({"seed": seed, "world_size": world_size}))
-        rows, done = [], []
-        for framework in frameworks:
-            out_dir = Path(tmp) / framework
-            failed = run_runner(framework, in_dir, out_dir, world_size, timeout, ("--workload", "sequence"))
-            rows += [failed] if failed else compare(framework, out_dir, world_size, seed)
-            done += [] if failed else [framework]
-        if {"torch", "jax"} <= set(done):
-            rows += cross(Path(tmp) / "torch", Path(tmp) / "jax", world_size)
-        return rows
+    return run_workload("sequence", world_size, seed, frameworks, timeout,
+                        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
+                        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +26,14 @@ from commlib_torch.tools import mask_parity, sequence_parity, train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
-__all__ = ["main"]
+__all__ = ["WORKLOADS", "main"]
+
+#: workload -> (its results class, the function that records it on a `WorkerPool`).
+WORKLOADS: dict[str, tuple[Any, Callable[..., None]]] = {
+    "train": (TrainResults, train_parity.record),
+    "sequence": (SequenceResults, sequence_parity.record),
+    "masks": (MaskResults, mask_parity.record),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,26 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--workload", choices=("ops", "train", "sequence", "masks"), default="ops")
+    parser.add_argument("--workload", choices=("ops", *WORKLOADS), default="ops")
     args = parser.parse_args(argv)
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    if args.workload == "train":
-        train_results = TrainResults("torch")
+    if args.workload in WORKLOADS:
+        kind, record = WORKLOADS[args.workload]
+        found = kind("torch")
         with WorkerPool(args.world_size) as pool:
-            train_parity.record(pool, args.in_dir, train_results)
-        train_results.save(args.out_dir, versions)
-        return 0
-    if args.workload == "sequence":
-        sequence_results = SequenceResults("torch")
-        with WorkerPool(args.world_size) as pool:
-            sequence_parity.record(pool, args.in_dir, sequence_results)
-        sequence_results.save(args.out_dir, versions)
-        return 0
-    if args.workload == "masks":
-        mask_results = MaskResults("torch")
-        with WorkerPool(args.world_size) as pool:
-            mask_parity.record(pool, args.in_dir, mask_results)
-        mask_results.save(args.out_dir, versions)
+            record(pool, args.in_dir, found)
+        found.save(args.out_dir, versions)
         return 0
     results = Results("torch")
     with WorkerPool(args.world_size) as pool:
