@@ -1,9 +1,10 @@
 """Ring attention with packed documents (issue 22's bench): fwd+bwd of `commlib_torch.attention.ring_attention` at
-W = 4 gloo ranks on CPU, causal, documents of 1/8 of the sequence (``segment_ids``) against the same call without
-segment ids; the pieces each computes (`commlib.ring.pieces_computed`) and the bytes one rank sends per forward
-step (k and v, plus the segment ids when given). Prints one JSON object.
+W = 4 gloo ranks on CPU, causal, documents of 1/8 of the sequence (``segment_ids``; ``--documents N``: 1/N) against
+the same call without segment ids; the pieces each computes (`commlib.ring.pieces_computed`) and the bytes one
+rank sends per forward step (k and v, plus the segment ids when given). Prints one JSON object.
 
     PYTHONPATH=. python -m benchmarks.ring_masks > benchmarks/results/<dir>/ring_masks.json
+    PYTHONPATH=. python -m benchmarks.ring_masks --seq 1024 --repeats 5 --documents 1 > .../ring_masks_one_document.json
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--documents", type=int, default=8,
+                        help="equal documents per row (1: one document, every id 0, as a tokenizer's all-ones "
+                             "attention_mask becomes: the mask's cost with nothing to skip)")
     args = parser.parse_args()
     from commlib_torch.tools.pool import WorkerPool
 
     world_size, shape = 4, (1, args.seq, 8, 2, 64)  # B, S, H, H_kv, D
-    ids = np.stack([commlib.segment_ids([args.seq // 8] * 8, args.seq)])
+    ids = np.stack([commlib.segment_ids([args.seq // args.documents] * args.documents, args.seq)])
     job = importlib.import_module("benchmarks.ring_masks").timed  # picklable by its module's name
     rows = []
     with WorkerPool(world_size, timeout=900.0) as pool:
@@ -77,7 +81,7 @@ def main() -> None:
                              "min_s": min(slowest), "pieces_computed": computed, "pieces_scheduled": scheduled,
                              "bytes_sent_per_forward_step": sent})
     print(json.dumps({"world_size": world_size, "shape_B_S_H_Hkv_D": shape, "dtype": "float32",
-                      "documents": f"8 of {args.seq // 8} tokens", "repeats": args.repeats,
+                      "documents": f"{args.documents} of {args.seq // args.documents} tokens", "repeats": args.repeats,
                       "torch": torch.__version__, "rows": rows}, indent=1))
 
 

@@ -9,12 +9,26 @@ from commlib import SequenceLayout
 from commlib.attention import attention, attention_vjp
 from commlib.masks import segment_ids
 
-__all__ = ["HANDED_SHAPE", "TOLERANCE", "handed_ids", "whole_inputs", "expected", "shards", "worst_error",
-           "padding_rows"]
+__all__ = ["HANDED", "HANDED_SHAPE", "TOLERANCE", "handed_ids", "whole_inputs", "expected", "shards", "worst_error",
+           "padding_rows", "check_handed", "random_documents", "nan_or_blind", "NAN_LAYOUTS", "check_nan_or_blind"]
 
 #: B, S, H, H_kv, D of the handed case.
 HANDED_SHAPE = (2, 40, 8, 2, 16)
+#: (op, SequenceLayout, the layout the call is given) of the handed case: W = 4, S = 40.
+HANDED = [
+    ("ulysses_attention", SequenceLayout(40, ulysses_size=4), "contiguous"),
+    ("ring_attention", SequenceLayout(40, ring_size=4), "contiguous"),
+    ("ring_attention", SequenceLayout(40, ring_size=4, layout="zigzag"), "zigzag"),
+    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2), "contiguous"),
+    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "zigzag"),
+]
 TOLERANCE = 1e-10
+#: (op, layout) of issue 23 item 5's rows (`nan_or_blind`): W = 2, S = 16.
+NAN_LAYOUTS = [
+    ("ulysses_attention", SequenceLayout(16, ulysses_size=2)),
+    ("ring_attention", SequenceLayout(16, ring_size=2)),
+    ("ring_attention", SequenceLayout(16, ring_size=2, layout="zigzag")),
+]
 
 
 def handed_ids(seq: int = 40) -> np.ndarray:
@@ -62,3 +76,54 @@ def worst_error(got: list, want: list, layout: SequenceLayout) -> float:
 def padding_rows(ids, layout: SequenceLayout) -> list:
     """Per shard: bool ``[B, S_r]``, the padding rows (negative ids)."""
     return [part < 0 for part in shards(ids, layout)]
+
+
+def check_handed(got: list, ids, layout: SequenceLayout, label: str) -> None:
+    """The handed case's assertions on every rank's ``[out, dq, dk, dv]`` (`got`, exact rows): within `TOLERANCE`
+    of the unsharded masked reference, padding rows exactly 0 (the worst error printed after `label`)."""
+    error = worst_error(got, expected(whole_inputs(*HANDED_SHAPE), ids, True), layout)
+    print(f"{label}: worst error {error:.2e}")
+    assert error < TOLERANCE
+    for values in got:
+        for part, padding in zip(values, padding_rows(ids, layout), strict=True):
+            assert np.all(part[padding] == 0)
+
+
+def random_documents(world_size: int) -> tuple[np.ndarray, list, list[tuple[str, SequenceLayout]]]:
+    """S = 37 at `world_size`: segment ids ``[2, 37]`` of four documents of random lengths per row (some shorter
+    than a shard, some crossing shards, a padding tail), the whole inputs, and the (layer, layout) settings: ring
+    (both layouts) and Ulysses at W, USP 2 x 2 zigzag at W = 4."""
+    rng = np.random.default_rng(world_size)
+    ids = np.stack([segment_ids(rng.integers(1, 12, size=4), 37) for _ in range(2)])
+    whole = whole_inputs(2, 37, 4, 2, 3, seed=world_size)
+    settings = [("ring_attention", SequenceLayout(37, ring_size=world_size, layout=name)) for name in
+                ("contiguous", "zigzag")] + [("ulysses_attention", SequenceLayout(37, ulysses_size=world_size))]
+    if world_size == 4:
+        settings.append(("usp_attention", SequenceLayout(37, ring_size=2, ulysses_size=2, layout="zigzag")))
+    return ids, whole, settings
+
+
+def nan_or_blind(row: str, value_dim: int = 4) -> list:
+    """Issue 23 item 5's inputs ``[1, 16]``, 2 heads, 1 kv head: every key positive in dim 0; ``row="nan"``: a
+    NaN in q's row 3; ``"blind"``: q's row 9 -inf in dim 0, so its every score is -inf."""
+    whole = whole_inputs(1, 16, 2, 1, 4, value_dim=value_dim)
+    whole[1][..., 0] = np.abs(whole[1][..., 0]) + 0.5
+    if row == "nan":
+        whole[0][0, 3] = np.nan
+    else:
+        whole[0][0, 9, :, 0] = -np.inf
+    return whole
+
+
+def check_nan_or_blind(out: np.ndarray, dq: np.ndarray, whole: list, row: str, float64: bool) -> None:
+    """Issue 23 item 5's assertions on the whole output and dq of `nan_or_blind` inputs (causal): NaN exactly where
+    the reference has it (q's row 3 for "nan"); the blind row 9 exactly 0 with dq exactly 0; every other row
+    within 1e-10 of the reference (float32: 1e-5)."""
+    want_out = expected(whole, None, True)[0]
+    assert np.array_equal(np.isnan(out), np.isnan(want_out))
+    if row == "nan":
+        assert np.all(np.isnan(out[0, 3]))
+    else:
+        assert np.all(out[0, 9] == 0) and np.all(dq[0, 9] == 0)
+    rows = [index for index in range(16) if index != 3]
+    np.testing.assert_allclose(out[:, rows], want_out[:, rows], rtol=0, atol=1e-10 if float64 else 1e-5)

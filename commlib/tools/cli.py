@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import commlib
-from commlib.tools import bench, host_bench, parity, sequence_parity, train_parity
+from commlib.tools import bench, host_bench, mask_parity, parity, sequence_parity, train_parity
 
 __all__ = ["main"]
 
@@ -86,6 +86,8 @@ def _parity(args: argparse.Namespace) -> int:
         rows += train_parity.run(args.world_size, **options)
     if args.workload in ("sequence", "all"):
         rows += sequence_parity.run(args.world_size, **options)
+    if args.workload in ("masks", "all"):
+        rows += mask_parity.run(args.world_size, **options)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
     print(f"\nworld_size={args.world_size} seed={args.seed} workload={args.workload}: {len(rows) - failed} passed, "
@@ -184,7 +186,8 @@ examples:
   commlib parity --world-size 4
   commlib parity --world-size 2 --frameworks torch --json parity.json
   commlib parity --workload train
-  commlib parity --workload sequence --world-size 4"""
+  commlib parity --workload sequence --world-size 4
+  commlib parity --workload masks --world-size 4"""
 
 BENCH = """Time commlib's ops against raw collectives, the seed's code and bare jax.lax on this machine's CPU (gloo,
 XLA CPU devices) and print one row per comparison (median ms, ratio to the baseline, wire MiB, the target
@@ -231,9 +234,10 @@ def _add_parity(commands) -> None:
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
     check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS),
                        help="which frontends to compare with the reference (each in a subprocess of its own)")
-    check.add_argument("--workload", choices=("ops", "train", "sequence", "all"), default="ops",
+    check.add_argument("--workload", choices=("ops", "train", "sequence", "masks", "all"), default="ops",
                        help="ops: the case table; train: the training block on every SP x TP mesh; sequence: the "
-                            "sequence helpers on every layout and the two model examples (W = 4); all: the three")
+                            "sequence helpers on every layout and the two model examples (W = 4); masks: the "
+                            "attention layers with segment ids (padding, packed documents); all: the four")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
 

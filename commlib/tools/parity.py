@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 from commlib.errors import CommError
 from commlib.tools import cases, progress
 
-__all__ = ["Row", "Results", "check", "compare", "run", "run_runner"]
+__all__ = ["Row", "Results", "check", "compare", "run", "run_runner", "run_workload"]
 
 FRAMEWORKS = ("torch", "jax")
 
@@ -144,7 +145,8 @@ def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, tim
     the failed "(runner)" row (timeout or exit status with the end of its output)."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
     command += ["--world-size", str(world_size), *extra]
-    phase = f"{framework} parity" + (" (train)" if "train" in extra else "")
+    workload = extra[extra.index("--workload") + 1] if "--workload" in extra else None
+    phase = f"{framework} parity" + (f" ({workload})" if workload else "")
     try:
         done = progress.run(command, phase=phase, timeout=timeout, total=total)
     except subprocess.TimeoutExpired:
@@ -172,4 +174,26 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 
         rows = []
         for framework in frameworks:
             rows += _run_framework(framework, in_dir, Path(tmp) / framework, world_size, timeout, len(table))
+        return rows
+
+
+def run_workload(workload: str, world_size: int, seed: int, frameworks, timeout: float,
+                 compare: Callable[[str, Path], list[Row]], cross: Callable[[Path, Path], list[Row]]) -> list[Row]:
+    """A workload whose runners read ``<workload>.json`` (seed and world size): each framework's runner
+    (``--workload <workload>``), its rows ``compare(framework, out_dir)`` (or its failed "(runner)" row), then
+    ``cross(torch_dir, jax_dir)`` when both ran."""
+    if world_size < 1:
+        raise CommError(f"parity: world_size ({world_size}) must be >= 1")
+    with tempfile.TemporaryDirectory(prefix=f"commlib-{workload}-") as tmp:
+        in_dir = Path(tmp) / "inputs"
+        in_dir.mkdir()
+        (in_dir / f"{workload}.json").write_text(json.dumps({"seed": seed, "world_size": world_size}))
+        rows, done = [], []
+        for framework in frameworks:
+            out_dir = Path(tmp) / framework
+            failed = run_runner(framework, in_dir, out_dir, world_size, timeout, ("--workload", workload))
+            rows += [failed] if failed else compare(framework, out_dir)
+            done += [] if failed else [framework]
+        if {"torch", "jax"} <= set(done):
+            rows += cross(Path(tmp) / "torch", Path(tmp) / "jax")
         return rows

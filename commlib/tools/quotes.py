@@ -71,7 +71,27 @@ def _dead_rank(path: str) -> str:
             f"{len(runs)} runs at least one waited the full timeout ({timeout:g} s) and raised `CommTimeout`")
 
 
+def _ring_masks(path: str) -> str:
+    """``benchmarks/ring_masks.py``'s stored rows as a markdown table."""
+    lines = ["| layout | segment ids | pieces computed / scheduled | median s | min s | bytes one rank sends per "
+             "forward step |", "|---|---|---|---|---|---|"]
+    lines += [f"| {row['layout']} | {'yes' if row['segment_ids'] else 'no'} | {row['pieces_computed']} / "
+              f"{row['pieces_scheduled']} | {row['median_s']:.2f} | {row['min_s']:.2f} | "
+              f"{row['bytes_sent_per_forward_step']} |" for row in _json(path)["rows"]]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def _all_ones_mask(path: str) -> str:
+    """``benchmarks/all_ones_mask.py``'s stored rows as a markdown table."""
+    lines = ["| variant | median s | min s | decisions (all_reduces) per forward | logits vs no mask |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {row['variant']} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['decisions_per_forward']} | "
+              f"{row['logits_max_difference_to_no_mask']:.1e} |" for row in _json(path)["rows"]]
+    return "\n" + "\n".join(lines) + "\n"
+
+
 _TARGET = "benchmarks/results/cpu-2026-11-30/target-0138.json"
+_MASKS = "benchmarks/results/cpu-2026-12-01-masks"
 _FULL = "benchmarks/results/cpu-2026-11-30/full.json"
 
 #: NAME -> the text its stored result gives.
@@ -96,6 +116,12 @@ QUOTES: dict[str, Callable[[], str]] = {
     "parity-sequence-largest": lambda: _largest_error(f"{RESULTS}/parity-sequence.json"),
     "model-step": lambda: _line("../../benchmarks/results/cpu-2026-12-01-model-step/model_step.txt", "ratio"),
     "glue-lines": lambda: _line("glue-lines.txt", "hand-written"),
+    "parity-masks": lambda: _line("parity-masks.txt", "world_size="),
+    "parity-masks-largest": lambda: _largest_error(f"{RESULTS}/parity-masks.json"),
+    "ring-masks": lambda: _ring_masks(f"{_MASKS}/ring_masks.json"),
+    "ring-masks-one-document": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document.json"),
+    "ring-masks-one-document-2": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document-2.json"),
+    "all-ones-mask": lambda: _all_ones_mask(f"{_MASKS}/all_ones_mask.json"),
 }
 
 

@@ -18,13 +18,11 @@ mapped weights is issue 25's port checker, not a row here.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from commlib.errors import CommError
 from commlib.sequence import SequenceLayout
 from commlib.sequence_helpers import (
     cross_entropy_reference,
@@ -35,10 +33,10 @@ from commlib.sequence_helpers import (
     shard_tokens_reference,
 )
 from commlib.tools import progress
-from commlib.tools.parity import FRAMEWORKS, Row, run_runner
+from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 
 __all__ = ["B", "D", "V", "IGNORE", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data", "expected",
-           "layouts", "model_cases", "model_name", "name", "pad", "run"]
+           "layouts", "load", "model_cases", "model_name", "name", "pad", "relative_error", "run"]
 
 B, D, V = 2, 3, 11  # batch > 1, a hidden size, a vocabulary
 IGNORE = -100
@@ -128,7 +126,9 @@ def expected(layout: SequenceLayout, seed: int = 0) -> list[dict[str, np.ndarray
 
 class SequenceResults:
     """What a runner writes: per (case, mode) every rank's named arrays, or the error it raised. A case is a
-    layout's `name` (helpers) or ``model[example,attention]``."""
+    layout's `name` (helpers) or ``model[example,attention]``. Saved as ``<stem>.npz`` and ``<stem>.json``."""
+
+    stem = "sequence_results"
 
     def __init__(self, framework: str) -> None:
         self.framework = framework
@@ -149,14 +149,15 @@ class SequenceResults:
 
     def save(self, directory: Path, versions: dict[str, str]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        np.savez(directory / "sequence_results.npz", **self.arrays)
+        np.savez(directory / f"{self.stem}.npz", **self.arrays)
         meta = {"framework": self.framework, "entries": self.entries, "errors": self.errors, "versions": versions}
-        (directory / "sequence_results.json").write_text(json.dumps(meta, indent=1))
+        (directory / f"{self.stem}.json").write_text(json.dumps(meta, indent=1))
 
 
-def _load(directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    meta = json.loads((directory / "sequence_results.json").read_text())
-    with np.load(directory / "sequence_results.npz") as stored:
+def load(directory: Path, stem: str = SequenceResults.stem) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the runner's entries, errors and versions; every stored array by key) of a saved `SequenceResults`."""
+    meta = json.loads((directory / f"{stem}.json").read_text())
+    with np.load(directory / f"{stem}.npz") as stored:
         return meta, dict(stored)
 
 
@@ -164,7 +165,7 @@ def _ranks(stored: dict, case: str, mode: str, keys, world_size: int) -> list[di
     return [{key: stored[f"{case}|{mode}|{key}|{rank}"] for key in keys} for rank in range(world_size)]
 
 
-def _error(got: list[dict], want: list[dict], keys) -> float:
+def relative_error(got: list[dict], want: list[dict], keys) -> float:
     """Max abs error over ranks and `keys`, relative to max(1, max |want|) per array (inf on a shape mismatch)."""
     worst = 0.0
     for mine, theirs in zip(got, want, strict=True):
@@ -180,7 +181,8 @@ def _error(got: list[dict], want: list[dict], keys) -> float:
 def _helper_rows(case: str, framework: str, mode: str, got: list[dict], want: list[dict]) -> list[Row]:
     rows = []
     for helper, outputs, gradients in HELPERS:
-        out_error, grad_error = _error(got, want, outputs), _error(got, want, gradients) if gradients else None
+        out_error = relative_error(got, want, outputs)
+        grad_error = relative_error(got, want, gradients) if gradients else None
         exact = helper in ("shard_tokens", "position_ids")
         passed = out_error == 0.0 if exact else out_error <= TOLERANCE and (grad_error or 0.0) <= TOLERANCE
         rows.append(Row(f"{helper}[{case}]", framework, mode, out_error, grad_error, passed))
@@ -218,7 +220,7 @@ def _case_rows(case: str, framework: str, mode: str, meta: dict, stored: dict, w
 def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> list[Row]:
     """Rows of one runner: every helper on every layout against the reference, every model row as measured; a
     case it never ran is a failed row."""
-    meta, stored = _load(result_dir)
+    meta, stored = load(result_dir)
     want = {name(layout): expected(layout, seed) for layout in layouts(world_size)}
     rows = []
     for case, mode in meta["entries"]:
@@ -230,7 +232,7 @@ def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> lis
 
 def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
     """torch (gloo) against every JAX mode, helper by helper, on every layout (both in the padded layout)."""
-    (torch_meta, torch_stored), (jax_meta, jax_stored) = _load(torch_dir), _load(jax_dir)
+    (torch_meta, torch_stored), (jax_meta, jax_stored) = load(torch_dir), load(jax_dir)
     rows = []
     for layout in layouts(world_size):
         case = name(layout)
@@ -247,18 +249,6 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
     """The sequence workload at `world_size`: rows per framework, mode, layout and helper, the model rows, then
     torch against JAX."""
-    if world_size < 1:
-        raise CommError(f"parity: world_size ({world_size}) must be >= 1")
-    with tempfile.TemporaryDirectory(prefix="commlib-sequence-") as tmp:
-        in_dir = Path(tmp) / "inputs"
-        in_dir.mkdir()
-        (in_dir / "sequence.json").write_text(json.dumps({"seed": seed, "world_size": world_size}))
-        rows, done = [], []
-        for framework in frameworks:
-            out_dir = Path(tmp) / framework
-            failed = run_runner(framework, in_dir, out_dir, world_size, timeout, ("--workload", "sequence"))
-            rows += [failed] if failed else compare(framework, out_dir, world_size, seed)
-            done += [] if failed else [framework]
-        if {"torch", "jax"} <= set(done):
-            rows += cross(Path(tmp) / "torch", Path(tmp) / "jax", world_size)
-        return rows
+    return run_workload("sequence", world_size, seed, frameworks, timeout,
+                        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
+                        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size))

@@ -1,6 +1,7 @@
 """JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``
 (``--workload train``: the training block instead, `commlib_jax.tools.train_parity`; ``--workload sequence``: the
-sequence helpers and the flax example, `commlib_jax.tools.sequence_parity`).
+sequence helpers and the flax example, `commlib_jax.tools.sequence_parity`; ``--workload masks``: the attention
+layers with segment ids, `commlib_jax.tools.mask_parity`).
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MODES", "main", "modes_for", "run_case"]
+__all__ = ["MODES", "WORKLOADS", "main", "modes_for", "run_case"]
 
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap", "shard_map[2x2 mesh]")
 
@@ -125,30 +126,25 @@ def _unsharded(case, arrays):
     return shards(out), dict(zip("qkv", map(shards, grads), strict=True))
 
 
-def _train(args) -> int:
-    """The train workload (``--workload train``, float64): `commlib_jax.tools.train_parity.record`."""
+#: workload -> (the spec module of its results class, that class, this frontend's module with its ``record``).
+WORKLOADS = {
+    "train": ("commlib.tools.train_parity", "TrainResults", "commlib_jax.tools.train_parity"),
+    "sequence": ("commlib.tools.sequence_parity", "SequenceResults", "commlib_jax.tools.sequence_parity"),
+    "masks": ("commlib.tools.mask_parity", "MaskResults", "commlib_jax.tools.mask_parity"),
+}
+
+
+def _workload(args) -> int:
+    """A workload of `WORKLOADS` (float64): its module's ``record(in_dir, results)``, then the results saved.
+    Imported here: the device count is set first."""
+    import importlib
+
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    from commlib.tools.train_parity import TrainResults
-    from commlib_jax.tools import train_parity
-
-    results = TrainResults("jax")
-    train_parity.record(args.in_dir, results)
-    results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
-    return 0
-
-
-def _sequence(args) -> int:
-    """The sequence workload (``--workload sequence``, float64): `commlib_jax.tools.sequence_parity.record`."""
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    from commlib.tools.sequence_parity import SequenceResults
-    from commlib_jax.tools import sequence_parity
-
-    results = SequenceResults("jax")
-    sequence_parity.record(args.in_dir, results)
+    spec_module, name, runner = WORKLOADS[args.workload]
+    results = getattr(importlib.import_module(spec_module), name)("jax")
+    importlib.import_module(runner).record(args.in_dir, results)
     results.save(args.out_dir, {"jax": jax.__version__, "python": sys.version.split()[0]})
     return 0
 
@@ -158,16 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("in_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--workload", choices=("ops", "train", "sequence"), default="ops")
+    parser.add_argument("--workload", choices=("ops", *WORKLOADS), default="ops")
     args = parser.parse_args(argv)
 
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.world_size)
-    if args.workload == "train":
-        return _train(args)
-    if args.workload == "sequence":
-        return _sequence(args)
+    if args.workload in WORKLOADS:
+        return _workload(args)
     jax.config.update("jax_enable_x64", True)  # float64 rows stay float64 (every other row names its dtype)
     from commlib.errors import CommError
     from commlib.tools import cases

@@ -7,7 +7,11 @@ transformers is an optional extra (``pip install commlib[transformers]``), impor
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 
 from commlib import parallel as spec
 from commlib.errors import comm_error
@@ -40,11 +44,12 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """transformers' mask function for ``attn_implementation="commlib"``: None (the causal mask, which the layer
     applies from global positions) when the model is given no padding mask; else that 2-D mask ``[B, S_r]``
-    (this rank's tokens), which `attention_forward` turns into segment ids (padding: -1) -- even where it keeps
-    every token, since the ranks of a layer must all pass segment ids or none, and only the mask's presence is
-    the same on every rank. transformers' own causal or packed mask function (`mask_function`) is not used: the
-    layer masks by the context layout's global positions, and `attention_forward` reads packed documents from
-    ``position_ids`` (``parallel(..., packed=True)``).
+    (this rank's tokens), which `attention_forward` turns into segment ids (padding: -1), unless every rank's mask
+    keeps every token (a tokenizer's all-ones mask): decided by the ranks together, once per forward (one int
+    all_reduce in the first attention layer), since the ranks of a layer must all pass segment ids or none.
+    transformers' own causal or packed mask function (`mask_function`) is not used: the layer masks by the
+    context layout's global positions, and `attention_forward` reads packed documents from ``position_ids``
+    (``parallel(..., packed=True)``).
 
     Example:
         >>> padding_mask(2, 4, 4) is None, padding_mask(2, 4, 4, attention_mask=torch.ones(2, 4)).shape
@@ -67,8 +72,10 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
     second output; `DataCollatorWithFlattening`'s form): they restart at 0 at each document's first token and
     count up by one, a token at global position g with position p belonging to the document that starts at
     g - p, which becomes its segment id (a document may cross shards). A 2-D padding mask (`padding_mask`) makes
-    its zeros padding (segment id -1: output 0, gradient 0). Both go to the layer as ``segment_ids=``; neither
-    costs anything when absent. Gradient: exact, the layer's.
+    its zeros padding (segment id -1: output 0, gradient 0); a mask that keeps every token on every rank is
+    dropped (the ranks decide together: one int all_reduce per forward), so the layer runs unmasked, as without
+    it.
+    Both go to the layer as ``segment_ids=``; neither costs anything when absent. Gradient: exact, the layer's.
 
     Raises:
         CommError: outside a `parallel` context; a custom (not 2-D padding) attention mask, dropout > 0, a sliding
@@ -96,9 +103,45 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
     state.refuse_together(lambda: segments.append(_check(state, query, attention_mask, dropout, kwargs)),
                           query.device)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    segment_ids = segments[0]
+    if segment_ids is not None and attention_mask is not None and not state.packed and \
+            _keeps_every_token(state, module, attention_mask):
+        segment_ids = None  # every rank's mask keeps every token: the same attention, unmasked
     out = state.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                       scale=scaling, segment_ids=segments[0])
+                       scale=scaling, segment_ids=segment_ids)
     return out, None
+
+
+class _Decision(NamedTuple):
+    """`_keeps_every_token`'s last answer: for which mask (weakly held) at which version, in which context."""
+
+    mask: weakref.ref
+    version: int
+    state: weakref.ref
+    kept: bool
+
+
+_LAST: list[_Decision] = []
+
+
+def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None,
+                      attention_mask: torch.Tensor) -> bool:
+    """Whether the 2-D padding mask of every rank of the layer keeps every token (then the layer needs no segment
+    ids: one document a row is the unmasked attention). Decided by one int64 all_reduce (MIN) over each of the
+    layer's groups in the first attention layer of a forward (``module.layer_idx == 0``) and wherever a layer is
+    handed a mask (or an in-place changed version of it) not decided in this context; the other layers of the
+    forward reuse the answer. Every rank runs the same layers in the same order and transformers hands every
+    layer of a forward the same mask, so the ranks all reduce in the same calls and agree on the answer."""
+    last = _LAST[0] if _LAST else None
+    if (last is not None and getattr(module, "layer_idx", 0) != 0 and last.mask() is attention_mask
+            and last.version == attention_mask._version and last.state() is state):
+        return last.kept
+    flag = attention_mask.all().to(torch.int64).reshape(1)
+    for group in state.groups():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    kept = bool(flag.item())
+    _LAST[:] = [_Decision(weakref.ref(attention_mask), attention_mask._version, weakref.ref(state), kept)]
+    return kept
 
 
 def _check(state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from commlib.tools import bench, cli, parity, sequence_parity, train_parity
+from commlib.tools import bench, cli, mask_parity, parity, sequence_parity, train_parity
 
 LONG = "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3,scatter_sizes=(3, 3, 2, 2),gather_sizes=(1, 1)]"
 ROWS = [
@@ -31,8 +31,9 @@ def test_table_is_at_most_120_columns_with_failures_below(capsys):
         "permute!repeat[3,float32] / torch vs jax / shard_map[2x2 mesh]: " + ROWS[2].detail]
 
 
-@pytest.mark.parametrize(("workload", "expected"), [("ops", ["ops"]), ("train", ["train"]), ("sequence", ["sequence"]),
-                                                   ("all", ["ops", "train", "sequence"])])
+@pytest.mark.parametrize(("workload", "expected"), [
+    ("ops", ["ops"]), ("train", ["train"]), ("sequence", ["sequence"]), ("masks", ["masks"]),
+    ("all", ["ops", "train", "sequence", "masks"])])
 def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected):
     ran = []
 
@@ -45,6 +46,7 @@ def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected
     monkeypatch.setattr(parity, "run", fake("ops", True))
     monkeypatch.setattr(train_parity, "run", fake("train", workload != "all"))
     monkeypatch.setattr(sequence_parity, "run", fake("sequence", True))
+    monkeypatch.setattr(mask_parity, "run", fake("masks", True))
     status = cli.main(["parity", "--world-size", "2", "--workload", workload])
     assert ran == expected
     out = capsys.readouterr().out

@@ -237,3 +237,47 @@ def helpers_in_context(ctx) -> dict:
                   _error(lambda: sequence.gather_sequence(x[:, :zigzag.sizes[ctx.rank]], zigzag))]
     outside = _error(lambda: sequence.position_ids())
     return {"defaults": defaults, "explicit": explicit, "errors": errors, "outside": outside}
+
+
+def llama_all_ones(ctx, attention: str) -> dict:
+    """The tiny Llama (2 layers) with ``attn_implementation="commlib"`` on this rank's shard, two forwards and
+    backwards with an all-ones ``attention_mask`` (a tokenizer's, long) against the same without a mask: the
+    largest differences of the logits and of every parameter's gradient, and the all_reduces made per forward
+    (the ranks' decision whether every mask keeps every token)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    integration.register()
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    masked = copy.deepcopy(plain)
+    layout = commlib.SequenceLayout(12, ring_size=ctx.world_size, layout="zigzag") if attention == "ring" else \
+        commlib.SequenceLayout(12, ulysses_size=ctx.world_size)
+    positions = torch.as_tensor(layout.positions(ctx.rank))[None].expand(2, -1)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))[:, positions[0]]
+    reduce, reduces = torch.distributed.all_reduce, []
+
+    def counted(*args, **kwargs):
+        reduces.append(1)
+        return reduce(*args, **kwargs)
+
+    found: dict = {"reduces": []}
+    for model, mask in ((plain, None), (masked, torch.ones_like(ids))):
+        for _ in range(2):
+            torch.distributed.all_reduce = counted
+            try:
+                with parallel(layout, attention=attention):
+                    logits = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).logits
+            finally:
+                torch.distributed.all_reduce = reduce
+            logits.sum().backward()
+            found["reduces"] += [len(reduces)] if mask is not None else []
+            reduces.clear()
+        found["masked" if mask is not None else "plain"] = logits.detach()
+    found["logits"] = float((found.pop("masked") - found.pop("plain")).abs().max())
+    found["gradients"] = max(float((p.grad - q.grad).abs().max()) for p, q in zip(plain.parameters(),
+                                                                                  masked.parameters(), strict=True))
+    return found

@@ -153,6 +153,16 @@ def test_llama_with_masks_is_the_unsharded_model(pool, world_size, seq_len, atte
         assert error <= TOLERANCE, (rank, error)
 
 
+@pytest.mark.parametrize(("world_size", "attention"), [(2, "ulysses"), (3, "ring")])
+def test_an_all_ones_mask_is_dropped_once_per_forward(pool, world_size, attention):
+    """A tokenizer's all-ones attention_mask costs one all_reduce per forward (the first layer decides for the
+    model's two; a second forward decides again) and then runs exactly as without a mask: logits and gradients
+    bit for bit. A mask that keeps every token on some ranks only stays segment ids on every rank
+    (`test_llama_with_masks_is_the_unsharded_model`: at W = 3 ring, rank 2's shard holds no padding)."""
+    for rank, found in enumerate(pool(world_size).run(jobs.llama_all_ones, attention)):
+        assert found == {"reduces": [1, 1], "logits": 0.0, "gradients": 0.0}, (rank, found)
+
+
 def test_packing_that_cannot_be_is_refused(pool):
     """In a packed context, position_ids that are no packing (a step of +2 inside the shard, a position past the
     token's global one, a negative one) or transformers' local 0..n-1 stay the spec's positions error; a custom

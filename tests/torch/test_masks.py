@@ -7,20 +7,10 @@ NaN rows and a query whose every score is -inf gives 0 (gradient 0), through SDP
 import numpy as np
 import pytest
 
-import commlib
 from commlib import SequenceLayout
 from commlib.ring import pieces_computed, ring_plan
 from tests import mask_cases as masks
 from tests.torch import mask_jobs as jobs
-
-#: (op, SequenceLayout, the layout the call is given) of the handed case: W = 4, S = 40.
-HANDED = [
-    ("ulysses_attention", SequenceLayout(40, ulysses_size=4), "contiguous"),
-    ("ring_attention", SequenceLayout(40, ring_size=4), "contiguous"),
-    ("ring_attention", SequenceLayout(40, ring_size=4, layout="zigzag"), "zigzag"),
-    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2), "contiguous"),
-    ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "zigzag"),
-]
 
 
 def _run(pool, op, layout, name, whole, ids, causal):
@@ -29,31 +19,20 @@ def _run(pool, op, layout, name, whole, ids, causal):
     return [list(values) for values in zip(*per_rank, strict=True)], sum(reply[1] for reply in replies)
 
 
-@pytest.mark.parametrize(("op", "layout", "name"), HANDED, ids=lambda x: str(getattr(x, "layout", x)))
+@pytest.mark.parametrize(("op", "layout", "name"), masks.HANDED, ids=lambda x: str(getattr(x, "layout", x)))
 def test_handed_case(pool, op, layout, name):
     """W = 4, B = 2, S = 40, H = 8, H_kv = 2, D = 16, float64, causal; row 0 documents of 3, 17, 9, 11, row 1
     25 tokens then 15 of padding: within 1e-10 on every rank; padding rows' output, dq, dk, dv exactly 0."""
     whole, ids = masks.whole_inputs(*masks.HANDED_SHAPE), masks.handed_ids()
     got, _ = _run(pool, op, layout, name, whole, ids, True)
-    error = masks.worst_error(got, masks.expected(whole, ids, True), layout)
-    print(f"{op} {name}: worst error {error:.2e}")
-    assert error < masks.TOLERANCE
-    for values in got:
-        for part, padding in zip(values, masks.padding_rows(ids, layout), strict=True):
-            assert np.all(part[padding] == 0)
+    masks.check_handed(got, ids, layout, f"{op} {name}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_documents_at_any_length(pool, world_size):
     """S = 37 (uneven shards), documents of random lengths (some shorter than a shard, some crossing shards,
     a padding tail), causal and not: ring (both layouts) and Ulysses at W, USP 2 x 2 at W = 4."""
-    rng = np.random.default_rng(world_size)
-    ids = np.stack([commlib.segment_ids(rng.integers(1, 12, size=4), 37) for _ in range(2)])
-    whole = masks.whole_inputs(2, 37, 4, 2, 3, seed=world_size)
-    settings = [("ring_attention", SequenceLayout(37, ring_size=world_size, layout=name)) for name in
-                ("contiguous", "zigzag")] + [("ulysses_attention", SequenceLayout(37, ulysses_size=world_size))]
-    if world_size == 4:
-        settings.append(("usp_attention", SequenceLayout(37, ring_size=2, ulysses_size=2, layout="zigzag")))
+    ids, whole, settings = masks.random_documents(world_size)
     failed = []
     for (op, layout), causal in [(setting, causal) for setting in settings for causal in (False, True)]:
         got, _ = _run(pool, op, layout, layout, whole, ids, causal)
@@ -94,32 +73,15 @@ def test_bad_segment_ids(pool, op, ids_shape, ids_dtype, text):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize(("op", "layout"), [
-    ("ulysses_attention", SequenceLayout(16, ulysses_size=2)),
-    ("ring_attention", SequenceLayout(16, ring_size=2)),
-    ("ring_attention", SequenceLayout(16, ring_size=2, layout="zigzag")),
-])
+@pytest.mark.parametrize(("op", "layout"), masks.NAN_LAYOUTS)
 @pytest.mark.parametrize("row", ["nan", "blind"])
 @pytest.mark.parametrize("value_dim", [4, 3])
 def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row, value_dim):
     """Issue 23 item 5, causal: a NaN in q's row 3 gives a NaN output row (SDPA's and the ring's CPU flash kernels
     gave 0), as the reference; row 9, whose every score is -inf ("blind"), gives exactly 0 and dq exactly 0; the
     other rows equal the reference. ``D_v != D`` takes the ring's einsum rules and JAX's route in Ulysses."""
-    whole = masks.whole_inputs(1, 16, 2, 1, 4, value_dim=value_dim)
-    whole[1][..., 0] = np.abs(whole[1][..., 0]) + 0.5  # every key positive in dim 0
-    if row == "nan":
-        whole[0][0, 3] = np.nan
-    else:
-        whole[0][0, 9, :, 0] = -np.inf
-    want_out = masks.expected(whole, None, True)[0]
+    whole = masks.nan_or_blind(row, value_dim)
     replies = pool(2).run(jobs.nan_and_blind_rows, op, layout, whole, dtype)
     out = layout.unshard([reply[0] for reply in replies], 1)
     dq = layout.unshard([reply[1] for reply in replies], 1)
-    assert np.array_equal(np.isnan(out), np.isnan(want_out))
-    if row == "nan":
-        assert np.all(np.isnan(out[0, 3]))
-    else:
-        assert np.all(out[0, 9] == 0) and np.all(dq[0, 9] == 0)
-    rows = [index for index in range(16) if index != 3]
-    tolerance = 1e-10 if dtype == "float64" else 1e-5
-    np.testing.assert_allclose(out[:, rows], want_out[:, rows], rtol=0, atol=tolerance)
+    masks.check_nan_or_blind(out, dq, whole, row, dtype == "float64")
