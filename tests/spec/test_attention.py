@@ -1,9 +1,10 @@
 """`commlib.attention`: the head and position bookkeeping of Ulysses attention, its validation, and the float64
 reference -- against naive definitions written here (sets of heads, loops over queries, finite differences).
 
-`simulate_ulysses` walks a plan the way the frontends do (one send buffer per exchange, the all-to-all, the
-receive offsets, the kv indexing, attention per rank, the return all-to-all) on W simulated numpy ranks, so the
-plans themselves are checked against unsharded attention here, for both layouts, before any framework runs.
+`commlib.ulysses_reference.simulate_ulysses` walks a plan the way the frontends do (one send buffer per
+exchange, the all-to-all, the receive offsets, the kv indexing, attention per rank, the return all-to-all) on W
+simulated numpy ranks, so the plans themselves are checked against unsharded attention here, for both layouts,
+before any framework runs.
 """
 
 import math
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from commlib import CommError
 from commlib import attention as A
+from commlib.ulysses_reference import simulate_ulysses
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -125,13 +127,13 @@ def test_simulated_ulysses_is_attention(problem, data):
     q, k, v = _draw_problem(problem)
     expected = _rows(A.attention(q, k, v, **options), seq_sizes)
     exact = _exact_plans([x.shape for x in (q, k, v)], world_size, seq_sizes, chunks=chunks, **options)
-    got = A.simulate_ulysses(exact, *(_rows(x, seq_sizes) for x in (q, k, v)))
+    got = simulate_ulysses(exact, *(_rows(x, seq_sizes) for x in (q, k, v)))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     rows = max(seq_sizes)
     padded = A.ulysses_plan(*((x.shape[0], rows, *x.shape[2:]) for x in (q, k, v)), world_size, seq_sizes=seq_sizes,
                             layout="padded", chunks=chunks, **options)
-    got = A.simulate_ulysses([padded] * world_size, *(_padded(_rows(x, seq_sizes), rows) for x in (q, k, v)))
+    got = simulate_ulysses([padded] * world_size, *(_padded(_rows(x, seq_sizes), rows) for x in (q, k, v)))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
