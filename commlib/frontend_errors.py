@@ -10,7 +10,8 @@ from __future__ import annotations
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.plans import check_dim
 
-__all__ = ["check_axis_names", "mesh_dim", "no_vmap", "not_a_member", "unbound_axis", "wrong_type"]
+__all__ = ["check_axis_names", "mesh_dim", "modified_before_wait", "no_vmap", "not_a_member", "unbound_axis",
+           "wrong_type"]
 
 
 def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
@@ -35,6 +36,21 @@ def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeErr
     cls = type(value)
     type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
     return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
+
+
+def modified_before_wait(op_name: str, version_at_call: int, version_at_wait: int) -> CommError:
+    """The error of an op called with ``async_op=True`` whose input was modified in place before ``wait()``:
+    the collective may have sent the modified values (torch.distributed's async_op has the same rule).
+
+    >>> error = modified_before_wait("all_gather", 0, 1)
+    >>> str(error).split(": the ")[0]
+    'all_gather: x was modified in place between the call with async_op=True and wait()'
+    >>> str(error).split(". ")[-1]
+    'Received: version_at_call=0, version_at_wait=1'
+    """
+    return comm_error(op_name, "x was modified in place between the call with async_op=True and wait(): the "
+                      "collective may have sent the modified values to the other ranks; modify x only after "
+                      "wait()", version_at_call=version_at_call, version_at_wait=version_at_wait)
 
 
 def no_vmap(op_name: str) -> TypeError:

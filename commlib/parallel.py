@@ -90,7 +90,8 @@ def check_groups(attention: object, received: dict[str, object], names: tuple[st
 def outside_error(op_name: str, context: str):
     """The `CommError` of an integration called outside every ``parallel`` context (`context`: its path)."""
     return comm_error(op_name, f"called outside a {context}(...) context: enter one to choose the layer (ulysses, "
-                      "ring, usp), its groups and the sequence layout")
+                      "ring, usp), its groups and the sequence layout (with gradient checkpointing the backward "
+                      "runs the attention again: call backward inside the context too)")
 
 
 def parallel_plan(layout: object, attention: str, *, ulysses_size: int | None, ring_size: int | None) -> ParallelPlan:

@@ -124,7 +124,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.all_reduce(x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             accum_dtype=accum)
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
@@ -163,7 +163,7 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, c
     x, group, size, dtype, backend_dtypes = plan_inputs("all_gather", x, group)
     plan = plans.all_gather(x.shape, size, dim, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
                             sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
@@ -200,7 +200,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", 
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
     plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, backend_dtypes=backend_dtypes,
                                 accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
@@ -244,7 +244,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupA
     plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                             scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                             rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
@@ -288,7 +288,7 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
     plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
                                scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
                                rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: GroupArgument = None) -> torch.Tensor:
@@ -382,7 +382,7 @@ def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgume
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("permute", x, group)
     plan = plans.permute(x.shape, size, plan_cache.pairs(perm), dtype=dtype, backend_dtypes=backend_dtypes)
-    return start(plan, x, group) if async_op else apply(plan, x, group)
+    return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 def sum_grad(x: torch.Tensor, group: GroupArgument = None) -> torch.Tensor:

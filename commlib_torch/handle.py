@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from commlib import gradients
+from commlib import frontend_errors, gradients
 from commlib.layout import Plan
 from commlib_torch._groups import ResolvedGroup
 from commlib_torch._op import Origin, apply, at_boundary, reraise, transforms_active
@@ -42,6 +42,8 @@ class Handle:
     ``wait()`` returns the same tensor. `is_completed` (torch's ``Work`` name) says whether the transfer is
     done, without waiting. A Handle never waited is not an error: its collective still completes on every rank
     (each rank's call started it), the result is dropped with the Handle and `x` gets no gradient from it.
+    Every rank must wait its handles in the same order (the backward begins the duals in the reverse order of
+    the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError).
 
     Example:
         >>> from commlib_torch import all_gather
@@ -71,11 +73,13 @@ class _Call:
     failure messages), the forward's begun collective (`started`, until waited), the autograd token (None
     without autograd), and in backward the cotangent and the dual collective begun (`dual`)."""
 
-    __slots__ = ("cotangent", "dual", "group", "plan", "started", "token", "x")
+    __slots__ = ("cotangent", "dual", "group", "inference", "plan", "started", "token", "version", "x")
 
     def __init__(self, plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> None:
         self.plan, self.group = plan, group
         self.x: torch.Tensor | None = x
+        self.version = x._version  # an in-place change before wait() is refused there (`waited`)
+        self.inference = torch.is_inference_mode_enabled()  # the local pass after the work runs as begun
         self.started: Started | None = None
         self.token: torch.Tensor | None = None
         self.dual: Started | None = None
@@ -89,9 +93,18 @@ class _Call:
         return self.waited() if token is None else _WaitNode.apply(token, self)
 
     def waited(self) -> torch.Tensor:
-        """The forward's collective waited; the input is let go (the backward reads only the cotangent)."""
+        """The forward's collective waited, its local pass run (in inference mode if begun there); the input is
+        let go (the backward reads only the cotangent). An input modified in place since the call is refused
+        (`commlib.frontend_errors.modified_before_wait`), after the collective completes on every rank."""
         started, x, self.started, self.x = self.started, self.x, None, None
-        return _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]
+        if self.inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]
+        else:
+            out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]
+        if x._version != self.version:  # type: ignore[union-attr]
+            raise frontend_errors.modified_before_wait(self.plan.op_name, self.version, x._version)  # type: ignore[union-attr]
+        return out
 
 
 def _begin(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> Started:
@@ -143,9 +156,12 @@ class _WaitNode(torch.autograd.Function):
         return cotangent.new_empty(0), None
 
 
-def start(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> Handle:
+def start(plan: Plan, x: torch.Tensor, group: ResolvedGroup, async_op: object = True) -> Handle:
     """`plan` applied to `x` asynchronously (the ops' ``async_op=True``): a `Handle`. Synchronous, a completed
-    Handle, where the module docstring says."""
+    Handle, where the module docstring says. `async_op` must be True (the ops take a bool: anything but False
+    comes here, and anything but True is refused before a collective begins)."""
+    if async_op is not True:
+        raise frontend_errors.wrong_type(plan.op_name, "async_op", async_op, "bool")
     if (plan.is_trivial or ACTIVE or gradients.needs_primal(plan) or torch.compiler.is_compiling()
             or transforms_active()):
         return Handle(result=apply(plan, x, group))

@@ -286,3 +286,38 @@ def skip_async(context, skipper: int, op: str, phase: str) -> str:
         return "skipped"
     out.sum().backward()
     return "finished"
+
+
+def misuse(context) -> dict:
+    """The mistakes a newcomer's break-it session made: ``async_op`` not a bool (refused, and no collective
+    begun), a Handle begun in ``torch.inference_mode`` and waited outside it (the synchronous call's values),
+    an input modified in place before ``wait()`` (refused on the rank that modified it, after the collective)."""
+    world_size, begun = context.world_size, []
+    facts: dict = {}
+    with asynchronous("all_reduce", begun):
+        for value in ("yes", None, 1):
+            try:
+                commlib_torch.reduce_scatter(torch.ones(2 * world_size), async_op=value)
+                facts[f"async_op={value!r}"] = "no error"
+            except TypeError as error:
+                facts[f"async_op={value!r}"] = str(error)
+    facts["begun"] = len(begun)
+    x = torch.arange(2.0 * world_size * 3).reshape(2 * world_size, 3) + context.rank
+    for op, call in (("reduce_scatter", lambda a: commlib_torch.reduce_scatter(x, 0, async_op=a)),
+                     ("all_gather", lambda a: commlib_torch.all_gather(x, 0, async_op=a)),
+                     ("all_to_all", lambda a: commlib_torch.all_to_all(x, 0, 1, async_op=a))):
+        with torch.inference_mode():
+            handle, synchronous = call(True), call(False)
+        facts[f"inference_mode {op}"] = torch.equal(handle.wait(), synchronous)
+    for op, call in (("all_gather", lambda y: commlib_torch.all_gather(y, 0, async_op=True)),
+                     ("all_reduce", lambda y: commlib_torch.all_reduce(y, async_op=True))):
+        y = x.clone()
+        handle = call(y)
+        if context.rank == 0:
+            y.mul_(2)
+        try:
+            handle.wait()
+            facts[f"modified {op}"] = "no error"
+        except commlib_torch.CommError as error:
+            facts[f"modified {op}"] = str(error)
+    return facts

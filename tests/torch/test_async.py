@@ -120,3 +120,22 @@ def test_failure_in_wait_is_translated(monkeypatch, op, phase):
     name = op if phase == "forward" else f"{op} backward"
     for rank in (0, 1):
         assert f"rank {rank} raised CommTimeout: {name}: timed out on group rank {rank}" in str(info.value)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_misuse_is_refused_or_right(pool, world_size):
+    """async_op not a bool: a TypeError naming the op, before anything begins; a Handle begun in inference mode
+    and waited outside: the synchronous values; x modified in place before wait(): a CommError on that rank."""
+    for rank, facts in enumerate(pool(world_size).run(jobs.misuse)):
+        for value, kind in (("'yes'", "str"), ("None", "NoneType"), ("1", "int")):
+            assert facts[f"async_op={value}"] == (f"reduce_scatter: async_op must be a bool, not {kind}. "
+                                                   f"Received: type='{kind}'"), facts
+        assert facts["begun"] == 0
+        assert all(facts[f"inference_mode {op}"] for op in ("reduce_scatter", "all_gather", "all_to_all")), facts
+        for op in ("all_gather", "all_reduce"):
+            if rank == 0 and world_size > 1:
+                assert facts[f"modified {op}"].startswith(f"{op}: x was modified in place between the call with "
+                                                          "async_op=True and wait()"), facts
+                assert facts[f"modified {op}"].endswith("Received: version_at_call=0, version_at_wait=1"), facts
+            else:
+                assert facts[f"modified {op}"] == "no error", facts
