@@ -470,6 +470,22 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: 
     return all_reduce
 
 
+def _begun(send: Callable, collective: Callable, finish: Callable, made: tuple[int, ...], recv_shape: tuple[int, ...],
+           accum: torch.dtype | None) -> Walk:
+    """The asynchronous form of a walk that sends one packed buffer and receives into one (all_to_all, all_gather,
+    reduce_scatter): the buffer packed, the receive buffer made (received into through a view where its shape is
+    not `recv_shape`), the collective begun; `finish` left to `Started.wait`."""
+    viewed = made != recv_shape
+
+    def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+        buffer = send(x)
+        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
+        work = collective(recv.view(recv_shape) if viewed else recv, buffer, group)
+        return Started((work,), _finish_sent, finish, recv, x, buffer)
+
+    return started  # type: ignore[return-value]
+
+
 def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool, asynchronous: bool = False) -> Walk:
     """all_to_all: the send buffer's dim 0 goes out in W blocks (c10d's all_to_all_single)."""
     shape = _a2a_buffers(plan, _packs(plan, accum), accum)
@@ -478,13 +494,7 @@ def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool, asynchro
     viewed = made != recv_shape  # the output is received into (a view of it)
     exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
     if asynchronous:
-        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-            buffer = send(x)
-            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-            work = exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
-            return Started((work,), _finish_sent, finish, recv, x, buffer)
-
-        return started  # type: ignore[return-value]
+        return _begun(send, exchange, finish, made, recv_shape, accum)
 
     def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
@@ -514,13 +524,7 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     collective = (_c10d.all_gather(complex_, compiling, asynchronous) if op is None
                   else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous))
     if asynchronous:
-        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-            buffer = send(x)
-            recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-            work = collective(recv.view(recv_shape) if viewed else recv, buffer, group)
-            return Started((work,), _finish_sent, finish, recv, x, buffer)
-
-        return started  # type: ignore[return-value]
+        return _begun(send, collective, finish, made, recv_shape, accum)
 
     def gather_or_scatter(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
