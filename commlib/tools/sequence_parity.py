@@ -17,7 +17,9 @@ mapped weights is issue 25's port checker, not a row here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,9 @@ from commlib.sequence_helpers import (
 from commlib.tools import progress
 from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 
-__all__ = ["B", "D", "V", "IGNORE", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data", "expected",
-           "layouts", "load", "model_cases", "model_name", "name", "pad", "relative_error", "run"]
+__all__ = ["B", "D", "V", "IGNORE", "EXAMPLES", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data",
+           "example", "expected", "layouts", "load", "model_cases", "model_name", "name", "pad", "relative_error",
+           "run"]
 
 B, D, V = 2, 3, 11  # batch > 1, a hidden size, a vocabulary
 IGNORE = -100
@@ -252,3 +255,21 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 
     return run_workload("sequence", world_size, seed, frameworks, timeout,
                         lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
                         lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size))
+
+
+#: The checkout's examples/ folder (the model rows run the examples' own code).
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example(name: str):
+    """examples/<name>.py as a module, loaded once (the model rows of both runners run the example's own code)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = EXAMPLES / f"{name}.py"
+    found = importlib.util.spec_from_file_location(name, path)
+    if found is None or found.loader is None or not path.is_file():
+        raise FileNotFoundError(f"the model rows run {path}: run commlib parity from a checkout")
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module
+    found.loader.exec_module(module)
+    return module

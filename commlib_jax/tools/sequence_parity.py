@@ -7,9 +7,7 @@ first jitted step with ulysses, ring and usp against the same decoder unsharded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -23,10 +21,9 @@ from commlib.tools import progress
 from commlib.tools import sequence_parity as spec
 from commlib_jax import sequence
 
-__all__ = ["EXAMPLES", "MODES", "helpers", "model", "record"]
+__all__ = ["MODES", "helpers", "model", "record"]
 
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]")
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 FILL = 7.0  # the padding rows' inputs: every helper must ignore them
 
 
@@ -88,20 +85,6 @@ def helpers(layout: SequenceLayout, seed: int, mode: str) -> list[dict[str, np.n
     return [{key: np.asarray(value[rank]) for key, value in named.items()} for rank in range(W)]
 
 
-def _example(name: str):
-    """examples/<name>.py as a module (the model rows run the example's own code)."""
-    path = EXAMPLES / f"{name}.py"
-    if name in sys.modules:
-        return sys.modules[name]
-    found = importlib.util.spec_from_file_location(name, path)
-    if found is None or found.loader is None or not path.is_file():
-        raise FileNotFoundError(f"the model rows run {path}: run commlib parity from a checkout")
-    module = importlib.util.module_from_spec(found)
-    sys.modules[name] = module
-    found.loader.exec_module(module)
-    return module
-
-
 def model(example, attention: str, seq_len: int) -> dict[str, float]:
     """examples/flax_llama.py's first jitted step (its `setup`, `Decoder`, `sharded_step`, `unsharded_step`)
     against the unsharded decoder: the relative errors of the loss, the logits and every gradient."""
@@ -131,7 +114,7 @@ def record(in_dir: Path, results: spec.SequenceResults) -> None:
     example = None
     if models:  # imported first: it sets the device count, which JAX takes only before its first use
         try:
-            example = _example("flax_llama")
+            example = spec.example("flax_llama")
         except Exception as error:  # no checkout or no flax: failed rows, the helpers still run
             for attention in models:
                 results.fail(spec.model_name("flax", attention), MODES[0], f"crash: {error!r}")

@@ -5,9 +5,7 @@ first step with ulysses, ring and usp against the same Llama unsharded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +17,8 @@ from commlib.tools import sequence_parity as spec
 from commlib_torch import sequence
 from commlib_torch.tools.pool import WorkerError, WorkerPool
 
-__all__ = ["EXAMPLES", "helpers", "model", "record"]
+__all__ = ["helpers", "model", "record"]
 
-#: The examples of a checkout (the model rows run them).
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _numpy(tensor: torch.Tensor, rows: int, value: float = 0) -> np.ndarray:
@@ -64,23 +60,10 @@ def helpers(ctx, layout: SequenceLayout, seed: int) -> dict[str, np.ndarray]:
     return found | {"loss": loss.detach().numpy(), "loss_grad": _numpy(_gradient(logits), rows)}
 
 
-def _example(name: str):
-    """examples/<name>.py as a module (the model rows run the example's own code)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    found = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    if found is None or found.loader is None or not (EXAMPLES / f"{name}.py").is_file():
-        raise FileNotFoundError(f"the model rows run {EXAMPLES / name}.py: run commlib parity from a checkout")
-    module = importlib.util.module_from_spec(found)
-    sys.modules[name] = module
-    found.loader.exec_module(module)
-    return module
-
-
 def model(ctx, attention: str, seq_len: int) -> dict[str, float]:
     """A pool job: examples/transformers_llama.py's first step (its `context`, `models`, data and recipe) on this
     rank against the unsharded Llama: the relative errors of the loss, this rank's logits and every gradient."""
-    example = _example("transformers_llama")
+    example = spec.example("transformers_llama")
     example.register()
     layout, sequence_parallel = example.context(attention, seq_len, 2)
     sharded, reference = example.models(seed=0)
