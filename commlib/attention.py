@@ -605,5 +605,6 @@ def attention_vjp(q, k, v, cotangent, *, causal=False, scale=None, q_positions=N
     dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
     dq = np.einsum("bhqk,bkhd->bqhd", dscores, k_full)
     dk_full = np.einsum("bhqk,bqhd->bkhd", dscores, q)
-    fold = lambda x: x.reshape(*x.shape[:2], -1, group, x.shape[-1]).sum(axis=3)  # noqa: E731
+    kv_heads = np.shape(k)[2]  # named, not -1: an empty sequence (S = 0) has nothing to infer it from
+    fold = lambda x: x.reshape(*x.shape[:2], kv_heads, group, x.shape[-1]).sum(axis=3)  # noqa: E731
     return dq, fold(dk_full), fold(dv_full)
