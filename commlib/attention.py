@@ -224,7 +224,13 @@ class Exchange:
 class HeadGroup:
     """One head group of a `UlyssesPlan` (all of the call's heads when ``chunks == 1``): its exchanges in,
     the attention of its heads, its all-to-all out. Groups share nothing but the inputs, so a frontend may run
-    group c + 1's exchanges during group c's attention."""
+    group c + 1's exchanges during group c's attention.
+
+    A rank with no heads in the group (``local_heads == 0``: fewer heads than ranks, or fewer than ``chunks``)
+    still sends its rows of the group's heads and receives an empty block from every exchange; its (empty)
+    output must read every received block, so that it joins every exchange's backward too -- the other ranks'
+    gradients of the heads it sent arrive through it (with two exchanges, q/k and v, an output built from v
+    alone left the q/k all-to-all's backward waiting on this rank)."""
 
     heads: HeadSplit  # the group's q heads and the kv heads they use, on every rank (`head_groups`)
     exchanges: tuple[Exchange, ...]  # one if q, k, v share a head dim, else two

@@ -162,8 +162,9 @@ def _send_buffer(exchange: spec.Exchange, inputs: dict[str, torch.Tensor]) -> to
 def _attend(group: spec.HeadGroup, local: dict[str, torch.Tensor], plan: spec.UlyssesPlan,
             attn_fn: AttentionFn | None, masks: dict) -> torch.Tensor:
     """One head group's attention on this rank: ``[B, S, h, D_v]`` from its received heads."""
-    if group.local_heads == 0:  # no heads here: an empty output, still on the graph (every rank runs backward)
-        return local["v"].permute(1, 2, 0, 3)
+    if group.local_heads == 0:  # no heads here: an empty output that reads every received block (`spec.HeadGroup`)
+        empty = [x.permute(1, 2, 0, 3) for x in (local["q"], local["k"], local["v"])]
+        return empty[2] + empty[0].sum(-1, keepdim=True) + empty[1].sum(-1, keepdim=True)
     keys, values = local["k"], local["v"]
     if group.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
         index = torch.tensor(group.kv_index[0], device=keys.device)

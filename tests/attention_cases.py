@@ -12,7 +12,8 @@ from commlib import SequenceLayout, segment_ids
 from commlib import attention as A
 from commlib.tools.cases import Case, attention_case
 
-__all__ = ["extra_cases", "handed_case", "chunk_cases", "with_chunks", "kv_exact", "chunked_segments", "BAD_CHUNKS"]
+__all__ = ["extra_cases", "headless_cases", "handed_case", "chunk_cases", "with_chunks", "kv_exact", "chunked_segments",
+           "BAD_CHUNKS"]
 
 
 def handed_case(causal: bool = False) -> Case:
@@ -33,6 +34,25 @@ def extra_cases(world_size: int) -> list[Case]:
         attention_case(W, (2, 6, 4, 3), "value-dim", kv_heads=2, value_dim=5, seq_sizes="split", causal=True),
         attention_case(W, (1, 10, 6, 4), "float32", kv_heads=2, dtype="float32", seq_sizes="split"),
     ]
+
+
+def headless_cases(world_size: int) -> list[Case]:
+    """Calls where some rank attends with no heads in some head group while v has its own head dim (q, k in one
+    exchange, v in another): fewer heads than ranks (H = W - 1; W = 2: H = 1), and more chunks than a rank's
+    heads (H = 3, W = 2, chunks = 2: rank 1's second group is empty). Every rank still takes part in every
+    exchange, forward and backward (a headless rank's q and k rows go to the ranks that attend with them)."""
+    W = world_size
+    rows = [attention_case(W, (1, 2 * W + 1, W - 1, 2), "headless-value-dim", kv_heads=1, value_dim=3,
+                           seq_sizes="split", causal=True)] if W > 1 else []
+    if W == 2:
+        rows += [with_chunks(attention_case(W, (1, 5, 3, 2), "headless-group-value-dim", kv_heads=1, value_dim=3,
+                                            seq_sizes="split", causal=True), chunks) for chunks in (1, 2)]
+        rows += [with_chunks(attention_case(W, (2, 4, 3, 4), "headless-group-float32", kv_heads=3, value_dim=2,
+                                            dtype="float32"), 2)]
+    if W == 3:  # GQA, split_sizes(4, 3) = (2, 1, 1): ranks 1 and 2 have no heads in group 1
+        rows += [with_chunks(attention_case(W, (1, 7, 4, 2), "headless-group-gqa-value-dim", kv_heads=2,
+                                            value_dim=3, seq_sizes="split"), 2)]
+    return rows
 
 
 def chunk_cases(world_size: int) -> list[tuple[Case, tuple[int, ...]]]:

@@ -134,3 +134,12 @@ def rejected(ctx, shapes: dict, kwargs: dict, dtype: str = "float64"):
     except (CommError, TypeError) as error:
         return f"{type(error).__name__}: {error}", calls
     return None, calls
+
+
+def checked_case(ctx, case: cases.Case, arrays) -> tuple:
+    """`commlib_torch.tools.parity_jobs.run_case` in checked mode (every collective compared first)."""
+    from commlib_torch import checked
+    from commlib_torch.tools.parity_jobs import run_case
+
+    with checked():
+        return run_case(ctx, case, arrays)

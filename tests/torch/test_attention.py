@@ -12,7 +12,7 @@ import pytest
 from commlib import attention as A
 from commlib.tools import cases, parity
 from commlib_torch.tools.parity_jobs import merge, run_case
-from tests.attention_cases import extra_cases, handed_case
+from tests.attention_cases import extra_cases, handed_case, headless_cases
 from tests.torch import attention_jobs as jobs
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -31,6 +31,22 @@ def test_more_shapes(pool, world_size):
         outputs, gradients, error = merge(case, pool(world_size).run(run_case, case, arrays))
         row = parity.check(case, arrays, outputs, gradients, error)
         failed += [] if row.passed else [f"{row.case}: {row.out_error} {row.grad_error} {row.detail}"]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("checked", [False, True])
+def test_headless_ranks_join_every_exchange(pool, world_size, checked):
+    """A rank with no heads in a group while v has its own head dim: every rank's output and dq, dk, dv equal
+    the reference (a headless rank still sends its q and k rows and gets their cotangents back), in checked
+    mode too; a short timeout, so a rank left out of an exchange's backward fails the test instead of hanging."""
+    job = jobs.checked_case if checked else run_case
+    failed = []
+    for case in headless_cases(world_size):
+        arrays = cases.make_arrays(case, 0)
+        outputs, gradients, error = merge(case, pool(world_size).run(job, case, arrays, timeout=30.0))
+        row = parity.check(case, arrays, outputs, gradients, error)
+        failed += [] if row.passed and error is None else [f"{row.case}: {error} {row.out_error} {row.grad_error}"]
     assert not failed, "\n".join(failed)
 
 
