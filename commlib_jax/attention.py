@@ -73,7 +73,7 @@ def _grouped_attention(q, k, v, *, causal: bool, scale: float | None, segment_id
         visible = same if visible is None else same & visible
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))  # no keys: -inf
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = (weights / jnp.where(total == 0, 1.0, total)).astype(v.dtype)

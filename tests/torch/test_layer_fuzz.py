@@ -5,6 +5,8 @@ the float64 reference; a call the spec rejects raises its text on every rank; a 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -13,7 +15,7 @@ from commlib_torch.tools.parity_jobs import merge, run_case
 from tests import strategies
 from tests.layer_fuzz import layer_cases
 
-EXAMPLES = 60
+EXAMPLES = int(os.environ.get("COMMLIB_FUZZ_EXAMPLES", "100"))  # more for a longer hunt
 TIMEOUT = 20.0
 
 pytestmark = pytest.mark.timeout(300)
