@@ -17,6 +17,8 @@ unchanged). The step math is `commlib.blockwise`'s over jax.numpy, in `RingPlan.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,10 @@ def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
     arrays = [x for x in (q, k, v, segments) if x is not None]
     varying = tuple(sorted(set(axes).union(*(varying_axes(x) for x in arrays)), key=str))
     q, k, v = (to_varying(x, varying) for x in (q, k, v))
-    return _ring(plan, axes, q, k, v, None if segments is None else to_varying(segments, varying))
+    if segments is not None:  # every ring block's ids [W, B, rows], gathered once (integers, no gradient)
+        segments = all_gather(to_varying(segments, varying)[None], axes, 0)
+        segments = to_varying(segments, varying)
+    return _ring(plan, axes, q, k, v, segments)
 
 
 class _AxisBackend:
@@ -100,9 +105,17 @@ class _AxisBackend:
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
         return jax.lax.switch(case, branches, *operands)
 
-    def when_visible(self, mask, function, *operands):
-        """``lax.cond`` on whether some query of the piece sees some key: a skipped piece is the branch that
-        returns its accumulators unchanged."""
+    def block_ids(self, segments: jax.Array, step: int) -> tuple[jax.Array, jax.Array]:
+        """This rank's ids and those of the kv block it holds at `step` (``(rank - step) % W``), indexed in
+        every block's ``[W, B, rows]`` with the traced axis index (read from the gathered ids, not sent)."""
+        here = rank(self.axes)
+        held = (here - step) % self.plan.ring_size
+        return jnp.take(segments, here, axis=0), jnp.take(segments, held, axis=0)
+
+    def when_visible(self, step: int, index: int, mask: jax.Array, function: Callable[..., Any],
+                     *operands: jax.Array) -> Any:
+        """``lax.cond`` on `commlib.ring.visible_pieces`' rule (some query of the piece sees some key, decided
+        on device): a skipped piece is the branch that returns its accumulators unchanged."""
         return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
 
 
@@ -147,9 +160,10 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
             past them hold is ignored (gradient exactly 0) and the output there is 0.
         segment_ids: integers ``[B, S/W]`` laid out as q (``commlib.segment_ids`` builds a row): a query sees a
             key only when their ids are equal (and, with causal, its position is not after the query's); a
-            negative id is padding, seeing and seen by nothing (output 0, gradient 0). They travel with k and v
-            (one more `permute` a step), and a (q, kv) piece none of whose queries sees any of its keys is
-            skipped (``lax.cond``). No gradient.
+            negative id is padding, seeing and seen by nothing (output 0, gradient 0). Every ring block's ids are
+            all-gathered once (``[W, B, S/W]``; nothing of them travels with k and v), and a (q, kv) piece none
+            of whose queries sees any of its keys is skipped (`commlib.ring.visible_pieces`' rule, on device:
+            ``lax.cond``). No gradient.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -224,7 +238,7 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
         causal, scale, layout: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
             (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
         segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
-            `ulysses_axis` into ring block r's ids, then travelling around the ring with k and v.
+            `ulysses_axis` into ring block r's ids, then every ring block's over `ring_axis` (once).
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
