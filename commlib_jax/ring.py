@@ -26,6 +26,7 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
+from commlib.attention import check_layer_inputs
 from commlib.check import attention_call
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
@@ -36,6 +37,9 @@ from commlib_jax.functional import all_gather, all_to_all_4d, permute
 __all__ = ["ring_attention", "usp_attention"]
 
 MATH = blockwise.ArrayMath(jnp)
+#: What a layer takes as q, k, v and segment ids (`commlib.attention.check_layer_inputs`): JAX or numpy arrays.
+ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
+ARRAY_NAME = "jax.Array or numpy.ndarray"
 
 
 def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
@@ -206,6 +210,7 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
+    check_layer_inputs(spec.RING_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout,
@@ -265,6 +270,7 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
+    check_layer_inputs(spec.USP_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       ulysses_size=ulysses_size, ring_size=axis_size(spec.USP_OP, ring_axes),

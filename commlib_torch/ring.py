@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
+from commlib.attention import check_layer_inputs
 from commlib.check import attention_call
 from commlib.sequence import SequenceLayout
 from commlib_torch._checked import exchange, exchange_layer, is_checked
@@ -30,7 +31,7 @@ from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._failures import translate
 from commlib_torch._groups import GroupArgument as Group
-from commlib_torch._groups import backend_dtypes, check_tensor, global_rank, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, global_rank, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
@@ -385,11 +386,10 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
 
 
-def _segments(op_name: str, segment_ids) -> tuple[torch.Tensor | None, tuple | None]:
+def _segments(segment_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple | None]:
     """``(tensor, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
     if segment_ids is None:
         return None, None
-    segment_ids = check_tensor(op_name, segment_ids, "segment_ids")
     return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
@@ -398,8 +398,9 @@ def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
     return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
 
 
-def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
-    return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+def _check_kinds(op_name: str, q: object, k: object, v: object, segment_ids: object) -> None:
+    """The spec's kind check of a layer's inputs (`commlib.attention.check_layer_inputs`) for torch tensors."""
+    check_layer_inputs(op_name, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
@@ -467,8 +468,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
-    q, k, v = _checked(spec.RING_OP, q, k, v)
-    segments, segment_type = _segments(spec.RING_OP, segment_ids)
+    _check_kinds(spec.RING_OP, q, k, v, segment_ids)
+    segments, segment_type = _segments(segment_ids)
     rank = group_rank(group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
@@ -539,8 +540,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
-    q, k, v = _checked(spec.USP_OP, q, k, v)
-    segments, segment_type = _segments(spec.USP_OP, segment_ids)
+    _check_kinds(spec.USP_OP, q, k, v, segment_ids)
+    segments, segment_type = _segments(segment_ids)
     ring_rank = group_rank(ring_group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks of both groups compare the options first
         exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
