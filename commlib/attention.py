@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from commlib.errors import comm_error, kind_error
+from commlib.frontend_errors import wrong_type
 from commlib.masks import check_segment_ids, segment_mask
 from commlib.reduce_op import FLOAT_DTYPES, is_floating
 from commlib.uneven import Sizes, check_sizes, split_sizes
@@ -62,6 +63,7 @@ __all__ = [
     "head_split",
     "head_groups",
     "ulysses_plan",
+    "check_layer_inputs",
     "contiguous_positions",
     "causal_mask",
     "attention",
@@ -487,6 +489,25 @@ def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=
                    for group in head_groups(split, chunks))
     return UlyssesPlan(world_size, rank, layout, q[0], sizes, q[3], v[3], str(dtypes[0]), causal, scale, split,
                        groups, _even(sizes), _out_runs(groups), segment_ids is not None)
+
+
+def check_layer_inputs(op_name: str, q: object, k: object, v: object, segment_ids: object,
+                       array_types: tuple[type, ...], expected: str) -> None:
+    """The kinds of an attention layer's inputs, checked first by every frontend (before any communication and
+    before checked mode reads a shape): q, k, v and `segment_ids` (unless None) must be instances of
+    `array_types`, the frontend's arrays (`expected` names them); else the spec's `TypeError` naming the layer,
+    the argument and the type received (`commlib.frontend_errors.wrong_type`). A Python list is refused
+    everywhere, never converted.
+
+    >>> check_layer_inputs("ring_attention", np.zeros(1), np.zeros(1), np.zeros(1), [0, 0], (np.ndarray,),
+    ...                    "numpy.ndarray")
+    Traceback (most recent call last):
+    ...
+    TypeError: ring_attention: segment_ids must be a numpy.ndarray, not list. Received: type='list'
+    """
+    for name, value in (("q", q), ("k", k), ("v", v), ("segment_ids", segment_ids)):
+        if not isinstance(value, array_types) and not (name == "segment_ids" and value is None):
+            raise wrong_type(op_name, name, value, expected)
 
 
 def _check_chunks(chunks: object, split: HeadSplit, received: dict) -> int:

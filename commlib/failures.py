@@ -1,12 +1,13 @@
 """Failed collectives: the text of a backend error (gloo / NCCL ``RuntimeError``) turned into a
 `commlib.CommTimeout` (a rank never arrived within the process group's timeout) or a `commlib.CommFailure`
-(a rank died or the connection broke), naming the op and the group.
+(the connection to a rank was closed: by that rank's own failed or timed-out collective, or by its death), naming
+the op and the group.
 
 Both are ``RuntimeError`` subclasses, not `CommError`: the call was valid, the group failed.
 
 >>> failure("all_reduce", "[../gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", rank=0,
 ...         group_ranks=[0, 1])
-CommFailure("all_reduce: group rank 0 of the group with global ranks [0, 1] lost its connection to another rank: a rank died or left the group. Received: backend_error='Connection closed by peer [127.0.0.1]:1234'")
+CommFailure("all_reduce: group rank 0 of the group with global ranks [0, 1] lost its connection to another rank, which closed it: its own collective failed or timed out (e.g. it raised and went on to another collective), or it died or left the group. Received: backend_error='Connection closed by peer [127.0.0.1]:1234'")
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def failure(op_name: str, error_text: str, *, rank: int, group_ranks: Sequence[i
                    f"or is stuck or dead")
         return CommTimeout(str(comm_error(name, message, **details)))
     if any(text in lowered for text in _PEER_TEXTS):
-        message = f"{group} lost its connection to another rank: a rank died or left the group"
+        # gloo closes a pair when its own side of a collective fails or times out, so a live rank that raised
+        # and went on to another collective is reported exactly as a dead one: the text cannot tell them apart
+        message = (f"{group} lost its connection to another rank, which closed it: its own collective failed or "
+                   f"timed out (e.g. it raised and went on to another collective), or it died or left the group")
         return CommFailure(str(comm_error(name, message, **details)))
     return None

@@ -8,9 +8,10 @@ pair: an index into a small table of static cases, each a tuple of `Piece`\\ s (
 pieces the causal mask hides entirely left out. At step 0 every rank attends its own block with case 0, one
 piece over every row. The backward passes dk/dv with k/v the same way and one final hop brings them home.
 
-With segment ids (``segment_ids=``, `commlib.masks`) the ids of each rank's block travel with k/v in the same
-sends, every piece is masked by them as well, and a piece none of whose queries sees any of its keys is skipped
-(`RingBackend.when_visible`; `pieces_computed` counts what is left).
+With segment ids (``segment_ids=``, `commlib.masks`) every ring block's ids are all-gathered once per call (they
+do not travel with k/v), every piece is masked by them as well, and a piece none of whose queries sees any of its
+keys is skipped: `visible_pieces` decides it for every step and piece of a rank at once, from the gathered ids
+(`RingBackend.when_visible` applies it; `pieces_computed` counts what is left).
 
 The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, starts and waits
 the send of a list of arrays one ring step (step t+1's k/v begun before step t's pieces and waited after them:
@@ -49,6 +50,7 @@ __all__ = [
     "RingBackend",
     "forward",
     "backward",
+    "visible_pieces",
     "pieces_computed",
 ]
 
@@ -107,8 +109,8 @@ class RingPlan:
     # to `sequence.max_size` rows, ring block r is shards r*U .. r*U+U-1 end to end, and one piece over every
     # row per step takes its mask from global positions (`key_masks`); padding rows see and are seen by nothing.
     sequence: SequenceLayout | None = None
-    # Segment ids given (``segment_ids=``): they travel with k/v, every piece is masked by them too, and a piece
-    # none of whose queries sees any of its keys is skipped (`pieces_computed` counts the rest).
+    # Segment ids given (``segment_ids=``): every ring block's ids gathered once, every piece masked by them too,
+    # and a piece none of whose queries sees any of its keys skipped (`visible_pieces`; `pieces_computed`).
     segmented: bool = False
 
     @property
@@ -359,10 +361,14 @@ class RingBackend(Protocol):
         """Masked plans: `x` with the padding rows of this rank's ring block set to 0 (what a padded shard
         holds there is ignored)."""
 
-    def when_visible(self, mask: Any, function: Callable[..., Any], *operands: Any) -> Any:
-        """Segmented plans: ``function(*operands)`` where some entry of the piece's bool `mask` is True, else
-        `operands` unchanged (the skip rule; a backend may compute a piece that sees nothing: it changes
-        nothing, exactly)."""
+    def block_ids(self, segments: Any, step: int) -> tuple[Any, Any]:
+        """Segmented plans: ``(ids of this rank's q rows, ids of the kv block it holds at step)`` from
+        `segments`, every ring block's ids as the frontend gathered them once (the backend's own layout)."""
+
+    def when_visible(self, step: int, index: int, mask: Any, function: Callable[..., Any], *operands: Any) -> Any:
+        """Segmented plans: ``function(*operands)`` where piece `index` of this rank's case at `step` is visible
+        (`visible_pieces`: some entry of its bool `mask` is True), else `operands` unchanged (the skip rule; a
+        backend may compute a piece that sees nothing and discard it, or keep it: it changes nothing, exactly)."""
 
 
 def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any,
@@ -372,13 +378,15 @@ def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable
     block it holds (segmented plans)."""
     shared = plan.shared_case[step]
     if plan.masked:
-        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments)
+        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments,
+                        step=step)
     if shared is not None:
-        return function(backend, plan.cases[shared], *operands, segments=segments)
+        return function(backend, plan.cases[shared], *operands, segments=segments, step=step)
     if segments is None:
         return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
-    # the ids travel as operands: a backend may split every operand by rank (the reference's simulated ranks)
-    rule = lambda pieces, *arrays: function(backend, pieces, *arrays[:-2], segments=arrays[-2:])  # noqa: E731
+    # the ids go in as operands: a backend may split every operand by rank (the reference's simulated ranks)
+    rule = lambda pieces, *arrays: function(backend, pieces, *arrays[:-2], segments=arrays[-2:],  # noqa: E731
+                                            step=step)
     return backend.switch(step, rule, *operands, *segments)
 
 
@@ -395,11 +403,12 @@ def _piece_mask(math_: ArrayMath, mask, segments: tuple[Any, Any] | None, rows: 
     return same
 
 
-def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None, segments=None):
+def _forward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: Any, v: Any, out: Any, lse: Any,
+                  key_mask: Any = None, segments: tuple[Any, Any] | None = None, step: int = 0) -> tuple[Any, Any]:
     """Merge the pieces of one case into this rank's (out, lse); `out` None: the first piece (step 0's own
     block, every row) is the start. `key_mask`: the mask of a "positions" piece (masked plans); `segments`: the
     ids of the q rows and kv rows (segmented plans: a later piece that no query of it sees is skipped)."""
-    for piece in pieces:
+    for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
         mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
 
@@ -413,7 +422,7 @@ def _forward_case(backend: RingBackend, pieces, q, k, v, out, lse, key_mask=None
         elif segments is None:
             out, lse = merged(out, lse)
         else:
-            out, lse = backend.when_visible(mask, merged, out, lse)
+            out, lse = backend.when_visible(step, index, mask, merged, out, lse)
     return out, lse
 
 
@@ -433,10 +442,12 @@ def _received(backend: RingBackend, pending: Any, overlap: bool, held: list[Any]
     return backend.wait(pending) if overlap else pending
 
 
-def forward(plan: RingPlan, backend: RingBackend, q, k, v, segments=None, *, overlap: bool = True):
+def forward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, segments: Any = None, *,
+            overlap: bool = True) -> tuple[Any, Any]:
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
-    softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments`: this rank's
-    segment ids ``[B, rows]`` (segmented plans): they travel with k/v, in the same sends. `overlap`: step t+1's
+    softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments` (segmented
+    plans): every ring block's segment ids, gathered once by the frontend, laid out as its backend's
+    `RingBackend.block_ids` reads them (torch and JAX: ``[W, B, rows]``); nothing of them is sent. `overlap`: step t+1's
     k/v send begins before step t's pieces and is waited after them (`RingBackend.start` / `wait`); False: sent
     and received before them (the sequential order; the same values bit for bit: only the order of the
     communication differs)."""
@@ -444,21 +455,22 @@ def forward(plan: RingPlan, backend: RingBackend, q, k, v, segments=None, *, ove
         q, k, v = (backend.real_rows(x) for x in (q, k, v))
     query = backend.compute(q)
     out = lse = None
-    held = [k, v] if segments is None else [k, v, segments]
+    held = [k, v]
     for step in range(plan.ring_size):
         pending = _start(plan, backend, step, held, overlap)
         keys, values = backend.compute(held[0]), backend.compute(held[1])
-        ids = None if segments is None else (segments, held[2])
+        ids = None if segments is None else backend.block_ids(segments, step)
         out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse, segments=ids)
         held = _received(backend, pending, overlap, held)
     return backend.restore(out, q), lse
 
 
-def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta, dq, dk, dv, key_mask=None,
-                   segments=None):
+def _backward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: Any, v: Any, out: Any, d_out: Any,
+                   lse: Any, delta: Any, dq: Any, dk: Any, dv: Any, key_mask: Any = None,
+                   segments: tuple[Any, Any] | None = None, step: int = 0) -> tuple[Any, Any, Any]:
     """Add the pieces of one case to this rank's dq and the travelling dk, dv (segmented plans: the pieces the
     forward computed)."""
-    for piece in pieces:
+    for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
         mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
 
@@ -468,14 +480,17 @@ def _backward_case(backend: RingBackend, pieces, q, k, v, out, d_out, lse, delta
             dq = backend.add_rows(dq, rows, grads[0])
             return dq, backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
 
-        dq, dk, dv = added(dq, dk, dv) if segments is None else backend.when_visible(mask, added, dq, dk, dv)
+        if segments is None:
+            dq, dk, dv = added(dq, dk, dv)
+        else:
+            dq, dk, dv = backend.when_visible(step, index, mask, added, dq, dk, dv)
     return dq, dk, dv
 
 
-def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, segments=None, *,
-             overlap: bool = True):
+def backward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, out: Any, lse: Any, d_out: Any,
+             segments: Any = None, *, overlap: bool = True) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
-    (compute dtype) travelling behind k/v (and the segment ids), one more send of dk/dv at the end to bring them
+    (compute dtype) travelling behind k/v (`segments` as `forward`'s), one more send of dk/dv at the end to bring them
     home. Masked plans: what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients
     are 0. `overlap` as in `forward`: step t+1's k/v (and ids) are sent while step t computes; the dk/dv of a
     step are its pieces' sums, so their send begins after them."""
@@ -484,11 +499,11 @@ def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, seg
     query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
     rowsums = delta(backend.math, out_c, d_out_c)
     dq, dk, dv = backend.zeros(q), backend.zeros(k), backend.zeros(v)
-    held = [k, v] + ([] if segments is None else [segments])
+    held = [k, v]
     for step in range(plan.ring_size):
         pending = _start(plan, backend, step, held, overlap)
         keys, values = backend.compute(held[0]), backend.compute(held[1])
-        ids = None if segments is None else (segments, held[2])
+        ids = None if segments is None else backend.block_ids(segments, step)
         dq, dk, dv = _at_step(plan, backend, step, _backward_case, query, keys, values, out_c, d_out_c, lse,
                               rowsums, dq, dk, dv, segments=ids)
         dk, dv = backend.wait(backend.start([dk, dv]))
@@ -496,30 +511,50 @@ def backward(plan: RingPlan, backend: RingBackend, q, k, v, out, lse, d_out, seg
     return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v)
 
 
-def pieces_computed(plan: RingPlan, segments) -> tuple[int, int]:
-    """The ring's skip rule counted (numpy): ``(computed, scheduled)``, the pieces the forward walk computes over
-    every step and rank and the pieces its schedule holds. `segments`: every rank's segment ids of its ring
-    block as the ring walks it, int ``[W, B, rows]`` (None: no segment ids, nothing skipped). A piece is
-    computed when some query of it sees some key of it (causal and segments); step 0's first piece always is
-    (it starts each rank's accumulators). The backward computes the same pieces.
+def visible_pieces(plan: RingPlan, math_: ArrayMath, blocks: Any, rank: int,
+                   key_mask: Callable[[int], Any] | None = None) -> list[list[Any]]:
+    """The ring's skip rule for `rank`, decided once per call: ``[step][piece]`` a 0-d bool array of `math_`
+    (computed where the ids live: no host read) saying whether piece ``piece`` of the rank's case at ``step``
+    is computed -- some query of it sees some key of it (causal, positions and segments); step 0's first piece
+    always is (it starts the accumulators). `blocks`: every ring block's segment ids, ``blocks[b]`` ``[B, rows]``
+    (gathered once); `key_mask(step)`: the rank's mask of a "positions" piece (masked plans; default
+    ``plan.key_masks(step)[rank]``). The forward and the backward walk compute exactly these pieces.
+
+    >>> plan = ring_plan((1, 4, 1, 2), (1, 4, 1, 2), (1, 4, 1, 2), 2, causal=True, segment_ids=((1, 4), "int32"))
+    >>> [[bool(x) for x in step] for step in visible_pieces(plan, NUMPY, np.array([[[0] * 4], [[1] * 4]]), 1)]
+    [[True], [False]]
+    """
+    if key_mask is None:
+        key_mask = lambda step: plan.key_masks(step)[rank]  # noqa: E731
+    table: list[list[Any]] = []
+    for step in range(plan.ring_size):
+        ids = (blocks[rank], blocks[plan.kv_block(step, rank)])
+        mask_of_step = key_mask(step) if plan.masked else None
+        row = []
+        for index, piece in enumerate(plan.cases[0 if plan.masked else plan.case_index[step][rank]]):
+            mask = _piece_mask(math_, mask_of_step if piece.mask == "positions" else piece.mask, ids,
+                               slice(*piece.q), slice(*piece.kv))
+            seen = math_.xp.any(mask)
+            row.append(seen | True if step == 0 and index == 0 else seen)
+        table.append(row)
+    return table
+
+
+def pieces_computed(plan: RingPlan, segments: Any) -> tuple[int, int]:
+    """The ring's skip rule counted (numpy, `visible_pieces`): ``(computed, scheduled)``, the pieces the forward
+    walk computes over every step and rank and the pieces its schedule holds. `segments`: every rank's segment
+    ids of its ring block as the ring walks it, int ``[W, B, rows]`` (None: no segment ids, nothing skipped).
+    The backward computes the same pieces.
 
     >>> plan = ring_plan((1, 4, 1, 2), (1, 4, 1, 2), (1, 4, 1, 2), 2, causal=True, segment_ids=((1, 4), "int32"))
     >>> pieces_computed(plan, np.array([[[0, 0, 0, 0]], [[1, 1, 1, 1]]]))  # rank 1's step 1 (block 0) skipped
     (2, 3)
     """
-    computed = scheduled = 0
-    for step in range(plan.ring_size):
-        for rank in range(plan.ring_size):
-            block = plan.kv_block(step, rank)
-            key_mask = plan.key_masks(step)[rank] if plan.masked else None
-            for index, piece in enumerate(plan.cases[0 if plan.masked else plan.case_index[step][rank]]):
-                scheduled += 1
-                if segments is None or (step == 0 and index == 0):
-                    computed += 1
-                    continue
-                ids = (np.asarray(segments[rank]), np.asarray(segments[block]))
-                mask = _piece_mask(NUMPY, key_mask if piece.mask == "positions" else piece.mask, ids,
-                                   slice(*piece.q), slice(*piece.kv))
-                computed += int(np.any(mask))
+    scheduled = sum(len(plan.cases[0 if plan.masked else plan.case_index[step][rank]])
+                    for step in range(plan.ring_size) for rank in range(plan.ring_size))
+    if segments is None:
+        return scheduled, scheduled
+    blocks = np.asarray(segments)
+    computed = sum(int(bool(entry)) for rank in range(plan.ring_size)
+                   for row in visible_pieces(plan, NUMPY, blocks, rank) for entry in row)
     return computed, scheduled
-

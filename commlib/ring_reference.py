@@ -98,9 +98,16 @@ class SimulatedRanks:
         real = np.repeat(self.plan.valid_rows(), self.plan.batch, axis=0)[:, :, None, None]
         return np.where(real, x, 0.0)
 
-    def when_visible(self, mask, function: Callable[..., Any], *operands):
+    def block_ids(self, segments: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's ids of its q rows (`segments`, ``[W * B, rows]``: rank r's ring block on its batch rows)
+        and of the kv block it holds at `step` (read from the gathered ids, not sent)."""
+        blocks = self.split(segments)
+        return segments, np.concatenate([blocks[self.plan.kv_block(step, rank)] for rank in range(len(blocks))])
+
+    def when_visible(self, step: int, index: int, mask, function: Callable[..., Any], *operands):
         """Every rank computes the piece (where a rank's queries see none of its keys that changes nothing,
-        exactly); `computed` counts it for the ranks whose queries see some key."""
+        exactly); `computed` counts it for the ranks whose queries see some key (`commlib.ring.visible_pieces`'
+        rule, the piece's mask any)."""
         if self.rank is None:
             self.computed += np.asarray(mask).reshape(self.plan.ring_size, -1).any(axis=1)
         else:

@@ -28,7 +28,7 @@ from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import all_gather, all_to_all, all_to_all_4d
-from commlib_jax.ring import ring_attention, usp_attention
+from commlib_jax.ring import ARRAY_NAME, ARRAY_TYPES, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 
@@ -200,6 +200,7 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.OP_NAME, axes)
+    spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,

@@ -17,6 +17,8 @@ unchanged). The step math is `commlib.blockwise`'s over jax.numpy, in `RingPlan.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
+from commlib.attention import check_layer_inputs
 from commlib.check import attention_call
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
@@ -34,6 +37,9 @@ from commlib_jax.functional import all_gather, all_to_all_4d, permute
 __all__ = ["ring_attention", "usp_attention"]
 
 MATH = blockwise.ArrayMath(jnp)
+#: What a layer takes as q, k, v and segment ids (`commlib.attention.check_layer_inputs`): JAX or numpy arrays.
+ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
+ARRAY_NAME = "jax.Array or numpy.ndarray"
 
 
 def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
@@ -43,7 +49,10 @@ def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
     arrays = [x for x in (q, k, v, segments) if x is not None]
     varying = tuple(sorted(set(axes).union(*(varying_axes(x) for x in arrays)), key=str))
     q, k, v = (to_varying(x, varying) for x in (q, k, v))
-    return _ring(plan, axes, q, k, v, None if segments is None else to_varying(segments, varying))
+    if segments is not None:  # every ring block's ids [W, B, rows], gathered once (integers, no gradient)
+        segments = all_gather(to_varying(segments, varying)[None], axes, 0)
+        segments = to_varying(segments, varying)
+    return _ring(plan, axes, q, k, v, segments)
 
 
 class _AxisBackend:
@@ -100,9 +109,17 @@ class _AxisBackend:
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
         return jax.lax.switch(case, branches, *operands)
 
-    def when_visible(self, mask, function, *operands):
-        """``lax.cond`` on whether some query of the piece sees some key: a skipped piece is the branch that
-        returns its accumulators unchanged."""
+    def block_ids(self, segments: jax.Array, step: int) -> tuple[jax.Array, jax.Array]:
+        """This rank's ids and those of the kv block it holds at `step` (``(rank - step) % W``), indexed in
+        every block's ``[W, B, rows]`` with the traced axis index (read from the gathered ids, not sent)."""
+        here = rank(self.axes)
+        held = (here - step) % self.plan.ring_size
+        return jnp.take(segments, here, axis=0), jnp.take(segments, held, axis=0)
+
+    def when_visible(self, step: int, index: int, mask: jax.Array, function: Callable[..., Any],
+                     *operands: jax.Array) -> Any:
+        """``lax.cond`` on `commlib.ring.visible_pieces`' rule (some query of the piece sees some key, decided
+        on device): a skipped piece is the branch that returns its accumulators unchanged."""
         return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
 
 
@@ -147,9 +164,10 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
             past them hold is ignored (gradient exactly 0) and the output there is 0.
         segment_ids: integers ``[B, S/W]`` laid out as q (``commlib.segment_ids`` builds a row): a query sees a
             key only when their ids are equal (and, with causal, its position is not after the query's); a
-            negative id is padding, seeing and seen by nothing (output 0, gradient 0). They travel with k and v
-            (one more `permute` a step), and a (q, kv) piece none of whose queries sees any of its keys is
-            skipped (``lax.cond``). No gradient.
+            negative id is padding, seeing and seen by nothing (output 0, gradient 0). Every ring block's ids are
+            all-gathered once (``[W, B, S/W]``; nothing of them travels with k and v), and a (q, kv) piece none
+            of whose queries sees any of its keys is skipped (`commlib.ring.visible_pieces`' rule, on device:
+            ``lax.cond``). No gradient.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -192,6 +210,7 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
+    check_layer_inputs(spec.RING_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout,
@@ -224,7 +243,7 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
         causal, scale, layout: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
             (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
         segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
-            `ulysses_axis` into ring block r's ids, then travelling around the ring with k and v.
+            `ulysses_axis` into ring block r's ids, then every ring block's over `ring_axis` (once).
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
@@ -251,6 +270,7 @@ def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, sca
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
+    check_layer_inputs(spec.USP_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       ulysses_size=ulysses_size, ring_size=axis_size(spec.USP_OP, ring_axes),

@@ -23,7 +23,7 @@ from commlib.check import attention_call
 from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
 from commlib_torch._checked import exchange_layer, is_checked
-from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
+from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
@@ -255,7 +255,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         True
     """
     group = resolve_group(spec.OP_NAME, group)
-    q, k, v = (check_tensor(spec.OP_NAME, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
     size = world_size(spec.OP_NAME, group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
@@ -264,7 +264,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_type = None
     if segment_ids is not None:
-        segment_ids = check_tensor(spec.OP_NAME, segment_ids, "segment_ids")
         segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
     plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=seq_sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,

@@ -15,11 +15,15 @@ boundary).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NoReturn
+
 import torch
 import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
+from commlib.attention import check_layer_inputs
 from commlib.check import attention_call
 from commlib.sequence import SequenceLayout
 from commlib_torch._checked import exchange, exchange_layer, is_checked
@@ -27,7 +31,7 @@ from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._failures import translate
 from commlib_torch._groups import GroupArgument as Group
-from commlib_torch._groups import backend_dtypes, check_tensor, global_rank, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, global_rank, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import dtype_name, group_rank, run
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
@@ -182,9 +186,10 @@ class _RankBackend:
 
     math = _MATH
 
-    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int,
-                 device: torch.device) -> None:
+    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int, device: torch.device,
+                 visible: list[list[bool]] | None = None) -> None:
         self.plan, self.group, self.rank, self.device = plan, group, rank, device
+        self.visible = visible  # `_visibility`: the skip decisions of the call (None: selected on device)
         self.dtype = getattr(torch, plan.compute_dtype)
         # asynchronous c10d sends (`_start` / `_wait`; checked mode fingerprints each first) but under Dynamo,
         # which traces the synchronous `permute` (`_pass`)
@@ -233,23 +238,41 @@ class _RankBackend:
     def switch(self, step: int, function, *operands):
         return function(self.plan.cases[self.plan.case_index[step][self.rank]], *operands)
 
-    def when_visible(self, mask: torch.Tensor, function, *operands):
-        """The piece where some query of it sees some key (one host read of the mask's any), else skipped."""
-        return function(*operands) if bool(mask.any()) else operands
+    def block_ids(self, segments: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ids and those of the kv block it holds at `step`, from every block's ``[W, B, rows]``."""
+        return segments[self.rank], segments[self.plan.kv_block(step, self.rank)]
+
+    def when_visible(self, step: int, index: int, mask: torch.Tensor, function: Callable[..., tuple],
+                     *operands: torch.Tensor) -> tuple:
+        """The piece where the call's decisions (`_visibility`, read once per call) say it is visible, else
+        skipped. Under Dynamo, which traces no data-dependent branch, the piece is computed on copies of the
+        accumulators and kept where its mask's any is True (``torch.where``): the same values bit for bit."""
+        if self.visible is not None:
+            return function(*operands) if self.visible[step][index] else operands
+        seen = mask.any()
+        updated = function(*(x.clone() for x in operands))
+        return tuple(torch.where(seen, new, old) for new, old in zip(updated, operands, strict=True))
 
 
-def _forward(plan: spec.RingPlan, q, k, v, group, rank: int, segments=None,
+Visible = list[list[bool]] | None  # `_visibility`: the call's skip decisions, read once (None: none, or Dynamo)
+
+
+def _forward(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+             rank: int, segments: torch.Tensor | None = None, visible: Visible = None,
              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`;
-    `overlap` False: the sequential order, which the tests and the bench compare with)."""
-    return spec.forward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, segments, overlap=overlap)
+    `segments` every block's ids ``[W, B, rows]``; `overlap` False: the sequential order, which the tests and
+    the bench compare with)."""
+    return spec.forward(plan, _RankBackend(plan, group, rank, q.device, visible), q, k, v, segments, overlap=overlap)
 
 
-def _backward(plan: spec.RingPlan, q, k, v, out, lse, d_out, group, rank: int, segments=None,
-              overlap: bool = True):
-    """``(dq, dk, dv)`` (`commlib.ring.backward`)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank, q.device), q, k, v, out, lse, d_out, segments,
-                         overlap=overlap)
+def _backward(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, d_out: torch.Tensor, group: dist.ProcessGroup | None, rank: int,
+              segments: torch.Tensor | None = None, visible: Visible = None,
+              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (`commlib.ring.backward`; the forward's `visible`: the same pieces, no host read)."""
+    return spec.backward(plan, _RankBackend(plan, group, rank, q.device, visible), q, k, v, out, lse, d_out,
+                         segments, overlap=overlap)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -259,15 +282,16 @@ class _FirstOrderOnly(torch.autograd.Function):
     torch.func requires, whose per-call cost does not matter there."""
 
     @staticmethod
-    def forward(op_name: str, dq, dk, dv, *inputs):
+    def forward(op_name: str, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return dq.clone(), dk.clone(), dv.clone()
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.op_name = inputs[0]
 
     @staticmethod
-    def backward(ctx, *cotangents):
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> NoReturn:
         raise spec.second_order(ctx.op_name)
 
 
@@ -275,20 +299,22 @@ class _Ring(torch.autograd.Function):
     """The ring walk (`_forward`); backward `_backward` from the saved q, k, v, output and LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):
-        out, lse = _forward(plan, q, k, v, group, rank, segments)
-        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,
+                group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
+                visible: Visible = None) -> torch.Tensor:
+        out, lse = _forward(plan, q, k, v, group, rank, segments, visible)
+        ctx.plan, ctx.group, ctx.rank, ctx.visible = plan, group, rank, visible
         ctx.save_for_backward(q, k, v, out, lse, segments)
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, segments = ctx.saved_tensors
         with torch.no_grad():  # the walk is not differentiated: its in-place sums need no graph
-            grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank, segments)
+            grads = _backward(ctx.plan, q, k, v, out, lse, d_out, ctx.group, ctx.rank, segments, ctx.visible)
         if torch.is_grad_enabled():  # a graph of the gradient is recorded: a second order must not come out zero
             grads = _FirstOrderOnly.apply(ctx.plan.op_name, *grads, q, k, v, d_out)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 class _FunctorchRing(_Ring):
@@ -296,30 +322,57 @@ class _FunctorchRing(_Ring):
     non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
-    def forward(q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):  # type: ignore[override]
-        return _forward(plan, q, k, v, group, rank, segments)
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,  # type: ignore[override]
+                group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
+                visible: Visible = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(plan, q, k, v, group, rank, segments, visible)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-        q, k, v, plan, group, rank, segments = inputs
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, plan, group, rank, segments, visible = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.plan, ctx.group, ctx.rank, ctx.visible = plan, group, rank, visible
         ctx.save_for_backward(q, k, v, out, lse, segments)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, plan: spec.RingPlan, group, rank: int, segments=None):
+    def vmap(info: Any, in_dims: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,
+             group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
+             visible: Visible = None) -> NoReturn:
         raise frontend_errors.no_vmap(plan.op_name)
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):  # type: ignore[override]
+    def backward(ctx: Any, d_out: torch.Tensor, d_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         return _Ring.backward(ctx, d_out)
 
 
-def _ring(q, k, v, plan: spec.RingPlan, group, rank: int, segments=None) -> torch.Tensor:
+def _visibility(plan: spec.RingPlan, segments: torch.Tensor | None, group: dist.ProcessGroup | None,
+                rank: int) -> list[list[bool]] | None:
+    """The call's skip decisions (`commlib.ring.visible_pieces`, computed where the ids live) as Python bools:
+    one host read per call, for the forward and the backward. None without segment ids, and under Dynamo
+    (the walk then selects on device, `_RankBackend.when_visible`)."""
+    if segments is None or torch.compiler.is_compiling():
+        return None
+    backend = _RankBackend(plan, group, rank, segments.device)
+    table = spec.visible_pieces(plan, _MATH, segments, rank, key_mask=backend.key_mask)
+    flat = [entry for row in table for entry in row]
+    read = torch.stack(flat).tolist() if flat else []  # the one host read
+    rows, start = [], 0
+    for row in table:
+        rows.append(read[start:start + len(row)])
+        start += len(row)
+    return rows
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan, group: dist.ProcessGroup | None,
+          rank: int, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The ring over `group` (segments: this rank's ids ``[B, rows]``, all-gathered here once, for every block)."""
+    if segments is not None:
+        segments = all_gather(segments[None], 0, group)  # [W, B, rows]: integers, no gradient
+    visible = _visibility(plan, segments, group, rank)
     if transforms_active():
-        return _FunctorchRing.apply(q, k, v, plan, group, rank, segments)[0]
-    return _Ring.apply(q, k, v, plan, group, rank, segments)
+        return _FunctorchRing.apply(q, k, v, plan, group, rank, segments, visible)[0]
+    return _Ring.apply(q, k, v, plan, group, rank, segments, visible)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -333,11 +386,10 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
 
 
-def _segments(op_name: str, segment_ids) -> tuple[torch.Tensor | None, tuple | None]:
+def _segments(segment_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple | None]:
     """``(tensor, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
     if segment_ids is None:
         return None, None
-    segment_ids = check_tensor(op_name, segment_ids, "segment_ids")
     return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
@@ -346,8 +398,9 @@ def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
     return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
 
 
-def _checked(op_name: str, q, k, v) -> tuple[torch.Tensor, ...]:
-    return tuple(check_tensor(op_name, x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+def _check_kinds(op_name: str, q: object, k: object, v: object, segment_ids: object) -> None:
+    """The spec's kind check of a layer's inputs (`commlib.attention.check_layer_inputs`) for torch tensors."""
+    check_layer_inputs(op_name, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
@@ -370,9 +423,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             keys masked; a query row that sees no key outputs 0 with gradient 0.
         segment_ids: integers ``[B, S/W]`` laid out as q (this rank's rows; ``commlib.segment_ids`` builds a
             row): a query sees a key only when their ids are equal (and, with causal, its position is not
-            after the query's); a negative id is padding, seeing and seen by nothing. They travel with k and v
-            (one more `permute` a step, their dtype), and a (q, kv) piece none of whose queries sees any of its
-            keys is skipped. No gradient.
+            after the query's); a negative id is padding, seeing and seen by nothing. Every ring block's ids are
+            all-gathered once per call (``[W, B, S/W]``; nothing of them travels with k and v), the pieces
+            none of whose queries sees any of its keys are decided from them once (`commlib.ring.visible_pieces`,
+            on the ids' device, read to the host once per call: the backward reuses it) and skipped; under
+            ``torch.compile`` such a piece is computed and discarded (``torch.where``: no graph break, the same
+            values). No gradient.
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -412,8 +468,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
-    q, k, v = _checked(spec.RING_OP, q, k, v)
-    segments, segment_type = _segments(spec.RING_OP, segment_ids)
+    _check_kinds(spec.RING_OP, q, k, v, segment_ids)
+    segments, segment_type = _segments(segment_ids)
     rank = group_rank(group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
@@ -464,7 +520,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     exactly ``layout.sizes[r * U + u]`` rows; the shards travel padded to ``layout.max_size`` (the all-to-all
     then gathers ring block r as U padded pieces) with the padding masked. `segment_ids` (integers ``[B, S/(W U)]``
     laid out as q) as in `ring_attention`: all-gathered over `ulysses_group` into ring block r's ids, then
-    travelling around the ring with k and v.
+    every ring block's over `ring_group` (once per call).
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -484,8 +540,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
-    q, k, v = _checked(spec.USP_OP, q, k, v)
-    segments, segment_type = _segments(spec.USP_OP, segment_ids)
+    _check_kinds(spec.USP_OP, q, k, v, segment_ids)
+    segments, segment_type = _segments(segment_ids)
     ring_rank = group_rank(ring_group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks of both groups compare the options first
         exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),

@@ -101,6 +101,25 @@ def test_bad_segment_ids(op, ids, text):
     assert message.startswith(text.format(op=op) + ". Received: "), message
 
 
+@pytest.mark.parametrize("argument", ["q", "segment_ids"])
+@pytest.mark.parametrize("op", ["ulysses_attention", "ring_attention", "usp_attention"])
+def test_list_inputs_are_refused(op, argument):
+    """A Python list as q or segment_ids (JAX converted the ids and raised AttributeError for q): the spec's
+    TypeError (`commlib.attention.check_layer_inputs`, torch's text with JAX's types) while tracing."""
+    layout = SequenceLayout(12, ring_size=2, ulysses_size=2)
+    mesh, spec = _mesh("usp_attention", layout) if op == "usp_attention" else _mesh(op, SequenceLayout(12, 4))
+
+    def body(q):
+        inputs = {"q": q[0], "segment_ids": jnp.zeros((1, 3), jnp.int32)}
+        inputs[argument] = [[0, 0, 0]] if argument == "segment_ids" else [q[0]]
+        return _call(op, "contiguous", inputs["q"], q[0], q[0], segment_ids=inputs["segment_ids"])[None]
+
+    with pytest.raises(TypeError) as raised:
+        jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.zeros((4, 1, 3, 2, 4)))
+    assert str(raised.value) == (f"{op}: {argument} must be a jax.Array or numpy.ndarray, not list. "
+                                 "Received: type='list'"), raised.value
+
+
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 @pytest.mark.parametrize(("op", "layout"), masks.NAN_LAYOUTS)
 @pytest.mark.parametrize("row", ["nan", "blind"])

@@ -150,7 +150,9 @@ def test_lost_peer_becomes_comm_failure():
     assert type(error) is CommFailure
     assert str(error) == (
         "all_gather backward: group rank 0 of the group with global ranks [0, 1] lost its connection to another "
-        "rank: a rank died or left the group. Received: backend_error='Connection closed by peer [127.0.0.1]:5339.'")
+        "rank, which closed it: its own collective failed or timed out (e.g. it raised and went on to another "
+        "collective), or it died or left the group. Received: backend_error='Connection closed by peer "
+        "[127.0.0.1]:5339.'")
 
 
 def test_other_errors_are_not_translated():

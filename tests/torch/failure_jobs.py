@@ -212,3 +212,24 @@ def double_backward_disagrees(ctx, shapes):
         return "finished"
 
     return _outcome(call)
+
+
+def raise_and_go_on(ctx, raiser: int) -> str:
+    """Rank `raiser` raises (a list as q: the layer's TypeError, before any communication), stays alive and goes
+    on to another collective, which times out; the others, a second later, wait in the layer's all-to-all. Every
+    rank's error."""
+    q = torch.zeros((1, 2, 2 * ctx.world_size, 4))
+    if ctx.rank != raiser:
+        time.sleep(1.0)  # the raiser's next collective times out (and closes its pairs) before the others' wait
+    try:
+        from commlib_torch.attention import ulysses_attention
+
+        ulysses_attention(q.tolist() if ctx.rank == raiser else q, q, q)
+    except (CommError, TypeError, RuntimeError) as error:
+        if ctx.rank != raiser:
+            return f"{type(error).__name__}: {error}"
+    try:
+        commlib_torch.all_gather(torch.ones(3), 0)
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    return "finished"

@@ -73,3 +73,20 @@ def nan_and_blind_rows(ctx, op: str, layout: SequenceLayout, whole: list, dtype:
     out = _call(op, layout, layout.layout, *leaves, causal=True)
     (out * torch.tensor(shard[3], dtype=out.dtype)).sum().backward()
     return out.detach().double().numpy(), leaves[0].grad.double().numpy()
+
+
+def rejected_kind(ctx, op: str, argument: str, check: bool) -> str:
+    """The error text of a layer call given a Python list as `argument` (q or segment_ids) on this rank, in
+    checked mode or not (nothing communicated before it)."""
+    from commlib_torch import checked
+
+    q = torch.zeros((1, 3, 2, 4), dtype=torch.float64)
+    inputs: dict = {"q": q, "segment_ids": torch.zeros((1, 3), dtype=torch.int64)}
+    inputs[argument] = [[0, 0, 0]] if argument == "segment_ids" else q.tolist()
+    layout = SequenceLayout(3 * ctx.world_size, ring_size=ctx.world_size // 2, ulysses_size=2)
+    try:
+        with checked(check):
+            _call(op, layout, "contiguous", inputs["q"], q, q, segment_ids=inputs["segment_ids"])
+    except (CommError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

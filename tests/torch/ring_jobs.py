@@ -163,3 +163,71 @@ def any_length_error(ctx, layout, shape: tuple, op: str = "ring_attention") -> s
     except Exception as error:  # the text is what is checked
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def _segmented_inputs(ctx, seq: int = 8) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """This rank's q, k, v ``[2, seq, 4, 8]`` / ``[2, seq, 2, 8]`` (float64), a cotangent and segment ids: two
+    documents and padding in row 0, one document in row 1 (the ring skips some pieces at W >= 2)."""
+    generator = torch.Generator().manual_seed(ctx.rank)
+    shapes = [(2, seq, 4, 8), (2, seq, 2, 8), (2, seq, 2, 8), (2, seq, 4, 8)]
+    *inputs, cotangent = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
+    whole = torch.tensor([[0] * 3 + [1] * (seq * ctx.world_size - 4) + [-1], [2] * (seq * ctx.world_size)])
+    return inputs, cotangent, whole[:, ctx.rank * seq:(ctx.rank + 1) * seq]
+
+
+def _segmented_call(op: str, world_size: int):
+    """``(q, k, v, ids) -> out`` of `op` (ring over WORLD; USP: Ulysses groups of one rank, the ring WORLD)."""
+    if op == "usp_attention":
+        groups = usp_groups(world_size, 1)
+        return lambda q, k, v, ids: usp_attention(q, k, v, *groups, causal=True, segment_ids=ids)
+    return lambda q, k, v, ids: ring_attention(q, k, v, causal=True, segment_ids=ids)
+
+
+def compiled_with_segments(ctx, op: str) -> tuple[int, bool]:
+    """(graph breaks, whether the output, dq, dk and dv equal eager's bit for bit) of `op` with segment ids,
+    causal, under ``torch.compile(fullgraph=True, backend="aot_eager")``; compiled first."""
+    from torch._dynamo.utils import counters
+
+    inputs, cotangent, ids = _segmented_inputs(ctx)
+    call = _segmented_call(op, ctx.world_size)
+
+    def value_and_grads(fn) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*leaves, ids)
+        (out * cotangent).sum().backward()
+        return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"))
+    breaks = sum(counters["graph_break"].values())
+    want = value_and_grads(call)
+    torch._dynamo.reset()
+    return breaks, all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def host_reads(ctx, op: str) -> tuple[int, int]:
+    """Host reads (``Tensor.__bool__``, ``item``, ``tolist``) of one eager call of `op` with segment ids: in its
+    forward, in its backward."""
+    inputs, cotangent, ids = _segmented_inputs(ctx)
+    leaves = [x.requires_grad_() for x in inputs]
+    call = _segmented_call(op, ctx.world_size)
+    count = [0]
+    saved = {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
+
+    def counted(name: str):
+        def read(self, *args, **kwargs):
+            count[0] += 1
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    for name in saved:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        out = call(*leaves, ids)
+        forward = count[0]
+        (out * cotangent).sum().backward()
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+    return forward, count[0] - forward

@@ -121,3 +121,17 @@ def test_parity_run_reports_the_rank_that_died(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(parity, "run", lambda *args, **kwargs: rows)
     assert cli.main(["parity", "--world-size", "2", "--frameworks", "torch"]) == 1
     assert "rank 1 died with exit code -9" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_raised_and_lived_is_not_called_dead(pool_5s):
+    """Rank 1 raises before the layer's all-to-all, stays alive and times out in its next collective (gloo then
+    closes its pairs): the ranks waiting in the layer's all-to-all get `CommFailure` saying the peer closed the
+    connection, its own collective having failed -- not that a rank died."""
+    replies = pool_5s.run(failure_jobs.raise_and_go_on, 1)
+    assert replies[1].startswith("CommTimeout: all_gather: timed out on group rank 1"), replies[1]
+    for rank in (0, 2):
+        assert replies[rank].startswith(f"CommFailure: all_to_all: group rank {rank} {GROUP} lost its "
+                                        "connection to another rank, which closed it: its own collective failed "
+                                        "or timed out (e.g. it raised and went on to another collective), or it "
+                                        "died or left the group. Received: "), replies[rank]

@@ -72,6 +72,16 @@ def test_bad_segment_ids(pool, op, ids_shape, ids_dtype, text):
     assert message.startswith(text.format(op=op) + ". Received: "), message
 
 
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("argument", ["q", "segment_ids"])
+@pytest.mark.parametrize("op", ["ulysses_attention", "ring_attention", "usp_attention"])
+def test_list_inputs_are_refused(pool, op, argument, check):
+    """A Python list as q or segment_ids: the spec's TypeError (`commlib.attention.check_layer_inputs`, the JAX
+    text with torch's type) on every rank before any communication, checked mode included."""
+    texts = set(pool(4).run(jobs.rejected_kind, op, argument, check, timeout=30.0))
+    assert texts == {f"TypeError: {op}: {argument} must be a torch.Tensor, not list. Received: type='list'"}, texts
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(("op", "layout"), masks.NAN_LAYOUTS)
 @pytest.mark.parametrize("row", ["nan", "blind"])

@@ -146,3 +146,21 @@ def test_usp_on_a_device_mesh(pool):
     replies = pool(4).run(jobs.usp_on_mesh, case, cases.make_arrays(case, 0))
     row = _row(case, replies)
     assert row.passed and row.out_error <= 1e-10 and row.grad_error <= 1e-10, row
+
+
+@pytest.mark.parametrize("op", ["ring_attention", "usp_attention"])
+def test_segment_ids_compile_whole(pool, op):
+    """With segment ids the ring's skips are decided on device under Dynamo (`commlib.ring.visible_pieces`, kept
+    by ``torch.where``): ``torch.compile(fullgraph=True)`` has no graph break (a host read per piece did break it)
+    and gives eager's output, dq, dk, dv bit for bit, at W = 2 (USP: Ulysses groups of one rank)."""
+    for breaks, equal in pool(2).run(jobs.compiled_with_segments, op, timeout=300):
+        assert breaks == 0 and equal, (breaks, equal)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("op", ["ring_attention", "usp_attention"])
+def test_segment_ids_one_host_read_per_call(pool, world_size, op):
+    """The skips of a call are read to the host once, in its forward (one ``tolist`` of the call's decisions),
+    and the backward reuses them: not once per piece per step (W - 1 reads a forward, W a backward before)."""
+    for forward, backward in pool(world_size).run(jobs.host_reads, op):
+        assert (forward, backward) == (1, 0), (forward, backward)
