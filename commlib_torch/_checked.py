@@ -29,8 +29,9 @@ import torch.distributed as dist
 from commlib import check
 from commlib.layout import Plan
 from commlib.steps import Permute
-from commlib_torch._groups import ResolvedGroup
-from commlib_torch._walk import all_gather_single, dtype_name, group_rank, group_size
+from commlib_torch._compat import all_gather_single
+from commlib_torch._dtypes import dtype_name
+from commlib_torch._groups import ResolvedGroup, group_rank, group_size
 
 __all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_layer", "exchange_pair", "is_checked", "set_checked"]
 

@@ -94,7 +94,7 @@ def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, gro
 
 def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup, asynchronous: bool = False) -> Any:
     """Uneven sizes held exactly: the `Blocks` pack, one all_to_all_single with their split sizes (none for a
-    local step), the `Blocks` unpack. `asynchronous`: the collective begun, a `commlib_torch._walk.Started`
+    local step), the `Blocks` unpack. `asynchronous`: the collective begun, a `commlib_torch._c10d.Started`
     returned whose wait runs the unpack."""
     pack, unpack, arithmetic = plan.layout.pack, plan.layout.unpack, plan.arithmetic
     assert isinstance(pack, Blocks) and isinstance(unpack, Blocks), plan

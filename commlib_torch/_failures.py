@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from commlib import failures
 from commlib.errors import CommFailure
-from commlib_torch._walk import dtype_name
+from commlib_torch._dtypes import dtype_name
 
 __all__ = ["translate"]
 

@@ -20,6 +20,7 @@ from commlib import frontend_errors, gradients, plan_cache
 from commlib.layout import Plan
 from commlib_torch._checked import exchange, is_checked
 from commlib_torch._compat import c_apply, functorch_transforms_active, unwrap_if_dead
+from commlib_torch._dtypes import DTYPE_NAMES
 from commlib_torch._failures import translate
 from commlib_torch._groups import (
     COMMON_DTYPES,
@@ -27,10 +28,11 @@ from commlib_torch._groups import (
     ResolvedGroup,
     backend_dtypes,
     check_tensor,
+    group_size,
     resolve_group,
     world_size,
 )
-from commlib_torch._walk import DTYPE_NAMES, group_size, run, walk
+from commlib_torch._walk import run, walk
 from commlib_torch.testing_trace import ACTIVE, recorded_op
 
 __all__ = ["FunctorchPlanFunction", "Origin", "PlanFunction", "apply", "at_boundary", "plan_inputs", "reraise",

@@ -33,7 +33,9 @@ rooted collective runs at once and returns a completed `Started`.
 
 Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`)
 and taken once per plan by `walk`, which makes the plan's walk -- a closure that does only what depends on
-the call: the tensor (contiguous or not) and the group (this rank). Nothing reads a tensor's values on the
+the call: the tensor (contiguous or not) and the group (this rank). Which walk is made is a small frozen record,
+read by every step's builder: `Synchronous` (eager, `EAGER`, or traced, `COMPILED`) or `Asynchronous`
+(`STARTED`). Nothing reads a tensor's values on the
 host and no allocation depends on them, so a walk can be captured in a CUDA graph.
 """
 
@@ -41,7 +43,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, assert_never
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, assert_never, overload
 
 import torch
 import torch.distributed as dist
@@ -67,12 +70,10 @@ from commlib.steps import (
 from commlib_torch import _c10d, _pack
 from commlib_torch._c10d import Started
 from commlib_torch._compat import COPY_COMPILED_OUTPUT as _COPY_COMPILED_OUTPUT
-from commlib_torch._compat import all_gather_single
 from commlib_torch._exact import run_exact, scaled_first, zeros_after
-from commlib_torch._groups import ResolvedGroup, global_rank, group_rank, group_size
+from commlib_torch._groups import ResolvedGroup, global_rank, group_rank
 
-__all__ = ["DTYPE_NAMES", "Started", "all_gather_single", "dtype_name", "global_rank", "group_rank", "group_size",
-           "rearrange", "run", "started_walk", "torch_dtype", "walk"]
+__all__ = ["rearrange", "run", "started_walk", "walk"]
 
 _C10D_REDUCE = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -92,23 +93,7 @@ _LOCAL_REDUCE = {
 }
 
 _CONTIGUOUS = torch.contiguous_format
-
-
-#: Every torch dtype -> the spelling the spec uses (``torch.bfloat16 -> "bfloat16"``).
-DTYPE_NAMES: dict[torch.dtype | str, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
-                                       if isinstance(dtype, torch.dtype)}
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``torch.bfloat16 -> "bfloat16"`` (names pass through): the spelling the spec uses."""
-    name = DTYPE_NAMES.get(dtype)
-    if name is not None:
-        return name
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
-    return default if name is None else getattr(torch, name)
+_Out = TypeVar("_Out")
 
 
 def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype, *,
@@ -137,7 +122,7 @@ def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: t
     return out
 
 
-def completed(out: torch.Tensor) -> Started:
+def _completed(out: torch.Tensor) -> Started:
     """A `Started` whose work is done: `out`."""
     return Started((), _itself_value, out)
 
@@ -204,17 +189,18 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
     return transfer
 
 
-def _permute(step: Permute, plan: Plan, compiling: bool, asynchronous: bool = False) -> Transfer:
+def _permute(step: Permute, plan: Plan, kind: Kind) -> tuple[Transfer, list[dist.Work | None]]:
     """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
     pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
-    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank.
-    `asynchronous`: the same transfer with the collective begun, returning a `Started` of what it returns."""
+    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank. Returns the
+    transfer and, for an `Asynchronous` walk, the list its call appends the begun work to (`_started_permute`
+    takes it at once)."""
     shape, pairs, world_size = plan.layout.send_shape, step.pairs, plan.world_size
     rows_shape = shape or (1,)
     by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
-    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
-    begun: list = []  # (asynchronous: the work the transfer began, taken at once by `started`)
-    if asynchronous:
+    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
+    begun: list[dist.Work | None] = []  # (the c10d calls type their work optional: begun, it is there)
+    if kind.asynchronous:
         begin = all_to_all
         all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
 
@@ -236,18 +222,7 @@ def _permute(step: Permute, plan: Plan, compiling: bool, asynchronous: bool = Fa
         all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
         return recv
 
-    if not asynchronous:
-        return transfer
-
-    def started(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype) -> Started:
-        received = transfer(send, group, rank, x, dtype)  # (the send buffer is kept until the work is done)
-        return Started((begun.pop(),), _first, received, send)
-
-    return started  # type: ignore[return-value]
-
-
-def _first(received: torch.Tensor | None, *buffers: torch.Tensor) -> torch.Tensor | None:
-    return received
+    return transfer, begun
 
 
 def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -306,7 +281,31 @@ def _rooted_transfer(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transfe
 # ---- the walks: made once per plan, then called with (x, group) ---------------------------------------------
 
 Walk = Callable[[torch.Tensor, ResolvedGroup], torch.Tensor]  # (this rank's input, the group) -> this rank's output
+#: An asynchronous walk: (this rank's input, the group) -> the collective begun (`Started`).
+StartedWalk = Callable[[torch.Tensor, ResolvedGroup], Started]
 Pass = Callable[[torch.Tensor], torch.Tensor]
+_Made = Walk | StartedWalk
+
+
+@dataclass(frozen=True)
+class Synchronous:
+    """A walk that returns this rank's output (`walk`, `run`): each collective waited before the walk returns."""
+
+    compiling: bool  # traced by torch.compile: the calls Dynamo traces, every rank packing its input (docstring)
+    asynchronous: ClassVar[bool] = False  # (what the c10d calls are told)
+
+
+@dataclass(frozen=True)
+class Asynchronous:
+    """An eager walk that begins the collective and returns a `Started` (`started_walk`, ``async_op=True``); a
+    local step or a rooted collective runs at once, a completed `Started`."""
+
+    compiling: ClassVar[bool] = False  # (a traced call is synchronous: `commlib_torch.handle.start`)
+    asynchronous: ClassVar[bool] = True  # the c10d work returned unwaited
+
+
+Kind = Synchronous | Asynchronous
+EAGER, COMPILED, STARTED = Synchronous(compiling=False), Synchronous(compiling=True), Asynchronous()
 
 
 def run(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
@@ -314,7 +313,7 @@ def run(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     Under torch.compile the walk is made afresh, so the tracer reads the plan's constants, never the cache
     (before torch 2.13 its output is copied once more: `_COPY_COMPILED_OUTPUT`)."""
     if torch.compiler.is_compiling():
-        out = _make_walk(plan, compiling=True)(x, group)
+        out = _make_walk(plan, COMPILED)(x, group)
         return out.clone() if _COPY_COMPILED_OUTPUT else out
     return walk(plan)(x, group)
 
@@ -326,37 +325,54 @@ def walk(plan: Plan) -> Walk:
     not, its dtype) and its group (this rank; permute works out its split sizes once per rank, on the first
     call from that rank). Each walk made counts towards the caches' byte bound (`commlib.plan_cache.MAX_BYTES`);
     `commlib.plan_cache.clear` and its flushes forget the walks too."""
-    return _make_walk(plan, compiling=False)
-
-
-#: An asynchronous walk: (this rank's input, the group) -> the collective begun (`Started`).
-StartedWalk = Callable[[torch.Tensor, ResolvedGroup], Started]
+    return _make_walk(plan, EAGER)
 
 
 @plan_cache.held_cache(maxsize=8 * MAX_PLANS)
 def started_walk(plan: Plan) -> StartedWalk:
     """The eager asynchronous walk of `plan`, made once (as `walk`): the pack pass and the collective begun,
     the rest left to `Started.wait` (module docstring)."""
-    return _make_walk(plan, compiling=False, asynchronous=True)  # type: ignore[return-value]
+    return _make_walk(plan, STARTED)
 
 
-def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved: bool = False,
-               asynchronous: bool = False) -> Walk:
-    if dtypes.is_complex(plan.dtype) and not resolved:  # x.conj() is a lazy bit c10d cannot send: its values
-        inner = _make_walk(plan, compiling, wire_viewed, resolved=True, asynchronous=asynchronous)
-        return lambda x, group: inner(x.resolve_conj(), group)
-    if plan.wire_view is not None and not wire_viewed:  # a dtype the backend lacks: its bits in a same-size dtype
-        inner = _make_walk(plan, compiling, wire_viewed=True, resolved=True, asynchronous=asynchronous)
-        wire = getattr(torch, plan.wire_view)
-        if asynchronous:
-            return lambda x, group: inner(x.view(wire), group).then(  # type: ignore[attr-defined]
-                lambda out: out.view(x.dtype))
-        return lambda x, group: inner(x.view(wire), group).view(x.dtype)
-    if asynchronous and not isinstance(plan.step, (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)):
-        done = _make_walk(plan, compiling, wire_viewed, resolved)  # a local step or a rooted collective: at once
-        return lambda x, group: completed(done(x, group))  # type: ignore[return-value]
+@overload
+def _make_walk(plan: Plan, kind: Synchronous) -> Walk: ...
+@overload
+def _make_walk(plan: Plan, kind: Asynchronous) -> StartedWalk: ...
+def _make_walk(plan: Plan, kind: Kind) -> _Made:
+    """The walk of `plan` of `kind`: the step's walk (`_step_walk`), x seen as the plan's `wire_view` around it (a
+    dtype the backend lacks: its bits in a same-size dtype, viewed back after), a complex x's lazy conjugate
+    resolved first (x.conj() is a lazy bit c10d cannot send: its values)."""
+    wire = None if plan.wire_view is None else getattr(torch, plan.wire_view)
+    if isinstance(kind, Asynchronous):
+        started = _step_walk(plan, kind)
+        if wire is not None:
+            inner = started
+            started = lambda x, group: inner(x.view(wire), group).then(lambda out: out.view(x.dtype))  # noqa: E731
+        return _conj_resolved(started) if dtypes.is_complex(plan.dtype) else started
+    made = _step_walk(plan, kind)
+    if wire is not None:
+        step = made
+        made = lambda x, group: step(x.view(wire), group).view(x.dtype)  # noqa: E731
+    return _conj_resolved(made) if dtypes.is_complex(plan.dtype) else made
+
+
+def _conj_resolved(inner: Callable[[torch.Tensor, ResolvedGroup], _Out]) -> Callable[[torch.Tensor, ResolvedGroup],
+                                                                                       _Out]:
+    return lambda x, group: inner(x.resolve_conj(), group)
+
+
+@overload
+def _step_walk(plan: Plan, kind: Synchronous) -> Walk: ...
+@overload
+def _step_walk(plan: Plan, kind: Asynchronous) -> StartedWalk: ...
+def _step_walk(plan: Plan, kind: Kind) -> _Made:
+    """The walk of `plan`'s step, dispatched by its kind (x in the dtype the wire carries)."""
+    if kind.asynchronous and not isinstance(plan.step, (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)):
+        done = _step_walk(plan, EAGER)  # a local step or a rooted collective: at once
+        return lambda x, group: _completed(done(x, group))
     if plan.is_exact:
-        if asynchronous:
+        if kind.asynchronous:
             return lambda x, group: run_exact(plan, x, group, asynchronous=True)
         return lambda x, group: run_exact(plan, x, group)
     accum_dtype = plan.arithmetic.accum_dtype
@@ -370,21 +386,23 @@ def _make_walk(plan: Plan, compiling: bool, wire_viewed: bool = False, resolved:
         case Pad(dim=dim):
             return _pad(plan, dim)
         case AllReduce(op=op):
-            return _all_reduce(plan, op, accum, compiling, asynchronous)
+            return _all_reduce(plan, op, accum, kind)
         case AllToAll():
-            return _all_to_all(plan, accum, compiling, asynchronous)
+            return _all_to_all(plan, accum, kind)
         case AllGather(dim=dim):
-            return _gather_or_scatter(plan, dim, None, accum, compiling, asynchronous)
+            return _gather_or_scatter(plan, dim, None, accum, kind)
         case ReduceScatter(dim=dim, op=op):
-            return _gather_or_scatter(plan, dim, op, accum, compiling, asynchronous)
+            return _gather_or_scatter(plan, dim, op, accum, kind)
         case Permute():
-            transfer = _permute(step, plan, compiling, asynchronous)
-            return _rooted_or_permute(plan, transfer, None, accum, compiling, asynchronous)
+            transfer, begun = _permute(step, plan, kind)
+            if kind.asynchronous:
+                return _started_permute(plan, transfer, begun, accum)
+            return _rooted_or_permute(plan, transfer, None, accum)
         case Broadcast() | Reduce() | Gather() | Scatter():
             made = _finisher(plan, accum, plan.layout.recv_shape)[1]
-            transfer = (_rooted_traceable if compiling else _rooted_transfer)(step, plan, made)
-            receives_only = isinstance(step, (Broadcast, Scatter)) and not compiling  # non-roots' input is never
-            return _rooted_or_permute(plan, transfer, step.root if receives_only else None, accum, compiling)  # read
+            transfer = (_rooted_traceable if kind.compiling else _rooted_transfer)(step, plan, made)
+            receives_only = isinstance(step, (Broadcast, Scatter)) and not kind.compiling  # non-roots' input is
+            return _rooted_or_permute(plan, transfer, step.root if receives_only else None, accum)  # never read
         case _:
             assert_never(step)
 
@@ -413,7 +431,8 @@ def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...]
 
 def _sender(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Pass:
     """x -> the send buffer, of `shape`: the pack pass, and the scale first where the plan says so."""
-    pack = _pass(plan.layout.pack, plan.in_shape, shape, accum)  # type: ignore[arg-type]
+    assert isinstance(plan.layout.pack, Rearrange), plan  # (Blocks: the exact walk's, `run_exact`)
+    pack = _pass(plan.layout.pack, plan.in_shape, shape, accum)
     scale, first = plan.arithmetic.scale, plan.arithmetic.scale_first
     if not (first and scale != 1.0):
         return pack
@@ -429,11 +448,12 @@ def _finisher(plan: Plan, accum: torch.dtype | None,
     arithmetic = plan.arithmetic
     scale = arithmetic.scale if arithmetic.scale != 1.0 and not arithmetic.scale_first else None
     unpack, out_shape = plan.layout.unpack, plan.out_shape
+    assert isinstance(unpack, Rearrange), plan  # (Blocks: the exact walk's, `run_exact`)
     if accum is not None or not unpack.is_identity:
         def unpacked(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if scale is not None:
                 recv.mul_(scale)
-            return rearrange(recv, unpack, out_shape, x.dtype)  # type: ignore[arg-type]
+            return rearrange(recv, unpack, out_shape, x.dtype)
 
         return unpacked, shape
 
@@ -449,18 +469,17 @@ def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
     return accum is not None or not (isinstance(pack, Rearrange) and pack.keeps_order)  # (Blocks: the exact walk's)
 
 
-def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: bool,
-                asynchronous: bool = False) -> Walk:
+def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind) -> _Made:
     """all_reduce, in place: the send buffer, a clone of x's shape, is received into."""
     send_shape = plan.layout.send_shape
     send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
-    reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), compiling, asynchronous)
-    if asynchronous:
+    reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
+    if kind.asynchronous:
         def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
             buffer = send(x)
             return Started((reduce(buffer, group),), finish, buffer, x)
 
-        return started  # type: ignore[return-value]
+        return started
 
     def all_reduce(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         buffer = send(x)
@@ -470,8 +489,8 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, compiling: 
     return all_reduce
 
 
-def _begun(send: Callable, collective: Callable, finish: Callable, made: tuple[int, ...], recv_shape: tuple[int, ...],
-           accum: torch.dtype | None) -> Walk:
+def _begun(send: Pass, collective: _c10d.Buffers, finish: Callable[..., torch.Tensor], made: tuple[int, ...],
+           recv_shape: tuple[int, ...], accum: torch.dtype | None) -> StartedWalk:
     """The asynchronous form of a walk that sends one packed buffer and receives into one (all_to_all, all_gather,
     reduce_scatter): the buffer packed, the receive buffer made (received into through a view where its shape is
     not `recv_shape`), the collective begun; `finish` left to `Started.wait`."""
@@ -483,17 +502,17 @@ def _begun(send: Callable, collective: Callable, finish: Callable, made: tuple[i
         work = collective(recv.view(recv_shape) if viewed else recv, buffer, group)
         return Started((work,), _finish_sent, finish, recv, x, buffer)
 
-    return started  # type: ignore[return-value]
+    return started
 
 
-def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool, asynchronous: bool = False) -> Walk:
+def _all_to_all(plan: Plan, accum: torch.dtype | None, kind: Kind) -> _Made:
     """all_to_all: the send buffer's dim 0 goes out in W blocks (c10d's all_to_all_single)."""
     shape = _a2a_buffers(plan, _packs(plan, accum), accum)
     recv_shape = shape or plan.layout.recv_shape
     send, (finish, made) = _sender(plan, accum, shape or plan.layout.send_shape), _finisher(plan, accum, recv_shape)
     viewed = made != recv_shape  # the output is received into (a view of it)
-    exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), compiling, asynchronous)
-    if asynchronous:
+    exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
+    if kind.asynchronous:
         return _begun(send, exchange, finish, made, recv_shape, accum)
 
     def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
@@ -506,8 +525,7 @@ def _all_to_all(plan: Plan, accum: torch.dtype | None, compiling: bool, asynchro
     return all_to_all
 
 
-def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, compiling: bool,
-                       asynchronous: bool = False) -> Walk:
+def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, kind: Kind) -> _Made:
     """all_gather (`op` None) and reduce_scatter: c10d's dim-0 forms, x itself along dim 0 ([n, ...] <->
     [W * n, ...]), else flat buffers."""
     world_size, layout = plan.world_size, plan.layout
@@ -521,6 +539,7 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     send, (finish, made) = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
     viewed = made != recv_shape
     complex_ = dtypes.is_complex(plan.dtype)
+    compiling, asynchronous = kind.compiling, kind.asynchronous
     collective = (_c10d.all_gather(complex_, compiling, asynchronous) if op is None
                   else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous))
     if asynchronous:
@@ -555,21 +574,14 @@ def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[i
     return None
 
 
-def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None,
-                       compiling: bool, asynchronous: bool = False) -> Walk:
+def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | None,
+                       accum: torch.dtype | None) -> Walk:
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
     the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring). `receive_only_root`:
     the root of an eager broadcast or scatter, whose other ranks' input is never read (no pack pass there)."""
     out_shape = plan.out_shape
     send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
     receives_only = receive_only_root is not None
-    if asynchronous:  # permute: its transfer returns a `Started` of the received buffer (None: zeros)
-        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-            begun = transfer(send(x), group, group_rank(group), x, x.dtype if accum is None else accum)
-            return begun.then(lambda recv: x.new_zeros(out_shape) if recv is None  # type: ignore[union-attr]
-                              else finish(recv, x))
-
-        return started  # type: ignore[return-value]
 
     def rooted(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         rank = group_rank(group)
@@ -579,6 +591,24 @@ def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | 
         return x.new_zeros(out_shape) if recv is None else finish(recv, x)
 
     return rooted
+
+
+def _started_permute(plan: Plan, transfer: Transfer, begun: list[dist.Work | None],
+                     accum: torch.dtype | None) -> StartedWalk:
+    """permute begun: its transfer (`_permute`) appends the work to `begun`, taken at once; `Started.wait` gives
+    the received buffer's output, or zeros on a rank that receives nothing (the send buffer kept till then)."""
+    out_shape = plan.out_shape
+    send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
+
+    def received(recv: torch.Tensor | None, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(out_shape) if recv is None else finish(recv, x)
+
+    def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
+        buffer = send(x)
+        recv = transfer(buffer, group, group_rank(group), x, x.dtype if accum is None else accum)
+        return Started((begun.pop(),), received, recv, x, buffer)
+
+    return started
 
 
 # ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------

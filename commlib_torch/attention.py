@@ -23,9 +23,9 @@ from commlib.check import attention_call
 from commlib.masks import segment_mask
 from commlib.sequence import ulysses_seq_sizes
 from commlib_torch._checked import exchange_layer, is_checked
+from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
-from commlib_torch._walk import dtype_name
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
 from commlib_torch.handle import Handle
 from commlib_torch.ring import nan_rows, ring_attention, usp_attention

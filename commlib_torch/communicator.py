@@ -14,8 +14,8 @@ from commlib import frontend_errors, plans
 from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
-from commlib_torch._groups import backend_dtypes, check_tensor, resolve_group, world_size
-from commlib_torch._walk import dtype_name, global_rank
+from commlib_torch._dtypes import dtype_name
+from commlib_torch._groups import backend_dtypes, check_tensor, global_rank, resolve_group, world_size
 
 __all__ = ["DeviceCommunicator"]
 

@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from commlib import ReduceOp, plan_cache, plans
-from commlib_torch._groups import GroupArgument, ResolvedGroup
+from commlib_torch._dtypes import dtype_name
+from commlib_torch._groups import GroupArgument, ResolvedGroup, group_rank
 from commlib_torch._op import apply, at_boundary, plan_inputs
-from commlib_torch._walk import dtype_name, group_rank, run
+from commlib_torch._walk import run
 from commlib_torch.handle import Handle, start
 
 #: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product"), a `commlib.ReduceOp` or its torch twin.

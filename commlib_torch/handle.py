@@ -27,9 +27,10 @@ import torch
 
 from commlib import frontend_errors, gradients
 from commlib.layout import Plan
+from commlib_torch._c10d import Started
 from commlib_torch._groups import ResolvedGroup
 from commlib_torch._op import Origin, apply, at_boundary, reraise, transforms_active
-from commlib_torch._walk import Started, started_walk
+from commlib_torch._walk import started_walk
 from commlib_torch.testing_trace import ACTIVE
 
 __all__ = ["Handle"]  # (`start`: the ops' async_op=True path)

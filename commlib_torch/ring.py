@@ -29,11 +29,12 @@ from commlib.sequence import SequenceLayout
 from commlib_torch._checked import exchange, exchange_layer, is_checked
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
+from commlib_torch._dtypes import dtype_name
 from commlib_torch._failures import translate
 from commlib_torch._groups import GroupArgument as Group
-from commlib_torch._groups import backend_dtypes, global_rank, resolve_group, world_size
+from commlib_torch._groups import backend_dtypes, global_rank, group_rank, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
-from commlib_torch._walk import dtype_name, group_rank, run
+from commlib_torch._walk import run
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
 
 __all__ = ["ring_attention", "usp_attention"]

@@ -32,8 +32,8 @@ from commlib.check import sequence_call
 from commlib.parallel import ParallelPlan
 from commlib_torch import _parallel
 from commlib_torch._checked import exchange_layer, is_checked
+from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
-from commlib_torch._walk import dtype_name
 from commlib_torch.functional import ReduceOpArgument, all_gather, all_reduce, shard
 
 __all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy",

@@ -279,7 +279,7 @@ def checked_overhead(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
     """
     from commlib import plans
     from commlib_torch._checked import checked, exchange
-    from commlib_torch._walk import dtype_name
+    from commlib_torch._dtypes import dtype_name
 
     leaf = x.detach().requires_grad_(x.is_floating_point())
     constant = x.detach()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import commlib_torch
 from commlib import plans, split_sizes
 from commlib.tools.bench import UNEVEN_HEAD_DIM, uneven_ulysses, wire_bytes
-from commlib_torch._walk import all_gather_single
+from commlib_torch._compat import all_gather_single
 from commlib_torch.tools.bench_cases import _input, _numel, bench_case
 
 __all__: list[str] = []
