@@ -12,8 +12,8 @@ it should be global.
 
 Tolerance (`commlib parity`'s rule): the largest absolute difference over an array at most ``tolerance[dtype] *
 max(1, max |a|, max |b|)`` (float64 1e-10, float32 2e-5, bfloat16 2e-2, float16 2e-3; other dtypes exact); with
-`rtol` / `atol` given, every element within ``atol + rtol * max(|a|, |b|)`` (the one not given is 0). NaNs must
-sit at the same places.
+`rtol` / `atol` given, every element within ``atol + rtol * max(|a|, |b|)`` (the one not given is 0). Non-finite
+values compare by equality (an inf meets the same inf, a NaN a NaN) and take no part in the scale.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from commlib.testing.parity import TOLERANCES, tolerance
+from commlib.testing.parity import TOLERANCES, beyond_tolerance, tolerance
 from commlib.testing.trace import Arrays, Call
 
 __all__ = ["Difference", "Divergence", "TOLERANCES", "first_divergence"]
@@ -198,32 +198,19 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _difference(name: str, rank: int, a: np.ndarray, b: np.ndarray, rtol, atol) -> Difference | None:
-    """`a` against `b` by the module's rule: None within tolerance."""
+    """`a` against `b` by the module's rule (`commlib.testing.parity.beyond_tolerance`): None within tolerance."""
     if a.size == 0:
         return None
+    exact = a.dtype.kind not in "fc"  # integers, bools: exact
+    wrong, error, magnitude = beyond_tolerance(a, b, 0.0 if exact else tolerance(a.dtype.name),
+                                               *((None, None) if exact else (rtol, atol)))
+    if not wrong.any():
+        return None
     wide = np.complex128 if "c" in (a.dtype.kind, b.dtype.kind) else np.float64
-    a64, b64 = a.astype(wide), b.astype(wide)
-    if a.dtype.kind not in "fc":  # integers, bools: exact
-        wrong = a64 != b64
-        return _found(name, rank, a64, b64, wrong) if wrong.any() else None
-    nan_a, nan_b = np.isnan(a64), np.isnan(b64)
-    error = np.abs(np.where(nan_a | nan_b, 0, a64 - b64))
-    magnitude = np.maximum(np.abs(np.where(nan_a, 0, a64)), np.abs(np.where(nan_b, 0, b64)))
-    if rtol is None and atol is None:
-        wrong = error > tolerance(a.dtype.name) * max(1.0, float(magnitude.max()))
-    else:
-        wrong = error > (atol or 0.0) + (rtol or 0.0) * magnitude
-    wrong = wrong | (nan_a != nan_b)
-    return _found(name, rank, a64, b64, wrong) if wrong.any() else None
-
-
-def _found(name: str, rank: int, a: np.ndarray, b: np.ndarray, wrong: np.ndarray) -> Difference:
-    """The `Difference` of arrays `a` and `b` whose elements `wrong` are beyond tolerance."""
-    error = np.abs(np.nan_to_num(a - b, nan=np.inf))
-    scale = max(float(np.nanmax(np.abs(a), initial=0.0)), float(np.nanmax(np.abs(b), initial=0.0)), 1e-300)
+    scale = max(float(np.max(magnitude, initial=0.0)), 1e-300)
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(wrong)), wrong.shape))
-    return Difference(name, rank, float(error.max()), float(error.max()) / scale, index, a[index].item(),
-                      b[index].item())
+    return Difference(name, rank, float(error.max()), float(error.max()) / scale, index,
+                      a.astype(wide)[index].item(), b.astype(wide)[index].item())
 
 
 def _table(differences: Sequence[Difference], a: str, b: str) -> list[str]:

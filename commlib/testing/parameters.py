@@ -10,7 +10,7 @@ order the placeholders appear. `axes` is the ``numpy.transpose`` taking one torc
 (`LINEAR`, ``(1, 0)``: ``nn.Linear``'s ``[out, in]`` weight against ``nnx.Linear``'s ``[in, out]`` kernel); the way
 back uses its inverse.
 
-Both directions check what they can: a name no rule matches, two names mapped to one, a stacked axis with a
+Both directions check what they can: a name no rule matches, a name two rules match, two names mapped to one, a stacked axis with a
 missing index, and, given ``like`` (the other side's names with arrays or shapes), a name nothing maps to, a
 name `like` does not have and a shape that differs: one `ParameterMapError` lists them all.
 """
@@ -99,9 +99,8 @@ class ParameterMap:
         problems: list[str] = []
         pieces: dict[str, tuple[Rule, dict[tuple[int, ...], tuple[str, np.ndarray]]]] = {}
         for name, value in named.items():
-            found = self._match(self._torch, name)
+            found = self._match(self._torch, name, "torch name", problems)
             if found is None:
-                problems.append(f"no rule matches torch name {name!r}")
                 continue
             rule, indices = found
             target = rule.jax.format(**indices)
@@ -122,9 +121,8 @@ class ParameterMap:
         mapped: dict[str, np.ndarray] = {}
         sources: dict[str, str] = {}
         for path, value in flat.items():
-            found = self._match(self._jax, path)
+            found = self._match(self._jax, path, "JAX path", problems)
             if found is None:
-                problems.append(f"no rule matches JAX path {path!r}")
                 continue
             rule, indices = found
             array = np.asarray(value)
@@ -137,11 +135,19 @@ class ParameterMap:
                 sources[name] = path
         return self._finish("to_torch", mapped, sources, like, problems)
 
-    def _match(self, patterns: list[re.Pattern[str]], name: str) -> tuple[Rule, dict[str, str]] | None:
-        for rule, pattern in zip(self.rules, patterns, strict=True):
-            matched = pattern.match(name)
-            if matched:
-                return rule, matched.groupdict()
+    def _match(self, patterns: list[re.Pattern[str]], name: str, what: str,
+               problems: list[str]) -> tuple[Rule, dict[str, str]] | None:
+        """The one rule whose pattern matches `name`; None, with a problem, where none or several do (taking the
+        first of two silently maps by rule order, which a reader of the rules cannot see)."""
+        found = [(rule, matched.groupdict()) for rule, pattern in zip(self.rules, patterns, strict=True)
+                 if (matched := pattern.match(name))]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            problems.append(f"no rule matches {what} {name!r}")
+        else:
+            listed = " and ".join(f"{rule.torch!r} -> {rule.jax!r}" for rule, _ in found)
+            problems.append(f"{what} {name!r} matches {len(found)} rules: {listed}")
         return None
 
     @staticmethod

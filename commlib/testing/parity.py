@@ -3,7 +3,9 @@
 The default tolerance is `commlib parity`'s (`TOLERANCES`, the table its case rows use): the largest absolute
 difference over an array must be at most ``TOLERANCES[dtype] * max(1, max |a|, max |b|)``; integers and bools
 must be equal. With ``rtol`` / ``atol`` given, every element must satisfy ``|a - b| <= atol + rtol * max(|a|,
-|b|)`` instead (numpy's ``allclose`` made symmetric; the one not given is 0). NaNs must sit at the same places.
+|b|)`` instead (numpy's ``allclose`` made symmetric; the one not given is 0). Non-finite values compare by
+equality, whatever the tolerance: an inf must meet the same inf (same sign), a NaN a NaN; they take no part in
+the scale, so one inf cannot make the tolerance infinite (`beyond_tolerance`, also `first_divergence`'s rule).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import numpy as np
 
 from commlib.testing.trees import children, join, shown
 
-__all__ = ["TOLERANCES", "assert_parity", "tolerance"]
+__all__ = ["TOLERANCES", "assert_parity", "beyond_tolerance", "tolerance"]
 
 #: Max abs error allowed relative to max(1, max |value|), by dtype (`commlib parity`'s table; other dtypes:
 #: exact). Complex dtypes use their component's entry.
 TOLERANCES = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
 _COMPONENT = {"complex128": "float64", "complex64": "float32"}
 _MAX_ROWS = 40  # rows of the failure table; the header counts them all
+_NUMERIC = "biufc"  # numpy dtype kinds a leaf may have: bool, integers, floats, complex
 
 
 def tolerance(*dtypes: Any) -> float:
@@ -36,6 +39,50 @@ def tolerance(*dtypes: Any) -> float:
     """
     names = [np.dtype(dtype).name if not isinstance(dtype, str) else dtype for dtype in dtypes]
     return max((TOLERANCES.get(_COMPONENT.get(name, name), 0.0) for name in names), default=0.0)
+
+
+def beyond_tolerance(a: np.ndarray, b: np.ndarray, default: float, rtol: float | None = None,
+                     atol: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Elementwise ``(beyond, difference, magnitude)`` of arrays `a` and `b` (one shape) under the module's rule.
+
+    Where both elements are finite: ``difference = |a - b|`` and ``magnitude = max(|a|, |b|)``, and an element is
+    beyond tolerance when its difference exceeds ``default * max(1, max magnitude)`` (`rtol` and `atol` both
+    None; `default` is `tolerance` of the dtypes) or ``atol + rtol * magnitude``. Elsewhere (an inf or a NaN on
+    either side) the two must be equal (a NaN meets a NaN, complex values component by component): difference
+    0 and magnitude 0 where they are, an infinite difference where they are not.
+
+    >>> beyond, difference, _ = beyond_tolerance(np.array([np.inf, 1.0]), np.array([np.inf, -1e6]), 1e-10)
+    >>> beyond.tolist(), difference.tolist()
+    ([False, True], [0.0, 1000001.0])
+    >>> beyond_tolerance(np.array([np.inf]), np.array([-np.inf]), 0.0, rtol=1.0)[0].tolist()
+    [True]
+    """
+    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    x, y = np.asarray(a).astype(wide), np.asarray(b).astype(wide)
+    finite = np.isfinite(x) & np.isfinite(y)
+    parts = (np.real, np.imag) if wide is np.complex128 else (np.real,)
+    equal = np.ones(x.shape, dtype=bool)
+    for part in parts:
+        equal &= (part(x) == part(y)) | (np.isnan(part(x)) & np.isnan(part(y)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        difference = np.where(finite, np.abs(np.where(finite, x - y, 0)), np.where(equal, 0.0, np.inf))
+    magnitude = np.where(finite, np.maximum(np.abs(np.where(finite, x, 0)), np.abs(np.where(finite, y, 0))), 0.0)
+    if rtol is None and atol is None:
+        allowed: np.ndarray | float = default * max(1.0, float(np.max(magnitude, initial=0.0)))
+    else:
+        allowed = (atol or 0.0) + (rtol or 0.0) * magnitude
+    return difference > allowed, difference, magnitude
+
+
+def _numeric(leaf: Any, path: str, side: str) -> np.ndarray:
+    """`leaf` as an array; TypeError for a leaf numpy does not hold as numbers (a str, bytes, an object)."""
+    value = np.asarray(leaf)
+    if value.dtype.kind not in _NUMERIC:
+        shown_leaf = repr(leaf) if len(repr(leaf)) <= 40 else repr(leaf)[:37] + "..."
+        raise TypeError(f"assert_parity: the leaf at {shown(path)} of {side} is not numeric (dtype "
+                        f"{value.dtype}); compare arrays, numbers or None. Received: {type(leaf).__name__} "
+                        f"{shown_leaf}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,27 +187,16 @@ def _compare(path: str, rank: int | None, leaf_a: Any, leaf_b: Any, rtol: float 
     """The failure row of one pair of leaves, None when they agree; AssertionError for shapes that differ."""
     if leaf_a is None:
         return None
-    value_a, value_b = np.asarray(leaf_a), np.asarray(leaf_b)
+    value_a, value_b = _numeric(leaf_a, path, names[0]), _numeric(leaf_b, path, names[1])
     if value_a.shape != value_b.shape:
         where = "" if rank is None else f", rank {rank}"
         raise AssertionError(f"assert_parity: shapes differ at {shown(path)}{where}: {names[0]} has "
                              f"{value_a.shape}, {names[1]} has {value_b.shape}")
-    exact = np.complex128 if np.iscomplexobj(value_a) or np.iscomplexobj(value_b) else np.float64
-    x, y = value_a.astype(exact), value_b.astype(exact)
-    nan_x, nan_y = np.isnan(x), np.isnan(y)
-    same = (x == y) | (nan_x & nan_y)
-    difference = np.where(same, 0.0, np.abs(x - y))
-    difference[nan_x != nan_y] = np.inf
-    magnitude = np.maximum(np.abs(np.where(nan_x, 0, x)), np.abs(np.where(nan_y, 0, y)))
-    if rtol is None and atol is None:
-        scale = max(1.0, float(np.max(magnitude, initial=0.0)))
-        allowed = np.full(x.shape, tolerance(value_a.dtype, value_b.dtype) * scale)
-    else:
-        allowed = (atol or 0.0) + (rtol or 0.0) * magnitude
-    beyond = difference > allowed
+    beyond, difference, magnitude = beyond_tolerance(value_a, value_b, tolerance(value_a.dtype, value_b.dtype),
+                                                     rtol, atol)
     if not beyond.any():
         return None
-    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(beyond)), x.shape))
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(beyond)), beyond.shape))
     relative = np.divide(difference, magnitude, out=np.where(difference > 0, np.inf, 0.0), where=magnitude > 0)
     return _Difference(path, rank, float(difference.max()), float(relative.max()), first,
                        value_a[first].item(), value_b[first].item())

@@ -74,6 +74,41 @@ def test_nans_must_sit_at_the_same_places():
     assert "inf" in message and "(0,)" in message
 
 
+NON_FINITE = [  # (a, b): differing values that an infinite scale or tolerance would let through
+    (np.array([np.inf, 1.0]), np.array([np.inf, -1e6])),
+    (np.array([np.inf]), np.array([-np.inf])),
+    (np.array([np.nan, 2.0]), np.array([3.0, 2.0])),
+    (np.array([np.inf, 2.0]), np.array([np.nan, 2.0])),
+    (np.array([1.0 + 1j * np.inf]), np.array([1.0 - 1j * np.inf])),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), NON_FINITE)
+@pytest.mark.parametrize("tolerances", [{}, {"rtol": 1e-3}, {"atol": 1e-3}, {"rtol": 1e-3, "atol": 1e-3}])
+def test_non_finite_values_compare_by_equality(a, b, tolerances):
+    """One inf made the scale (default) or the element's tolerance (rtol) infinite, so these passed."""
+    message = _message(a, b, **tolerances)
+    assert "1 of 1 arrays differ" in message
+    _message(b, a, **tolerances)
+
+
+def test_equal_non_finite_values_pass_and_the_finite_ones_keep_their_scale():
+    a = np.array([np.inf, -np.inf, np.nan, 1.0])
+    assert_parity(a, a.copy())
+    assert_parity(a, a.copy(), rtol=1e-6)
+    moved = a.copy()
+    moved[3] += 1e-3  # beyond 1e-10 * max(1, finite max 1): the infs do not widen it
+    assert "(3,)" in _message(a, moved)
+
+
+@pytest.mark.parametrize("leaf", ["abc", b"abc", object(), np.array(["x", "y"])])
+def test_a_leaf_that_is_not_numeric_is_a_type_error_naming_the_path(leaf):
+    with pytest.raises(TypeError, match=r"assert_parity: the leaf at 'out' of torch is not numeric"):
+        assert_parity({"out": leaf}, {"out": np.zeros(2)}, names=("torch", "jax"))
+    with pytest.raises(TypeError, match=r"the leaf at 'out' of jax is not numeric"):
+        assert_parity({"out": np.zeros(2)}, {"out": leaf}, names=("torch", "jax"))
+
+
 def test_per_rank_lists_name_the_rank_and_path():
     a = [{"out": np.zeros((2, 3)), "grads": {"w": np.ones(4)}} for _ in range(3)]
     b = [{"out": np.zeros((2, 3)), "grads": {"w": np.ones(4)}} for _ in range(3)]
@@ -290,3 +325,17 @@ def test_stacking_refuses_a_missing_layer_and_two_names_for_one_path():
 def test_a_rule_whose_jax_pattern_has_an_unknown_placeholder_is_refused():
     with pytest.raises(ParameterMapError, match=r"Rule: the JAX pattern's placeholders must be among"):
         Rule("layers.{i}.w", "layers.{j}.w")
+
+
+def test_two_rules_matching_one_name_are_refused_naming_both_and_the_name():
+    """The first matching rule was taken silently: a general rule before a specific one hid the second."""
+    mapping = ParameterMap([("layers.{i}.weight", "layers.{i}.kernel", LINEAR),
+                            ("layers.0.weight", "first.kernel")])
+    problems = _mapping_error(lambda: mapping.to_jax({"layers.0.weight": np.zeros((2, 3)),
+                                                      "layers.1.weight": np.zeros((2, 3))}))
+    assert problems == ["torch name 'layers.0.weight' matches 2 rules: 'layers.{i}.weight' -> 'layers.{i}.kernel' "
+                        "and 'layers.0.weight' -> 'first.kernel'"]
+    mapping = ParameterMap([("a.weight", "shared.kernel"), ("b.weight", "shared.kernel")])
+    problems = _mapping_error(lambda: mapping.to_torch({"shared.kernel": np.zeros(2)}))
+    assert problems == ["JAX path 'shared.kernel' matches 2 rules: 'a.weight' -> 'shared.kernel' and "
+                        "'b.weight' -> 'shared.kernel'"]

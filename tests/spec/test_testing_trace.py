@@ -134,6 +134,22 @@ def test_integers_are_exact_and_nans_must_match():
     assert first_divergence(b, Trace([_call(x={0: np.array([0.0, 1.0])}, out={0: nan})])) is not None
 
 
+@pytest.mark.parametrize(("x", "moved"), [
+    (np.array([np.inf, 1.0]), np.array([np.inf, -1e6])),
+    (np.array([np.inf]), np.array([-np.inf])),
+    (np.array([np.nan, 2.0]), np.array([3.0, 2.0])),
+    (np.array([np.inf, 2.0]), np.array([np.nan, 2.0])),
+])
+@pytest.mark.parametrize("tolerances", [{}, {"rtol": 1e-3}, {"atol": 1e-3}])
+def test_non_finite_values_compare_by_equality(x, moved, tolerances):
+    """One inf made the tolerance infinite, so these traces had no divergence."""
+    a, b = Trace([_call(x={0: x}, out={0: x})]), Trace([_call(x={0: moved}, out={0: x})])
+    found = first_divergence(a, b, **tolerances)
+    assert found is not None and found.reason == "inputs"
+    assert first_divergence(b, a, **tolerances) is not None
+    assert first_divergence(a, Trace([_call(x={0: x.copy()}, out={0: x})]), **tolerances) is None
+
+
 def test_hints_name_rope_and_local_positions():
     """The port bug of examples/port_check.py: q and k differ on every rank but 0, v agrees."""
     rng = np.random.default_rng(0)
