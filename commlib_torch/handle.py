@@ -23,6 +23,8 @@ size 1 (no communication).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from commlib import frontend_errors, gradients
@@ -124,13 +126,13 @@ class _StartNode(torch.autograd.Function):
     """x -> an empty token: forward starts the collective; backward waits for the dual one (`_WaitNode`'s)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, call: _Call) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, call: _Call) -> torch.Tensor:
         call.started = at_boundary(_begin, call.plan, x, call.group, None)
         ctx.call = call
         return x.new_empty(0)
 
     @staticmethod
-    def backward(ctx, token_cotangent: torch.Tensor):
+    def backward(ctx: Any, token_cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         call = ctx.call
         cotangent, dual, call.cotangent, call.dual = call.cotangent, call.dual, None, None
         origin = (call.plan, "backward")
@@ -143,12 +145,12 @@ class _WaitNode(torch.autograd.Function):
     """token -> the result: forward waits for the collective; backward starts the dual one (the VJP plan)."""
 
     @staticmethod
-    def forward(ctx, token: torch.Tensor, call: _Call) -> torch.Tensor:
+    def forward(ctx: Any, token: torch.Tensor, call: _Call) -> torch.Tensor:
         ctx.call = call
         return call.waited()
 
     @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
+    def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         call = ctx.call
         call.cotangent = cotangent
         if not torch.is_grad_enabled():  # (create_graph: the start node's backward runs the VJP synchronously)
