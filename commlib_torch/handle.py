@@ -46,7 +46,12 @@ class Handle:
     done, without waiting. A Handle never waited is not an error: its collective still completes on every rank
     (each rank's call started it), the result is dropped with the Handle and `x` gets no gradient from it.
     Every rank must wait its handles in the same order (the backward begins the duals in the reverse order of
-    the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError).
+    the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError; only
+    changes autograd sees are caught, by x's version counter: a write through ``x.data``, ``x.detach()`` or a
+    numpy view of x does not advance it and goes out unrefused). Where
+    x requires grad and the call recorded it for autograd, ``wait()`` with gradients disabled
+    (``torch.no_grad()``) is refused (CommError, after the collective completes): its result would give x no
+    gradient.
 
     Example:
         >>> from commlib_torch import all_gather
@@ -93,7 +98,12 @@ class _Call:
 
     def result(self) -> torch.Tensor:
         token, self.token = self.token, None  # (held no longer: no reference cycle through the graph)
-        return self.waited() if token is None else _WaitNode.apply(token, self)
+        if token is None:
+            return self.waited()
+        if not torch.is_grad_enabled():  # the result would carry no gradient to x: refused, after the collective
+            self.waited()  # (completed on this rank, as on every other)
+            raise frontend_errors.wait_without_grad(self.plan.op_name)
+        return _WaitNode.apply(token, self)
 
     def waited(self) -> torch.Tensor:
         """The forward's collective waited, its local pass run (in inference mode if begun there); the input is
