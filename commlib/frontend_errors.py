@@ -53,6 +53,18 @@ def modified_before_wait(op_name: str, version_at_call: int, version_at_wait: in
                       "wait()", version_at_call=version_at_call, version_at_wait=version_at_wait)
 
 
+def wait_without_grad(op_name: str) -> CommError:
+    """The error of an op called with ``async_op=True`` on an x that requires grad, waited with gradients
+    disabled (``torch.no_grad()``): the result would carry no gradient back to x, silently.
+
+    >>> str(wait_without_grad("all_gather")).split(": the ")[0]
+    'all_gather: wait() ran with gradients disabled for an x that requires grad'
+    """
+    return comm_error(op_name, "wait() ran with gradients disabled for an x that requires grad: the result "
+                      "would give x no gradient; call wait() where gradients are enabled (the call's mode), or "
+                      "call the op on x.detach()", requires_grad=True, grad_enabled=False)
+
+
 def no_vmap(op_name: str) -> TypeError:
     """The error of a torch op under ``torch.func.vmap`` (JAX's vmap is supported: its batch rules see the
     axis names).

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import assert_never
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from commlib import Plan, ReduceOp
 from commlib.layout import Padded, Take, completed_pairs, reorder_pairs
@@ -38,21 +40,21 @@ from commlib_jax._vma import axis_arg, mesh_order, to_varying
 __all__ = ["dtype_name", "run", "rank"]
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: DTypeLike) -> str:
     """``jnp.bfloat16 -> "bfloat16"``: the spelling the spec uses (names pass through)."""
     return dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
 
 
-def rank(axes: tuple):
+def rank(axes: tuple[str, ...]) -> jax.Array:
     """This device's rank along `axes` (row-major over a tuple of names)."""
     return lax.axis_index(axis_arg(axes))
 
 
-def _on_root(root: int, axes: tuple, x):
+def _on_root(root: int, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     return jnp.where(rank(axes) == root, x, jnp.zeros_like(x))
 
 
-def _reduce(op: ReduceOp, axes: tuple, x):
+def _reduce(op: ReduceOp, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     name = axis_arg(axes)
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         return lax.psum(x, name)
@@ -63,7 +65,7 @@ def _reduce(op: ReduceOp, axes: tuple, x):
     return jnp.prod(lax.all_gather(x, name), axis=0, dtype=x.dtype)  # product: no lax primitive
 
 
-def _step(plan: Plan, axes: tuple, x):
+def _step(plan: Plan, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     """The plan's step on this rank's buffer."""
     name, step = axis_arg(axes), plan.step
     match step:
@@ -97,7 +99,7 @@ def _step(plan: Plan, axes: tuple, x):
             assert_never(step)
 
 
-def _scatter_sum(x, name, dim: int):
+def _scatter_sum(x: jax.Array, name: str | tuple[str, ...], dim: int) -> jax.Array:
     """``psum_scatter`` of the masked source, which has no bool: bool travels as uint8 (one rank's value and
     zeros: the sum is that value) and comes back as bool."""
     if x.dtype != jnp.bool_:
@@ -105,7 +107,7 @@ def _scatter_sum(x, name, dim: int):
     return lax.psum_scatter(x.astype(jnp.uint8), name, scatter_dimension=dim, tiled=True).astype(jnp.bool_)
 
 
-def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
+def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     """``lax.ppermute`` with commlib's ranks (row-major over `axes` in the order given, as ``axis_index``).
 
     jax numbers a tuple of axes' ranks for ppermute row-major in the *mesh's* axis order, whatever the
@@ -123,7 +125,7 @@ def _ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
     return lax.ppermute(x, axis_arg(axes), perm=pairs)
 
 
-def _full_ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
+def _full_ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     """A partial permute as the completed permutation (`commlib.layout.completed_pairs`) with zeros at the
     ranks that are no destination of `pairs`."""
     name = axis_arg(axes)
@@ -132,7 +134,7 @@ def _full_ppermute(pairs: tuple[tuple[int, int], ...], axes: tuple, x):
     return jnp.where(jnp.isin(lax.axis_index(name), destinations), moved, jnp.zeros_like(moved))
 
 
-def _take(step: Take | None, axes: tuple, x):
+def _take(step: Take | None, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     """The padded layout's static index map along ``step.dim`` (zeros where it maps nowhere): a shared map as
     the concatenation of its runs (static slices and zeros: one fused pass), a per-rank map as a gather of
     this rank's row of the table."""
@@ -147,7 +149,7 @@ def _take(step: Take | None, axes: tuple, x):
     return jnp.concatenate(parts, axis=step.dim) if parts else zeros(0)
 
 
-def run(plan: Plan, axes: tuple, x):
+def run(plan: Plan, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     """This rank's output of `plan` for input `x`, typed varying over `axes`, in x's dtype."""
     arithmetic, sized = plan.arithmetic, plan.uneven
     before, after = (sized.before, sized.after) if isinstance(sized, Padded) else (None, None)

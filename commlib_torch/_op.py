@@ -11,7 +11,7 @@ with two calls fewer). `plan_inputs` turns a public op's ``(x, group)`` into the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,10 +61,10 @@ class _Backend:
     def isnan(self, x: torch.Tensor) -> torch.Tensor:
         return torch.isnan(x)
 
-    def astype(self, x: torch.Tensor, dtype) -> torch.Tensor:
+    def astype(self, x: torch.Tensor, dtype: str | torch.Tensor) -> torch.Tensor:  # (a name, or a tensor's dtype)
         return x.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype.dtype)
 
-    def where(self, condition, x, y) -> torch.Tensor:
+    def where(self, condition: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.where(condition, x, y)
 
     def prod(self, x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -115,7 +115,7 @@ def reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGro
 Call = tuple[Plan, ResolvedGroup, "Origin | None"]
 
 
-def _save(ctx, plan: Plan, group: ResolvedGroup, x: torch.Tensor, out: torch.Tensor) -> None:
+def _save(ctx: Any, plan: Plan, group: ResolvedGroup, x: torch.Tensor, out: torch.Tensor) -> None:
     """What the backward reads: the plan and group; x, and the output for max/min (the VJP reads the primal)."""
     ctx.plan, ctx.group = plan, group
     if gradients.needs_primal(plan):
@@ -127,7 +127,7 @@ class PlanFunction(torch.autograd.Function):
     VJP rule. ``PlanFunction.apply(x, (plan, group, origin))``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, call: Call) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
         plan, group, origin = call
         if not gradients.needs_primal(plan):  # a linear plan (the hot path): the output is the plan walked
             ctx.plan, ctx.group = plan, group
@@ -142,11 +142,11 @@ class PlanFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def vmap(info, in_dims, x, call: Call):
+    def vmap(info: object, in_dims: object, x: torch.Tensor, call: Call) -> NoReturn:
         raise frontend_errors.no_vmap(call[0].op_name)
 
     @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
+    def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         saved = (*ctx.saved_tensors, None, None)
         backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
         return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None
@@ -163,7 +163,7 @@ class FunctorchPlanFunction(PlanFunction):
         return at_boundary(_primal_rule if gradients.needs_primal(plan) else run, plan, x, group, origin)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, Call], output: torch.Tensor) -> None:
         x, (plan, group, _) = inputs
         _save(ctx, plan, group, x, output)
 

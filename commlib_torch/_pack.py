@@ -128,7 +128,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _transpose_rows(source, destination, rows, columns, words, word_blocks, WORD: tl.constexpr,
+    # (Triton reads a parameter's annotation as its own type: the pointers and sizes stay unannotated)
+    def _transpose_rows(source, destination, rows, columns, words, word_blocks, WORD: tl.constexpr,  # type: ignore[no-untyped-def]  # Triton types
                         BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
         # one tile: BLOCK_ROWS destination rows x BLOCK_WORDS words; destination row b * rows + a is
         # source row a * columns + b; both buffers are read and written as WORD-sized integers

@@ -144,7 +144,8 @@ def _reduce(step: Reduce, plan: Plan, made: tuple[int, ...]) -> Transfer:  # (in
     root = step.root  # output's shape)
     reduce = _c10d.reduce(root, _C10D_REDUCE[step.op], dtypes.is_complex(plan.dtype))
 
-    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:
         reduce(send, group)
         return send if rank == root else None
 
@@ -155,7 +156,8 @@ def _broadcast(step: Broadcast, plan: Plan, made: tuple[int, ...]) -> Transfer: 
     root, recv_shape = step.root, plan.layout.recv_shape  # the root's own buffer)
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
-    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:
         buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
         broadcast(buffer, group)
         return buffer
@@ -168,7 +170,8 @@ def _gather(step: Gather, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     gather = _c10d.gather(root)
 
-    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:
         recv = x.new_empty(made, dtype=dtype) if rank == root else None
         gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
@@ -181,7 +184,8 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     scatter = _c10d.scatter(step.root)
 
-    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:
         recv = x.new_empty(made, dtype=dtype)
         scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
@@ -204,7 +208,9 @@ def _permute(step: Permute, plan: Plan, kind: Kind) -> tuple[Transfer, list[dist
         begin = all_to_all
         all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
 
-    def transfer(send, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype):
+    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+        assert send is not None  # (every rank sends its buffer, or none of it)
         splits = by_rank.get(rank)
         if splits is None:
             send_splits, recv_splits = permute_splits(pairs, world_size, rank, rows_shape[0])
@@ -246,8 +252,9 @@ def _rooted_traceable(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transf
     return lambda send, group, rank, x, dtype: _traced(step, plan, made, send, group, rank, x, dtype)
 
 
-def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send, group: ResolvedGroup, rank: int,
-            x: torch.Tensor, dtype: torch.dtype):
+def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send: torch.Tensor | None,
+            group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    assert send is not None  # (traced: every rank packs its input)
     layout, root = plan.layout, step.root
     block = math.prod(layout.recv_shape if isinstance(step, Scatter) else layout.send_shape)
     send_splits, recv_splits = rooted_splits(step, plan.world_size, rank, block)

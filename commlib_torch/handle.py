@@ -23,6 +23,8 @@ size 1 (no communication).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from commlib import frontend_errors, gradients
@@ -44,7 +46,12 @@ class Handle:
     done, without waiting. A Handle never waited is not an error: its collective still completes on every rank
     (each rank's call started it), the result is dropped with the Handle and `x` gets no gradient from it.
     Every rank must wait its handles in the same order (the backward begins the duals in the reverse order of
-    the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError).
+    the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError; only
+    changes autograd sees are caught, by x's version counter: a write through ``x.data``, ``x.detach()`` or a
+    numpy view of x does not advance it and goes out unrefused). Where
+    x requires grad and the call recorded it for autograd, ``wait()`` with gradients disabled
+    (``torch.no_grad()``) is refused (CommError, after the collective completes): its result would give x no
+    gradient.
 
     Example:
         >>> from commlib_torch import all_gather
@@ -91,7 +98,12 @@ class _Call:
 
     def result(self) -> torch.Tensor:
         token, self.token = self.token, None  # (held no longer: no reference cycle through the graph)
-        return self.waited() if token is None else _WaitNode.apply(token, self)
+        if token is None:
+            return self.waited()
+        if not torch.is_grad_enabled():  # the result would carry no gradient to x: refused, after the collective
+            self.waited()  # (completed on this rank, as on every other)
+            raise frontend_errors.wait_without_grad(self.plan.op_name)
+        return _WaitNode.apply(token, self)
 
     def waited(self) -> torch.Tensor:
         """The forward's collective waited, its local pass run (in inference mode if begun there); the input is
@@ -124,13 +136,13 @@ class _StartNode(torch.autograd.Function):
     """x -> an empty token: forward starts the collective; backward waits for the dual one (`_WaitNode`'s)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, call: _Call) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, call: _Call) -> torch.Tensor:
         call.started = at_boundary(_begin, call.plan, x, call.group, None)
         ctx.call = call
         return x.new_empty(0)
 
     @staticmethod
-    def backward(ctx, token_cotangent: torch.Tensor):
+    def backward(ctx: Any, token_cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         call = ctx.call
         cotangent, dual, call.cotangent, call.dual = call.cotangent, call.dual, None, None
         origin = (call.plan, "backward")
@@ -143,12 +155,12 @@ class _WaitNode(torch.autograd.Function):
     """token -> the result: forward waits for the collective; backward starts the dual one (the VJP plan)."""
 
     @staticmethod
-    def forward(ctx, token: torch.Tensor, call: _Call) -> torch.Tensor:
+    def forward(ctx: Any, token: torch.Tensor, call: _Call) -> torch.Tensor:
         ctx.call = call
         return call.waited()
 
     @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
+    def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         call = ctx.call
         call.cotangent = cotangent
         if not torch.is_grad_enabled():  # (create_graph: the start node's backward runs the VJP synchronously)

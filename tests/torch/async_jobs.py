@@ -320,4 +320,12 @@ def misuse(context) -> dict:
             facts[f"modified {op}"] = "no error"
         except commlib_torch.CommError as error:
             facts[f"modified {op}"] = str(error)
+    leaf = x.clone().requires_grad_()
+    handle = commlib_torch.all_gather(leaf, 0, async_op=True)
+    try:
+        with torch.no_grad():
+            handle.wait()
+        facts["no_grad wait"] = "no error"
+    except commlib_torch.CommError as error:
+        facts["no_grad wait"] = str(error)
     return facts

@@ -139,3 +139,9 @@ def test_misuse_is_refused_or_right(pool, world_size):
                 assert facts[f"modified {op}"].endswith("Received: version_at_call=0, version_at_wait=1"), facts
             else:
                 assert facts[f"modified {op}"] == "no error", facts
+        if world_size > 1:  # (W = 1: no communication, the result is made at the call, with its gradient)
+            assert facts["no_grad wait"].startswith("all_gather: wait() ran with gradients disabled for an x that "
+                                                    "requires grad"), facts
+            assert facts["no_grad wait"].endswith("Received: requires_grad=True, grad_enabled=False"), facts
+        else:
+            assert facts["no_grad wait"] == "no error", facts
