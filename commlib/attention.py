@@ -46,6 +46,7 @@ import operator
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
@@ -320,7 +321,7 @@ def contiguous_positions(seq_sizes: Sequence[int]) -> tuple[range, ...]:
     return tuple(range(start, start + size) for start, size in zip(_offsets(seq_sizes), seq_sizes, strict=True))
 
 
-def causal_mask(q_positions: Sequence[int], k_positions: Sequence[int]) -> np.ndarray:
+def causal_mask(q_positions: npt.ArrayLike, k_positions: npt.ArrayLike) -> np.ndarray:
     """``[Sq, Sk]`` bool: query at global position p sees the keys at positions <= p.
 
     >>> causal_mask([1, 2], [0, 2, 1]).astype(int)
@@ -411,7 +412,8 @@ def _even(sizes: tuple[int, ...]) -> tuple[int, ...] | None:
     return None if len(set(sizes)) <= 1 else sizes
 
 
-def _exchange(split: HeadSplit, names: tuple[str, ...], rank: int | None, gather_sizes) -> Exchange:
+def _exchange(split: HeadSplit, names: tuple[str, ...], rank: int | None,
+              gather_sizes: tuple[int, ...] | None) -> Exchange:
     """The all-to-all of `names` (a prefix-closed subset of q, k, v) for `rank` (None: padded layout)."""
     counts = {"q": split.heads, "k": split.kv_heads, "v": split.kv_heads}
     ranges = {"q": split.q_ranges, "k": split.kv_ranges, "v": split.kv_ranges}
@@ -447,8 +449,11 @@ def _kv_index(split: HeadSplit, rank: int | None) -> tuple[tuple[int, ...], ...]
     return tuple(local + (0,) * (width - len(local)) for local in locals_)
 
 
-def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=None, dtypes=("float32",) * 3,
-                 causal=False, scale=None, layout="exact", segment_ids=None, chunks=1) -> UlyssesPlan:
+def ulysses_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], world_size: int, *,
+                 rank: int | None = None, seq_sizes: object = None,
+                 dtypes: Sequence[str] = ("float32",) * 3, causal: bool = False, scale: float | None = None,
+                 layout: str = "exact", segment_ids: tuple[Sequence[int], str] | None = None,
+                 chunks: int = 1) -> UlyssesPlan:
     """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes, chunks)`` on `rank`
     (exact layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` /
     `TypeError`.
@@ -467,7 +472,7 @@ def ulysses_plan(q_shape, k_shape, v_shape, world_size, *, rank=None, seq_sizes=
     >>> [group.heads.q_ranges[0] for group in plan.groups], plan.out_runs[:2]  # rank 0's heads 0 and 1
     ([(0, 1), (1, 2)], ((0, 0, 1), (1, 0, 1)))
     """
-    shapes = dict(q=q_shape, k=k_shape, v=v_shape)
+    shapes: dict[str, object] = dict(q=q_shape, k=k_shape, v=v_shape)
     received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
     received["seq_sizes"] = seq_sizes
     if layout not in LAYOUTS:
@@ -525,7 +530,8 @@ def _check_chunks(chunks: object, split: HeadSplit, received: dict) -> int:
     return chunks
 
 
-def _group(split: HeadSplit, names: tuple[tuple[str, ...], ...], rank: int | None, gather_sizes) -> HeadGroup:
+def _group(split: HeadSplit, names: tuple[tuple[str, ...], ...], rank: int | None,
+           gather_sizes: tuple[int, ...] | None) -> HeadGroup:
     """The `HeadGroup` of the heads `split` for `rank` (None: padded layout); `names`: the inputs of each
     exchange (an empty tuple: no exchange)."""
     exchanges = tuple(_exchange(split, inputs, rank, gather_sizes) for inputs in names if inputs)
@@ -559,17 +565,18 @@ def _shown(shape: object) -> object:
 # The float64 reference
 # ---------------------------------------------------------------------------------------------------------
 
-def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions, k_positions, q_segments=None,
-             k_segments=None) -> np.ndarray:
+def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions: npt.ArrayLike | None,
+             k_positions: npt.ArrayLike | None, q_segments: npt.ArrayLike | None = None,
+             k_segments: npt.ArrayLike | None = None) -> np.ndarray:
     """Which keys each query sees: ``[Sq, Sk]`` bool (all, or the causal mask over global positions), and with
     segment ids (``[B, Sq]``, ``[B, Sk]``) ``[B, 1, Sq, Sk]``: also only keys of the query's segment, padding
     (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`)."""
     if not causal:
         visible = np.ones((q.shape[1], k.shape[1]), dtype=bool)
     else:
-        q_positions = np.arange(q.shape[1]) if q_positions is None else q_positions
-        k_positions = np.arange(k.shape[1]) if k_positions is None else k_positions
-        visible = causal_mask(q_positions, k_positions)
+        query = np.arange(q.shape[1]) if q_positions is None else np.asarray(q_positions)
+        key = np.arange(k.shape[1]) if k_positions is None else np.asarray(k_positions)
+        visible = causal_mask(query, key)
     if q_segments is None and k_segments is None:
         return visible
     q_segments = np.asarray(q_segments)
@@ -577,7 +584,7 @@ def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions, k_position
     return (visible & segment_mask(q_segments, k_segments))[:, None]
 
 
-def _probabilities(q, k, scale, visible) -> np.ndarray:
+def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
     """Softmax weights ``[B, H, Sq, Sk]`` (k already has H heads); rows that see no key are all zero."""
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
     scores = np.where(visible, scores, -np.inf)
@@ -587,12 +594,15 @@ def _probabilities(q, k, scale, visible) -> np.ndarray:
     return weights / np.where(total > 0, total, 1.0)
 
 
-def _expanded(x: np.ndarray, group: int) -> np.ndarray:
+def _expanded(x: npt.ArrayLike, group: int) -> np.ndarray:
     """kv heads repeated for the q heads that use them: ``[B, S, H_kv, D] -> [B, S, H, D]``."""
     return np.repeat(np.asarray(x, dtype=np.float64), group, axis=2)
 
 
-def _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments=None, k_segments=None):
+def _prepared(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool, scale: float | None,
+              q_positions: npt.ArrayLike | None, k_positions: npt.ArrayLike | None,
+              q_segments: npt.ArrayLike | None = None,
+              k_segments: npt.ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float, np.ndarray]:
     q = np.asarray(q, dtype=np.float64)
     group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
     k_full, v_full = _expanded(k, group), _expanded(v, group)
@@ -602,8 +612,9 @@ def _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments=None,
     return q, k_full, v_full, group, scale, probs
 
 
-def attention(q, k, v, *, causal=False, scale=None, q_positions=None, k_positions=None, q_segments=None,
-              k_segments=None) -> np.ndarray:
+def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: bool = False, scale: float | None = None,
+              q_positions: npt.ArrayLike | None = None, k_positions: npt.ArrayLike | None = None,
+              q_segments: npt.ArrayLike | None = None, k_segments: npt.ArrayLike | None = None) -> np.ndarray:
     """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
     ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
     ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
@@ -620,8 +631,10 @@ def attention(q, k, v, *, causal=False, scale=None, q_positions=None, k_position
     return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
 
 
-def attention_vjp(q, k, v, cotangent, *, causal=False, scale=None, q_positions=None, k_positions=None,
-                  q_segments=None, k_segments=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def attention_vjp(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, cotangent: npt.ArrayLike, *,
+                  causal: bool = False, scale: float | None = None, q_positions: npt.ArrayLike | None = None,
+                  k_positions: npt.ArrayLike | None = None, q_segments: npt.ArrayLike | None = None,
+                  k_segments: npt.ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64; the keywords as
     `attention`'s); a kv head's gradient sums over the q heads that use it. A query that sees no key adds 0."""
     q, k_full, v_full, group, scale, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions,

@@ -13,6 +13,7 @@ Dao 2023, Algorithm 2): ``dS = P * (dP - rowsum(dO * O))`` (`delta`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -28,34 +29,34 @@ class ArrayMath:
     """The array operations the step rules use, over an array module `xp` (numpy, jax.numpy, torch). A frontend
     whose arrays live on devices overrides `causal_mask` to build it where `like` lives."""
 
-    def __init__(self, xp) -> None:
+    def __init__(self, xp: Any) -> None:
         self.xp = xp
 
-    def einsum(self, subscripts: str, *operands):
+    def einsum(self, subscripts: str, *operands: Any) -> Any:
         return self.xp.einsum(subscripts, *operands)
 
-    def exp(self, x):
+    def exp(self, x: Any) -> Any:
         return self.xp.exp(x)
 
-    def log(self, x):
+    def log(self, x: Any) -> Any:
         return self.xp.log(x)
 
-    def logaddexp(self, x, y):
+    def logaddexp(self, x: Any, y: Any) -> Any:
         return self.xp.logaddexp(x, y)
 
-    def where(self, condition, x, y):
+    def where(self, condition: Any, x: Any, y: Any) -> Any:
         return self.xp.where(condition, x, y)
 
-    def max_last(self, x):
+    def max_last(self, x: Any) -> Any:
         return self.xp.amax(x, -1)
 
-    def sum_last(self, x):
+    def sum_last(self, x: Any) -> Any:
         return self.xp.sum(x, -1)
 
-    def isfinite(self, x):
+    def isfinite(self, x: Any) -> Any:
         return self.xp.isfinite(x)
 
-    def causal_mask(self, rows: int, like):
+    def causal_mask(self, rows: int, like: Any) -> Any:
         """bool ``[rows, rows]``: True where column <= row."""
         return self.xp.arange(rows)[:, None] >= self.xp.arange(rows)[None, :]
 
@@ -63,7 +64,7 @@ class ArrayMath:
 NUMPY = ArrayMath(np)
 
 
-def position_mask(q_positions, kv_positions, causal: bool):
+def position_mask(q_positions: Any, kv_positions: Any, causal: bool) -> Any:
     """bool ``[..., Sq, Sk]`` (a "positions" piece's mask): q row i sees kv row j when both hold a global position
     (padding: -1) and, when `causal`, ``kv_positions[j] <= q_positions[i]``. Integer arrays ``[..., Sq]``,
     ``[..., Sk]`` of any array module.
@@ -76,19 +77,19 @@ def position_mask(q_positions, kv_positions, causal: bool):
     return visible & (key <= query) if causal else visible
 
 
-def _grouped(x, kv_heads: int):
+def _grouped(x: Any, kv_heads: int) -> Any:
     """``[B, S, H, D] -> [B, S, H_kv, G, D]``: q head ``n * G + g`` uses kv head n."""
     batch, seq, heads, dim = x.shape
     return x.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
 
 
-def _grouped_rows(x, kv_heads: int):
+def _grouped_rows(x: Any, kv_heads: int) -> Any:
     """``[B, S, H] -> [B, S, H_kv, G]``."""
     batch, seq, heads = x.shape
     return x.reshape(batch, seq, kv_heads, heads // kv_heads)
 
 
-def _probabilities(math_: ArrayMath, q5, k, scale: float, mask, lse=None):
+def _probabilities(math_: ArrayMath, q5: Any, k: Any, scale: float, mask: Any, lse: Any = None) -> Any:
     """Scores ``[B, H_kv, G, Sq, Sk]`` masked by `mask` (a name, or a bool array broadcasting against the last two
     dims); with `lse` (``[B, Sq, H_kv, G]``) the probabilities (a row whose LSE is -inf: zeros)."""
     scores = math_.einsum("bqngd,bknd->bngqk", q5, k) * scale
@@ -102,12 +103,12 @@ def _probabilities(math_: ArrayMath, q5, k, scale: float, mask, lse=None):
     return math_.exp(scores - _finite(math_, lse)[..., None])
 
 
-def _finite(math_: ArrayMath, x):
+def _finite(math_: ArrayMath, x: Any) -> Any:
     """`x` with its infinities (the LSE of a row that sees no key) replaced by 0."""
     return math_.where(math_.isfinite(x), x, 0.0)
 
 
-def attend(math_: ArrayMath, q, k, v, scale: float, mask):
+def attend(math_: ArrayMath, q: Any, k: Any, v: Any, scale: float, mask: Any) -> tuple[Any, Any]:
     """One piece: q ``[B, Sq, H, D]`` against k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` (q head i using kv
     head ``i // (H // H_kv)``) -> ``(out [B, Sq, H, D_v], lse [B, Sq, H])``, softmax-normalised within the piece,
     in the dtype of the arrays given (the walk casts to `RingPlan.compute_dtype` first). `mask` a name, or a bool
@@ -120,7 +121,7 @@ def attend(math_: ArrayMath, q, k, v, scale: float, mask):
     return out.reshape(batch, rows, heads, v.shape[-1]), math_.einsum("bngq->bqng", lse).reshape(batch, rows, heads)
 
 
-def _masked_softmax(math_: ArrayMath, scores):
+def _masked_softmax(math_: ArrayMath, scores: Any) -> Any:
     """``(lse, weights)`` of masked scores where a row may see no key: its LSE -inf, its weights 0 (a NaN score:
     its row's LSE NaN)."""
     top = _finite(math_, math_.max_last(scores))
@@ -130,7 +131,7 @@ def _masked_softmax(math_: ArrayMath, scores):
     return lse, math_.exp(scores - _finite(math_, lse)[..., None])
 
 
-def merge(math_: ArrayMath, out, lse, piece_out, piece_lse):
+def merge(math_: ArrayMath, out: Any, lse: Any, piece_out: Any, piece_lse: Any) -> tuple[Any, Any]:
     """The online-softmax merge of two partial results over disjoint keys: ``(out [B, S, H, D_v], lse [B, S, H])``
     with ``lse = logaddexp(lse, piece_lse)`` and each output weighted by ``exp(its lse - lse)``. The LSEs must
     be finite (step 0's own block gives every row a finite one)."""
@@ -139,7 +140,7 @@ def merge(math_: ArrayMath, out, lse, piece_out, piece_lse):
     return merged, total
 
 
-def merge_masked(math_: ArrayMath, out, lse, piece_out, piece_lse):
+def merge_masked(math_: ArrayMath, out: Any, lse: Any, piece_out: Any, piece_lse: Any) -> tuple[Any, Any]:
     """`merge` where an LSE may be -inf (a row that has seen no key yet: its output 0): the rows that have seen
     none in both stay 0 with LSE -inf."""
     total = math_.logaddexp(lse, piece_lse)
@@ -148,7 +149,8 @@ def merge_masked(math_: ArrayMath, out, lse, piece_out, piece_lse):
     return merged, total
 
 
-def attend_vjp(math_: ArrayMath, q, k, v, d_out, lse, delta, scale: float, mask: str):
+def attend_vjp(math_: ArrayMath, q: Any, k: Any, v: Any, d_out: Any, lse: Any, delta: Any, scale: float,
+               mask: Any) -> tuple[Any, Any, Any]:
     """One piece's share of the gradients, FlashAttention-2's backward: the probabilities recomputed from the
     final `lse` (``[B, Sq, H]``), ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)`` (``[B, Sq, H]``, see
     `delta`). Returns ``(dq [B, Sq, H, D], dk [B, Sk, H_kv, D], dv [B, Sk, H_kv, D_v])``; dk/dv sum over the q
@@ -164,6 +166,6 @@ def attend_vjp(math_: ArrayMath, q, k, v, d_out, lse, delta, scale: float, mask:
     return dq.reshape(q.shape), dk, dv
 
 
-def delta(math_: ArrayMath, out, d_out):
+def delta(math_: ArrayMath, out: Any, d_out: Any) -> Any:
     """``rowsum(dO * O)``: ``[B, S, H, D_v] x 2 -> [B, S, H]``."""
     return math_.sum_last(out * d_out)

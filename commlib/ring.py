@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -218,9 +218,10 @@ def _check_heads(op_name: str, heads: int, kv_heads: int, ulysses_size: int, rec
                              **received)
 
 
-def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None, layout="contiguous",
-              dtypes=("float32",) * 3, ulysses_size=1, op_name: str = RING_OP, shard: int | None = None,
-              segment_ids=None) -> RingPlan:
+def ring_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], ring_size: int, *,
+              causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
+              dtypes: Sequence[str] = ("float32",) * 3, ulysses_size: int = 1, op_name: str = RING_OP,
+              shard: int | None = None, segment_ids: tuple[Sequence[int], str] | None = None) -> RingPlan:
     """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
     ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
 
@@ -242,7 +243,7 @@ def ring_plan(q_shape, k_shape, v_shape, ring_size, *, causal=False, scale=None,
     >>> ring_plan((1, 2, 2, 4), (1, 2, 2, 4), (1, 2, 2, 4), 2, layout=uneven, shard=1).rows  # padded to 3
     3
     """
-    shapes = dict(q=q_shape, k=k_shape, v=v_shape)
+    shapes: dict[str, object] = dict(q=q_shape, k=k_shape, v=v_shape)
     received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
     received.update(ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
     ring_size = _check_int("ring_size", ring_size, received, op_name)
@@ -390,7 +391,7 @@ def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable
     return backend.switch(step, rule, *operands, *segments)
 
 
-def _piece_mask(math_: ArrayMath, mask, segments: tuple[Any, Any] | None, rows: slice, keys: slice):
+def _piece_mask(math_: ArrayMath, mask: Any, segments: tuple[Any, Any] | None, rows: slice, keys: slice) -> Any:
     """A piece's mask: its name (or the key mask of a "positions" piece) and, with segment ids, the bool array
     ``[B, 1, 1, Sq, Sk]`` of the name's mask and `commlib.masks.segment_mask` of the piece's rows."""
     if segments is None:
@@ -412,7 +413,7 @@ def _forward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: An
         rows, keys = slice(*piece.q), slice(*piece.kv)
         mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
 
-        def merged(out, lse, rows=rows, keys=keys, mask=mask):
+        def merged(out: Any, lse: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask) -> tuple[Any, Any]:
             part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
             merged_out, merged_lse = merge_masked(backend.math, out[:, rows], lse[:, rows], part_out, part_lse)
             return backend.set_rows(out, rows, merged_out), backend.set_rows(lse, rows, merged_lse)
@@ -474,7 +475,8 @@ def _backward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: A
         rows, keys = slice(*piece.q), slice(*piece.kv)
         mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
 
-        def added(dq, dk, dv, rows=rows, keys=keys, mask=mask):
+        def added(dq: Any, dk: Any, dv: Any, rows: slice = rows, keys: slice = keys,
+                  mask: Any = mask) -> tuple[Any, Any, Any]:
             grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows],
                                        lse[:, rows], delta[:, rows], mask)
             dq = backend.add_rows(dq, rows, grads[0])

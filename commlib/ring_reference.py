@@ -5,7 +5,7 @@ the schedule is tested without a framework.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +18,9 @@ from commlib.sequence import SequenceLayout, shard_sequence, unshard_sequence
 __all__ = ["reference", "SimulatedRanks", "simulate_ring"]
 
 
-def reference(qs, ks, vs, cotangents, ring_size: int, *, causal=False, scale=None, layout="contiguous",
-              ulysses_size: int = 1, segment_ids=None):
+def reference(qs: Sequence[Any], ks: Sequence[Any], vs: Sequence[Any], cotangents: Sequence[Any], ring_size: int, *,
+              causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
+              ulysses_size: int = 1, segment_ids: Sequence[Any] | None = None) -> tuple[list[np.ndarray], ...]:
     """float64: every shard's output and ``(dq, dk, dv)`` of attention on the whole sequence (shards in the
     layout: shard ``r * U + u`` at index ``r * U + u``): ``(outs, dqs, dks, dvs)``, lists of W * U arrays.
     `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows. `segment_ids`: every
@@ -48,30 +49,33 @@ class SimulatedRanks:
         self.computed = np.zeros(plan.ring_size, dtype=np.int64)  # pieces each rank computed (segmented plans)
         self.rank: int | None = None  # the rank `switch` is running (its arrays are that rank's alone)
 
-    def compute(self, x):
+    def compute(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float64)
 
-    def restore(self, x, like):
+    def restore(self, x: np.ndarray, like: np.ndarray) -> np.ndarray:
         return x
 
-    def zeros(self, like):
+    def zeros(self, like: np.ndarray) -> np.ndarray:
         return np.zeros(like.shape, dtype=np.float64)
 
-    def attend(self, q, k, v, mask: str):
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+               mask: str | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return attend(NUMPY, q, k, v, self.plan.scale, mask)
 
-    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+    def attend_vjp(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, d_out: np.ndarray,
+                   lse: np.ndarray, delta: np.ndarray,
+                   mask: str | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return attend_vjp(NUMPY, q, k, v, d_out, lse, delta, self.plan.scale, mask)
 
-    def set_rows(self, x, rows: slice, value):
+    def set_rows(self, x: np.ndarray, rows: slice, value: np.ndarray) -> np.ndarray:
         x[:, rows] = value
         return x
 
-    def add_rows(self, x, rows: slice, value):
+    def add_rows(self, x: np.ndarray, rows: slice, value: np.ndarray) -> np.ndarray:
         x[:, rows] += value
         return x
 
-    def split(self, x) -> list:
+    def split(self, x: np.ndarray) -> list[np.ndarray]:
         """The W ranks' arrays of `x`."""
         return np.split(x, self.plan.ring_size)
 
@@ -90,11 +94,11 @@ class SimulatedRanks:
         """What `start` sent: received already."""
         return pending
 
-    def key_mask(self, step: int):
+    def key_mask(self, step: int) -> np.ndarray:
         """Every rank's mask of `step`, rank r's on its batch rows: ``[W * B, 1, 1, rows, rows]``."""
         return np.repeat(self.plan.key_masks(step), self.plan.batch, axis=0)[:, None, None]
 
-    def real_rows(self, x):
+    def real_rows(self, x: np.ndarray) -> np.ndarray:
         real = np.repeat(self.plan.valid_rows(), self.plan.batch, axis=0)[:, :, None, None]
         return np.where(real, x, 0.0)
 
@@ -104,7 +108,8 @@ class SimulatedRanks:
         blocks = self.split(segments)
         return segments, np.concatenate([blocks[self.plan.kv_block(step, rank)] for rank in range(len(blocks))])
 
-    def when_visible(self, step: int, index: int, mask, function: Callable[..., Any], *operands):
+    def when_visible(self, step: int, index: int, mask: np.ndarray, function: Callable[..., Any],
+                     *operands: np.ndarray) -> Any:
         """Every rank computes the piece (where a rank's queries see none of its keys that changes nothing,
         exactly); `computed` counts it for the ranks whose queries see some key (`commlib.ring.visible_pieces`'
         rule, the piece's mask any)."""
@@ -114,7 +119,7 @@ class SimulatedRanks:
             self.computed[self.rank] += bool(np.any(mask))
         return function(*operands)
 
-    def switch(self, step: int, function: Callable[..., Any], *operands):
+    def switch(self, step: int, function: Callable[..., Any], *operands: np.ndarray) -> tuple[np.ndarray, ...]:
         """Each rank's case on its own rows, the results stacked back."""
         results = []
         for rank, arrays in enumerate(zip(*(self.split(x) for x in operands), strict=True)):
@@ -124,7 +129,9 @@ class SimulatedRanks:
         return tuple(np.concatenate(parts) for parts in zip(*results, strict=True))
 
 
-def simulate_ring(plan: ring.RingPlan, qs, ks, vs, cotangents=None, segment_ids=None):
+def simulate_ring(plan: ring.RingPlan, qs: Sequence[Any], ks: Sequence[Any], vs: Sequence[Any],
+                  cotangents: Sequence[Any] | None = None,
+                  segment_ids: Sequence[Any] | None = None) -> list[np.ndarray] | tuple[list[np.ndarray], ...]:
     """The ring walked on W simulated numpy ranks (float64), as the frontends walk it: ``outs`` (and, with
     `cotangents`, ``(outs, dqs, dks, dvs)``), lists of W arrays in the ring layout. A masked plan (an uneven
     `SequenceLayout`) takes the ``R * U`` shards of ``layout.sizes`` rows (or of ``max_size`` rows, as JAX holds
@@ -141,7 +148,7 @@ def simulate_ring(plan: ring.RingPlan, qs, ks, vs, cotangents=None, segment_ids=
     return _shards(plan, ranks.split(out)), *(_shards(plan, ranks.split(x)) for x in grads)
 
 
-def _ring_blocks(plan: ring.RingPlan, xs):
+def _ring_blocks(plan: ring.RingPlan, xs: Sequence[Any]) -> np.ndarray:
     """The W ranks' arrays end to end on the batch dim (masked plans: from the shards, each padded to
     ``max_size`` rows, ring block r = shards r*U .. r*U+U-1)."""
     xs = [np.asarray(x, dtype=np.float64) for x in xs]
@@ -153,7 +160,7 @@ def _ring_blocks(plan: ring.RingPlan, xs):
                            for r in range(plan.ring_size)])
 
 
-def _ring_ids(plan: ring.RingPlan, segment_ids) -> np.ndarray:
+def _ring_ids(plan: ring.RingPlan, segment_ids: Sequence[Any]) -> np.ndarray:
     """int64 ``[W * B, rows]``: every rank's segment ids of its ring block (`_ring_blocks`; padding rows -1)."""
     shifted = [np.asarray(x, dtype=np.int64)[..., None, None] + 1 for x in segment_ids]  # padding: 0 -> -1
     return _ring_blocks(plan, shifted)[..., 0, 0].astype(np.int64) - 1

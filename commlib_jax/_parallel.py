@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,8 @@ from commlib_jax._compat import JitKeyedState
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying
 from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
+from commlib_jax.functional import AxisName
 from commlib_jax.testing_trace import ACTIVE, recorded_layer
-
-if TYPE_CHECKING:
-    from commlib_jax.functional import AxisName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +85,13 @@ class Parallel:
     def _layer(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
                segment_ids: jax.Array | None = None) -> jax.Array:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
+        axis_name, ulysses_axis, ring_axis = (cast(AxisName, axis) for axis in  # checked by `enter`
+                                               (self.axis_name, self.ulysses_axis, self.ring_axis))
         if self.plan.attention == "ulysses":
-            return ulysses_attention(q, k, v, self.axis_name, causal=causal, scale=scale, **keywords)
+            return ulysses_attention(q, k, v, axis_name, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":
-            return ring_attention(q, k, v, self.axis_name, causal=causal, scale=scale, **keywords)
-        return usp_attention(q, k, v, self.ulysses_axis, self.ring_axis, causal=causal, scale=scale, **keywords)
+            return ring_attention(q, k, v, axis_name, causal=causal, scale=scale, **keywords)
+        return usp_attention(q, k, v, ulysses_axis, ring_axis, causal=causal, scale=scale, **keywords)
 
 
 def _refuse_positions(plan: spec.ParallelPlan, everyone: jax.Array) -> None:

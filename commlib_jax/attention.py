@@ -13,7 +13,7 @@ hand-written backward).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,12 @@ import numpy as np
 from commlib import attention as spec
 from commlib.check import attention_call
 from commlib.masks import segment_mask
-from commlib.sequence import ulysses_seq_sizes
+from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
-from commlib_jax.functional import all_gather, all_to_all, all_to_all_4d
+from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d
 from commlib_jax.ring import ARRAY_NAME, ARRAY_TYPES, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
@@ -35,7 +35,8 @@ __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 AttentionFn = Callable[..., jax.Array]
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, segment_ids=None):
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+              segment_ids: Array | None = None) -> jax.Array:
     """GQA attention on ``[B, S, H, D]`` (``jax.nn.dot_product_attention``'s layout and grouping): q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H //
     H_kv)``; `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``; `segment_ids`
@@ -58,7 +59,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, segm
     return _grouped_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
 
-def _grouped_attention(q, k, v, *, causal: bool, scale: float | None, segment_ids=None):
+def _grouped_attention(q: Array, k: Array, v: Array, *, causal: bool, scale: float | None,
+                       segment_ids: Array | None = None) -> jax.Array:
     """GQA attention in plain XLA: q head i of ``[B, T, H, D]`` with kv head ``i // (H // H_kv)``; logits and
     softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64. Masked scores are
     -inf and a row with no finite score gets weights 0 (`commlib.blockwise`'s rule)."""
@@ -81,13 +83,13 @@ def _grouped_attention(q, k, v, *, causal: bool, scale: float | None, segment_id
     return out.reshape(batch, length, heads, v.shape[-1])
 
 
-def _sizes(scatter_sizes, gather_sizes) -> dict:
+def _sizes(scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None) -> dict:
     """The uneven keywords of a collective (left out where the spec says even)."""
     sizes = dict(scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
     return {key: value for key, value in sizes.items() if value is not None}
 
 
-def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
+def _exchange(exchange: spec.Exchange, inputs: dict, axis_name: AxisName) -> dict:
     """One all-to-all of the exchange's inputs: ``{name: [n, B, S, D]}`` (heads first, padded to the largest
     rank's count) on this rank. The send buffer is one gather (zeros where a destination has fewer heads)."""
     stacked = jnp.concatenate([jnp.moveaxis(inputs[name], 2, 0) for name in exchange.inputs], axis=0)
@@ -96,7 +98,8 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name) -> dict:
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 
 
-def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes, attn_fn, masks: dict):
+def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes: tuple, attn_fn: AttentionFn | None,
+            masks: dict) -> jax.Array:
     """One head group's attention on this rank: ``[B, S, h, D_v]`` (h padded to the largest rank's)."""
     keys, values = local["k"], local["v"]
     if group.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
@@ -106,7 +109,8 @@ def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes, at
     return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
 
 
-def _walk(plan: spec.UlyssesPlan, inputs: dict, axis_name, attn_fn, segment_ids):
+def _walk(plan: spec.UlyssesPlan, inputs: dict, axis_name: AxisName, attn_fn: AttentionFn | None,
+          segment_ids: jax.Array | None) -> jax.Array:
     """The plan's head groups, traced in the torch walk's order (group c + 1's exchanges before group c's
     attention); no group's all-to-all reads another group's attention. Segment ids: all-gathered once."""
     axes = axes_of(axis_name)
@@ -125,7 +129,7 @@ def _walk(plan: spec.UlyssesPlan, inputs: dict, axis_name, attn_fn, segment_ids)
     return jnp.concatenate([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], axis=2)
 
 
-def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name) -> dict:
+def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name: AxisName) -> dict:
     """A head group's exchanges in: ``{name: [n, B, S, D]}``."""
     local: dict = {}
     for exchange in group.exchanges:
@@ -133,8 +137,10 @@ def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name) -> dict:
     return local
 
 
-def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None, layout="contiguous", segment_ids=None, chunks: int = 1):
+def ulysses_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, causal: bool = False,
+                      scale: float | None = None, seq_sizes: Sequence[int] | None = None,
+                      attn_fn: AttentionFn | None = None, layout: str | SequenceLayout = "contiguous",
+                      segment_ids: Array | None = None, chunks: int = 1) -> jax.Array:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -205,10 +211,10 @@ def ulysses_attention(q, k, v, axis_name, *, causal: bool = False, scale: float 
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
                                       attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks))
-    seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=seq_sizes,
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
                              layout="padded", segment_ids=segment_type, chunks=chunks)
     return _walk(plan, {"q": q, "k": k, "v": v}, axis_name, attn_fn, segment_ids)

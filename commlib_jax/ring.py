@@ -28,11 +28,12 @@ from commlib import blockwise
 from commlib import ring as spec
 from commlib.attention import check_layer_inputs
 from commlib.check import attention_call
+from commlib.sequence import SequenceLayout
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import dtype_name, rank
-from commlib_jax.functional import all_gather, all_to_all_4d, permute
+from commlib_jax.functional import Array, AxisName, all_gather, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]
 
@@ -42,7 +43,8 @@ ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
 ARRAY_NAME = "jax.Array or numpy.ndarray"
 
 
-def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
+def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q: Array, k: Array, v: Array,
+                  segments: jax.Array | None = None) -> jax.Array:
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
     q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block (and its
     segment ids ``[B, rows]``)."""
@@ -64,26 +66,27 @@ class _AxisBackend:
     def __init__(self, plan: spec.RingPlan, axes: tuple) -> None:
         self.plan, self.axes = plan, axes
 
-    def compute(self, x):
+    def compute(self, x: jax.Array) -> jax.Array:
         return x.astype(self.plan.compute_dtype)
 
-    def restore(self, x, like):
+    def restore(self, x: jax.Array, like: jax.Array) -> jax.Array:
         return x.astype(like.dtype)
 
-    def zeros(self, like):
+    def zeros(self, like: jax.Array) -> jax.Array:
         """Zeros typed varying as `like` (the branches of ``lax.switch`` must agree on it)."""
         return to_varying(jnp.zeros(like.shape, self.plan.compute_dtype), tuple(varying_axes(like)))
 
-    def attend(self, q, k, v, mask: str):
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: str | jax.Array) -> tuple[jax.Array, jax.Array]:
         return blockwise.attend(MATH, q, k, v, self.plan.scale, mask)
 
-    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask: str):
+    def attend_vjp(self, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, d_out: jax.Array, lse: jax.Array,
+                   delta: jax.Array, mask: str | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return blockwise.attend_vjp(MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask)
 
-    def set_rows(self, x, rows: slice, value):
+    def set_rows(self, x: jax.Array, rows: slice, value: jax.Array) -> jax.Array:
         return x.at[:, rows].set(value)
 
-    def add_rows(self, x, rows: slice, value):
+    def add_rows(self, x: jax.Array, rows: slice, value: jax.Array) -> jax.Array:
         return x.at[:, rows].add(value)
 
     def start(self, arrays: list) -> list:
@@ -94,17 +97,17 @@ class _AxisBackend:
     def wait(self, pending: list) -> list:
         return pending
 
-    def key_mask(self, step: int):
+    def key_mask(self, step: int) -> jax.Array:
         """This rank's mask of `step`, from the positions of its block and of the block it holds (the plan's
         ``[W, rows]`` table indexed by the traced rank)."""
         held, mine = jnp.asarray(self.plan.block_positions), rank(self.axes)
         return blockwise.position_mask(held[mine], held[(mine - step) % self.plan.ring_size], self.plan.causal)
 
-    def real_rows(self, x):
+    def real_rows(self, x: jax.Array) -> jax.Array:
         real = jnp.asarray(self.plan.valid_rows())[rank(self.axes)]
         return jnp.where(real[None, :, None, None], x, jnp.zeros((), x.dtype))
 
-    def switch(self, step: int, function, *operands):
+    def switch(self, step: int, function: Callable[..., Any], *operands: jax.Array) -> Any:
         case = jnp.asarray(self.plan.case_table[step])[rank(self.axes)]
         branches = [functools.partial(function, pieces) for pieces in self.plan.cases]
         return jax.lax.switch(case, branches, *operands)
@@ -124,16 +127,18 @@ class _AxisBackend:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
+def _ring(plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array,
+          segments: jax.Array | None = None) -> jax.Array:
     return spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)[0]
 
 
-def _ring_forward(plan: spec.RingPlan, axes: tuple, q, k, v, segments=None):
+def _ring_forward(plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array,
+                  segments: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)
     return out, (q, k, v, out, lse, segments)
 
 
-def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals, cotangent):
+def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals: tuple, cotangent: jax.Array) -> tuple:
     q, k, v, out, lse, segments = residuals
     grads = spec.backward(plan, _AxisBackend(plan, axes), q, k, v, out, lse, cotangent, segments)
     no_gradient = None if segments is None else np.zeros(segments.shape, dtype=jax.dtypes.float0)  # integers
@@ -143,8 +148,9 @@ def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals, cotangent):
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
-def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous", segment_ids=None):
+def ring_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, causal: bool = False,
+                   scale: float | None = None, layout: str | SequenceLayout = "contiguous",
+                   segment_ids: Array | None = None) -> jax.Array:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
     q's dtype; equal to `attention` on the whole sequence, cut back the same way.
@@ -221,7 +227,7 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, scale: float | N
     return _ring_on_axes(plan, axes, q, k, v, segment_ids)
 
 
-def _segments(segment_ids) -> tuple:
+def _segments(segment_ids: Array | None) -> tuple[jax.Array | None, tuple | None]:
     """``(array, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
     if segment_ids is None:
         return None, None
@@ -229,8 +235,9 @@ def _segments(segment_ids) -> tuple:
     return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
-def usp_attention(q, k, v, ulysses_axis, ring_axis, *, causal: bool = False, scale: float | None = None,
-                  layout: str = "contiguous", segment_ids=None):
+def usp_attention(q: Array, k: Array, v: Array, ulysses_axis: AxisName, ring_axis: AxisName, *, causal: bool = False,
+                  scale: float | None = None, layout: str | SequenceLayout = "contiguous",
+                  segment_ids: Array | None = None) -> jax.Array:
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
     to `attention` on the whole sequence, cut back the same way.

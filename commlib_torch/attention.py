@@ -11,7 +11,7 @@ output all-to-all started before group c + 1's attention), through one seam, `_s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from commlib import attention as spec
 from commlib.check import attention_call
 from commlib.masks import segment_mask
-from commlib.sequence import ulysses_seq_sizes
+from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 from commlib_torch._checked import exchange_layer, is_checked
 from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
@@ -66,7 +66,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0)
 
 
-def _select(runs: tuple[tuple[int, int, int], ...], inputs) -> torch.Tensor:
+def _select(runs: tuple[tuple[int, int, int], ...], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Rows ``[start, stop)`` of input ``index`` for each run, concatenated (one local pass)."""
     return torch.cat([inputs[index][start:stop] for index, start, stop in runs], dim=0)
 
@@ -76,12 +76,12 @@ class _SelectHeads(torch.autograd.Function):
     local pass). Backward: each slice's cotangent added back into the heads it came from."""
 
     @staticmethod
-    def forward(ctx, runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, runs: tuple[tuple[int, int, int], ...], *inputs: torch.Tensor) -> torch.Tensor:
         ctx.runs, ctx.shapes = runs, [tuple(x.shape) for x in inputs]
         return _select(runs, inputs)
 
     @staticmethod
-    def backward(ctx, cotangent: torch.Tensor):
+    def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # zeros laid out as the user's [B, S_r, n, D] tensors, seen heads first: the gradients come out contiguous
         grads = [cotangent.new_zeros((*shape[1:3], shape[0], *shape[3:])).permute(2, 0, 1, 3) for shape in ctx.shapes]
         offset = 0
@@ -99,12 +99,12 @@ class _FunctorchSelectHeads(_SelectHeads):
         return _select(runs, inputs)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         runs, *tensors = inputs
         ctx.runs, ctx.shapes = runs, [tuple(x.shape) for x in tensors]
 
 
-def _sizes(scatter_sizes, gather_sizes) -> dict:
+def _sizes(scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None) -> dict:
     """The uneven keywords of a collective (left out where the spec says even)."""
     sizes = dict(scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
     return {key: value for key, value in sizes.items() if value is not None}
@@ -120,8 +120,8 @@ class _Finished:
         return self.result
 
 
-def _start_exchange(collective: Callable[..., Any], x: torch.Tensor, *args, overlap: bool,
-                    **kwargs) -> _Finished | Handle:
+def _start_exchange(collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap: bool,
+                    **kwargs: Any) -> _Finished | Handle:
     """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all); ``wait()`` gives its result.
 
     The seam of the pipeline: with `overlap` (``chunks > 1``) the collective is begun with ``async_op=True``
@@ -198,8 +198,8 @@ def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: Resolv
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
-                      causal: bool = False, scale: float | None = None, seq_sizes=None,
-                      attn_fn: AttentionFn | None = None, layout="contiguous",
+                      causal: bool = False, scale: float | None = None, seq_sizes: Sequence[int] | None = None,
+                      attn_fn: AttentionFn | None = None, layout: str | SequenceLayout = "contiguous",
                       segment_ids: torch.Tensor | None = None, chunks: int = 1) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
@@ -261,11 +261,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
                                       world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
                                       attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks), (group,), q.device)
-    seq_sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
+    sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_type = None
     if segment_ids is not None:
         segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=seq_sizes,
+    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=sizes,
                              dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
                              segment_ids=segment_type, chunks=chunks)
     return _walk(plan, {"q": q, "k": k, "v": v}, group, attn_fn, segment_ids)

@@ -76,7 +76,7 @@ def nan_rows(q: torch.Tensor, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...
     return tuple(x.masked_fill(bad.view(*bad.shape, *(1,) * (x.dim() - bad.dim())), float("nan")) for x in outputs)
 
 
-def _kernel_mask(mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+def _kernel_mask(mask: str | torch.Tensor, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     """A piece's mask as the flash kernels take it: ``(causal, additive float mask [B or 1, 1, Sq, Sk] or None)``
     (a bool array mask -- segments, or positions -- becomes 0 where seen, -inf elsewhere)."""
     if isinstance(mask, str):
@@ -85,7 +85,8 @@ def _kernel_mask(mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     return False, torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
 
 
-def _attend(plan: spec.RingPlan, q, k, v, mask):
+def _attend(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
     where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf)."""
     if _FLASH_CPU is None or not _flash(q, v):
@@ -94,13 +95,16 @@ def _attend(plan: spec.RingPlan, q, k, v, mask):
     out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
                           causal, attn_mask=additive, scale=plan.scale)
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    if additive is not None:  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
+    if isinstance(mask, torch.Tensor):  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
         seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
         lse = lse.masked_fill(~seen, float("-inf"))
-    return nan_rows(q, out, lse)
+    out, lse = nan_rows(q, out, lse)
+    return out, lse
 
 
-def _attend_vjp(plan: spec.RingPlan, q, k, v, out, d_out, lse, delta, mask):
+def _attend_vjp(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
     if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
@@ -171,11 +175,13 @@ def _wait(plan: spec.RingPlan, sending: _Sending, group: dist.ProcessGroup | Non
         for work in sending.works:
             work.wait()
     except RuntimeError as error:
+        assert sending.flat is not None, "a ring step sends at least k and v"
         raise _translated(error, plan, sending.flat, group) from error
     return sending.received
 
 
-def _translated(error: RuntimeError, plan: spec.RingPlan, tensor, group) -> RuntimeError:
+def _translated(error: RuntimeError, plan: spec.RingPlan, tensor: torch.Tensor,
+                group: dist.ProcessGroup | None) -> RuntimeError:
     """`error` as `translate` gives it for the ring's permute (`error` itself where it means no failure)."""
     return translate(error, plan.op_name, tensor, group, "forward")
 
@@ -213,10 +219,13 @@ class _RankBackend:
     def zeros(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
 
-    def attend(self, q, k, v, mask):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _attend(self.plan, q, k, v, mask)
 
-    def attend_vjp(self, q, k, v, out, d_out, lse, delta, mask):
+    def attend_vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d_out: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor,
+                   mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _attend_vjp(self.plan, q, k, v, out, d_out, lse, delta, mask)
 
     def set_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
@@ -227,16 +236,16 @@ class _RankBackend:
         x[:, rows] += value
         return x
 
-    def start(self, tensors: list[torch.Tensor]):
+    def start(self, tensors: list[torch.Tensor]) -> _Sending | list[torch.Tensor]:
         """Asynchronous where it may be (`_start`), else `_pass` done at once."""
         if self.asynchronous:
             return _start(self.plan, tensors, self.group, self.rank, self.checked)
         return _pass(self.plan, tensors, self.group)
 
-    def wait(self, pending) -> list[torch.Tensor]:
+    def wait(self, pending: Any) -> list[torch.Tensor]:
         return _wait(self.plan, pending, self.group) if self.asynchronous else pending
 
-    def switch(self, step: int, function, *operands):
+    def switch(self, step: int, function: Callable[..., Any], *operands: Any) -> Any:
         return function(self.plan.cases[self.plan.case_index[step][self.rank]], *operands)
 
     def block_ids(self, segments: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,7 +403,7 @@ def _segments(segment_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, tu
     return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
-def _shard_index(layout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
+def _shard_index(layout: str | SequenceLayout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
     """This rank's shard index ``r * U + u`` in a `SequenceLayout` (None for a layout string)."""
     return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
 
@@ -405,7 +414,7 @@ def _check_kinds(op_name: str, q: object, k: object, v: object, segment_ids: obj
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
-                   scale: float | None = None, layout: str = "contiguous",
+                   scale: float | None = None, layout: str | SequenceLayout = "contiguous",
                    segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
     H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
@@ -487,7 +496,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     return out[:, :q.shape[1]]
 
 
-def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
+def _heads_out(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
     """The Ulysses all-to-all of q, k, v: ``[B, S_r, H, D] -> [B, U * S_r, H / U, D]`` (ring block r, Ulysses
     rank u's heads). One all-to-all for the three (heads stacked per destination in one local pass) when v's
     head dim is q's, else one each."""
@@ -505,7 +515,7 @@ def _heads_out(plan: spec.RingPlan, q, k, v, group) -> tuple[torch.Tensor, ...]:
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: Group, ring_group: Group, *,
-                  causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+                  causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
     `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
