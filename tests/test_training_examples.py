@@ -69,14 +69,15 @@ def test_jax_example_with_two_processes():
 
 
 @pytest.mark.parametrize(("attention", "seq_len", "packed"),
-                         [("ulysses", 37, False), ("ulysses", 5, False), ("ring", 37, False), ("ring", 64, False),
-                          ("usp", 37, False), ("ring", 37, True)])
+                         [("ulysses", 37, False), ("ring", 37, False), ("usp", 37, False), ("ring", 37, True)])
 def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     """examples/transformers_llama.py over 4 ranks: a transformers Llama (GQA) with commlib's attention through the
-    registry, 5 AdamW steps equal to the unsharded model's: the issue's handed lengths (S = 37: shards of 10, 9, 9, 9
-    or 9, 9, 9, 10 rows; S = 5: 2, 1, 1, 1; S = 64 even); and `--packed` (ring zigzag S = 37: documents of random
-    lengths, some shorter than a shard, some crossing shards, and padding, against the unsharded model given the
-    same documents as a mask)."""
+    registry, 5 AdamW steps equal to the unsharded model's, one launch per layer at S = 37 (shards of 10, 9, 9, 9
+    or 9, 9, 9, 10 rows); and `--packed` (ring zigzag S = 37: documents of random lengths, some shorter than a
+    shard, some crossing shards, and padding, against the unsharded model given the same documents as a mask).
+    Other lengths are proven in process, where a length costs no launch: S = 5 at W = 4 (2, 1, 1, 1 rows), S = 3
+    (an empty shard) and even lengths for every layer in tests/torch/test_ring_any_length.py, and the Llama through
+    the registry at S = 7, 9, 13, 37 in tests/torch/test_integrations.py."""
     command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py",
                "--attention", attention, "--seq-len", str(seq_len), *(["--packed"] if packed else [])]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
@@ -91,14 +92,15 @@ def test_transformers_llama_with_torchrun(attention, seq_len, packed):
 
 
 @pytest.mark.parametrize(("attention", "seq_len", "packed"),
-                         [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, False), ("usp", 30, True)])
+                         [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, True)])
 def test_flax_llama_with_python(attention, seq_len, packed):
     """examples/flax_llama.py on 4 CPU devices: a Flax nnx decoder (GQA, RoPE) with commlib's attention swapped in
-    under shard_map, 5 optax adamw steps in one jitted step equal to the unsharded model's. Three launches of the
-    six (ulysses, ring, usp) x (S = 30, 32), each ~30-50 s on 2 busy cores: Ulysses S = 30 (shards of 8, 8, 7, 7
-    rows, held padded to 8), ring zigzag S = 32 (even), USP 2 x 2 S = 30 (8, 7, 8, 7: the ring over an uneven
-    SequenceLayout); and `--packed` USP S = 30 (documents of random lengths, some shorter than a shard, some crossing
-    shards, and padding; the JAX shards' padding rows too)."""
+    under shard_map, 5 optax adamw steps in one jitted step equal to the unsharded model's. One launch per layer,
+    each ~15 s: Ulysses S = 30 (shards of 8, 8, 7, 7 rows, held padded to 8), ring zigzag S = 32 (even), and
+    `--packed` USP 2 x 2 S = 30 (8, 7, 8, 7: the ring over an uneven SequenceLayout, with documents of random
+    lengths, some shorter than a shard, some crossing shards, and padding; the JAX shards' padding rows too).
+    USP at uneven lengths without segment ids is proven in process (tests/jax/test_ring_any_length.py,
+    ``test_usp_any_length``: S = 37 and 5, both layouts, causal and not)."""
     command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len),
                *(["--packed"] if packed else [])]
     done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
