@@ -158,7 +158,7 @@ class FunctorchPlanFunction(PlanFunction):
     this form (inspect.signature: ~60 us), which plain autograd does not need."""
 
     @staticmethod
-    def forward(x: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]  # torch.func form, no ctx
         plan, group, origin = call
         return at_boundary(_primal_rule if gradients.needs_primal(plan) else run, plan, x, group, origin)
 

@@ -44,9 +44,9 @@ def row_transpose(step: Rearrange) -> tuple[int, int, int] | None:
     """``(A, B, C)`` when `step` on a contiguous source is ``[A, B, C] -> [B, A, C]``, else None."""
     shape, perm = step.merged()
     if perm == (1, 0, 2):
-        return shape  # type: ignore[return-value]
+        return shape  # type: ignore[return-value]  # merged() keeps 3 dims for this perm
     if perm == (1, 0):
-        return (*shape, 1)  # type: ignore[return-value]
+        return (*shape, 1)  # type: ignore[return-value]  # merged() keeps 2 dims for this perm
     return None
 
 

@@ -458,4 +458,4 @@ def gather_to_root(x: torch.Tensor, dst: int, dim: int, group: ResolvedGroup) ->
             out = x.detach().clone(memory_format=torch.contiguous_format)
         else:  # checked mode's exchange and the failure translation, as every collective
             out = at_boundary(run, plan, x, group, None)
-    return out if group_rank(group) == plan.step.root else None  # type: ignore[union-attr]
+    return out if group_rank(group) == plan.step.root else None  # type: ignore[union-attr]  # a Gather step

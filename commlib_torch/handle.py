@@ -69,7 +69,7 @@ class Handle:
         """The op's result, once its collective is done (a backend error as CommTimeout / CommFailure)."""
         if self._call is not None:
             self._result, self._call = self._call.result(), None
-        return self._result  # type: ignore[return-value]
+        return self._result  # type: ignore[return-value]  # set by the call or by result()
 
     def is_completed(self) -> bool:
         """True when the collective is done (`wait` would not block); the local pass after it runs in `wait`."""
@@ -112,11 +112,12 @@ class _Call:
         started, x, self.started, self.x = self.started, self.x, None, None
         if self.inference and not torch.is_inference_mode_enabled():
             with torch.inference_mode():
-                out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]
+                out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]  # started: set at the call
         else:
-            out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]
-        if x._version != self.version:  # type: ignore[union-attr]
-            raise frontend_errors.modified_before_wait(self.plan.op_name, self.version, x._version)  # type: ignore[union-attr]
+            out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]  # started: set at the call
+        if x._version != self.version:  # type: ignore[union-attr]  # x: held until this wait
+            raise frontend_errors.modified_before_wait(self.plan.op_name, self.version,
+                                                     x._version)  # type: ignore[union-attr]  # held till now
         return out
 
 

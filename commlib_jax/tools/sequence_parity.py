@@ -88,7 +88,7 @@ def helpers(layout: SequenceLayout, seed: int, mode: str) -> list[dict[str, np.n
 def model(example, attention: str, seq_len: int) -> dict[str, float]:
     """examples/flax_llama.py's first jitted step (its `setup`, `Decoder`, `sharded_step`, `unsharded_step`)
     against the unsharded decoder: the relative errors of the loss, the logits and every gradient."""
-    import optax  # type: ignore[import-untyped]
+    import optax  # type: ignore[import-untyped]  # optax ships no stubs
     from flax import nnx
 
     layout, mesh, axes, sequence_parallel = example.setup(attention, seq_len, 2)
