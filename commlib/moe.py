@@ -52,6 +52,7 @@ __all__ = [
     "local_routing",
     "RankTables",
     "rank_tables",
+    "padded_tokens_error",
     "check_weights",
     "check_rows",
     "MoeBackend",
@@ -277,6 +278,18 @@ def rank_tables(plan: RoutePlan, rank: int, order: np.ndarray, send_counts: np.n
     token_slot[order] = np.arange(order.size)
     return RankTables(order, send_sizes, recv_sizes, unpack, pack_back, token_slot.reshape(plan.tokens, plan.top_k),
                       counts.sum(axis=0), rows, dropped)
+
+
+def padded_tokens_error(tokens: Sequence[int]) -> CommError:
+    """The `padded` layout's static rows hold T (dropless: a slot of T rows per (source, expert)), so every
+    rank must route as many tokens; checked mode compares T there (`commlib.check.moe_call`).
+
+    >>> print(padded_tokens_error([4, 3]))  # doctest: +ELLIPSIS
+    route: layout='padded' needs the same T on every rank (...); ranks have T = (4, 3); use layout='exact'...
+    """
+    return comm_error(ROUTE_OP, "layout='padded' needs the same T on every rank (its static rows are "
+                      f"max(experts_per_rank) * W * (capacity or T)); ranks have T = {tuple(tokens)}; use "
+                      "layout='exact'", tokens=tuple(tokens))
 
 
 def check_weights(weights_shape: Sequence[int] | None, plan: RoutePlan) -> None:

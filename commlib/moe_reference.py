@@ -54,18 +54,19 @@ class SimulatedMoeRanks:
         for rank, rows in enumerate(out_bar):
             k = weights[rank].shape[1] if weights is not None else self.top_k
             w = np.ones((rows.shape[0], k)) if weights is None else weights[rank]
-            copies = w[:, :, None] * rows.reshape(rows.shape[0], 1, -1)
+            copies = _column(w, rows.ndim + 1) * rows[:, None]
             out.append(copies.reshape(rows.shape[0] * k, *rows.shape[1:]))
         return out
 
     def inner(self, out_bar: list[np.ndarray], rows: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.einsum("tf,tkf->tk", o.reshape(o.shape[0], -1), r.reshape(*r.shape[:2], -1))
-                for o, r in zip(out_bar, rows, strict=True)]
+        features = [tuple(range(2, r.ndim)) for r in rows]
+        return [np.sum(o[:, None] * r, axis=axes) for o, r, axes in zip(out_bar, rows, features, strict=True)]
 
 
 
 def _column(values: np.ndarray, ndim: int) -> np.ndarray:
-    return values.reshape(values.shape[0], *[1] * (ndim - 1))
+    """`values` (``[T]`` or ``[T, K]``) with trailing 1s up to `ndim` dims, to scale rows."""
+    return values.reshape(*values.shape, *[1] * (ndim - values.ndim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,8 @@ def simulate_moe(xs: Sequence[np.ndarray], indices: Sequence[np.ndarray], num_ex
         moe.check_weights(None if weights is None else np.shape(weights[rank]), plan)
         plans.append(plan)
         found.append(moe.bad_route(rank_indices, num_experts))
+    if layout == "padded" and len({plan.tokens for plan in plans}) > 1:
+        raise moe.padded_tokens_error([plan.tokens for plan in plans])
     for rank, bad in enumerate(found):  # every rank raises the first bad rank's error
         if bad is not None:
             raise moe.bad_route_error(rank, *bad, num_experts)
