@@ -200,6 +200,10 @@ def test_capacity_keeps_routes_in_token_major_order() -> None:
     assert [t.dropped for t in sim.tables] == [3, 0]
     assert sim.tables[0].token_slot.tolist() == [[2, 0], [1, 3], [-1, -1], [-1, -1]]
     assert simulate_moe(xs, indices, 2, capacity=0).tables[0].rows == 0
+    weighted = simulate_moe(xs, indices, 2, capacity=2, weights=[np.ones((4, 2)), np.ones((1, 2))])
+    assert weighted.weights_bar is not None
+    assert weighted.weights_bar[0][2:].tolist() == [[0.0, 0.0], [0.0, 0.0]]  # dropped and -1: exactly 0
+    assert weighted.x_bar[0][2:].tolist() == [[0.0], [0.0]]
 
 
 def test_capacity_factor_is_ceil_of_tokens_times_k_over_experts() -> None:
@@ -260,6 +264,12 @@ def test_validation_messages() -> None:
     with _raises(CommError, "route: layout must be one of ('exact', 'padded'), not 'ragged'. Received: "
                  "layout='ragged'"):
         plan((2, 2), "int64", 4, 2, layout="ragged")
+    with _raises(TypeError, "route: experts_per_rank must hold ints. Received: num_experts=4, world_size=2, "
+                 "experts_per_rank=(2.0, 2)"):
+        plan((2, 2), "int64", 4, 2, experts_per_rank=(2.0, 2))
+    with _raises(TypeError, "route: capacity must be an int, not float. Received: capacity=2.0, "
+                 "capacity_factor=None"):
+        plan((2, 2), "int64", 4, 2, capacity=2.0)  # type: ignore[arg-type]
     routed = plan((2, 2), "int64", 4, 2)
     with _raises(CommError, "combine: weights shape (2, 3) must be the indices' [T, K] (2, 2). Received: "
                  "weights_shape=(2, 3)"):
