@@ -16,6 +16,8 @@
 - `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
   that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
   `commlib.ring_reference`: the float64 references (unsharded, and the ring on simulated numpy ranks);
+- `commlib.moe`: expert parallelism's routing walk, both layouts and the VJP rules over a backend, with their
+  validation; `commlib.moe_reference`: `simulate_moe`, the float64 walk on simulated numpy ranks;
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /

@@ -38,6 +38,7 @@ from commlib.attention import OP_NAME as ULYSSES_OP
 from commlib.dtypes import KINDS
 from commlib.errors import comm_error
 from commlib.layout import Convention, Plan
+from commlib.moe import COMBINE_OP, DISPATCH_OP, ROUTE_OP, RoutePlan
 from commlib.plans import OP_NAMES
 from commlib.reduce_op import ReduceOp
 from commlib.ring import RING_OP, USP_OP
@@ -70,6 +71,7 @@ __all__ = [
     "fingerprint",
     "layer_call",
     "layers_differ",
+    "moe_call",
     "says_checked",
     "sequence_call",
 ]
@@ -112,7 +114,7 @@ def says_checked(value: str | bytes | None) -> bool:
 
 
 #: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
-LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy")
+LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy", ROUTE_OP, DISPATCH_OP, COMBINE_OP)
 _KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),
                 *(convention.value for convention in Convention), *KINDS, *LAYER_NAMES)
 
@@ -475,6 +477,22 @@ def sequence_call(layer: str, shape: Sequence[int], dim: object, dtype: str, /, 
     (('shape', '(2, S_r, 64)'), ('dtype', 'bfloat16'), ('dim', '-2'))
     """
     return layer_call(layer, shape=_seq_free(shape, dim), dtype=_Shown(dtype), **options)
+
+
+def moe_call(op_name: str, plan: RoutePlan, shape: Sequence[int], dtype: str, /) -> LayerCall:
+    """The `LayerCall` of an MoE op (``route``, ``dispatch``, ``combine``) on a tensor of `shape` (rows first:
+    T or R, which differ by rank, so only the feature shape is compared) and `dtype`: E, K, capacity,
+    placement, layout, feature shape and dtype, and T in the `padded` layout (its static rows hold T). Split
+    sizes are runtime values and are not part of it.
+
+    >>> from commlib.moe import route_plan
+    >>> dict(moe_call("dispatch", route_plan((4, 2), "int64", 4, 2), (4, 8), "float32").options)["feature shape"]
+    '(8,)'
+    """
+    return layer_call(op_name, num_experts=plan.num_experts, top_k=plan.top_k, capacity=plan.capacity,
+                      experts_per_rank=plan.experts_per_rank, layout=plan.layout,
+                      **{"feature shape": tuple(shape)[1:]}, dtype=_Shown(dtype),
+                      **({"tokens": plan.tokens} if plan.layout == "padded" else {}))
 
 
 def layers_differ(fingerprints: np.ndarray) -> bool:
