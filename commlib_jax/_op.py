@@ -25,7 +25,7 @@ from commlib_jax._walk import dtype_name, rank, run
 from commlib_jax.testing_trace import ACTIVE, recorded_op
 
 if TYPE_CHECKING:
-    from commlib_jax.functional import Array
+    from commlib_jax._types import Array
 
 __all__ = ["collective", "apply", "axis_size", "world_size", "accum"]
 

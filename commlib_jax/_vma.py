@@ -16,7 +16,7 @@ from jax import lax
 from commlib_jax._compat import manual_axes, mesh_axis_names, varying_axes
 
 if TYPE_CHECKING:
-    from commlib_jax.functional import Array, AxisName
+    from commlib_jax._types import Array, AxisName
 
 __all__ = ["axes_of", "axis_arg", "checked_axes", "mesh_order", "shared_axes", "to_varying", "varying_axes"]
 

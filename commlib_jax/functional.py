@@ -26,19 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
 from commlib import ReduceOp, plans, training
 from commlib_jax._op import accum, apply, world_size
+from commlib_jax._types import Array, AxisName
 from commlib_jax._vma import axes_of, axis_arg, shared_axes
 from commlib_jax._walk import dtype_name
 
-#: What ``x`` takes: this rank's block, a jax array (a numpy array is taken as one).
-Array = jax.Array | np.ndarray
-#: What ``axis_name=`` takes: a mesh axis name of the enclosing shard_map / pmap, or a tuple of them.
-AxisName = str | tuple[str, ...]
 #: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product") or a `commlib.ReduceOp`.
 ReduceOpArgument = str | ReduceOp
 #: Uneven sizes: W ints (rank r's valid rows along the sharded dim); None: the even rule.
