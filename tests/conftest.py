@@ -1,7 +1,12 @@
 """Shared pytest configuration.
 
-Hypothesis profiles: "default" (quick, the CI run) and "slow" (long property runs), chosen by the
-HYPOTHESIS_PROFILE environment variable: ``HYPOTHESIS_PROFILE=slow pytest tests/spec``.
+Hypothesis profiles, chosen by the HYPOTHESIS_PROFILE environment variable: "default" (25 examples per property,
+for a quick local run) and "slow" (200), the profile CI and the README's test command run
+(``HYPOTHESIS_PROFILE=slow python -m pytest -q``, .ci/run). A property whose examples each cost a compile caps its
+own count under "slow" and says which other test covers the rest (tests/jax/test_properties.py, test_uneven.py).
+
+Inductor compiles in the worker processes (tests/torch/test_compile.py) run with one compile thread: each rank
+otherwise starts a pool of compile subprocesses, more processes than the CPUs that run them.
 """
 
 import os
@@ -12,6 +17,7 @@ from hypothesis import settings
 settings.register_profile("default", max_examples=25, deadline=None)
 settings.register_profile("slow", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # inherited by the pool's workers
 
 
 @pytest.fixture(scope="session")
