@@ -82,7 +82,7 @@ def test_simulated_ring_equals_attention(layout, causal, heads, seed):
                for x in xs] for xs in shards]
     plan = _plan(layout, causal, heads * layout.ulysses_size, kv_heads * layout.ulysses_size)
     if not plan.masked and layout.ulysses_size > 1:
-        return  # an even USP plan walks ring blocks, not shards (tests/spec/test_context.py)
+        return  # an even USP plan walks ring blocks, not shards (tests/spec/test_ring.py)
     got = simulate_ring(plan, *padded)
     want = reference(*shards, layout.ring_size, causal=causal, layout=layout)
     for gs, ws in zip(got, want, strict=True):
