@@ -30,8 +30,14 @@ def _model(layers: int, hidden: int):
     from commlib_torch.integrations.transformers import register
 
     register()
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, vocab_size=256)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM._from_config(config, attn_implementation="commlib", dtype=torch.float32)
 
@@ -42,8 +48,11 @@ def timed(ctx, attention: str, seq_len: int, layers: int, hidden: int, variant: 
     from commlib_torch.sequence import parallel
 
     model = _model(layers, hidden)
-    layout = commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag") if attention == "ring" \
+    layout = (
+        commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag")
+        if attention == "ring"
         else commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    )
     positions = torch.as_tensor(layout.positions(ctx.rank))[None]
     ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(1))[:, positions[0]]
     mask = None if variant == VARIANTS[0] else torch.ones_like(ids)
@@ -90,14 +99,38 @@ def main() -> None:
             replies = pool.run(job, args.attention, args.seq, args.layers, args.hidden, variant, args.repeats)
             slowest = [max(step) for step in zip(*(reply["times"] for reply in replies), strict=True)]
             logits[variant] = [reply["logits"] for reply in replies]
-            difference = max(float((mine - theirs).abs().max())
-                             for mine, theirs in zip(logits[variant], logits[VARIANTS[0]], strict=True))
-            rows.append({"variant": variant, "median_s": statistics.median(slowest), "min_s": min(slowest),
-                         "layer_calls_per_forward": args.layers, "decisions_per_forward": replies[0]["decisions"],
-                         "logits_max_difference_to_no_mask": difference})
-    print(json.dumps({"world_size": 4, "attention": args.attention, "seq_len": args.seq, "layers": args.layers,
-                      "hidden": args.hidden, "heads": 8, "kv_heads": 2, "dtype": "float32",
-                      "repeats": args.repeats, "torch": torch.__version__, "rows": rows}, indent=1))
+            difference = max(
+                float((mine - theirs).abs().max())
+                for mine, theirs in zip(logits[variant], logits[VARIANTS[0]], strict=True)
+            )
+            rows.append(
+                {
+                    "variant": variant,
+                    "median_s": statistics.median(slowest),
+                    "min_s": min(slowest),
+                    "layer_calls_per_forward": args.layers,
+                    "decisions_per_forward": replies[0]["decisions"],
+                    "logits_max_difference_to_no_mask": difference,
+                }
+            )
+    print(
+        json.dumps(
+            {
+                "world_size": 4,
+                "attention": args.attention,
+                "seq_len": args.seq,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "heads": 8,
+                "kv_heads": 2,
+                "dtype": "float32",
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

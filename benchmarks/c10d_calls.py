@@ -52,17 +52,28 @@ def main(argv: list[str] | None = None) -> int:
         ("all_reduce", lambda: dist.all_reduce(x), lambda: group.allreduce([x], all_reduce_options).wait()),
         ("broadcast", lambda: dist.broadcast(x, 0), lambda: group.broadcast([x], broadcast_options).wait()),
         ("reduce", lambda: dist.reduce(x, 0), lambda: group.reduce([x], reduce_options).wait()),
-        ("all_to_all_single", lambda: dist.all_to_all_single(out, x),
-         lambda: _pg_all_to_all(group, out, x, [], [], all_to_all_options).wait()),
-        ("all_gather (dim 0)", lambda: all_gather_single(gathered, x),
-         lambda: _pg_all_gather(group, gathered, x, all_gather_options).wait()),
+        (
+            "all_to_all_single",
+            lambda: dist.all_to_all_single(out, x),
+            lambda: _pg_all_to_all(group, out, x, [], [], all_to_all_options).wait(),
+        ),
+        (
+            "all_gather (dim 0)",
+            lambda: all_gather_single(gathered, x),
+            lambda: _pg_all_gather(group, gathered, x, all_gather_options).wait(),
+        ),
     ]
     table = []
     for name, function, method in rows:
         function_us, method_us = us_per_call(function, args.calls), us_per_call(method, args.calls)
         table.append((name, f"{function_us:.2f}", f"{method_us:.2f}", f"{function_us - method_us:+.2f}"))
-    print(tabulate(table, headers=("call", "torch.distributed function (us)", "process group method (us)",
-                                   "difference (us)"), tablefmt="github"))
+    print(
+        tabulate(
+            table,
+            headers=("call", "torch.distributed function (us)", "process group method (us)", "difference (us)"),
+            tablefmt="github",
+        )
+    )
     print(f"\ntorch {torch.__version__}, {args.calls} calls per loop, best of 5")
     dist.destroy_process_group()
     return 0

@@ -36,8 +36,11 @@ def held() -> dict:
     same script measures the code before the byte bound)."""
     plans = sum(fast.cache_info().currsize + len(general) for fast, general in plan_cache._caches.values())
     walk_cache = _walk.walk if hasattr(_walk.walk, "cache_info") else None
-    return {"plans": plans, "walks": walk_cache.cache_info().currsize if walk_cache else _walk.held_walks(),
-            "estimated_bytes": plan_cache.held_bytes() if hasattr(plan_cache, "held_bytes") else None}
+    return {
+        "plans": plans,
+        "walks": walk_cache.cache_info().currsize if walk_cache else _walk.held_walks(),
+        "estimated_bytes": plan_cache.held_bytes() if hasattr(plan_cache, "held_bytes") else None,
+    }
 
 
 def distinct_shapes(world_size: int, shapes: int) -> float:
@@ -74,11 +77,17 @@ def main() -> None:
     seconds = distinct_shapes(args.world_size, args.shapes)
     gc.collect()
     after = rss_mib()
-    report = {"world_size": args.world_size, "shapes": args.shapes, "rss_mib_before": round(before, 1),
-              "rss_mib_after": round(after, 1), "rss_mib_growth": round(after - before, 1),
-              "seconds": round(seconds, 2), "held": held(),
-              "limits": {"max_plans": plan_cache.MAX_PLANS, "max_bytes": getattr(plan_cache, "MAX_BYTES", None)},
-              "training": training_like(args.world_size, 20)}
+    report = {
+        "world_size": args.world_size,
+        "shapes": args.shapes,
+        "rss_mib_before": round(before, 1),
+        "rss_mib_after": round(after, 1),
+        "rss_mib_growth": round(after - before, 1),
+        "seconds": round(seconds, 2),
+        "held": held(),
+        "limits": {"max_plans": plan_cache.MAX_PLANS, "max_bytes": getattr(plan_cache, "MAX_BYTES", None)},
+        "training": training_like(args.world_size, 20),
+    }
     print(json.dumps(report, indent=2))
 
 

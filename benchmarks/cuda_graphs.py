@@ -66,10 +66,18 @@ def _ops(world_size: int):
         ("all_to_all (1, 0)", (1, 64 * W), torch.float32, lambda x: cl.all_to_all(x, 1, 0)),
         ("all_to_all_4d (2, 1) B=1", (1, 8, 8 * W, 16), torch.float32, lambda x: cl.all_to_all_4d(x, 2, 1)),
         ("all_to_all_4d (1, 2) B=2", (2, 8 * W, 8, 16), torch.float32, lambda x: cl.all_to_all_4d(x, 1, 2)),
-        ("all_to_all_4d (2, 1) B=2 bf16 8 MiB", (2, 512, 8 * W, 128), torch.bfloat16,
-         lambda x: cl.all_to_all_4d(x, 2, 1)),  # the word-copy pack
-        ("all_to_all_4d (2, 1) B=2 bf16 32 MiB", (2, 2048, 8 * W, 128), torch.bfloat16,
-         lambda x: cl.all_to_all_4d(x, 2, 1)),  # the Triton pack kernel
+        (
+            "all_to_all_4d (2, 1) B=2 bf16 8 MiB",
+            (2, 512, 8 * W, 128),
+            torch.bfloat16,
+            lambda x: cl.all_to_all_4d(x, 2, 1),
+        ),  # the word-copy pack
+        (
+            "all_to_all_4d (2, 1) B=2 bf16 32 MiB",
+            (2, 2048, 8 * W, 128),
+            torch.bfloat16,
+            lambda x: cl.all_to_all_4d(x, 2, 1),
+        ),  # the Triton pack kernel
         ("broadcast src 0", (256,), torch.float32, lambda x: cl.broadcast(x, 0)),
         ("broadcast src W-1", (256,), torch.float32, lambda x: cl.broadcast(x, W - 1)),
         ("gather dst 0", (8, 32), torch.float32, lambda x: cl.gather(x, 0, 0)),
@@ -82,8 +90,12 @@ def _ops(world_size: int):
         ("reduce dst 0", (256,), torch.float32, lambda x: cl.reduce(x, 0)),
         ("reduce dst W-1 avg", (256,), torch.bfloat16, lambda x: cl.reduce(x, W - 1, "avg")),
         # uneven sizes (rank 0's shape: the fake and nccl settings only), S = 4W - 1, H = 2W - 2 (2 at W = 1)
-        ("all_to_all_4d (2, 1) B=1 uneven", (1, seq[0], heads_total, 16), torch.float32,
-         lambda x: cl.all_to_all_4d(x, 2, 1, gather_sizes=seq, scatter_sizes=heads)),
+        (
+            "all_to_all_4d (2, 1) B=1 uneven",
+            (1, seq[0], heads_total, 16),
+            torch.float32,
+            lambda x: cl.all_to_all_4d(x, 2, 1, gather_sizes=seq, scatter_sizes=heads),
+        ),
         ("all_gather dim 0 uneven", (seq[0], 32), torch.float32, lambda x: cl.all_gather(x, 0, sizes=seq)),
     ]
 
@@ -146,8 +158,10 @@ def _capture_rows(world_size: int, setting: str) -> list[dict]:
         x = torch.randn(shape, device=_DEVICE).to(dtype).requires_grad_(differentiable)
         _emit(rows, {"setting": setting, "op": name, "what": "forward", "result": _capture(_step(call, False), x)})
         if differentiable:
-            _emit(rows, {"setting": setting, "op": name, "what": "forward+backward",
-                         "result": _capture(_step(call, True), x)})
+            _emit(
+                rows,
+                {"setting": setting, "op": name, "what": "forward+backward", "result": _capture(_step(call, True), x)},
+            )
     return rows
 
 
@@ -178,8 +192,15 @@ def _compile() -> list[dict]:
         result = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
     dist.destroy_process_group()
     rows: list[dict] = []
-    _emit(rows, {"setting": "compile", "op": "reduce-overhead (a2a4d, a2a4d, all_reduce), fake W=4",
-                 "what": "forward", "result": result})
+    _emit(
+        rows,
+        {
+            "setting": "compile",
+            "op": "reduce-overhead (a2a4d, a2a4d, all_reduce), fake W=4",
+            "what": "forward",
+            "result": result,
+        },
+    )
     return rows
 
 
@@ -224,8 +245,11 @@ def _gloo_job(ctx, rows_file: Path | None, device: str) -> list[dict]:
             result = "ok" if error <= (1e-2 if dtype == torch.bfloat16 else 1e-5) else f"differs by {error:.3g}"
         except Exception as failure:
             result = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}"
-        _emit(rows, {"setting": "gloo", "op": name, "what": f"eager {device} vs cpu", "result": result},
-              to=rows_file if ctx.rank == 0 else Path(os.devnull))
+        _emit(
+            rows,
+            {"setting": "gloo", "op": name, "what": f"eager {device} vs cpu", "result": result},
+            to=rows_file if ctx.rank == 0 else Path(os.devnull),
+        )
     return rows
 
 
@@ -250,8 +274,15 @@ def _child(setting: str, out: Path, limit: float) -> list[dict]:
     rows, from the rows file, with one more row when the process failed or ran out of time."""
     rows_file, log = out / f"{setting}.jsonl", out / f"{setting}.log"
     rows_file.unlink(missing_ok=True)
-    command = [sys.executable, __file__, "--setting", setting, "--rows", str(rows_file),
-               *(["--dry-run"] if _DEVICE == "cpu" else [])]
+    command = [
+        sys.executable,
+        __file__,
+        "--setting",
+        setting,
+        "--rows",
+        str(rows_file),
+        *(["--dry-run"] if _DEVICE == "cpu" else []),
+    ]
     with log.open("w") as stderr:
         try:
             status = f"exit {subprocess.run(command, stdout=stderr, stderr=stderr, timeout=limit).returncode}"
@@ -260,20 +291,33 @@ def _child(setting: str, out: Path, limit: float) -> list[dict]:
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
     if status != "exit 0":
         tail = log.read_text()[-400:]
-        rows.append({"setting": setting, "op": "(setting)", "what": "process",
-                     "result": f"{status} after {len(rows)} rows; log tail: {tail}"})
+        rows.append(
+            {
+                "setting": setting,
+                "op": "(setting)",
+                "what": "process",
+                "result": f"{status} after {len(rows)} rows; log tail: {tail}",
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     global _DEVICE, _ROWS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "commlib-cuda-graphs",
-                        help="folder for the rows and logs (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "commlib-cuda-graphs",
+        help="folder for the rows and logs (default: %(default)s)",
+    )
     parser.add_argument("--only", choices=_SETTINGS, nargs="+", default=list(_SETTINGS), help="these settings")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="no GPU: the fake (eager calls only), gloo (cpu against cpu) and compile settings "
-                             "on the CPU, to check the script itself")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU: the fake (eager calls only), gloo (cpu against cpu) and compile settings "
+        "on the CPU, to check the script itself",
+    )
     parser.add_argument("--setting", choices=_SETTINGS, help=argparse.SUPPRESS)  # one setting, in this process
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -284,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         _run_setting(args.setting)
         return 0
     if _DEVICE == "cuda" and not torch.cuda.is_available():
-        print("cuda_graphs.py needs a CUDA GPU and a CUDA build of torch (or --dry-run to check the script on the CPU)",
-              file=sys.stderr)
+        print(
+            "cuda_graphs.py needs a CUDA GPU and a CUDA build of torch (or --dry-run to check the script on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -296,9 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         for row in done:
             print(f"{row['setting']:7}  {row['op']:40}  {row['what']:18}  {row['result']}", flush=True)
         rows += done
-    (args.out / "rows.json").write_text(json.dumps(
-        {"torch": torch.__version__, "device": torch.cuda.get_device_name() if _DEVICE == "cuda" else "cpu",
-         "rows": rows}, indent=1))
+    (args.out / "rows.json").write_text(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if _DEVICE == "cuda" else "cpu",
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     failed = [row for row in rows if row["result"] != "ok"]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} rows ok")
     return 1 if failed else 0

@@ -36,8 +36,7 @@ def _rank(rank: int, world_size: int, port: int, timeout: float, mib: float, sta
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     x = torch.ones(int(mib * 2**20 / 4) // world_size * world_size)
     commlib_torch.all_to_all(x, 0, 0)  # connections made
     started.put(rank)
@@ -55,8 +54,10 @@ def one_run(world_size: int, victim: int, timeout: float, mib: float, delay: flo
     context = mp.get_context("spawn")
     started, replies = context.Queue(), context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_rank, args=(rank, world_size, port, timeout, mib, started, replies))
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=_rank, args=(rank, world_size, port, timeout, mib, started, replies))
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     for _ in range(world_size):
@@ -76,8 +77,10 @@ def one_run(world_size: int, victim: int, timeout: float, mib: float, delay: flo
         if process.is_alive():
             process.kill()
         process.join()
-    return {"delay": round(delay, 2), "survivors": {str(rank): seconds.get(rank, "never raised")
-                                                    for rank in range(world_size) if rank != victim}}
+    return {
+        "delay": round(delay, 2),
+        "survivors": {str(rank): seconds.get(rank, "never raised") for rank in range(world_size) if rank != victim},
+    }
 
 
 def main() -> None:
@@ -90,16 +93,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=23)
     args = parser.parse_args()
     draw = random.Random(args.seed)
-    runs = [one_run(args.world_size, args.victim, args.timeout, args.mib, draw.uniform(0.2, 1.5))
-            for _ in range(args.runs)]
-    times = [survivor["seconds"] for run in runs for survivor in run["survivors"].values()
-             if isinstance(survivor, dict)]
-    slowest = [max((s["seconds"] if isinstance(s, dict) else float("inf")) for s in run["survivors"].values())
-               for run in runs]
-    summary = {"survivor_seconds_sorted": sorted(times), "median": statistics.median(times) if times else None,
-               "runs_whose_slowest_survivor_took_over_5s": sum(seconds > 5 for seconds in slowest),
-               "runs_whose_slowest_survivor_reached_the_timeout":
-                   sum(seconds >= args.timeout - 1 for seconds in slowest)}
+    runs = [
+        one_run(args.world_size, args.victim, args.timeout, args.mib, draw.uniform(0.2, 1.5)) for _ in range(args.runs)
+    ]
+    times = [
+        survivor["seconds"] for run in runs for survivor in run["survivors"].values() if isinstance(survivor, dict)
+    ]
+    slowest = [
+        max((s["seconds"] if isinstance(s, dict) else float("inf")) for s in run["survivors"].values()) for run in runs
+    ]
+    summary = {
+        "survivor_seconds_sorted": sorted(times),
+        "median": statistics.median(times) if times else None,
+        "runs_whose_slowest_survivor_took_over_5s": sum(seconds > 5 for seconds in slowest),
+        "runs_whose_slowest_survivor_reached_the_timeout": sum(seconds >= args.timeout - 1 for seconds in slowest),
+    }
     print(json.dumps({"args": vars(args), "summary": summary, "runs": runs}, indent=1))
 
 

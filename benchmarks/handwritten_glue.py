@@ -37,7 +37,7 @@ def my_positions(seq_len, ring_size, ulysses_size, zigzag, rank):
         block += list(range(bounds[chunks - 1 - ring], bounds[chunks - ring]))
     sizes = balanced(len(block), ulysses_size)
     start = sum(sizes[:piece])
-    return torch.tensor(block[start:start + sizes[piece]], dtype=torch.long)
+    return torch.tensor(block[start : start + sizes[piece]], dtype=torch.long)
 
 
 def my_shard_tokens(input_ids, positions, ignore_index=-100):
@@ -68,8 +68,12 @@ GLUE = (balanced, my_positions, my_shard_tokens, my_loss, my_sync_gradients)
 # --- the count -------------------------------------------------------------------------------------------------
 
 #: The example's glue with the helpers: the lines that call them (the layout is built in both versions).
-HELPER_CALLS = ("shard_tokens(input_ids, layout)", "loss = cross_entropy(logits, labels)",
-                "sync_gradients(sharded.parameters())", "from commlib_torch.sequence import")
+HELPER_CALLS = (
+    "shard_tokens(input_ids, layout)",
+    "loss = cross_entropy(logits, labels)",
+    "sync_gradients(sharded.parameters())",
+    "from commlib_torch.sequence import",
+)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_llama.py"
 
 
@@ -79,11 +83,18 @@ def code_lines(source: str) -> int:
     docstrings = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
-                                                                                           ast.Constant):
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+        ):
             docstrings.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
-    return sum(1 for number, line in enumerate(source.splitlines(), 1)
-               if line.strip() and not line.strip().startswith("#") and number not in docstrings)
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
 
 
 def counts() -> tuple[int, int]:
@@ -96,6 +107,8 @@ def counts() -> tuple[int, int]:
 
 if __name__ == "__main__":
     written, helpers = counts()
-    print(f"hand-written glue: {written} code lines (5 functions + 4 call lines); with commlib_torch.sequence: "
-          f"{helpers} lines (an import and 3 calls) in {EXAMPLE.name}")
+    print(
+        f"hand-written glue: {written} code lines (5 functions + 4 call lines); with commlib_torch.sequence: "
+        f"{helpers} lines (an import and 3 calls) in {EXAMPLE.name}"
+    )
     sys.exit(0)

@@ -50,16 +50,26 @@ def _rows() -> list[tuple[str, object, object]]:
         return out
 
     return [
-        ("autograd Function: Function.apply -> C apply", lambda: _Itself.apply(x, None),
-         lambda: c_apply(unwrap(x), None)),
-        ("permute plan (list perm): general cache -> pairs + fast cache",
-         lambda: plans.permute(x.shape, 4, ring, dtype="float32", backend_dtypes=None),
-         lambda: plans.permute(x.shape, 4, plan_cache.pairs(ring), dtype="float32", backend_dtypes=None)),
-        ("Ulysses unpack: contiguous + view -> new_empty + copy_",
-         lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape), copy_into_output),
-        ("Ulysses unpack: contiguous + view -> rearrange (reshape's copy)",
-         lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape),
-         lambda: _walk.rearrange(recv, step, out_shape, recv.dtype)),
+        (
+            "autograd Function: Function.apply -> C apply",
+            lambda: _Itself.apply(x, None),
+            lambda: c_apply(unwrap(x), None),
+        ),
+        (
+            "permute plan (list perm): general cache -> pairs + fast cache",
+            lambda: plans.permute(x.shape, 4, ring, dtype="float32", backend_dtypes=None),
+            lambda: plans.permute(x.shape, 4, plan_cache.pairs(ring), dtype="float32", backend_dtypes=None),
+        ),
+        (
+            "Ulysses unpack: contiguous + view -> new_empty + copy_",
+            lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape),
+            copy_into_output,
+        ),
+        (
+            "Ulysses unpack: contiguous + view -> rearrange (reshape's copy)",
+            lambda: recv.reshape(step.split_shape).permute(step.perm).contiguous().view(out_shape),
+            lambda: _walk.rearrange(recv, step, out_shape, recv.dtype),
+        ),
     ]
 
 

@@ -68,6 +68,7 @@ def commlib_layout(x: torch.Tensor, plan, exchange=_skip, rearrange=_walk.rearra
 
 def _in_mode(mode: str, fn: Callable) -> Callable:
     """`fn` with `commlib_torch._pack` in `mode` ("words": no Triton kernel, "eager": torch's plain copy_)."""
+
     def call(*args, **kwargs):
         os.environ[_pack._MODE_ENV] = mode
         try:
@@ -94,9 +95,12 @@ def _inductor_rearrange():
 def variants(x: torch.Tensor, dims: tuple[int, int], inductor: bool, exchange=_skip) -> dict[str, Callable]:
     plan = plans.all_to_all_4d(x.shape, WORLD_SIZE, *dims)
     copy_target = torch.empty_like(x)
-    result = {"copy": lambda: copy_target.copy_(x), "clone": lambda: x.clone(),
-              "seed": lambda: seed_all_to_all_4d(x, WORLD_SIZE, *dims, exchange=exchange),
-              "commlib": lambda: commlib_layout(x, plan, exchange)}
+    result = {
+        "copy": lambda: copy_target.copy_(x),
+        "clone": lambda: x.clone(),
+        "seed": lambda: seed_all_to_all_4d(x, WORLD_SIZE, *dims, exchange=exchange),
+        "commlib": lambda: commlib_layout(x, plan, exchange),
+    }
     if x.is_cuda:
         result["commlib words"] = _in_mode("words", lambda: commlib_layout(x, plan, exchange))
         result["commlib eager"] = _in_mode("eager", lambda: commlib_layout(x, plan, exchange))
@@ -110,10 +114,12 @@ def _timer(device: torch.device) -> Callable[[Callable], float]:
     """Seconds of one call: wall-clock on the CPU; on CUDA the device time between two events, recorded
     while a sleep kernel keeps the GPU busy so that the host's launch time stays out of it."""
     if device.type != "cuda":
+
         def wall(fn):
             start = time.perf_counter()
             fn()
             return time.perf_counter() - start
+
         return wall
 
     def events(fn):
@@ -124,6 +130,7 @@ def _timer(device: torch.device) -> Callable[[Callable], float]:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
     return events
 
 
@@ -190,16 +197,22 @@ def bench(device: torch.device, repeats: int, warmup: int, do_check: bool, induc
             for name in calls:
                 memory = None if name in ("copy", "clone") else peak_memory(calls[name], device)
                 host = host_seconds(calls[name], device)
-                rows.append({
-                    "shape": list(in_shape), "dims": list(dims), "batch": shape[0], "variant": name,
-                    "passes": 1 if name in ("copy", "clone") else 3 if name == "seed" else plan.copies,
-                    "ms": 1e3 * medians[name], "over_copy": medians[name] / medians["copy"],
-                    "copy_GBps": 2 * in_bytes / medians["copy"] / 1e9,
-                    "peak_over_input": None if memory is None else memory[0] / in_bytes,
-                    "scratch_over_input": None if memory is None else (memory[0] - memory[1]) / in_bytes,
-                    "target": TARGETS[shape[0]] if name == "commlib" and device.type == "cuda" else None,
-                    "host_us": None if host is None else 1e6 * host,
-                })
+                rows.append(
+                    {
+                        "shape": list(in_shape),
+                        "dims": list(dims),
+                        "batch": shape[0],
+                        "variant": name,
+                        "passes": 1 if name in ("copy", "clone") else 3 if name == "seed" else plan.copies,
+                        "ms": 1e3 * medians[name],
+                        "over_copy": medians[name] / medians["copy"],
+                        "copy_GBps": 2 * in_bytes / medians["copy"] / 1e9,
+                        "peak_over_input": None if memory is None else memory[0] / in_bytes,
+                        "scratch_over_input": None if memory is None else (memory[0] - memory[1]) / in_bytes,
+                        "target": TARGETS[shape[0]] if name == "commlib" and device.type == "cuda" else None,
+                        "host_us": None if host is None else 1e6 * host,
+                    }
+                )
             del x, calls
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -212,13 +225,21 @@ def sweep(device: torch.device, repeats: int) -> list[dict]:
     rows_, columns, size = _pack.row_transpose(plan.layout.pack)
     x = torch.randn(SHAPES[0], device=device).to(torch.bfloat16)
     out = torch.empty(plan.layout.pack.out_shape, dtype=x.dtype, device=device)
-    calls = {(tile, warps): (lambda tile=tile, warps=warps: _pack.transpose_rows(
-        x, out, rows_, columns, size, tile_words=tile, num_warps=warps))
-        for tile in (1024, 2048, 4096, 8192) for warps in (4, 8)}
+    calls = {
+        (tile, warps): (
+            lambda tile=tile, warps=warps: _pack.transpose_rows(
+                x, out, rows_, columns, size, tile_words=tile, num_warps=warps
+            )
+        )
+        for tile in (1024, 2048, 4096, 8192)
+        for warps in (4, 8)
+    }
     calls[("copy", 0)] = lambda: out.view(-1).copy_(x.view(-1))
     medians = time_variants(calls, repeats, 3, device)
-    return [{"tile_words": tile, "num_warps": warps, "ms": 1e3 * seconds,
-             "over_copy": seconds / medians[("copy", 0)]} for (tile, warps), seconds in medians.items()]
+    return [
+        {"tile_words": tile, "num_warps": warps, "ms": 1e3 * seconds, "over_copy": seconds / medians[("copy", 0)]}
+        for (tile, warps), seconds in medians.items()
+    ]
 
 
 def _markdown(rows: list[dict]) -> str:
@@ -230,11 +251,32 @@ def _markdown(rows: list[dict]) -> str:
         memory = "-" if row["peak_over_input"] is None else f"{row['peak_over_input']:.2f}"
         scratch = "-" if row["scratch_over_input"] is None else f"{row['scratch_over_input']:.2f}"
         host = "-" if row["host_us"] is None else f"{row['host_us']:.0f}"
-        body.append(["x".join(map(str, row["shape"])), tuple(row["dims"]), row["variant"], row["passes"],
-                     f"{row['ms']:.3f}", f"{row['over_copy']:.2f}", memory, scratch, host,
-                     "" if row["target"] is None else f"<= {row['target']} {verdict}"])
-    headers = ["input (bf16)", "dims", "variant", "passes", "ms", "x copy", "peak/in", "scratch/in", "host us",
-               "target"]
+        body.append(
+            [
+                "x".join(map(str, row["shape"])),
+                tuple(row["dims"]),
+                row["variant"],
+                row["passes"],
+                f"{row['ms']:.3f}",
+                f"{row['over_copy']:.2f}",
+                memory,
+                scratch,
+                host,
+                "" if row["target"] is None else f"<= {row['target']} {verdict}",
+            ]
+        )
+    headers = [
+        "input (bf16)",
+        "dims",
+        "variant",
+        "passes",
+        "ms",
+        "x copy",
+        "peak/in",
+        "scratch/in",
+        "host us",
+        "target",
+    ]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
@@ -251,12 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda needs a CUDA GPU and a CUDA build of torch; this torch ({torch.__version__}) "
-                     "sees none (leave --device out to time the CPU)")
+        parser.error(
+            f"--device cuda needs a CUDA GPU and a CUDA build of torch; this torch ({torch.__version__}) "
+            "sees none (leave --device out to time the CPU)"
+        )
     repeats = args.repeats or (50 if device.type == "cuda" else 7)
-    facts = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(device)
-             if device.type == "cuda" else f"cpu ({os.cpu_count()} cpus)", "torch": torch.__version__,
-             "python": sys.version.split()[0], "repeats": repeats, "world_size": WORLD_SIZE}
+    facts = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cpus)",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "repeats": repeats,
+        "world_size": WORLD_SIZE,
+    }
     try:
         import triton
 

@@ -45,8 +45,9 @@ def deepspeed_attention(group):
     from deepspeed.sequence.layer import DistributedAttention
 
     def local(query, key, value):  # [B, S, H / W, D] after DeepSpeed's all-to-all
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
         return out.transpose(1, 2)
 
     ulysses = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
@@ -62,11 +63,20 @@ def deepspeed_attention(group):
 
 def models(dtype: torch.dtype) -> dict[str, LlamaForCausalLM]:
     """The example's Llama (hidden 64, 2 layers, 8 heads, 2 kv heads, vocab 256) twice, the same seeded weights."""
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=256, attention_dropout=0.0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
-    built = {name: LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=name, dtype=dtype)
-             for name in VARIANTS}
+    built = {
+        name: LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=name, dtype=dtype)
+        for name in VARIANTS
+    }
     built["deepspeed"].load_state_dict(built["commlib"].state_dict())
     return built
 
@@ -119,37 +129,67 @@ def main() -> int:
     with parallel(layout, attention="ulysses"):
         for repeat in range(args.warmup + args.repeats):
             order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
-            took = {name: timed(lambda name=name: losses[name].append(step(built[name], optimizers[name], *tokens)))
-                    for name in order}
+            took = {
+                name: timed(lambda name=name: losses[name].append(step(built[name], optimizers[name], *tokens)))
+                for name in order
+            }
             for name in VARIANTS if repeat >= args.warmup else ():
                 seconds[name].append(took[name])
             if rank == 0:
-                print(f"repeat {repeat + 1}/{args.warmup + args.repeats}{' (warmup)' if repeat < args.warmup else ''}: "
-                      + ", ".join(f"{name} loss {losses[name][-1]:.6f} {took[name]:.3f} s" for name in VARIANTS),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.warmup + args.repeats}{' (warmup)' if repeat < args.warmup else ''}: "
+                    + ", ".join(f"{name} loss {losses[name][-1]:.6f} {took[name]:.3f} s" for name in VARIANTS),
+                    file=sys.stderr,
+                    flush=True,
+                )
     load_after = os.getloadavg()
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses["commlib"], losses["deepspeed"], strict=True))
-    summary = {name: {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values),
-                      "seconds": values} for name, values in seconds.items()}
+    summary = {
+        name: {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "seconds": values}
+        for name, values in seconds.items()
+    }
     ratio = summary["commlib"]["median_s"] / summary["deepspeed"]["median_s"]
     if rank == 0:
         for name, row in summary.items():
-            print(f"{name:9s} median {row['median_s']:.3f} s  (min {row['min_s']:.3f}, max {row['max_s']:.3f}, "
-                  f"{len(row['seconds'])} steps)")
-        print(f"ratio commlib / deepspeed (medians): {ratio:.3f}; largest relative loss difference over "
-              f"{len(losses['commlib'])} steps: {loss_error:.1e}; W={world} S={args.seq_len} batch={args.batch} "
-              f"{args.dtype}; {CALLS['deepspeed']} DeepSpeed attention calls; "
-              f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; torch {torch.__version__}, "
-              f"deepspeed {deepspeed.__version__}")
+            print(
+                f"{name:9s} median {row['median_s']:.3f} s  (min {row['min_s']:.3f}, max {row['max_s']:.3f}, "
+                f"{len(row['seconds'])} steps)"
+            )
+        print(
+            f"ratio commlib / deepspeed (medians): {ratio:.3f}; largest relative loss difference over "
+            f"{len(losses['commlib'])} steps: {loss_error:.1e}; W={world} S={args.seq_len} batch={args.batch} "
+            f"{args.dtype}; {CALLS['deepspeed']} DeepSpeed attention calls; "
+            f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; torch {torch.__version__}, "
+            f"deepspeed {deepspeed.__version__}"
+        )
         if args.json:
-            facts = {"world_size": world, "seq_len": args.seq_len, "batch": args.batch, "dtype": args.dtype,
-                     "warmup": args.warmup, "load_before": load_before, "load_after": load_after,
-                     "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                                  "python": sys.version.split()[0]}}
+            facts = {
+                "world_size": world,
+                "seq_len": args.seq_len,
+                "batch": args.batch,
+                "dtype": args.dtype,
+                "warmup": args.warmup,
+                "load_before": load_before,
+                "load_after": load_after,
+                "versions": {
+                    "torch": torch.__version__,
+                    "deepspeed": deepspeed.__version__,
+                    "python": sys.version.split()[0],
+                },
+            }
             with open(args.json, "w") as file:
-                json.dump({"facts": facts, "ratio": ratio, "loss_error": loss_error, "losses": losses,
-                           "deepspeed_attention_calls": CALLS["deepspeed"],
-                           "variants": summary}, file, indent=1)
+                json.dump(
+                    {
+                        "facts": facts,
+                        "ratio": ratio,
+                        "loss_error": loss_error,
+                        "losses": losses,
+                        "deepspeed_attention_calls": CALLS["deepspeed"],
+                        "variants": summary,
+                    },
+                    file,
+                    indent=1,
+                )
     dist.destroy_process_group()
     return 0
 

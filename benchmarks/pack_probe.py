@@ -68,23 +68,35 @@ def _launch_only(x: torch.Tensor, out: torch.Tensor, dims: tuple[int, int, int])
     block_rows = max(1, _pack._TILE_WORDS // block_words)
     word_blocks = -(-words // block_words)
     grid = (-(-rows * columns // block_rows) * word_blocks,)
-    return lambda: kernel[grid](x, out, rows, columns, words, word_blocks, WORD=word_types[width],
-                                BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
+    return lambda: kernel[grid](
+        x,
+        out,
+        rows,
+        columns,
+        words,
+        word_blocks,
+        WORD=word_types[width],
+        BLOCK_ROWS=block_rows,
+        BLOCK_WORDS=block_words,
+        num_warps=4,
+    )
 
 
 def probes(x: torch.Tensor, step, shape) -> dict:
     dims = _pack.row_transpose(step)
     out = torch.empty(step.out_shape, dtype=x.dtype, device=x.device)
     source = x.reshape(step.split_shape).permute(step.perm)
-    result = {"copy (reference)": lambda: out.view(-1).copy_(x.view(-1)),
-              "eager copy_ (bf16)": lambda: out.copy_(source),
-              "eager copy_ (int32 words)": _wide(x, out, dims, torch.int32),
-              "eager copy_ (int64 words)": _wide(x, out, dims, torch.int64),
-              "_pack.copy_words": lambda: _pack.copy_words(x, out, *dims),
-              "triton transpose_rows": lambda: _pack.transpose_rows(x, out, *dims),
-              "triton launch only": _launch_only(x, out, dims),
-              "_pack.copy_into": lambda: _pack.copy_into(out, x, step),
-              "_walk.rearrange (alloc + kernel)": lambda: _walk.rearrange(x, step, shape, x.dtype)}
+    result = {
+        "copy (reference)": lambda: out.view(-1).copy_(x.view(-1)),
+        "eager copy_ (bf16)": lambda: out.copy_(source),
+        "eager copy_ (int32 words)": _wide(x, out, dims, torch.int32),
+        "eager copy_ (int64 words)": _wide(x, out, dims, torch.int64),
+        "_pack.copy_words": lambda: _pack.copy_words(x, out, *dims),
+        "triton transpose_rows": lambda: _pack.transpose_rows(x, out, *dims),
+        "triton launch only": _launch_only(x, out, dims),
+        "_pack.copy_into": lambda: _pack.copy_into(out, x, step),
+        "_walk.rearrange (alloc + kernel)": lambda: _walk.rearrange(x, step, shape, x.dtype),
+    }
     return out, result
 
 
@@ -94,16 +106,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("pack_probe.py needs a CUDA GPU and a CUDA build of torch (it times the CUDA pack pass); "
-              f"this torch ({torch.__version__}) sees none", file=sys.stderr)
+        print(
+            "pack_probe.py needs a CUDA GPU and a CUDA build of torch (it times the CUDA pack pass); "
+            f"this torch ({torch.__version__}) sees none",
+            file=sys.stderr,
+        )
         return 2
     rows = []
-    cases = {"B=1 pack (2, 1)": (plans.all_to_all_4d((1, 32768, 24, 128), 8, 2, 1), "pack"),
-             "B=2 unpack (2, 1)": (plans.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),
-             "small B=1 pack": (plans.all_to_all_4d((1, 64, 24, 128), 8, 2, 1), "pack")}
+    cases = {
+        "B=1 pack (2, 1)": (plans.all_to_all_4d((1, 32768, 24, 128), 8, 2, 1), "pack"),
+        "B=2 unpack (2, 1)": (plans.all_to_all_4d((2, 16384, 24, 128), 8, 2, 1), "unpack"),
+        "small B=1 pack": (plans.all_to_all_4d((1, 64, 24, 128), 8, 2, 1), "pack"),
+    }
     for case, (plan, part) in cases.items():
-        step, shape, source_shape = ((plan.layout.pack, plan.layout.send_shape, plan.in_shape) if part == "pack"
-                                     else (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape))
+        step, shape, source_shape = (
+            (plan.layout.pack, plan.layout.send_shape, plan.in_shape)
+            if part == "pack"
+            else (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape)
+        )
         x = torch.randn(source_shape, device="cuda").to(torch.bfloat16)
         expected = x.reshape(step.split_shape).permute(step.perm).contiguous()
         out, calls = probes(x, step, shape)
@@ -117,8 +137,15 @@ def main(argv: list[str] | None = None) -> int:
                     checked = "declined"
                 else:
                     checked = "ok" if torch.equal(produced.view(expected.shape), expected) else "WRONG"
-            rows.append({"case": case, "way": name, "device_us": 1e6 * device_seconds(fn, args.repeats),
-                         "host_us": 1e6 * host_seconds(fn), "check": checked})
+            rows.append(
+                {
+                    "case": case,
+                    "way": name,
+                    "device_us": 1e6 * device_seconds(fn, args.repeats),
+                    "host_us": 1e6 * host_seconds(fn),
+                    "check": checked,
+                }
+            )
         reference = next(row["device_us"] for row in rows if row["case"] == case and row["way"].startswith("copy"))
         for row in rows:
             if row["case"] == case:
@@ -126,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         del x, out, calls, expected
         torch.cuda.empty_cache()
     for row in rows:
-        print(f"{row['case']:18s} {row['way']:34s} device {row['device_us']:8.1f} us ({row['over_copy']:.2f}x copy)"
-              f"  host {row['host_us']:6.1f} us  {row['check']}")
+        print(
+            f"{row['case']:18s} {row['way']:34s} device {row['device_us']:8.1f} us ({row['over_copy']:.2f}x copy)"
+            f"  host {row['host_us']:6.1f} us  {row['check']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -28,8 +28,7 @@ def _inputs(rank: int, layout: SequenceLayout, shape: tuple, ids: np.ndarray, dt
     batch, _, heads, kv_heads, dim = shape
     generator = torch.Generator().manual_seed(rank)
     q = torch.randn(batch, layout.sizes[rank], heads, dim, generator=generator, dtype=dtype)
-    k, v = (torch.randn(batch, layout.sizes[rank], kv_heads, dim, generator=generator, dtype=dtype)
-            for _ in range(2))
+    k, v = (torch.randn(batch, layout.sizes[rank], kv_heads, dim, generator=generator, dtype=dtype) for _ in range(2))
     segment_ids = torch.tensor(np.stack([row[layout.positions(rank)] for row in ids]))
     return [x.requires_grad_() for x in (q, k, v)], segment_ids
 
@@ -54,9 +53,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--documents", type=int, default=8,
-                        help="equal documents per row (1: one document, every id 0, as a tokenizer's all-ones "
-                             "attention_mask becomes: the mask's cost with nothing to skip)")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=8,
+        help="equal documents per row (1: one document, every id 0, as a tokenizer's all-ones "
+        "attention_mask becomes: the mask's cost with nothing to skip)",
+    )
     args = parser.parse_args()
     from commlib_torch.tools.pool import WorkerPool
 
@@ -72,17 +75,43 @@ def main() -> None:
             for with_ids in (False, True):
                 per_rank = pool.run(job, shape, layout_name, ids, with_ids, args.repeats)
                 slowest = [max(step) for step in zip(*per_rank, strict=True)]  # a call ends with its slowest rank
-                plan = ring_plan(q_shape, kv_shape, kv_shape, world_size, causal=True, layout=layout_name,
-                                 segment_ids=((1, rows_per_rank), "int64") if with_ids else None)
+                plan = ring_plan(
+                    q_shape,
+                    kv_shape,
+                    kv_shape,
+                    world_size,
+                    causal=True,
+                    layout=layout_name,
+                    segment_ids=((1, rows_per_rank), "int64") if with_ids else None,
+                )
                 blocks = np.stack([ids[:, layout.positions(rank)] for rank in range(world_size)])
                 computed, scheduled = pieces_computed(plan, blocks if with_ids else None)
                 sent = plan.wire_elements() * 4 + (rows_per_rank * 8 if with_ids else 0)
-                rows.append({"layout": layout_name, "segment_ids": with_ids, "median_s": statistics.median(slowest),
-                             "min_s": min(slowest), "pieces_computed": computed, "pieces_scheduled": scheduled,
-                             "bytes_sent_per_forward_step": sent})
-    print(json.dumps({"world_size": world_size, "shape_B_S_H_Hkv_D": shape, "dtype": "float32",
-                      "documents": f"{args.documents} of {args.seq // args.documents} tokens", "repeats": args.repeats,
-                      "torch": torch.__version__, "rows": rows}, indent=1))
+                rows.append(
+                    {
+                        "layout": layout_name,
+                        "segment_ids": with_ids,
+                        "median_s": statistics.median(slowest),
+                        "min_s": min(slowest),
+                        "pieces_computed": computed,
+                        "pieces_scheduled": scheduled,
+                        "bytes_sent_per_forward_step": sent,
+                    }
+                )
+    print(
+        json.dumps(
+            {
+                "world_size": world_size,
+                "shape_B_S_H_Hkv_D": shape,
+                "dtype": "float32",
+                "documents": f"{args.documents} of {args.seq // args.documents} tokens",
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def on_ranks(world_size: int, job, *args) -> tuple[dict[str, list[float]], dict]
     with WorkerPool(world_size, timeout=1800.0) as pool:
         per_rank = pool.run(job, *args)
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()}
-    return {name: [max(values) for values in zip(*(rank[name] for rank in per_rank), strict=True)]
-            for name in per_rank[0]}, load
+    return {
+        name: [max(values) for values in zip(*(rank[name] for rank in per_rank), strict=True)] for name in per_rank[0]
+    }, load
 
 
 def main() -> None:
@@ -96,13 +97,25 @@ def main() -> None:
     job = importlib.import_module("benchmarks.ring_overlap").timed  # picklable by its module's name
     slowest, load = on_ranks(world_size, job, shape, args.causal, args.repeats)
     ratios = [seq / over for seq, over in zip(slowest["sequential"], slowest["overlapped"], strict=True)]
-    print(json.dumps({"world_size": world_size, "shape_B_S_H_Hkv_D": shape, "dtype": "float32",
-                      "causal": args.causal, "repeats": args.repeats, "cpu_count": os.cpu_count(), **load,
-                      "torch": torch.__version__,
-                      "fwd_bwd_s": {name: summary(slowest[name]) for name in ("overlapped", "sequential")},
-                      "one_step_send_s": summary(slowest["send"]),
-                      "sends_per_fwd_bwd": 3 * (world_size - 1) + 1,
-                      "ratio_sequential_over_overlapped": summary(ratios)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "world_size": world_size,
+                "shape_B_S_H_Hkv_D": shape,
+                "dtype": "float32",
+                "causal": args.causal,
+                "repeats": args.repeats,
+                "cpu_count": os.cpu_count(),
+                **load,
+                "torch": torch.__version__,
+                "fwd_bwd_s": {name: summary(slowest[name]) for name in ("overlapped", "sequential")},
+                "one_step_send_s": summary(slowest["send"]),
+                "sends_per_fwd_bwd": 3 * (world_size - 1) + 1,
+                "ratio_sequential_over_overlapped": summary(ratios),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def _inputs(ctx, shape: tuple) -> list[torch.Tensor]:
     batch, seq, heads, kv_heads, dim = shape
     generator = torch.Generator().manual_seed(ctx.rank)
     rows = seq // ctx.world_size
-    return [torch.randn(batch, rows, count, dim, generator=generator).requires_grad_()
-            for count in (heads, kv_heads, kv_heads)]
+    return [
+        torch.randn(batch, rows, count, dim, generator=generator).requires_grad_()
+        for count in (heads, kv_heads, kv_heads)
+    ]
 
 
 def _seconds(call) -> float:
@@ -52,8 +54,9 @@ def _seconds(call) -> float:
 def _sequential(walk):
     """While inside, the walk's seam runs every collective synchronously (no overlap)."""
     start = walk._start_exchange
-    walk._start_exchange = lambda collective, x, *args, overlap, **kwargs: start(collective, x, *args,
-                                                                                  overlap=False, **kwargs)
+    walk._start_exchange = lambda collective, x, *args, overlap, **kwargs: start(
+        collective, x, *args, overlap=False, **kwargs
+    )
     try:
         yield
     finally:
@@ -75,21 +78,27 @@ def timed(ctx, shape: tuple, causal: bool, repeats: int) -> dict:
     torch.set_num_threads(1)  # W ranks share the cores: one thread each (no oversubscription)
     q, k, v = _inputs(ctx, shape)
     batch, seq, heads, kv_heads, dim = shape
-    local = [torch.randn(batch, seq, count // ctx.world_size, dim).requires_grad_()
-             for count in (heads, kv_heads, kv_heads)]
+    local = [
+        torch.randn(batch, seq, count // ctx.world_size, dim).requires_grad_() for count in (heads, kv_heads, kv_heads)
+    ]
     send = torch.randn(heads + 2 * kv_heads, batch, seq // ctx.world_size, dim)  # chunks=1's send buffer
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     times.update({"all_to_all": [], "attention": []})
     for repeat in range(repeats + 1):  # the first round warms up
-        order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]
+        order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
         for name in order:
             chunks = int(name.split()[0].removeprefix("chunks="))
-            elapsed = _seconds(lambda name=name, chunks=chunks: _variant(walk, name, lambda: walk.ulysses_attention(
-                q, k, v, causal=causal, chunks=chunks).sum().backward()))
+            elapsed = _seconds(
+                lambda name=name, chunks=chunks: _variant(
+                    walk, name, lambda: walk.ulysses_attention(q, k, v, causal=causal, chunks=chunks).sum().backward()
+                )
+            )
             if repeat:
                 times[name].append(elapsed)
-        pieces = {"all_to_all": lambda: all_to_all(send, 0, 2),
-                  "attention": lambda: walk.attention(*local, causal=causal).sum().backward()}
+        pieces = {
+            "all_to_all": lambda: all_to_all(send, 0, 2),
+            "attention": lambda: walk.attention(*local, causal=causal).sum().backward(),
+        }
         for name, call in pieces.items():
             elapsed = _seconds(call)
             if repeat:
@@ -108,22 +117,43 @@ def main() -> None:
     job = importlib.import_module("benchmarks.ulysses_overlap").timed  # picklable by its module's name
     slowest, load = on_ranks(world_size, job, shape, args.causal, args.repeats)
     whole = slowest["chunks=1"]
-    print(json.dumps({"world_size": world_size, "shape_B_S_H_Hkv_D": shape, "dtype": "float32",
-                      "causal": args.causal, "repeats": args.repeats, "cpu_count": os.cpu_count(), **load,
-                      "torch": torch.__version__, "threads_per_rank": 1,
-                      "seam": "chunks > 1: async_op=True (commlib_torch.Handle); 'sequential': forced synchronous",
-                      "fwd_bwd_s": {name: summary(slowest[name]) for name in slowest if name.startswith("chunks")},
-                      "qkv_all_to_all_s": summary(slowest["all_to_all"]),
-                      "one_rank_attention_fwd_bwd_s": summary(slowest["attention"]),
-                      "ratio_chunks_1_over_chunks_c": {
-                          f"chunks={chunks}": summary([one / other for one, other in
-                                                       zip(whole, slowest[f"chunks={chunks}"], strict=True)])
-                          for chunks in CHUNKS[1:]},
-                      "ratio_sequential_over_overlapped": {
-                          f"chunks={chunks}": summary([sequential / overlapped for sequential, overlapped in
-                                                       zip(slowest[f"chunks={chunks} sequential"],
-                                                           slowest[f"chunks={chunks}"], strict=True)])
-                          for chunks in CHUNKS[1:]}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "world_size": world_size,
+                "shape_B_S_H_Hkv_D": shape,
+                "dtype": "float32",
+                "causal": args.causal,
+                "repeats": args.repeats,
+                "cpu_count": os.cpu_count(),
+                **load,
+                "torch": torch.__version__,
+                "threads_per_rank": 1,
+                "seam": "chunks > 1: async_op=True (commlib_torch.Handle); 'sequential': forced synchronous",
+                "fwd_bwd_s": {name: summary(slowest[name]) for name in slowest if name.startswith("chunks")},
+                "qkv_all_to_all_s": summary(slowest["all_to_all"]),
+                "one_rank_attention_fwd_bwd_s": summary(slowest["attention"]),
+                "ratio_chunks_1_over_chunks_c": {
+                    f"chunks={chunks}": summary(
+                        [one / other for one, other in zip(whole, slowest[f"chunks={chunks}"], strict=True)]
+                    )
+                    for chunks in CHUNKS[1:]
+                },
+                "ratio_sequential_over_overlapped": {
+                    f"chunks={chunks}": summary(
+                        [
+                            sequential / overlapped
+                            for sequential, overlapped in zip(
+                                slowest[f"chunks={chunks} sequential"], slowest[f"chunks={chunks}"], strict=True
+                            )
+                        ]
+                    )
+                    for chunks in CHUNKS[1:]
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

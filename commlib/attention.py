@@ -146,16 +146,17 @@ def _grouping(local: Sequence[int], heads: int, kv_heads: int) -> int | None:
 @functools.lru_cache(maxsize=1024)
 def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
     """The `HeadSplit` of H q heads over H_kv kv heads (H % H_kv == 0, checked by `ulysses_plan`) at W ranks."""
-    q_ranges = tuple((start, start + size) for start, size in
-                     zip(_offsets(split_sizes(heads, world_size)), split_sizes(heads, world_size), strict=True))
+    q_ranges = tuple(
+        (start, start + size)
+        for start, size in zip(_offsets(split_sizes(heads, world_size)), split_sizes(heads, world_size), strict=True)
+    )
     return _with_kv(heads, kv_heads, world_size, q_ranges)
 
 
 def _with_kv(heads: int, kv_heads: int, world_size: int, q_ranges: tuple[tuple[int, int], ...]) -> HeadSplit:
     """The `HeadSplit` of the q heads `q_ranges` and exactly the kv heads they use."""
     group = heads // kv_heads
-    kv_ranges = tuple((start // group, (stop - 1) // group + 1) if stop > start else (0, 0)
-                      for start, stop in q_ranges)
+    kv_ranges = tuple((start // group, (stop - 1) // group + 1) if stop > start else (0, 0) for start, stop in q_ranges)
     return HeadSplit(heads, kv_heads, world_size, q_ranges, kv_ranges)
 
 
@@ -174,10 +175,12 @@ def head_groups(split: HeadSplit, chunks: int) -> tuple[HeadSplit, ...]:
     pieces = []
     for start, stop in split.q_ranges:
         sizes = split_sizes(stop - start, chunks)
-        pieces.append([(start + offset, start + offset + size) for offset, size in zip(_offsets(sizes), sizes,
-                                                                                      strict=True)])
-    return tuple(_with_kv(split.heads, split.kv_heads, split.world_size, tuple(ranges))
-                 for ranges in zip(*pieces, strict=True))
+        pieces.append(
+            [(start + offset, start + offset + size) for offset, size in zip(_offsets(sizes), sizes, strict=True)]
+        )
+    return tuple(
+        _with_kv(split.heads, split.kv_heads, split.world_size, tuple(ranges)) for ranges in zip(*pieces, strict=True)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +341,9 @@ def _check_int(name: str, value: object, received: dict, op_name: str = OP_NAME)
 
 
 #: Appended to a seq mismatch where q's dim 2 matches k's (or v's) seq or heads: q given in SDPA's order.
-_SDPA_HINT = (" (q, k and v are [batch, seq, heads, head_dim]: SDPA's [batch, heads, seq, head_dim] needs "
-              ".transpose(1, 2))")
+_SDPA_HINT = (
+    " (q, k and v are [batch, seq, heads, head_dim]: SDPA's [batch, heads, seq, head_dim] needs .transpose(1, 2))"
+)
 
 
 def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_NAME) -> dict[str, tuple[int, ...]]:
@@ -351,16 +355,18 @@ def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_N
         except TypeError:
             raise kind_error(op_name, f"{name} shape must be a sequence of ints", **received) from None
         if len(dims) != 4:
-            raise comm_error(op_name, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])",
-                             **received)
+            raise comm_error(
+                op_name, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])", **received
+            )
         checked[name] = dims
     q, k, v = checked["q"], checked["k"], checked["v"]
     for name, dims in (("k", k), ("v", v)):
         for axis, quantity in ((0, "batch"), (1, "seq")):
             if dims[axis] != q[axis]:
                 hint = _SDPA_HINT if quantity == "seq" and q[2] in dims[1:3] else ""
-                raise comm_error(op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]})"
-                                 f"{hint}", **received)
+                raise comm_error(
+                    op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]}){hint}", **received
+                )
     if v[2] != k[2]:
         raise comm_error(op_name, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
     if k[3] != q[3]:
@@ -372,24 +378,28 @@ def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_N
     return checked
 
 
-def _check_seq_sizes(seq_sizes: object, world_size: int, rank: int | None, rows: int,
-                     received: dict) -> tuple[int, ...]:
+def _check_seq_sizes(
+    seq_sizes: object, world_size: int, rank: int | None, rows: int, received: dict
+) -> tuple[int, ...]:
     """Every rank's shard length (`commlib.uneven.check_sizes`); `rows` is this rank's seq dim (exact:
     ``seq_sizes[rank]``, padded: the max)."""
     if seq_sizes is None:
         return (rows,) * world_size
     sizes = check_sizes(OP_NAME, Sizes("seq_sizes", seq_sizes, "seq"), world_size, received)
     if rank is not None and rows != sizes[rank]:
-        raise comm_error(OP_NAME, f"seq ({rows}) must equal seq_sizes[{rank}] ({sizes[rank]}) on rank {rank}",
-                         **received)
+        raise comm_error(
+            OP_NAME, f"seq ({rows}) must equal seq_sizes[{rank}] ({sizes[rank]}) on rank {rank}", **received
+        )
     if rank is None and rows != max(sizes):
-        raise comm_error(OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}) in the padded layout",
-                         **received)
+        raise comm_error(
+            OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}) in the padded layout", **received
+        )
     return sizes
 
 
-def _check_options(dtypes: Sequence[str], causal: object, scale: object, head_dim: int,
-                   received: dict, op_name: str = OP_NAME) -> float:
+def _check_options(
+    dtypes: Sequence[str], causal: object, scale: object, head_dim: int, received: dict, op_name: str = OP_NAME
+) -> float:
     """The softmax scale, after checking dtypes, `causal` and `scale` for `op_name`."""
     if len(set(dtypes)) != 1:
         raise comm_error(op_name, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
@@ -412,8 +422,9 @@ def _even(sizes: tuple[int, ...]) -> tuple[int, ...] | None:
     return None if len(set(sizes)) <= 1 else sizes
 
 
-def _exchange(split: HeadSplit, names: tuple[str, ...], rank: int | None,
-              gather_sizes: tuple[int, ...] | None) -> Exchange:
+def _exchange(
+    split: HeadSplit, names: tuple[str, ...], rank: int | None, gather_sizes: tuple[int, ...] | None
+) -> Exchange:
     """The all-to-all of `names` (a prefix-closed subset of q, k, v) for `rank` (None: padded layout)."""
     counts = {"q": split.heads, "k": split.kv_heads, "v": split.kv_heads}
     ranges = {"q": split.q_ranges, "k": split.kv_ranges, "v": split.kv_ranges}
@@ -432,8 +443,7 @@ def _exchange(split: HeadSplit, names: tuple[str, ...], rank: int | None,
         sizes = {name: ranges[name][rank][1] - ranges[name][rank][0] for name in names}
     blocks = tuple(zip(names, _offsets([sizes[name] for name in names]), strict=True))
     receive = tuple((name, start, start + sizes[name]) for name, start in blocks)
-    per_destination = [sum(ranges[name][j][1] - ranges[name][j][0] for name in names)
-                       for j in range(split.world_size)]
+    per_destination = [sum(ranges[name][j][1] - ranges[name][j][0] for name in names) for j in range(split.world_size)]
     scatter_sizes = None if rank is None else _even(tuple(per_destination))
     return Exchange(names, tuple(counts[name] for name in names), tuple(index), scatter_sizes, gather_sizes, receive)
 
@@ -449,11 +459,21 @@ def _kv_index(split: HeadSplit, rank: int | None) -> tuple[tuple[int, ...], ...]
     return tuple(local + (0,) * (width - len(local)) for local in locals_)
 
 
-def ulysses_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], world_size: int, *,
-                 rank: int | None = None, seq_sizes: object = None,
-                 dtypes: Sequence[str] = ("float32",) * 3, causal: bool = False, scale: float | None = None,
-                 layout: str = "exact", segment_ids: tuple[Sequence[int], str] | None = None,
-                 chunks: int = 1) -> UlyssesPlan:
+def ulysses_plan(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    v_shape: Sequence[int],
+    world_size: int,
+    *,
+    rank: int | None = None,
+    seq_sizes: object = None,
+    dtypes: Sequence[str] = ("float32",) * 3,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "exact",
+    segment_ids: tuple[Sequence[int], str] | None = None,
+    chunks: int = 1,
+) -> UlyssesPlan:
     """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes, chunks)`` on `rank`
     (exact layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` /
     `TypeError`.
@@ -490,14 +510,31 @@ def ulysses_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequen
     split = head_split(q[2], checked["k"][2], world_size)
     chunks = _check_chunks(chunks, split, received)
     names = _INPUTS if v[3] == q[3] else ("q", "k")
-    groups = tuple(_group(group, (names, _INPUTS[len(names):]), rank, _even(sizes))
-                   for group in head_groups(split, chunks))
-    return UlyssesPlan(world_size, rank, layout, q[0], sizes, q[3], v[3], str(dtypes[0]), causal, scale, split,
-                       groups, _even(sizes), _out_runs(groups), segment_ids is not None)
+    groups = tuple(
+        _group(group, (names, _INPUTS[len(names) :]), rank, _even(sizes)) for group in head_groups(split, chunks)
+    )
+    return UlyssesPlan(
+        world_size,
+        rank,
+        layout,
+        q[0],
+        sizes,
+        q[3],
+        v[3],
+        str(dtypes[0]),
+        causal,
+        scale,
+        split,
+        groups,
+        _even(sizes),
+        _out_runs(groups),
+        segment_ids is not None,
+    )
 
 
-def check_layer_inputs(op_name: str, q: object, k: object, v: object, segment_ids: object,
-                       array_types: tuple[type, ...], expected: str) -> None:
+def check_layer_inputs(
+    op_name: str, q: object, k: object, v: object, segment_ids: object, array_types: tuple[type, ...], expected: str
+) -> None:
     """The kinds of an attention layer's inputs, checked first by every frontend (before any communication and
     before checked mode reads a shape): q, k, v and `segment_ids` (unless None) must be instances of
     `array_types`, the frontend's arrays (`expected` names them); else the spec's `TypeError` naming the layer,
@@ -524,14 +561,18 @@ def _check_chunks(chunks: object, split: HeadSplit, received: dict) -> int:
         raise comm_error(OP_NAME, f"chunks ({chunks}) must be >= 1", **received)
     most = max(split.q_sizes)
     if chunks > most:
-        raise comm_error(OP_NAME, f"chunks ({chunks}) must be <= the most q heads a rank attends with ({most}: "
-                         f"split_sizes(heads={split.heads}, world_size={split.world_size}) = {split.q_sizes})",
-                         **received)
+        raise comm_error(
+            OP_NAME,
+            f"chunks ({chunks}) must be <= the most q heads a rank attends with ({most}: "
+            f"split_sizes(heads={split.heads}, world_size={split.world_size}) = {split.q_sizes})",
+            **received,
+        )
     return chunks
 
 
-def _group(split: HeadSplit, names: tuple[tuple[str, ...], ...], rank: int | None,
-           gather_sizes: tuple[int, ...] | None) -> HeadGroup:
+def _group(
+    split: HeadSplit, names: tuple[tuple[str, ...], ...], rank: int | None, gather_sizes: tuple[int, ...] | None
+) -> HeadGroup:
     """The `HeadGroup` of the heads `split` for `rank` (None: padded layout); `names`: the inputs of each
     exchange (an empty tuple: no exchange)."""
     exchanges = tuple(_exchange(split, inputs, rank, gather_sizes) for inputs in names if inputs)
@@ -548,9 +589,12 @@ def _out_runs(groups: tuple[HeadGroup, ...]) -> tuple[tuple[int, int, int], ...]
     if len(groups) == 1:
         return None
     starts = [_offsets(group.heads.q_sizes) for group in groups]
-    return tuple((index, starts[index][source], starts[index][source] + group.heads.q_sizes[source])
-                 for source in range(groups[0].heads.world_size) for index, group in enumerate(groups)
-                 if group.heads.q_sizes[source])
+    return tuple(
+        (index, starts[index][source], starts[index][source] + group.heads.q_sizes[source])
+        for source in range(groups[0].heads.world_size)
+        for index, group in enumerate(groups)
+        if group.heads.q_sizes[source]
+    )
 
 
 def _shown(shape: object) -> object:
@@ -565,9 +609,16 @@ def _shown(shape: object) -> object:
 # The float64 reference
 # ---------------------------------------------------------------------------------------------------------
 
-def _visible(q: np.ndarray, k: np.ndarray, causal: bool, q_positions: npt.ArrayLike | None,
-             k_positions: npt.ArrayLike | None, q_segments: npt.ArrayLike | None = None,
-             k_segments: npt.ArrayLike | None = None) -> np.ndarray:
+
+def _visible(
+    q: np.ndarray,
+    k: np.ndarray,
+    causal: bool,
+    q_positions: npt.ArrayLike | None,
+    k_positions: npt.ArrayLike | None,
+    q_segments: npt.ArrayLike | None = None,
+    k_segments: npt.ArrayLike | None = None,
+) -> np.ndarray:
     """Which keys each query sees: ``[Sq, Sk]`` bool (all, or the causal mask over global positions), and with
     segment ids (``[B, Sq]``, ``[B, Sk]``) ``[B, 1, Sq, Sk]``: also only keys of the query's segment, padding
     (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`)."""
@@ -599,10 +650,17 @@ def _expanded(x: npt.ArrayLike, group: int) -> np.ndarray:
     return np.repeat(np.asarray(x, dtype=np.float64), group, axis=2)
 
 
-def _prepared(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool, scale: float | None,
-              q_positions: npt.ArrayLike | None, k_positions: npt.ArrayLike | None,
-              q_segments: npt.ArrayLike | None = None,
-              k_segments: npt.ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float, np.ndarray]:
+def _prepared(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    causal: bool,
+    scale: float | None,
+    q_positions: npt.ArrayLike | None,
+    k_positions: npt.ArrayLike | None,
+    q_segments: npt.ArrayLike | None = None,
+    k_segments: npt.ArrayLike | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float, np.ndarray]:
     q = np.asarray(q, dtype=np.float64)
     group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
     k_full, v_full = _expanded(k, group), _expanded(v, group)
@@ -612,9 +670,18 @@ def _prepared(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, causal: bool
     return q, k_full, v_full, group, scale, probs
 
 
-def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: bool = False, scale: float | None = None,
-              q_positions: npt.ArrayLike | None = None, k_positions: npt.ArrayLike | None = None,
-              q_segments: npt.ArrayLike | None = None, k_segments: npt.ArrayLike | None = None) -> np.ndarray:
+def attention(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    q_positions: npt.ArrayLike | None = None,
+    k_positions: npt.ArrayLike | None = None,
+    q_segments: npt.ArrayLike | None = None,
+    k_segments: npt.ArrayLike | None = None,
+) -> np.ndarray:
     """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
     ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
     ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
@@ -631,14 +698,24 @@ def attention(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *, causal: b
     return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
 
 
-def attention_vjp(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, cotangent: npt.ArrayLike, *,
-                  causal: bool = False, scale: float | None = None, q_positions: npt.ArrayLike | None = None,
-                  k_positions: npt.ArrayLike | None = None, q_segments: npt.ArrayLike | None = None,
-                  k_segments: npt.ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def attention_vjp(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    cotangent: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    q_positions: npt.ArrayLike | None = None,
+    k_positions: npt.ArrayLike | None = None,
+    q_segments: npt.ArrayLike | None = None,
+    k_segments: npt.ArrayLike | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64; the keywords as
     `attention`'s); a kv head's gradient sums over the q heads that use it. A query that sees no key adds 0."""
-    q, k_full, v_full, group, scale, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions,
-                                                       q_segments, k_segments)
+    q, k_full, v_full, group, scale, probs = _prepared(
+        q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments
+    )
     cotangent = np.asarray(cotangent, dtype=np.float64)
     dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cotangent)
     dprobs = np.einsum("bqhd,bkhd->bhqk", cotangent, v_full)

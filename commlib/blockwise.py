@@ -149,8 +149,9 @@ def merge_masked(math_: ArrayMath, out: Any, lse: Any, piece_out: Any, piece_lse
     return merged, total
 
 
-def attend_vjp(math_: ArrayMath, q: Any, k: Any, v: Any, d_out: Any, lse: Any, delta: Any, scale: float,
-               mask: Any) -> tuple[Any, Any, Any]:
+def attend_vjp(
+    math_: ArrayMath, q: Any, k: Any, v: Any, d_out: Any, lse: Any, delta: Any, scale: float, mask: Any
+) -> tuple[Any, Any, Any]:
     """One piece's share of the gradients, FlashAttention-2's backward: the probabilities recomputed from the
     final `lse` (``[B, Sq, H]``), ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)`` (``[B, Sq, H]``, see
     `delta`). Returns ``(dq [B, Sq, H, D], dk [B, Sk, H_kv, D], dv [B, Sk, H_kv, D_v])``; dk/dv sum over the q

@@ -88,8 +88,9 @@ _NONE = -1
 _VERSION, _OP, _PHASE, _WORLD, _NDIM = range(5)
 _SHAPE = 5
 _SHAPE_HASH = _SHAPE + _SHAPE_SLOTS
-_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH = range(_SHAPE_HASH + 1,
-                                                                                         _SHAPE_HASH + 10)
+_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH = range(
+    _SHAPE_HASH + 1, _SHAPE_HASH + 10
+)
 _PAIRS = _PAIR_HASH + 1
 _SCATTER_SIZES = _PAIRS + _PAIR_SLOTS  # hash, then the first _SIZE_SLOTS sizes
 _GATHER_SIZES = _SCATTER_SIZES + 1 + _SIZE_SLOTS
@@ -115,8 +116,14 @@ def says_checked(value: str | bytes | None) -> bool:
 
 #: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
 LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy", ROUTE_OP, DISPATCH_OP, COMBINE_OP)
-_KNOWN_NAMES = (*OP_NAMES, "send/recv", *(op.value for op in ReduceOp),
-                *(convention.value for convention in Convention), *KINDS, *LAYER_NAMES)
+_KNOWN_NAMES = (
+    *OP_NAMES,
+    "send/recv",
+    *(op.value for op in ReduceOp),
+    *(convention.value for convention in Convention),
+    *KINDS,
+    *LAYER_NAMES,
+)
 
 
 def _code(name: str | None) -> int:
@@ -173,18 +180,30 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     row = np.zeros(FINGERPRINT_SIZE, dtype=np.int64)
     shape, (reduce_op, root, pairs) = plan.shared_in_shape, _step_slots(plan.step)
     dims, sized = _slots(steps.dims(plan.step), 2), plan.uneven
-    row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [_MAGIC, _code(plan.op_name), PHASES.index(phase), plan.world_size,
-                                                   len(shape)]
+    row[[_VERSION, _OP, _PHASE, _WORLD, _NDIM]] = [
+        _MAGIC,
+        _code(plan.op_name),
+        PHASES.index(phase),
+        plan.world_size,
+        len(shape),
+    ]
     row[_SHAPE:_SHAPE_HASH] = _slots(shape, _SHAPE_SLOTS)
     row[_SHAPE_HASH] = _hash(shape)
     row[[_DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH]] = [
-        _code(dtype), *dims, _code(reduce_op), _code(plan.convention),
-        _NONE if root is None else root, _code(plan.arithmetic.accum_dtype), len(pairs), _hash(pairs),
+        _code(dtype),
+        *dims,
+        _code(reduce_op),
+        _code(plan.convention),
+        _NONE if root is None else root,
+        _code(plan.arithmetic.accum_dtype),
+        len(pairs),
+        _hash(pairs),
     ]
-    row[_PAIRS:_PAIRS + _PAIR_SLOTS] = _slots([(source << 32) | destination for source, destination in pairs],
-                                              _PAIR_SLOTS)
+    row[_PAIRS : _PAIRS + _PAIR_SLOTS] = _slots(
+        [(source << 32) | destination for source, destination in pairs], _PAIR_SLOTS
+    )
     row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(None if sized is None else sized.scatter_sizes)
-    row[_GATHER_SIZES:_GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(None if sized is None else sized.gather_sizes)
+    row[_GATHER_SIZES : _GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(None if sized is None else sized.gather_sizes)
     row[_GRAD_SCALE] = np.float64(plan.arithmetic.grad_scale).view(np.int64)
     return row
 
@@ -215,7 +234,7 @@ class Call:
 
 def _shape(row: np.ndarray) -> tuple[int, ...] | str:
     ndim = int(row[_NDIM])
-    sizes = tuple(int(size) for size in row[_SHAPE:_SHAPE + min(ndim, _SHAPE_SLOTS)])
+    sizes = tuple(int(size) for size in row[_SHAPE : _SHAPE + min(ndim, _SHAPE_SLOTS)])
     if ndim <= _SHAPE_SLOTS:
         return sizes
     return f"({', '.join(map(str, sizes))}, ...) [{ndim}-d, hash {int(row[_SHAPE_HASH]):08x}]"
@@ -223,7 +242,7 @@ def _shape(row: np.ndarray) -> tuple[int, ...] | str:
 
 def _perm(row: np.ndarray) -> tuple[tuple[int, int], ...] | str:
     count = int(row[_PAIR_COUNT])
-    pairs = tuple((int(code) >> 32, int(code) & 0xFFFFFFFF) for code in row[_PAIRS:_PAIRS + min(count, _PAIR_SLOTS)])
+    pairs = tuple((int(code) >> 32, int(code) & 0xFFFFFFFF) for code in row[_PAIRS : _PAIRS + min(count, _PAIR_SLOTS)])
     if count <= _PAIR_SLOTS:
         return pairs
     text = ", ".join(f"({source}, {destination})" for source, destination in pairs)
@@ -233,7 +252,7 @@ def _perm(row: np.ndarray) -> tuple[tuple[int, int], ...] | str:
 def _sizes(row: np.ndarray, slot: int, world_size: int) -> tuple[int, ...] | str | None:
     if row[slot] == _NONE:
         return None
-    sizes = tuple(int(size) for size in row[slot + 1:slot + 1 + min(world_size, _SIZE_SLOTS)])
+    sizes = tuple(int(size) for size in row[slot + 1 : slot + 1 + min(world_size, _SIZE_SLOTS)])
     if world_size <= _SIZE_SLOTS:
         return sizes
     return f"({', '.join(map(str, sizes))}, ...) [{world_size} sizes, hash {int(row[slot]):08x}]"
@@ -257,7 +276,7 @@ def decode(row: np.ndarray) -> Call:
         perm=_perm(row),
         scatter_sizes=_sizes(row, _SCATTER_SIZES, int(row[_WORLD])),
         gather_sizes=_sizes(row, _GATHER_SIZES, int(row[_WORLD])),
-        grad_scale=float(row[_GRAD_SCALE:_GRAD_SCALE + 1].view(np.float64)[0]),
+        grad_scale=float(row[_GRAD_SCALE : _GRAD_SCALE + 1].view(np.float64)[0]),
     )
 
 
@@ -305,12 +324,21 @@ def _differences(rows: np.ndarray, calls: list[Call], ranks: Sequence[int]) -> l
 def _received(call: Call, rank: int) -> dict[str, object]:
     """This rank's own call, for the message's "Received:" part (defaults left out)."""
     # keys are the user's keyword names: the reduction is `op` in every public signature
-    received = dict(rank=rank, phase=call.phase, shape=call.shape, dtype=call.dtype, op=call.reduce_op,
-                    dims=call.dims, convention=None if call.convention == "sum" else call.convention,
-                    root=call.root, accum_dtype=call.accum_dtype,
-                    perm=call.perm if call.op_name in ("permute", "send/recv") else None,
-                    scatter_sizes=call.scatter_sizes, gather_sizes=call.gather_sizes,
-                    grad_scale=None if call.grad_scale == 1.0 else call.grad_scale)
+    received = dict(
+        rank=rank,
+        phase=call.phase,
+        shape=call.shape,
+        dtype=call.dtype,
+        op=call.reduce_op,
+        dims=call.dims,
+        convention=None if call.convention == "sum" else call.convention,
+        root=call.root,
+        accum_dtype=call.accum_dtype,
+        perm=call.perm if call.op_name in ("permute", "send/recv") else None,
+        scatter_sizes=call.scatter_sizes,
+        gather_sizes=call.gather_sizes,
+        grad_scale=None if call.grad_scale == 1.0 else call.grad_scale,
+    )
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 
@@ -337,9 +365,12 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
     strangers = [ranks[r] for r in range(len(rows)) if rows[r, _VERSION] not in (_MAGIC, _LAYER_MAGIC)]
     op_name = own.op_name if own is not None and own.op_name is not None else _runs(rows[index])
     if strangers:
-        raise comm_error(op_name, f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
-                                  f"every rank of the group, and every rank must call the same collectives",
-                         rank=rank)
+        raise comm_error(
+            op_name,
+            f"{_ranks(strangers)} sent no commlib fingerprint: checked mode must be on on "
+            f"every rank of the group, and every rank must call the same collectives",
+            rank=rank,
+        )
     if own is None or (rows[:, _VERSION] == _LAYER_MAGIC).any():  # a layer on some rank, a collective on another
         runs = _by_value([_runs(row) for row in rows], ("runs", "run"), ranks)
         raise comm_error(op_name, f"ranks disagree on the collective: {runs}", rank=rank)
@@ -419,10 +450,14 @@ class LayerCall:
         value) codes of the first options -- the same size as a collective's, so a rank that runs a collective
         where another runs a layer is told so (`compare`)."""
         row = np.full(FINGERPRINT_SIZE, _NONE, dtype=np.int64)
-        row[[_VERSION, _LAYER, _OPTION_COUNT, _OPTIONS_HASH]] = [_LAYER_MAGIC, _code(self.layer), len(self.options),
-                                                                 _hash([f"{n}={t}" for n, t in self.options])]
+        row[[_VERSION, _LAYER, _OPTION_COUNT, _OPTIONS_HASH]] = [
+            _LAYER_MAGIC,
+            _code(self.layer),
+            len(self.options),
+            _hash([f"{n}={t}" for n, t in self.options]),
+        ]
         codes = [_code(part) for option in self.options[:_OPTION_SLOTS] for part in option]
-        row[_OPTIONS:_OPTIONS + len(codes)] = codes
+        row[_OPTIONS : _OPTIONS + len(codes)] = codes
         return row
 
     def encode(self) -> bytes:
@@ -489,10 +524,17 @@ def moe_call(op_name: str, plan: RoutePlan, shape: Sequence[int], dtype: str, /)
     >>> dict(moe_call("dispatch", route_plan((4, 2), "int64", 4, 2), (4, 8), "float32").options)["feature shape"]
     '(8,)'
     """
-    return layer_call(op_name, num_experts=plan.num_experts, top_k=plan.top_k, capacity=plan.capacity,
-                      experts_per_rank=plan.experts_per_rank, layout=plan.layout,
-                      **{"feature shape": tuple(shape)[1:]}, dtype=_Shown(dtype),
-                      **({"tokens": plan.tokens} if plan.layout == "padded" else {}))
+    return layer_call(
+        op_name,
+        num_experts=plan.num_experts,
+        top_k=plan.top_k,
+        capacity=plan.capacity,
+        experts_per_rank=plan.experts_per_rank,
+        layout=plan.layout,
+        **{"feature shape": tuple(shape)[1:]},
+        dtype=_Shown(dtype),
+        **({"tokens": plan.tokens} if plan.layout == "padded" else {}),
+    )
 
 
 def layers_differ(fingerprints: np.ndarray) -> bool:

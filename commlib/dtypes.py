@@ -29,10 +29,25 @@ from commlib.reduce_op import FLOAT_BITS, ReduceOp
 
 __all__ = ["KINDS", "bits", "has_nan", "is_complex", "kind", "wire_dtypes"]
 
-_FLOAT8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float8_e3m4",
-           "float8_e4m3", "float8_e4m3b11fnuz")
-_OPAQUE = ("bits8", "bits1x8", "bits2x4", "bits4x2", "float4_e2m1fn_x2", *(f"int{n}" for n in range(1, 8)),
-           *(f"uint{n}" for n in range(1, 8)))
+_FLOAT8 = (
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+)
+_OPAQUE = (
+    "bits8",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "float4_e2m1fn_x2",
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+)
 
 #: dtype name -> (kind, bits per element in memory). Kinds: bool, int, uint, float (carries gradients),
 #: float8 (narrow floats: no gradients), complex, opaque (packed or bit types: data movement only).
@@ -42,14 +57,27 @@ KINDS: dict[str, tuple[str, int]] = {
     **{f"uint{n}": ("uint", n) for n in (8, 16, 32, 64)},
     **{name: ("float", size) for name, size in FLOAT_BITS.items()},
     **dict.fromkeys(_FLOAT8, ("float8", 8)),
-    "complex32": ("complex", 32), "complex64": ("complex", 64), "complex128": ("complex", 128),
+    "complex32": ("complex", 32),
+    "complex64": ("complex", 64),
+    "complex128": ("complex", 128),
     **dict.fromkeys(_OPAQUE, ("opaque", 8)),
     "bits16": ("opaque", 16),
 }
 
 # Carriers in order of preference: integers first (a view keeps integer bits intact on any backend).
-_SAME_SIZE_ORDER = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32",
-                    "float64", "bool")
+_SAME_SIZE_ORDER = (
+    "int8",
+    "uint8",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "bool",
+)
 _WIDER_INTEGERS = ("int32", "int64")
 
 
@@ -85,8 +113,10 @@ def _same_size(dtype: str, backend_dtypes: Collection[str], kinds: tuple[str, ..
 def _float8(op_name: str, dtype: str, reduce_op: ReduceOp, received: dict) -> tuple[None, str]:
     if reduce_op in (ReduceOp.MAX, ReduceOp.MIN):
         return None, "float32"
-    message = (f"op ({reduce_op.value!r}) on {dtype} is not supported: its rounding differs between backends; "
-               f"cast x to float32 or bfloat16 first")
+    message = (
+        f"op ({reduce_op.value!r}) on {dtype} is not supported: its rounding differs between backends; "
+        f"cast x to float32 or bfloat16 first"
+    )
     raise comm_error(op_name, message, **received, dtype=dtype)
 
 
@@ -99,13 +129,20 @@ def _integer(op_name: str, dtype: str, reduce_op: ReduceOp, backend_dtypes: Coll
     for name in _WIDER_INTEGERS:  # signed and wider: holds every value of a narrower int or uint
         if name in backend_dtypes and (bits(name) or 0) > size:
             return None, name
-    message = (f"op ({reduce_op.value!r}) on {dtype} has no exact carrier: the backend lacks {dtype} and any "
-               f"wider integer that holds every {dtype} value; cast x to a dtype it carries first")
+    message = (
+        f"op ({reduce_op.value!r}) on {dtype} has no exact carrier: the backend lacks {dtype} and any "
+        f"wider integer that holds every {dtype} value; cast x to a dtype it carries first"
+    )
     raise comm_error(op_name, message, **received, dtype=dtype)
 
 
-def wire_dtypes(op_name: str, dtype: str, reduce_op: ReduceOp | None, backend_dtypes: Collection[str] | None,
-                received: dict | None = None) -> tuple[str | None, str | None]:
+def wire_dtypes(
+    op_name: str,
+    dtype: str,
+    reduce_op: ReduceOp | None,
+    backend_dtypes: Collection[str] | None,
+    received: dict | None = None,
+) -> tuple[str | None, str | None]:
     """``(view, cast)``: how `dtype` travels through a backend that carries the dtypes in `backend_dtypes`.
 
     `view`: a same-size dtype the bits are reinterpreted as (None: no view); `cast`: a wider dtype the
@@ -130,6 +167,8 @@ def wire_dtypes(op_name: str, dtype: str, reduce_op: ReduceOp | None, backend_dt
     if reduce_op is None:
         message = f"data movement of {dtype} has no carrier: the backend lacks {dtype} and every dtype of its size"
     else:
-        message = (f"op ({reduce_op.value!r}) on {dtype} is not supported: the backend lacks {dtype}, and no other "
-                   f"dtype computes it exactly")
+        message = (
+            f"op ({reduce_op.value!r}) on {dtype} is not supported: the backend lacks {dtype}, and no other "
+            f"dtype computes it exactly"
+        )
     raise comm_error(op_name, message, **received, dtype=dtype)

@@ -42,8 +42,15 @@ def _backend_text(text: str) -> str:
     return _SOURCE_PREFIX.sub("", first).split(" This is typically caused by")[0].strip()
 
 
-def failure(op_name: str, error_text: str, *, rank: int, group_ranks: Sequence[int], phase: str = "forward",
-            received: dict[str, object] | None = None) -> CommFailure | None:
+def failure(
+    op_name: str,
+    error_text: str,
+    *,
+    rank: int,
+    group_ranks: Sequence[int],
+    phase: str = "forward",
+    received: dict[str, object] | None = None,
+) -> CommFailure | None:
     """The `CommTimeout` / `CommFailure` for a backend error of a collective, or None if the text is neither
     a timeout nor a lost peer (e.g. out of memory: then the backend's error stands).
 
@@ -54,13 +61,16 @@ def failure(op_name: str, error_text: str, *, rank: int, group_ranks: Sequence[i
     group = f"group rank {rank} of the group with global ranks {list(group_ranks)}"
     details = {**(received or {}), "backend_error": _backend_text(error_text)}
     if any(text in lowered for text in _TIMEOUT_TEXTS):
-        message = (f"timed out on {group} waiting for the other ranks: a rank skipped this collective, "
-                   f"or is stuck or dead")
+        message = (
+            f"timed out on {group} waiting for the other ranks: a rank skipped this collective, or is stuck or dead"
+        )
         return CommTimeout(str(comm_error(name, message, **details)))
     if any(text in lowered for text in _PEER_TEXTS):
         # gloo closes a pair when its own side of a collective fails or times out, so a live rank that raised
         # and went on to another collective is reported exactly as a dead one: the text cannot tell them apart
-        message = (f"{group} lost its connection to another rank, which closed it: its own collective failed or "
-                   f"timed out (e.g. it raised and went on to another collective), or it died or left the group")
+        message = (
+            f"{group} lost its connection to another rank, which closed it: its own collective failed or "
+            f"timed out (e.g. it raised and went on to another collective), or it died or left the group"
+        )
         return CommFailure(str(comm_error(name, message, **details)))
     return None

@@ -10,8 +10,15 @@ from __future__ import annotations
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.plans import check_dim
 
-__all__ = ["check_axis_names", "mesh_dim", "modified_before_wait", "no_vmap", "not_a_member", "unbound_axis",
-           "wrong_type"]
+__all__ = [
+    "check_axis_names",
+    "mesh_dim",
+    "modified_before_wait",
+    "no_vmap",
+    "not_a_member",
+    "unbound_axis",
+    "wrong_type",
+]
 
 
 def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
@@ -21,8 +28,10 @@ def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
     CommError('all_reduce: this rank (global rank 2) is not a member of the group (global ranks [0, 1]): only its members may call its collectives. Received: rank=2, group_ranks=[0, 1]')
     """
     ranks = [int(member) for member in group_ranks]
-    message = (f"this rank (global rank {rank}) is not a member of the group (global ranks {ranks}): only its "
-               f"members may call its collectives")
+    message = (
+        f"this rank (global rank {rank}) is not a member of the group (global ranks {ranks}): only its "
+        f"members may call its collectives"
+    )
     return comm_error(op_name, message, rank=rank, group_ranks=ranks)
 
 
@@ -34,7 +43,9 @@ def wrong_type(op_name: str, name: str, value: object, expected: str) -> TypeErr
     TypeError("all_reduce: x must be a torch.Tensor, not list. Received: type='list'")
     """
     cls = type(value)
-    type_name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+    type_name = (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+    )
     return kind_error(op_name, f"{name} must be a {expected}, not {type_name}", type=type_name)
 
 
@@ -48,9 +59,14 @@ def modified_before_wait(op_name: str, version_at_call: int, version_at_wait: in
     >>> str(error).split(". ")[-1]
     'Received: version_at_call=0, version_at_wait=1'
     """
-    return comm_error(op_name, "x was modified in place between the call with async_op=True and wait(): the "
-                      "collective may have sent the modified values to the other ranks; modify x only after "
-                      "wait()", version_at_call=version_at_call, version_at_wait=version_at_wait)
+    return comm_error(
+        op_name,
+        "x was modified in place between the call with async_op=True and wait(): the "
+        "collective may have sent the modified values to the other ranks; modify x only after "
+        "wait()",
+        version_at_call=version_at_call,
+        version_at_wait=version_at_wait,
+    )
 
 
 def wait_without_grad(op_name: str) -> CommError:
@@ -60,9 +76,14 @@ def wait_without_grad(op_name: str) -> CommError:
     >>> str(wait_without_grad("all_gather")).split(": the ")[0]
     'all_gather: wait() ran with gradients disabled for an x that requires grad'
     """
-    return comm_error(op_name, "wait() ran with gradients disabled for an x that requires grad: the result "
-                      "would give x no gradient; call wait() where gradients are enabled (the call's mode), or "
-                      "call the op on x.detach()", requires_grad=True, grad_enabled=False)
+    return comm_error(
+        op_name,
+        "wait() ran with gradients disabled for an x that requires grad: the result "
+        "would give x no gradient; call wait() where gradients are enabled (the call's mode), or "
+        "call the op on x.detach()",
+        requires_grad=True,
+        grad_enabled=False,
+    )
 
 
 def no_vmap(op_name: str) -> TypeError:
@@ -72,9 +93,11 @@ def no_vmap(op_name: str) -> TypeError:
     >>> print(no_vmap("all_reduce"))  # doctest: +ELLIPSIS
     all_reduce: torch.func.vmap is not supported: each rank runs the collective once, not once per batch ...
     """
-    message = ("torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; "
-               "put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and "
-               "functional_call work")
+    message = (
+        "torch.func.vmap is not supported: each rank runs the collective once, not once per batch element; "
+        "put the batch in the tensor (a leading dim) or loop over it. torch.func.grad, vjp and "
+        "functional_call work"
+    )
     return kind_error(op_name, message, transform="vmap")
 
 
@@ -106,8 +129,10 @@ def unbound_axis(op_name: str, axis_name: object, bound: tuple[str, ...] = ()) -
     >>> unbound_axis("all_reduce", "j", ("i",))
     CommError("all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / jax.pmap bind ('i',). Received: axis_name='j'")
     """
-    message = (f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
-               f"mesh with that axis) or jax.pmap (axis_name=...), not outside them")
+    message = (
+        f"axis_name ({axis_name!r}) is not bound here: commlib_jax ops run inside jax.shard_map (over a "
+        f"mesh with that axis) or jax.pmap (axis_name=...), not outside them"
+    )
     if bound:
         message = f"axis_name ({axis_name!r}) is not bound here: the enclosing jax.shard_map / jax.pmap bind {bound!r}"
     return comm_error(op_name, message, axis_name=axis_name)
@@ -128,20 +153,30 @@ def mesh_dim(op_name: str, mesh_shape, dim_names, dim: object = None) -> int:
     received: dict[str, object] = dict(mesh_shape=shape, mesh_dim_names=names)
     if dim is None:
         if len(shape) != 1:
-            how = f"(mesh, name) with name one of {names}" if names else (
-                f"(mesh, index) with index in [0, {len(shape)}) (the mesh has no dim names)")
-            raise comm_error(op_name, f"mesh ndim ({len(shape)}) must be 1 when group is a mesh without a dim: pass "
-                             f"{how}", **received)
+            how = (
+                f"(mesh, name) with name one of {names}"
+                if names
+                else (f"(mesh, index) with index in [0, {len(shape)}) (the mesh has no dim names)")
+            )
+            raise comm_error(
+                op_name,
+                f"mesh ndim ({len(shape)}) must be 1 when group is a mesh without a dim: pass {how}",
+                **received,
+            )
         return 0
     received["dim"] = dim
     if isinstance(dim, str):
         if not names:
-            raise comm_error(op_name, f"mesh dim ({dim!r}) must be an index in [0, {len(shape)}): the mesh has no "
-                             "dim names", **received)
+            raise comm_error(
+                op_name,
+                f"mesh dim ({dim!r}) must be an index in [0, {len(shape)}): the mesh has no dim names",
+                **received,
+            )
         if dim not in names:
             raise comm_error(op_name, f"mesh dim ({dim!r}) must be one of the mesh's dim names {names}", **received)
         return names.index(dim)
     if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-        raise kind_error(op_name, f"mesh dim must be a dim name (str) or an index (int), not {type(dim).__name__}",
-                         **received)
+        raise kind_error(
+            op_name, f"mesh dim must be a dim name (str) or an index (int), not {type(dim).__name__}", **received
+        )
     return check_dim(op_name, "mesh dim", dim, len(shape), received)

@@ -128,15 +128,25 @@ def vjp_plan(plan: Plan) -> Plan:
     return _dual(plan, _transposed_step(step), _transposed_layout(plan))
 
 
-def _dual(plan: Plan, step: Step, layout: Layout, arithmetic: Arithmetic | None = None,
-          sized: Exact | Padded | None = None) -> Plan:
+def _dual(
+    plan: Plan, step: Step, layout: Layout, arithmetic: Arithmetic | None = None, sized: Exact | Padded | None = None
+) -> Plan:
     """`plan`'s dual: input shape = `plan`'s output shape, convention "sum" (a plain linear map); the same
     arithmetic less the VJP's extra factor, unless given; `sized`: the dual's uneven sizes (None: even)."""
     if arithmetic is None:
-        arithmetic = plan.arithmetic if plan.arithmetic.grad_scale == 1.0 else (
-            Arithmetic(plan.arithmetic.scale, plan.arithmetic.scale_first, 1.0, plan.arithmetic.accum_dtype))
-    return plan.replace(step=step, in_shape=plan.out_shape, layout=layout, convention=Convention.SUM,
-                        arithmetic=arithmetic, uneven=sized)
+        arithmetic = (
+            plan.arithmetic
+            if plan.arithmetic.grad_scale == 1.0
+            else (Arithmetic(plan.arithmetic.scale, plan.arithmetic.scale_first, 1.0, plan.arithmetic.accum_dtype))
+        )
+    return plan.replace(
+        step=step,
+        in_shape=plan.out_shape,
+        layout=layout,
+        convention=Convention.SUM,
+        arithmetic=arithmetic,
+        uneven=sized,
+    )
 
 
 def _replicated_dual(plan: Plan) -> Plan:
@@ -158,8 +168,9 @@ def _replicated_input_dual(plan: Plan) -> Plan:
     if isinstance(step, Identity):
         return _dual(plan, AllReduce(ReduceOp.SUM), flat_layout(shape, in_place=True))
     if isinstance(step, Slice):  # shard: the sum over ranks of each rank's padded block
-        scaled = Arithmetic(arithmetic.scale * arithmetic.grad_scale, arithmetic.scale_first, 1.0,
-                            arithmetic.accum_dtype)
+        scaled = Arithmetic(
+            arithmetic.scale * arithmetic.grad_scale, arithmetic.scale_first, 1.0, arithmetic.accum_dtype
+        )
         return _dual(plan, AllGather(step.dim), all_gather_layout(shape, plan.world_size, step.dim), scaled)
     raise NotImplementedError(f"{plan.op_name}: no replicated-input rule for {step.name}")
 
@@ -270,10 +281,17 @@ def _incoming_plan(plan: Plan) -> Plan:
     """The cotangent of the reduced value: summed over ranks ("sum"), or this rank's own ("replicated")."""
     shape = plan.out_shape
     if plan.convention is Convention.REPLICATED:
-        return plan.replace(step=Identity(), layout=local_layout(shape, shape), convention=Convention.SUM,
-                            arithmetic=PLAIN)
-    return plans.all_reduce(shape, plan.world_size, ReduceOp.SUM, dtype=plan.dtype,
-                            accum_dtype=plan.arithmetic.accum_dtype, op_name=plan.op_name)
+        return plan.replace(
+            step=Identity(), layout=local_layout(shape, shape), convention=Convention.SUM, arithmetic=PLAIN
+        )
+    return plans.all_reduce(
+        shape,
+        plan.world_size,
+        ReduceOp.SUM,
+        dtype=plan.dtype,
+        accum_dtype=plan.arithmetic.accum_dtype,
+        op_name=plan.op_name,
+    )
 
 
 def _others_product(backend: Backend, plan: Plan, x: Any) -> Any:

@@ -117,8 +117,12 @@ class Rearrange:
     def __post_init__(self) -> None:
         moved = [axis for axis in self.perm if self.split_shape[axis] != 1]
         keeps_order = moved == sorted(moved)
-        _derived(self, out_shape=tuple(self.split_shape[axis] for axis in self.perm), keeps_order=keeps_order,
-                 is_identity=keeps_order and not self.always_copy)
+        _derived(
+            self,
+            out_shape=tuple(self.split_shape[axis] for axis in self.perm),
+            keeps_order=keeps_order,
+            is_identity=keeps_order and not self.always_copy,
+        )
 
     def merged(self) -> tuple[Shape, tuple[int, ...]]:
         """The same permutation over the fewest axes (size-1 axes dropped, co-moving neighbours merged).
@@ -162,7 +166,7 @@ def offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 def resized(shape: Shape, dim: int, size: int) -> Shape:
     """`shape` with ``shape[dim] = size``."""
-    return (*shape[:dim], size, *shape[dim + 1:])
+    return (*shape[:dim], size, *shape[dim + 1 :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +188,7 @@ class Blocks:
     @property
     def counts(self) -> tuple[int, ...]:
         """Elements of each block: the split sizes of ``all_to_all_single``."""
-        row = math.prod(self.shape[:self.dim]) * math.prod(self.shape[self.dim + 1:])
+        row = math.prod(self.shape[: self.dim]) * math.prod(self.shape[self.dim + 1 :])
         return tuple(size * row for size in self.sizes)
 
     @property
@@ -234,7 +238,7 @@ class Blocks:
             if start != end:
                 return False
             end += size
-        return end == self.shape[self.dim] and (len(pieces) == 1 or math.prod(self.shape[:self.dim]) == 1)
+        return end == self.shape[self.dim] and (len(pieces) == 1 or math.prod(self.shape[: self.dim]) == 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,13 +434,23 @@ class Plan:
 
     def __post_init__(self) -> None:
         step, arithmetic, uneven, layout = self.step, self.arithmetic, self.uneven, self.layout
-        trivial = arithmetic.scale == 1.0 and arithmetic.grad_scale == 1.0 and self.world_size == 1 and (
-            not isinstance(step, Permute) or step.pairs == ((0, 0),))
+        trivial = (
+            arithmetic.scale == 1.0
+            and arithmetic.grad_scale == 1.0
+            and self.world_size == 1
+            and (not isinstance(step, Permute) or step.pairs == ((0, 0),))
+        )
         after = uneven.after if isinstance(uneven, Padded) else None
         out_shape = layout.out_shape if after is None else resized(layout.out_shape, after.dim, after.rows)
-        _derived(self, out_shape=out_shape, is_trivial=trivial, is_uneven=uneven is not None,
-                 is_exact=isinstance(uneven, Exact), is_empty=0 in self.shared_in_shape,
-                 copies=int(not layout.pack.is_identity) + int(not layout.unpack.is_identity))
+        _derived(
+            self,
+            out_shape=out_shape,
+            is_trivial=trivial,
+            is_uneven=uneven is not None,
+            is_exact=isinstance(uneven, Exact),
+            is_empty=0 in self.shared_in_shape,
+            copies=int(not layout.pack.is_identity) + int(not layout.unpack.is_identity),
+        )
 
     def __hash__(self) -> int:  # plans key the VJP-plan, fingerprint and walk caches: hashed per call, computed
         # once, on the first call (not when built: torch 2.11's Dynamo cannot trace hash() of a tuple, and it
@@ -461,7 +475,7 @@ def _identity(shape: Shape, always_copy: bool = False) -> Rearrange:
 
 def _split_front(shape: Shape, dim: int, world_size: int) -> Rearrange:
     """Split `dim` into (world_size, size / world_size) and move the world_size axis first."""
-    split = (*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1:])
+    split = (*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1 :])
     return Rearrange(split_shape=split, perm=(dim, *range(dim), *range(dim + 1, len(split))))
 
 
@@ -471,11 +485,11 @@ def _front_to(recv_shape: Shape, dim: int) -> Rearrange:
 
 
 def _chunk(shape: Shape, dim: int, world_size: int) -> Shape:
-    return (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
+    return (*shape[:dim], shape[dim] // world_size, *shape[dim + 1 :])
 
 
 def _grown(shape: Shape, dim: int, world_size: int) -> Shape:
-    return (*shape[:dim], shape[dim] * world_size, *shape[dim + 1:])
+    return (*shape[:dim], shape[dim] * world_size, *shape[dim + 1 :])
 
 
 @held_cache(maxsize=4096)
@@ -496,42 +510,68 @@ def all_to_all_layout(shape: Shape, world_size: int, scatter_dim: int, gather_di
     """
     chunk = _chunk(shape, scatter_dim, world_size)
     recv = (world_size, *chunk)
-    return Layout(pack=_split_front(shape, scatter_dim, world_size), send_shape=recv, recv_shape=recv,
-                  unpack=_front_to(recv, gather_dim), out_shape=_grown(chunk, gather_dim, world_size))
+    return Layout(
+        pack=_split_front(shape, scatter_dim, world_size),
+        send_shape=recv,
+        recv_shape=recv,
+        unpack=_front_to(recv, gather_dim),
+        out_shape=_grown(chunk, gather_dim, world_size),
+    )
 
 
 @held_cache(maxsize=4096)
 def all_gather_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Gather into [W, *shape] (dim 0 = source rank), then move that axis in front of `dim`."""
     recv = (world_size, *shape)
-    return Layout(pack=_identity(shape), send_shape=shape, recv_shape=recv, unpack=_front_to(recv, dim),
-                  out_shape=_grown(shape, dim, world_size))
+    return Layout(
+        pack=_identity(shape),
+        send_shape=shape,
+        recv_shape=recv,
+        unpack=_front_to(recv, dim),
+        out_shape=_grown(shape, dim, world_size),
+    )
 
 
 @held_cache(maxsize=4096)
 def reduce_scatter_layout(shape: Shape, world_size: int, dim: int) -> Layout:
     """Pack to [W, *chunk] (chunk r for rank r), reduce-scatter on dim 0; the result is already laid out."""
     chunk = _chunk(shape, dim, world_size)
-    return Layout(pack=_split_front(shape, dim, world_size), send_shape=(world_size, *chunk), recv_shape=chunk,
-                  unpack=_identity(chunk), out_shape=chunk)
+    return Layout(
+        pack=_split_front(shape, dim, world_size),
+        send_shape=(world_size, *chunk),
+        recv_shape=chunk,
+        unpack=_identity(chunk),
+        out_shape=chunk,
+    )
 
 
 @held_cache(maxsize=4096)
 def flat_layout(shape: Shape, in_place: bool) -> Layout:
     """Same-shape collectives (all_reduce, broadcast, permute): no layout change; a fresh buffer if in place."""
-    return Layout(pack=_identity(shape, always_copy=in_place), send_shape=shape, recv_shape=shape,
-                  unpack=_identity(shape), out_shape=shape)
+    return Layout(
+        pack=_identity(shape, always_copy=in_place),
+        send_shape=shape,
+        recv_shape=shape,
+        unpack=_identity(shape),
+        out_shape=shape,
+    )
 
 
 @held_cache(maxsize=4096)
 def local_layout(in_shape: Shape, out_shape: Shape) -> Layout:
     """Local steps (identity, slice, pad): no pack or unpack pass; the step itself maps `in_shape` to `out_shape`."""
-    return Layout(pack=_identity(in_shape), send_shape=in_shape, recv_shape=out_shape, unpack=_identity(out_shape),
-                  out_shape=out_shape)
+    return Layout(
+        pack=_identity(in_shape),
+        send_shape=in_shape,
+        recv_shape=out_shape,
+        unpack=_identity(out_shape),
+        out_shape=out_shape,
+    )
 
 
-def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: int,
-                   numel: int) -> tuple[list[int], list[int]]:
+def permute_splits(
+    pairs: tuple[tuple[int, int], ...], world_size: int, rank: int, numel: int
+) -> tuple[list[int], list[int]]:
     """``(send_splits, recv_splits)``: a permute as one uneven all-to-all of flat buffers of `numel` elements.
 
     This rank sends its whole buffer to its destination (if any) and receives its source's (if any).
@@ -546,8 +586,9 @@ def permute_splits(pairs: tuple[tuple[int, int], ...], world_size: int, rank: in
     return send, recv
 
 
-def rooted_splits(step: Gather | Reduce | Scatter, world_size: int, rank: int,
-                  block: int) -> tuple[list[int], list[int]]:
+def rooted_splits(
+    step: Gather | Reduce | Scatter, world_size: int, rank: int, block: int
+) -> tuple[list[int], list[int]]:
     """``(send_splits, recv_splits)``: a gather, reduce or scatter as one uneven all-to-all of flat buffers, each
     rank's block `block` elements -- the same bytes on the wire as the rooted collective.
 
@@ -566,8 +607,9 @@ def rooted_splits(step: Gather | Reduce | Scatter, world_size: int, rank: int,
     return (from_every_rank, to_root) if isinstance(step, Scatter) else (to_root, from_every_rank)
 
 
-def reorder_pairs(pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...],
-                  order: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def reorder_pairs(
+    pairs: tuple[tuple[int, int], ...], sizes: tuple[int, ...], order: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
     """`pairs` of ranks numbered row-major over axes of `sizes`, renumbered row-major over the same axes taken
     in `order` (indices into `sizes`).
 

@@ -65,7 +65,7 @@ def segment_ids(lengths: Sequence[int], seq_len: int) -> np.ndarray:
     if sum(sizes) > seq_len:
         raise comm_error(SEGMENT_OP, f"sum(lengths) ({sum(sizes)}) must be <= seq_len ({seq_len})", **received)
     ids = np.full(seq_len, -1, dtype=np.int32)
-    ids[:sum(sizes)] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    ids[: sum(sizes)] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
     return ids
 
 
@@ -82,8 +82,11 @@ def check_segment_ids(op_name: str, shape: object, dtype: str, q_shape: tuple[in
         raise kind_error(op_name, f"segment_ids dtype ({dtype}) must be an integer dtype", **received)
     want = tuple(q_shape[:2])
     if tuple(shape) != want:  # type: ignore[arg-type]
-        raise comm_error(op_name, f"segment_ids shape {tuple(shape)} must be q's [batch, seq] {want}",  # type: ignore[arg-type]
-                         **received)
+        raise comm_error(
+            op_name,
+            f"segment_ids shape {tuple(shape)} must be q's [batch, seq] {want}",  # type: ignore[arg-type]
+            **received,
+        )
 
 
 def segment_mask(q_ids, k_ids):

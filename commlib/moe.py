@@ -105,29 +105,37 @@ def _placement(num_experts: int, world_size: int, experts_per_rank: Sequence[int
     received: dict[str, object] = dict(num_experts=num_experts, world_size=world_size)
     if experts_per_rank is None:
         if num_experts % world_size:
-            raise comm_error(ROUTE_OP, f"num_experts ({num_experts}) must be divisible by world_size ({world_size}) "
-                             f"when experts_per_rank is None; pass experts_per_rank=split_sizes({num_experts}, "
-                             f"{world_size}) for an uneven placement", **received)
+            raise comm_error(
+                ROUTE_OP,
+                f"num_experts ({num_experts}) must be divisible by world_size ({world_size}) "
+                f"when experts_per_rank is None; pass experts_per_rank=split_sizes({num_experts}, "
+                f"{world_size}) for an uneven placement",
+                **received,
+            )
         return (num_experts // world_size,) * world_size
     sizes = tuple(experts_per_rank)
     received["experts_per_rank"] = experts_per_rank
     if not all(_is_int(size) for size in sizes):
         raise kind_error(ROUTE_OP, "experts_per_rank must hold ints", **received)
     if len(sizes) != world_size:
-        raise comm_error(ROUTE_OP, f"experts_per_rank has {len(sizes)} entries, not world_size ({world_size})",
-                         **received)
+        raise comm_error(
+            ROUTE_OP, f"experts_per_rank has {len(sizes)} entries, not world_size ({world_size})", **received
+        )
     if min(sizes) < 0 or sum(sizes) != num_experts:
-        raise comm_error(ROUTE_OP, f"experts_per_rank must be >= 0 and sum ({sum(sizes)}) to num_experts "
-                         f"({num_experts})", **received)
+        raise comm_error(
+            ROUTE_OP, f"experts_per_rank must be >= 0 and sum ({sum(sizes)}) to num_experts ({num_experts})", **received
+        )
     return tuple(int(size) for size in sizes)
 
 
-def _capacity(tokens: int, top_k: int, num_experts: int, capacity: int | None,
-              capacity_factor: float | None) -> int | None:
+def _capacity(
+    tokens: int, top_k: int, num_experts: int, capacity: int | None, capacity_factor: float | None
+) -> int | None:
     received: dict[str, object] = dict(capacity=capacity, capacity_factor=capacity_factor)
     if capacity is not None and capacity_factor is not None:
-        raise comm_error(ROUTE_OP, "capacity and capacity_factor are exclusive: pass one (or neither: dropless)",
-                         **received)
+        raise comm_error(
+            ROUTE_OP, "capacity and capacity_factor are exclusive: pass one (or neither: dropless)", **received
+        )
     if capacity is not None:
         if not _is_int(capacity):
             raise kind_error(ROUTE_OP, f"capacity must be an int, not {type(capacity).__name__}", **received)
@@ -136,17 +144,26 @@ def _capacity(tokens: int, top_k: int, num_experts: int, capacity: int | None,
         return int(capacity)
     if capacity_factor is not None:
         if not isinstance(capacity_factor, numbers.Real) or isinstance(capacity_factor, bool):
-            raise kind_error(ROUTE_OP, f"capacity_factor must be a number, not {type(capacity_factor).__name__}",
-                             **received)
+            raise kind_error(
+                ROUTE_OP, f"capacity_factor must be a number, not {type(capacity_factor).__name__}", **received
+            )
         if not capacity_factor > 0 or not math.isfinite(capacity_factor):
             raise comm_error(ROUTE_OP, f"capacity_factor ({capacity_factor}) must be finite and > 0", **received)
         return math.ceil(tokens * top_k / num_experts * capacity_factor)
     return None
 
 
-def route_plan(shape: Sequence[int], dtype: str, num_experts: int, world_size: int, *, capacity: int | None = None,
-               capacity_factor: float | None = None, experts_per_rank: Sequence[int] | None = None,
-               layout: str = "exact") -> RoutePlan:
+def route_plan(
+    shape: Sequence[int],
+    dtype: str,
+    num_experts: int,
+    world_size: int,
+    *,
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    experts_per_rank: Sequence[int] | None = None,
+    layout: str = "exact",
+) -> RoutePlan:
     """Validate `route`'s arguments (indices of `shape` and `dtype`, a numpy dtype name) before any
     communication and give the `RoutePlan`. `capacity_factor` f gives ``ceil(T * K / E * f)``.
 
@@ -164,14 +181,23 @@ def route_plan(shape: Sequence[int], dtype: str, num_experts: int, world_size: i
     if len(shape) != 2:
         raise comm_error(ROUTE_OP, f"indices must be [T, K] (ndim 2), not ndim {len(shape)}", shape=shape)
     if not _is_int(num_experts) or not _is_int(world_size):
-        raise kind_error(ROUTE_OP, "num_experts and world_size must be ints", num_experts=num_experts,
-                         world_size=world_size)
+        raise kind_error(
+            ROUTE_OP, "num_experts and world_size must be ints", num_experts=num_experts, world_size=world_size
+        )
     if num_experts < 1 or world_size < 1:
-        raise comm_error(ROUTE_OP, f"num_experts ({num_experts}) and world_size ({world_size}) must be >= 1",
-                         num_experts=num_experts, world_size=world_size)
+        raise comm_error(
+            ROUTE_OP,
+            f"num_experts ({num_experts}) and world_size ({world_size}) must be >= 1",
+            num_experts=num_experts,
+            world_size=world_size,
+        )
     if shape[1] > num_experts:
-        raise comm_error(ROUTE_OP, f"K ({shape[1]}) must be <= num_experts ({num_experts}): an expert at most once "
-                         "per token", shape=shape, num_experts=num_experts)
+        raise comm_error(
+            ROUTE_OP,
+            f"K ({shape[1]}) must be <= num_experts ({num_experts}): an expert at most once per token",
+            shape=shape,
+            num_experts=num_experts,
+        )
     if layout not in LAYOUTS:
         raise comm_error(ROUTE_OP, f"layout must be one of {LAYOUTS}, not {layout!r}", layout=layout)
     placement = _placement(num_experts, world_size, experts_per_rank)
@@ -182,6 +208,7 @@ def route_plan(shape: Sequence[int], dtype: str, num_experts: int, world_size: i
 # ---------------------------------------------------------------------------------------------------------
 # Bad indices are data: found on each rank, raised the same on every rank (frontends carry a flag)
 # ---------------------------------------------------------------------------------------------------------
+
 
 def bad_route(indices: np.ndarray, num_experts: int) -> tuple[int, int, str] | None:
     """The first bad row of `indices` ``[T, K]`` in token order: ``(token, value, why)``, why ``"range"`` (a
@@ -222,6 +249,7 @@ def check_indices(indices: np.ndarray, num_experts: int, rank: int) -> None:
 # The routing walk
 # ---------------------------------------------------------------------------------------------------------
 
+
 def local_routing(indices: np.ndarray, plan: RoutePlan) -> tuple[np.ndarray, np.ndarray, int]:
     """This rank's kept copies: ``(order, counts, dropped)``: the flat copies ``t * K + k`` sorted by expert
     (token-major within one), the first `capacity` per expert kept; per-expert counts ``[E]`` after capacity;
@@ -254,12 +282,13 @@ class RankTables:
     dropped: Any  # routes this rank dropped by capacity
 
 
-def rank_tables(plan: RoutePlan, rank: int, order: np.ndarray, send_counts: np.ndarray, dropped: int,
-                received_counts: np.ndarray) -> RankTables:
+def rank_tables(
+    plan: RoutePlan, rank: int, order: np.ndarray, send_counts: np.ndarray, dropped: int, received_counts: np.ndarray
+) -> RankTables:
     """Rank `rank`'s tables from its `local_routing` and `received_counts` ``[W, E_r]``: source s's kept
     counts for each of this rank's experts (what the counts exchange delivers)."""
     offsets, world = plan.expert_offsets, plan.world_size
-    send_sizes = np.array([send_counts[offsets[d]:offsets[d + 1]].sum() for d in range(world)], dtype=np.int64)
+    send_sizes = np.array([send_counts[offsets[d] : offsets[d + 1]].sum() for d in range(world)], dtype=np.int64)
     counts = np.asarray(received_counts, dtype=np.int64).reshape(world, plan.experts_per_rank[rank])
     recv_sizes = counts.sum(axis=1)
     # receive position of (source s, expert e, j): source-major; expert-major position: expert, source, j
@@ -269,15 +298,25 @@ def rank_tables(plan: RoutePlan, rank: int, order: np.ndarray, send_counts: np.n
     rows = int(counts.sum())
     pack_back = np.empty(rows, dtype=np.int64)
     for (source, expert), count in np.ndenumerate(counts):
-        pack_back[receive_start[source, expert]:receive_start[source, expert] + count] = (
-            major_start[source, expert] + np.arange(count))
+        pack_back[receive_start[source, expert] : receive_start[source, expert] + count] = major_start[
+            source, expert
+        ] + np.arange(count)
     length = rows if plan.layout == "exact" else plan.padded_rows
     unpack = np.full(length, -1, dtype=np.int64)
     unpack[pack_back] = np.arange(rows)
     token_slot = np.full(plan.tokens * plan.top_k, -1, dtype=np.int64)
     token_slot[order] = np.arange(order.size)
-    return RankTables(order, send_sizes, recv_sizes, unpack, pack_back, token_slot.reshape(plan.tokens, plan.top_k),
-                      counts.sum(axis=0), rows, dropped)
+    return RankTables(
+        order,
+        send_sizes,
+        recv_sizes,
+        unpack,
+        pack_back,
+        token_slot.reshape(plan.tokens, plan.top_k),
+        counts.sum(axis=0),
+        rows,
+        dropped,
+    )
 
 
 def padded_tokens_error(tokens: Sequence[int]) -> CommError:
@@ -287,16 +326,23 @@ def padded_tokens_error(tokens: Sequence[int]) -> CommError:
     >>> print(padded_tokens_error([4, 3]))  # doctest: +ELLIPSIS
     route: layout='padded' needs the same T on every rank (...); ranks have T = (4, 3); use layout='exact'...
     """
-    return comm_error(ROUTE_OP, "layout='padded' needs the same T on every rank (its static rows are "
-                      f"max(experts_per_rank) * W * (capacity or T)); ranks have T = {tuple(tokens)}; use "
-                      "layout='exact'", tokens=tuple(tokens))
+    return comm_error(
+        ROUTE_OP,
+        "layout='padded' needs the same T on every rank (its static rows are "
+        f"max(experts_per_rank) * W * (capacity or T)); ranks have T = {tuple(tokens)}; use "
+        "layout='exact'",
+        tokens=tuple(tokens),
+    )
 
 
 def check_weights(weights_shape: Sequence[int] | None, plan: RoutePlan) -> None:
     """`combine`'s `weights` must be ``[T, K]`` as the routing's indices."""
     if weights_shape is not None and tuple(weights_shape) != (plan.tokens, plan.top_k):
-        raise comm_error(COMBINE_OP, f"weights shape {tuple(weights_shape)} must be the indices' [T, K] "
-                         f"({plan.tokens}, {plan.top_k})", weights_shape=tuple(weights_shape))
+        raise comm_error(
+            COMBINE_OP,
+            f"weights shape {tuple(weights_shape)} must be the indices' [T, K] ({plan.tokens}, {plan.top_k})",
+            weights_shape=tuple(weights_shape),
+        )
 
 
 def check_rows(op_name: str, argument: str, shape: Sequence[int], expected: int, what: str) -> None:
@@ -304,13 +350,17 @@ def check_rows(op_name: str, argument: str, shape: Sequence[int], expected: int,
     or padded rows (padded) for combine's y."""
     shape = tuple(shape)
     if len(shape) < 1 or shape[0] != expected:
-        raise comm_error(op_name, f"{argument} has {shape[0] if shape else None} rows, not the routing's {what} "
-                         f"({expected})", shape=shape)
+        raise comm_error(
+            op_name,
+            f"{argument} has {shape[0] if shape else None} rows, not the routing's {what} ({expected})",
+            shape=shape,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The walk over a backend: dispatch, combine and their VJPs
 # ---------------------------------------------------------------------------------------------------------
+
 
 class MoeBackend(Protocol):
     """What a walker of the MoE exchange implements on one rank's arrays (or the reference's W ranks at once).
@@ -360,8 +410,9 @@ def dispatch_vjp(backend: MoeBackend, out_bar: Any, tables: RankTables) -> Any:
     return combine(backend, out_bar, tables, None)
 
 
-def combine_vjp(backend: MoeBackend, out_bar: Any, y: Any, tables: RankTables,
-                weights: Any | None) -> tuple[Any, Any | None]:
+def combine_vjp(
+    backend: MoeBackend, out_bar: Any, y: Any, tables: RankTables, weights: Any | None
+) -> tuple[Any, Any | None]:
     """``(y_bar, w_bar)``: ``y_bar = dispatch(w * out_bar)`` (padded rows 0), ``w_bar[t, k] = <out_bar[t],
     row(t, k)>`` at the source (0 for dropped and -1 routes), None without weights."""
     y_bar = _dispatch_copies(backend, backend.spread(out_bar, weights), tables)

@@ -31,8 +31,9 @@ class SimulatedMoeRanks:
             out.append(taken)
         return out
 
-    def exchange(self, x: list[np.ndarray], send_sizes: list[np.ndarray],
-                 recv_sizes: list[np.ndarray]) -> list[np.ndarray]:
+    def exchange(
+        self, x: list[np.ndarray], send_sizes: list[np.ndarray], recv_sizes: list[np.ndarray]
+    ) -> list[np.ndarray]:
         chunks = [np.split(rows, np.cumsum(sizes)[:-1]) for rows, sizes in zip(x, send_sizes, strict=True)]
         out = [np.concatenate([chunks[source][rank] for source in range(len(x))]) for rank in range(len(x))]
         for rows, sizes in zip(out, recv_sizes, strict=True):
@@ -63,7 +64,6 @@ class SimulatedMoeRanks:
         return [np.sum(o[:, None] * r, axis=axes) for o, r, axes in zip(out_bar, rows, features, strict=True)]
 
 
-
 def _column(values: np.ndarray, ndim: int) -> np.ndarray:
     """`values` (``[T]`` or ``[T, K]``) with trailing 1s up to `ndim` dims, to scale rows."""
     return values.reshape(*values.shape, *[1] * (ndim - values.ndim))
@@ -89,11 +89,19 @@ def _stack(tables: Sequence[moe.RankTables]) -> moe.RankTables:
     return moe.RankTables(**{name: [getattr(table, name) for table in tables] for name in fields})
 
 
-def simulate_moe(xs: Sequence[np.ndarray], indices: Sequence[np.ndarray], num_experts: int, *,
-                 weights: Sequence[np.ndarray] | None = None, ys: Sequence[np.ndarray] | None = None,
-                 out_bars: Sequence[np.ndarray] | None = None, capacity: int | None = None,
-                 capacity_factor: float | None = None, experts_per_rank: Sequence[int] | None = None,
-                 layout: str = "exact") -> MoeSimulation:
+def simulate_moe(
+    xs: Sequence[np.ndarray],
+    indices: Sequence[np.ndarray],
+    num_experts: int,
+    *,
+    weights: Sequence[np.ndarray] | None = None,
+    ys: Sequence[np.ndarray] | None = None,
+    out_bars: Sequence[np.ndarray] | None = None,
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    experts_per_rank: Sequence[int] | None = None,
+    layout: str = "exact",
+) -> MoeSimulation:
     """route, dispatch, combine and the VJPs on W = ``len(xs)`` simulated ranks, float64. `ys`: the rows given
     to combine (default: the dispatched rows); `out_bars`: combine's output cotangents (default: ones).
 
@@ -105,8 +113,16 @@ def simulate_moe(xs: Sequence[np.ndarray], indices: Sequence[np.ndarray], num_ex
     plans, found = [], []
     for rank, rank_indices in enumerate(indices):
         rank_indices = np.asarray(rank_indices)
-        plan = moe.route_plan(rank_indices.shape, str(rank_indices.dtype), num_experts, world, capacity=capacity,
-                              capacity_factor=capacity_factor, experts_per_rank=experts_per_rank, layout=layout)
+        plan = moe.route_plan(
+            rank_indices.shape,
+            str(rank_indices.dtype),
+            num_experts,
+            world,
+            capacity=capacity,
+            capacity_factor=capacity_factor,
+            experts_per_rank=experts_per_rank,
+            layout=layout,
+        )
         moe.check_rows(moe.DISPATCH_OP, "x", np.shape(xs[rank]), plan.tokens, "tokens T")
         moe.check_weights(None if weights is None else np.shape(weights[rank]), plan)
         plans.append(plan)
@@ -119,8 +135,10 @@ def simulate_moe(xs: Sequence[np.ndarray], indices: Sequence[np.ndarray], num_ex
     local = [moe.local_routing(np.asarray(i), plan) for i, plan in zip(indices, plans, strict=True)]
     offsets = plans[0].expert_offsets
     counts = np.stack([send_counts for _, send_counts, _ in local])  # the counts exchange: [W, E]
-    tables = [moe.rank_tables(plan, rank, order, send_counts, dropped, counts[:, offsets[rank]:offsets[rank + 1]])
-              for rank, (plan, (order, send_counts, dropped)) in enumerate(zip(plans, local, strict=True))]
+    tables = [
+        moe.rank_tables(plan, rank, order, send_counts, dropped, counts[:, offsets[rank] : offsets[rank + 1]])
+        for rank, (plan, (order, send_counts, dropped)) in enumerate(zip(plans, local, strict=True))
+    ]
     stacked, backend = _stack(tables), SimulatedMoeRanks(plans[0].top_k)
     x64 = [np.asarray(x, dtype=np.float64) for x in xs]
     w64 = None if weights is None else [np.asarray(w, dtype=np.float64) for w in weights]

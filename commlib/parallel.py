@@ -25,9 +25,23 @@ import numpy as np
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.sequence import SequenceLayout
 
-__all__ = ["ATTENTIONS", "CALL_OP", "OP_NAME", "ParallelPlan", "check_call", "check_groups", "check_positions_shape",
-           "check_sizes", "check_world", "helper_axes", "helper_layout", "outside_error", "parallel_plan",
-           "positions_error", "refused_elsewhere_error"]
+__all__ = [
+    "ATTENTIONS",
+    "CALL_OP",
+    "OP_NAME",
+    "ParallelPlan",
+    "check_call",
+    "check_groups",
+    "check_positions_shape",
+    "check_sizes",
+    "check_world",
+    "helper_axes",
+    "helper_layout",
+    "outside_error",
+    "parallel_plan",
+    "positions_error",
+    "refused_elsewhere_error",
+]
 
 OP_NAME = "parallel"
 CALL_OP = "commlib attention"  # the name of an integration's call inside the context (transformers, Flax)
@@ -61,8 +75,9 @@ def _keywords(layout: SequenceLayout, attention: str) -> dict:
     return {"layout": layout.layout if _names_even_layout(layout) else layout}
 
 
-def check_groups(attention: object, received: dict[str, object], names: tuple[str, str, str], *,
-                 group_required: bool = False) -> None:
+def check_groups(
+    attention: object, received: dict[str, object], names: tuple[str, str, str], *, group_required: bool = False
+) -> None:
     """`attention` one of `ATTENTIONS`; USP given both of its groups (axes), Ulysses and ring neither (and, with
     `group_required` -- JAX, where no axis means the world -- their group).
 
@@ -74,24 +89,32 @@ def check_groups(attention: object, received: dict[str, object], names: tuple[st
     if not isinstance(attention, str):
         raise kind_error(OP_NAME, f"attention must be a str, not {type(attention).__name__}", attention=attention)
     if attention not in ATTENTIONS:
-        raise comm_error(OP_NAME, f"attention ({attention!r}) must be one of {', '.join(ATTENTIONS)}",
-                         attention=attention)
+        raise comm_error(
+            OP_NAME, f"attention ({attention!r}) must be one of {', '.join(ATTENTIONS)}", attention=attention
+        )
     _, ulysses, ring = names
     shown = {name: received[name] for name in names}
     if attention == "usp" and not (given[ulysses] and given[ring]):
         raise comm_error(OP_NAME, f"attention='usp' needs both {ulysses} and {ring}", attention=attention, **shown)
     if attention != "usp" and (given[ulysses] or given[ring]):
-        raise comm_error(OP_NAME, f"{ulysses} and {ring} are for attention='usp'; attention={attention!r} runs "
-                         f"over {names[0]}", attention=attention, **shown)
+        raise comm_error(
+            OP_NAME,
+            f"{ulysses} and {ring} are for attention='usp'; attention={attention!r} runs over {names[0]}",
+            attention=attention,
+            **shown,
+        )
     if attention != "usp" and group_required and not given[names[0]]:
         raise comm_error(OP_NAME, f"attention={attention!r} needs {names[0]}", attention=attention, **shown)
 
 
 def outside_error(op_name: str, context: str):
     """The `CommError` of an integration called outside every ``parallel`` context (`context`: its path)."""
-    return comm_error(op_name, f"called outside a {context}(...) context: enter one to choose the layer (ulysses, "
-                      "ring, usp), its groups and the sequence layout (with gradient checkpointing the backward "
-                      "runs the attention again: call backward inside the context too)")
+    return comm_error(
+        op_name,
+        f"called outside a {context}(...) context: enter one to choose the layer (ulysses, "
+        "ring, usp), its groups and the sequence layout (with gradient checkpointing the backward "
+        "runs the attention again: call backward inside the context too)",
+    )
 
 
 def parallel_plan(layout: object, attention: str, *, ulysses_size: int | None, ring_size: int | None) -> ParallelPlan:
@@ -106,8 +129,9 @@ def parallel_plan(layout: object, attention: str, *, ulysses_size: int | None, r
         CommError: a layout whose Ulysses or ring size is not its group's.
     """
     if not isinstance(layout, SequenceLayout):
-        raise kind_error(OP_NAME, f"layout must be a commlib.SequenceLayout, not {type(layout).__name__}",
-                         layout=layout)
+        raise kind_error(
+            OP_NAME, f"layout must be a commlib.SequenceLayout, not {type(layout).__name__}", layout=layout
+        )
     check_sizes(layout, attention, ulysses_size=ulysses_size, ring_size=ring_size)
     return ParallelPlan(layout, attention, _keywords(layout, attention))
 
@@ -133,19 +157,36 @@ def check_sizes(layout: SequenceLayout, attention: str, *, ulysses_size: int | N
     """
     for name, size in (("ulysses_size", ulysses_size), ("ring_size", ring_size)):
         if size is not None and getattr(layout, name) != size:
-            raise comm_error(OP_NAME, f"layout.{name} ({getattr(layout, name)}) must be {size} "
-                             f"({_SIZE_MEANINGS[attention, name]})", layout=layout, attention=attention)
+            raise comm_error(
+                OP_NAME,
+                f"layout.{name} ({getattr(layout, name)}) must be {size} ({_SIZE_MEANINGS[attention, name]})",
+                layout=layout,
+                attention=attention,
+            )
 
 
 def check_world(layout: SequenceLayout, world_size: int) -> None:
     """USP's optional whole sequence group: its size must be ``layout.world_size``."""
     if world_size != layout.world_size:
-        raise comm_error(OP_NAME, f"group's size ({world_size}) must be layout.world_size ({layout.world_size})",
-                         layout=layout, attention="usp")
+        raise comm_error(
+            OP_NAME,
+            f"group's size ({world_size}) must be layout.world_size ({layout.world_size})",
+            layout=layout,
+            attention="usp",
+        )
 
 
-def check_call(plan: ParallelPlan, *, shard: int | None, rows: int, mask: bool = False, bias: bool = False,
-               dropout: float = 0.0, sliding_window: object = None, softcap: object = None) -> None:
+def check_call(
+    plan: ParallelPlan,
+    *,
+    shard: int | None,
+    rows: int,
+    mask: bool = False,
+    bias: bool = False,
+    dropout: float = 0.0,
+    sliding_window: object = None,
+    softcap: object = None,
+) -> None:
     """One integration call inside the context: nothing it cannot honour, and q holding the layout's rows.
 
     `shard` is this rank's shard index (torch: exactly ``layout.sizes[shard]`` rows); None for JAX, which
@@ -155,21 +196,27 @@ def check_call(plan: ParallelPlan, *, shard: int | None, rows: int, mask: bool =
     Raises:
         CommError: a dense mask, a bias, dropout > 0, a sliding window, softcapping, q rows not the layout's.
     """
-    refused = [(mask, "a dense attention mask is not supported: commlib masks by the causal rule and segment ids "
-                      "(padding and packed documents: segment_ids=, or in transformers a 2-D padding attention_mask "
-                      "or packed position_ids with parallel(..., packed=True))"),
-               (bias, "an attention bias is not supported"),
-               (dropout != 0.0, f"dropout ({dropout}) must be 0"),
-               (sliding_window is not None, f"sliding_window ({sliding_window}) is not supported"),
-               (softcap is not None, f"softcap ({softcap}) is not supported")]
+    refused = [
+        (
+            mask,
+            "a dense attention mask is not supported: commlib masks by the causal rule and segment ids "
+            "(padding and packed documents: segment_ids=, or in transformers a 2-D padding attention_mask "
+            "or packed position_ids with parallel(..., packed=True))",
+        ),
+        (bias, "an attention bias is not supported"),
+        (dropout != 0.0, f"dropout ({dropout}) must be 0"),
+        (sliding_window is not None, f"sliding_window ({sliding_window}) is not supported"),
+        (softcap is not None, f"softcap ({softcap}) is not supported"),
+    ]
     for refuse, message in refused:
         if refuse:
             raise comm_error(CALL_OP, message, attention=plan.attention, layout=plan.layout)
     want = plan.layout.max_size if shard is None else plan.layout.sizes[shard]
     if rows != want:
         where = "layout.max_size" if shard is None else f"layout.sizes[{shard}]"
-        raise comm_error(CALL_OP, f"query rows ({rows}) must be {where} ({want})", layout=plan.layout,
-                         attention=plan.attention)
+        raise comm_error(
+            CALL_OP, f"query rows ({rows}) must be {where} ({want})", layout=plan.layout, attention=plan.attention
+        )
 
 
 def _listed(values: np.ndarray) -> str:
@@ -193,15 +240,25 @@ def positions_error(plan: ParallelPlan, shard: int, received: np.ndarray, *, nam
     """
     want = plan.layout.positions(shard)
     rows = np.asarray(received).reshape(-1, np.shape(received)[-1] if np.ndim(received) else 1)
-    what = f"{name} must be the global positions of shard {shard} of the layout (layout.positions({shard}); " \
-           "sequence.shard_tokens and sequence.position_ids give them)"
+    what = (
+        f"{name} must be the global positions of shard {shard} of the layout (layout.positions({shard}); "
+        "sequence.shard_tokens and sequence.position_ids give them)"
+    )
     if rows.shape[1] != len(want):
-        return comm_error(CALL_OP, f"{what}: {name}.shape[-1] ({rows.shape[1]}) must be the shard's rows "
-                          f"({len(want)})", **{f"{name}_shape": tuple(np.shape(received))}, layout=plan.layout)
+        return comm_error(
+            CALL_OP,
+            f"{what}: {name}.shape[-1] ({rows.shape[1]}) must be the shard's rows ({len(want)})",
+            **{f"{name}_shape": tuple(np.shape(received))},
+            layout=plan.layout,
+        )
     batch, row = (int(index[0]) for index in np.nonzero(rows != want))
-    return comm_error(CALL_OP, f"{what}: from row {row} of batch row {batch}, expected {_listed(want[row:])}, "
-                      f"received {_listed(rows[batch, row:])}", **{f"{name}_shape": tuple(np.shape(received))},
-                      layout=plan.layout)
+    return comm_error(
+        CALL_OP,
+        f"{what}: from row {row} of batch row {batch}, expected {_listed(want[row:])}, "
+        f"received {_listed(rows[batch, row:])}",
+        **{f"{name}_shape": tuple(np.shape(received))},
+        layout=plan.layout,
+    )
 
 
 def check_positions_shape(plan: ParallelPlan, shape: tuple[int, ...]) -> None:
@@ -215,9 +272,13 @@ def check_positions_shape(plan: ParallelPlan, shape: tuple[int, ...]) -> None:
     """
     if not shape or shape[-1] != plan.layout.max_size:
         rows = shape[-1] if shape else None
-        raise comm_error(CALL_OP, f"positions.shape[-1] ({rows}) must be layout.max_size ({plan.layout.max_size}): "
-                         "this rank's positions, padded as its tokens (sequence.shard_tokens gives them)",
-                         positions_shape=shape, layout=plan.layout)
+        raise comm_error(
+            CALL_OP,
+            f"positions.shape[-1] ({rows}) must be layout.max_size ({plan.layout.max_size}): "
+            "this rank's positions, padded as its tokens (sequence.shard_tokens gives them)",
+            positions_shape=shape,
+            layout=plan.layout,
+        )
 
 
 def helper_layout(op_name: str, plan: ParallelPlan | None, layout: object) -> object:
@@ -239,9 +300,14 @@ def helper_layout(op_name: str, plan: ParallelPlan | None, layout: object) -> ob
             raise comm_error(op_name, "layout is required outside a parallel(...) context", layout=None)
         return plan.layout
     if plan is not None and isinstance(layout, SequenceLayout) and layout != plan.layout:
-        raise comm_error(op_name, f"layout ({layout}) must be the parallel context's layout ({plan.layout}): "
-                         f"what {op_name} shards must be what the attention layer attends (pass layout=None to "
-                         "take the context's)", layout=layout, context_layout=plan.layout)
+        raise comm_error(
+            op_name,
+            f"layout ({layout}) must be the parallel context's layout ({plan.layout}): "
+            f"what {op_name} shards must be what the attention layer attends (pass layout=None to "
+            "take the context's)",
+            layout=layout,
+            context_layout=plan.layout,
+        )
     return layout
 
 
@@ -260,10 +326,14 @@ def helper_axes(op_name: str, context_axes: tuple | None, axes: tuple | None) ->
             raise comm_error(op_name, "axis_name is required outside a parallel(...) context", axis_name=None)
         return context_axes
     if context_axes is not None and tuple(axes) != tuple(context_axes):
-        raise comm_error(op_name, f"axis_name ({tuple(axes)}) must be the parallel context's sequence axes "
-                         f"({tuple(context_axes)}) in that order (USP: ring axis, then Ulysses axis; shard "
-                         "r * U + u): sharded over other axes, the tokens are not the ones the layer attends",
-                         axis_name=tuple(axes), context_axes=tuple(context_axes))
+        raise comm_error(
+            op_name,
+            f"axis_name ({tuple(axes)}) must be the parallel context's sequence axes "
+            f"({tuple(context_axes)}) in that order (USP: ring axis, then Ulysses axis; shard "
+            "r * U + u): sharded over other axes, the tokens are not the ones the layer attends",
+            axis_name=tuple(axes),
+            context_axes=tuple(context_axes),
+        )
     return tuple(axes)
 
 
@@ -274,8 +344,11 @@ def refused_elsewhere_error() -> CommError:
     >>> refused_elsewhere_error()  # doctest: +ELLIPSIS
     CommError('commlib attention: another rank of the layer refused this call (its own error says why): ...')
     """
-    return comm_error(CALL_OP, "another rank of the layer refused this call (its own error says why): every rank "
-                      "raises rather than one entering the collective alone")
+    return comm_error(
+        CALL_OP,
+        "another rank of the layer refused this call (its own error says why): every rank "
+        "raises rather than one entering the collective alone",
+    )
 
 
 State = TypeVar("State")

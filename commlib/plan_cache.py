@@ -48,8 +48,24 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-__all__ = ["MAX_BYTES", "MAX_PLANS", "Pairs", "builds", "bypass_while", "cached_plan", "charge", "clear", "clear_also",
-           "estimated_bytes", "flushes", "held_bytes", "held_cache", "key", "pairs", "trust_sequence_type"]
+__all__ = [
+    "MAX_BYTES",
+    "MAX_PLANS",
+    "Pairs",
+    "builds",
+    "bypass_while",
+    "cached_plan",
+    "charge",
+    "clear",
+    "clear_also",
+    "estimated_bytes",
+    "flushes",
+    "held_bytes",
+    "held_cache",
+    "key",
+    "pairs",
+    "trust_sequence_type",
+]
 
 MAX_PLANS = 4096  # plans kept per builder and cache
 MAX_BYTES = 4 * 2**20  # estimated bytes of what every cache holds (plans, and what frontends keep per plan)
@@ -244,8 +260,11 @@ def _fields(kind: type) -> tuple[str, ...]:
     names = [field.name for field in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
     for base in kind.__mro__:
         group = getattr(base, "__slots__", ())
-        names.extend(name for name in ((group,) if isinstance(group, str) else group)
-                     if name not in ("__dict__", "__weakref__") and name not in names)
+        names.extend(
+            name
+            for name in ((group,) if isinstance(group, str) else group)
+            if name not in ("__dict__", "__weakref__") and name not in names
+        )
     return tuple(names)
 
 

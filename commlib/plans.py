@@ -156,8 +156,7 @@ def _check_dtype(op_name: str, name: str, dtype: object, received: dict) -> str:
     return dtype
 
 
-def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object,
-                     received: dict) -> str | None:
+def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, received: dict) -> str | None:
     """Dtype rules of a reduction; returns the accumulation dtype (None = the input's)."""
     if reduce_op is ReduceOp.AVG and kind(dtype) not in ("float", "complex", "float8"):  # float8: `wire_dtypes` says
         message = f"op ('avg') needs a floating or complex dtype, not {dtype}"
@@ -175,21 +174,27 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
         raise comm_error(op_name, f"accum_dtype ({accum}) and the input dtype ({dtype}) must be floating", **received)
     (exponent, mantissa), (exponent_in, mantissa_in) = FLOAT_FORMATS[accum], FLOAT_FORMATS[dtype]
     if exponent < exponent_in or mantissa < mantissa_in:  # float16 <-> bfloat16: each loses the other's values
-        message = (f"accum_dtype ({accum}: {exponent} exponent, {mantissa} mantissa bits) must hold every value of "
-                   f"the input dtype ({dtype}: {exponent_in}, {mantissa_in})")
+        message = (
+            f"accum_dtype ({accum}: {exponent} exponent, {mantissa} mantissa bits) must hold every value of "
+            f"the input dtype ({dtype}: {exponent_in}, {mantissa_in})"
+        )
         raise comm_error(op_name, message, **received)
     return None if accum == dtype else accum
 
 
-def _reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, backend_dtypes, received: dict,
-               world_size: int) -> tuple[Arithmetic, str | None]:
+def _reduction(
+    op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, backend_dtypes, received: dict, world_size: int
+) -> tuple[Arithmetic, str | None]:
     """A reduction's arithmetic -- the accumulation dtype (the user's, or a wider one the backend carries), the
     scale (1/W for avg) and whether it applies before the sum -- and its wire view (`Plan.wire_view`)."""
     accum = _check_reduction(op_name, reduce_op, dtype, accum_dtype, received)
     view, cast = wire_dtypes(op_name, dtype, reduce_op, backend_dtypes, received)
     is_avg = reduce_op is ReduceOp.AVG
-    arithmetic = Arithmetic(scale=1.0 / world_size if is_avg else 1.0, scale_first=is_avg and dtype in HALF_DTYPES,
-                            accum_dtype=cast or accum)
+    arithmetic = Arithmetic(
+        scale=1.0 / world_size if is_avg else 1.0,
+        scale_first=is_avg and dtype in HALF_DTYPES,
+        accum_dtype=cast or accum,
+    )
     return arithmetic, view
 
 
@@ -232,29 +237,48 @@ def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) ->
     return tuple((int(source), int(destination)) for source, destination in pairs)
 
 
-def _uneven(op_name: str, step: Step, shape: tuple[int, ...], world_size: int, rank: object, received: dict, *,
-            scatter: uneven.Sizes | None = None,
-            gather: uneven.Sizes | None = None) -> tuple[Layout, Exact | Padded] | None:
+def _uneven(
+    op_name: str,
+    step: Step,
+    shape: tuple[int, ...],
+    world_size: int,
+    rank: object,
+    received: dict,
+    *,
+    scatter: uneven.Sizes | None = None,
+    gather: uneven.Sizes | None = None,
+) -> tuple[Layout, Exact | Padded] | None:
     """The layout and sizes of a call with uneven sizes (`commlib.uneven.plan`), None where they are all equal:
     exact on `rank`, padded where `rank` is None."""
     arguments = {key: value for key, value in received.items() if key != "shape"}  # the same on every rank
     arguments.update({sizes.keyword: sizes.shown for sizes in (scatter, gather) if sizes is not None})
     if rank is not None:
         rank = check_rank(op_name, "rank", rank, world_size, {**arguments, "rank": rank})
-    return uneven.plan(op_name, step, shape, world_size, scatter=scatter, gather=gather, rank=rank,
-                       received=arguments)
+    return uneven.plan(op_name, step, shape, world_size, scatter=scatter, gather=gather, rank=rank, received=arguments)
 
 
 def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
     """The checks every op makes first: (shape, world_size, dtype)."""
     checked_shape = _check_shape(op_name, shape)
-    return (checked_shape, _check_world_size(op_name, world_size, received),
-            _check_dtype(op_name, "dtype", dtype, received))
+    return (
+        checked_shape,
+        _check_world_size(op_name, world_size, received),
+        _check_dtype(op_name, "dtype", dtype, received),
+    )
 
 
 @cached_plan
-def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum", accum_dtype=None,
-               op_name="all_reduce", backend_dtypes=None) -> Plan:
+def all_reduce(
+    shape,
+    world_size,
+    op="sum",
+    *,
+    dtype="float32",
+    convention="sum",
+    accum_dtype=None,
+    op_name="all_reduce",
+    backend_dtypes=None,
+) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
     >>> all_reduce((3,), 4, "avg").arithmetic.scale
@@ -264,14 +288,32 @@ def all_reduce(shape, world_size, op="sum", *, dtype="float32", convention="sum"
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     reduce_op = parse_reduce_op(op, op_name=op_name, received=received)
     arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
-    return Plan(op_name=op_name, step=AllReduce(reduce_op), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=True), dtype=dtype,
-                convention=_check_convention(op_name, convention, received), arithmetic=arithmetic, wire_view=view)
+    return Plan(
+        op_name=op_name,
+        step=AllReduce(reduce_op),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=True),
+        dtype=dtype,
+        convention=_check_convention(op_name, convention, received),
+        arithmetic=arithmetic,
+        wire_view=view,
+    )
 
 
 @cached_plan
-def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float32", convention="sum",
-               op_name="all_gather", backend_dtypes=None) -> Plan:
+def all_gather(
+    shape,
+    world_size,
+    dim=-1,
+    *,
+    sizes=None,
+    rank=None,
+    dtype="float32",
+    convention="sum",
+    op_name="all_gather",
+    backend_dtypes=None,
+) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
 
     `sizes` (uneven, see `commlib.uneven`): rank r contributes ``sizes[r]`` rows, ``s[dim] = sum(sizes)`` on
@@ -287,16 +329,38 @@ def all_gather(shape, world_size, dim=-1, *, sizes=None, rank=None, dtype="float
     dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, checked = AllGather(dim), _check_convention(op_name, convention, received)
     view = _wire_view(op_name, dtype, backend_dtypes, received)
-    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
-                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    sized = sizes is not None and _uneven(
+        op_name, step, shape, world_size, rank, received, gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}")
+    )
     layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
-    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
-                dtype=dtype, convention=checked, wire_view=view, uneven=held)
+    return Plan(
+        op_name=op_name,
+        step=step,
+        world_size=world_size,
+        in_shape=shape,
+        layout=layout,
+        arithmetic=PLAIN,
+        dtype=dtype,
+        convention=checked,
+        wire_view=view,
+        uneven=held,
+    )
 
 
 @cached_plan
-def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None, dtype="float32", accum_dtype=None,
-                   op_name="reduce_scatter", backend_dtypes=None) -> Plan:
+def reduce_scatter(
+    shape,
+    world_size,
+    dim=0,
+    op="sum",
+    *,
+    sizes=None,
+    rank=None,
+    dtype="float32",
+    accum_dtype=None,
+    op_name="reduce_scatter",
+    backend_dtypes=None,
+) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
     `sizes` (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) = s[dim]``), exactly (`rank` given) or
@@ -315,18 +379,40 @@ def reduce_scatter(shape, world_size, dim=0, op="sum", *, sizes=None, rank=None,
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
     step = ReduceScatter(dim, reduce_op)
     arithmetic, view = _reduction(op_name, reduce_op, dtype, accum_dtype, backend_dtypes, received, world_size)
-    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
-                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    sized = sizes is not None and _uneven(
+        op_name, step, shape, world_size, rank, received, scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}")
+    )
     if not sized:
         _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
-    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, dtype=dtype,
-                arithmetic=arithmetic, wire_view=view, uneven=held)
+    return Plan(
+        op_name=op_name,
+        step=step,
+        world_size=world_size,
+        in_shape=shape,
+        layout=layout,
+        dtype=dtype,
+        arithmetic=arithmetic,
+        wire_view=view,
+        uneven=held,
+    )
 
 
 @cached_plan
-def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, rank=None,
-               dtype="float32", op_name="all_to_all", dim_names=None, backend_dtypes=None) -> Plan:
+def all_to_all(
+    shape,
+    world_size,
+    scatter_dim,
+    gather_dim,
+    *,
+    scatter_sizes=None,
+    gather_sizes=None,
+    rank=None,
+    dtype="float32",
+    op_name="all_to_all",
+    dim_names=None,
+    backend_dtypes=None,
+) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
     Block j of `scatter_dim` goes to rank j; the blocks received are concatenated along `gather_dim` in
@@ -358,17 +444,43 @@ def all_to_all(shape, world_size, scatter_dim, gather_dim, *, scatter_sizes=None
     sized = None
     if scatter_sizes is not None or gather_sizes is not None:
         gathered = dim_names[gather_axis] if dim_names else f"size of gather_dim {gather_axis}"
-        sized = _uneven(op_name, step, shape, world_size, rank, received,
-                        scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
-                        gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered))
+        sized = _uneven(
+            op_name,
+            step,
+            shape,
+            world_size,
+            rank,
+            received,
+            scatter=None if scatter_sizes is None else uneven.Sizes("scatter_sizes", scatter_sizes, quantity),
+            gather=None if gather_sizes is None else uneven.Sizes("gather_sizes", gather_sizes, gathered),
+        )
     layout, held = sized or (all_to_all_layout(shape, world_size, scatter_axis, gather_axis), None)
-    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
-                dtype=dtype, wire_view=view, uneven=held)
+    return Plan(
+        op_name=op_name,
+        step=step,
+        world_size=world_size,
+        in_shape=shape,
+        layout=layout,
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=view,
+        uneven=held,
+    )
 
 
 @cached_plan
-def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, rank=None,
-                  dtype="float32", backend_dtypes=None) -> Plan:
+def all_to_all_4d(
+    shape,
+    world_size,
+    scatter_dim=2,
+    gather_dim=1,
+    *,
+    scatter_sizes=None,
+    gather_sizes=None,
+    rank=None,
+    dtype="float32",
+    backend_dtypes=None,
+) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
     ``(scatter_dim, gather_dim) = (2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: the reverse.
@@ -390,8 +502,19 @@ def all_to_all_4d(shape, world_size, scatter_dim=2, gather_dim=1, *, scatter_siz
     if (scatter_axis, gather_axis) not in ((2, 1), (1, 2)):
         message = f"(scatter_dim, gather_dim) ({scatter_axis}, {gather_axis}) must be (2, 1) or (1, 2)"
         raise comm_error(op_name, message, **received)
-    return all_to_all(dims, world_size, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                      rank=rank, dtype=dtype, op_name=op_name, dim_names=ULYSSES_DIMS, backend_dtypes=backend_dtypes)
+    return all_to_all(
+        dims,
+        world_size,
+        scatter_dim,
+        gather_dim,
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+        rank=rank,
+        dtype=dtype,
+        op_name=op_name,
+        dim_names=ULYSSES_DIMS,
+        backend_dtypes=backend_dtypes,
+    )
 
 
 @cached_plan
@@ -404,14 +527,22 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast",
     received = dict(shape=tuple(shape), src=src)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     root = check_rank(op_name, "src", src, world_size, received)
-    return Plan(op_name=op_name, step=Broadcast(root), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=True), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
+    return Plan(
+        op_name=op_name,
+        step=Broadcast(root),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=True),
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=_wire_view(op_name, dtype, backend_dtypes, received),
+    )
 
 
 @cached_plan
-def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather",
-           backend_dtypes=None) -> Plan:
+def gather(
+    shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather", backend_dtypes=None
+) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
     `sizes` (uneven): as in `all_gather`.
 
@@ -423,16 +554,27 @@ def gather(shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="fl
     root = check_rank(op_name, "dst", dst, world_size, received)
     dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, view = Gather(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
-    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
-                                          gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    sized = sizes is not None and _uneven(
+        op_name, step, shape, world_size, rank, received, gather=uneven.Sizes("sizes", sizes, f"size of dim {dim}")
+    )
     layout, held = sized or (all_gather_layout(shape, world_size, dim), None)
-    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
-                dtype=dtype, wire_view=view, uneven=held)
+    return Plan(
+        op_name=op_name,
+        step=step,
+        world_size=world_size,
+        in_shape=shape,
+        layout=layout,
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=view,
+        uneven=held,
+    )
 
 
 @cached_plan
-def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter",
-            backend_dtypes=None) -> Plan:
+def scatter(
+    shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter", backend_dtypes=None
+) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
     `sizes` (uneven): as in `reduce_scatter`.
 
@@ -444,13 +586,23 @@ def scatter(shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="fl
     root = check_rank(op_name, "src", src, world_size, received)
     dim = check_dim(op_name, "dim", dim, len(shape), received)
     step, view = Scatter(dim, root), _wire_view(op_name, dtype, backend_dtypes, received)
-    sized = sizes is not None and _uneven(op_name, step, shape, world_size, rank, received,
-                                          scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}"))
+    sized = sizes is not None and _uneven(
+        op_name, step, shape, world_size, rank, received, scatter=uneven.Sizes("sizes", sizes, f"size of dim {dim}")
+    )
     if not sized:
         _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
     layout, held = sized or (reduce_scatter_layout(shape, world_size, dim), None)
-    return Plan(op_name=op_name, step=step, world_size=world_size, in_shape=shape, layout=layout, arithmetic=PLAIN,
-                dtype=dtype, wire_view=view, uneven=held)
+    return Plan(
+        op_name=op_name,
+        step=step,
+        world_size=world_size,
+        in_shape=shape,
+        layout=layout,
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=view,
+        uneven=held,
+    )
 
 
 @cached_plan
@@ -464,9 +616,16 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", back
     received = dict(shape=tuple(shape), perm=perm)
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
     pairs = _check_pairs(op_name, perm, world_size, received)
-    return Plan(op_name=op_name, step=Permute(pairs), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
+    return Plan(
+        op_name=op_name,
+        step=Permute(pairs),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=False),
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=_wire_view(op_name, dtype, backend_dtypes, received),
+    )
 
 
 @cached_plan
@@ -479,9 +638,16 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", backend_
     """
     received = dict(shape=tuple(shape))
     shape, world_size, dtype = _common(op_name, shape, world_size, dtype, received)
-    return Plan(op_name=op_name, step=Identity(), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
-                convention=Convention.REPLICATED_INPUT)
+    return Plan(
+        op_name=op_name,
+        step=Identity(),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=False),
+        arithmetic=PLAIN,
+        dtype=dtype,
+        convention=Convention.REPLICATED_INPUT,
+    )
 
 
 @cached_plan
@@ -498,16 +664,25 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
     source = check_rank(op_name, "src", src, world_size, received)
     destination = check_rank(op_name, "dst", dst, world_size, received)
     if source == destination:
-        raise comm_error(op_name, f"dst ({destination}) must differ from src ({source}): a rank cannot send to itself",
-                         **received)
-    return Plan(op_name=op_name, step=Permute(((source, destination),)), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=False), arithmetic=PLAIN, dtype=dtype,
-                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
+        raise comm_error(
+            op_name, f"dst ({destination}) must differ from src ({source}): a rank cannot send to itself", **received
+        )
+    return Plan(
+        op_name=op_name,
+        step=Permute(((source, destination),)),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=False),
+        arithmetic=PLAIN,
+        dtype=dtype,
+        wire_view=_wire_view(op_name, dtype, backend_dtypes, received),
+    )
 
 
 @cached_plan
-def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard",
-          backend_dtypes=None) -> Plan:
+def shard(
+    shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", backend_dtypes=None
+) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
     FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
     replicated input -- divided by W when `scale_grad`.
@@ -522,11 +697,18 @@ def shard(shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_na
     if not isinstance(scale_grad, (bool, np.bool_)):
         raise kind_error(op_name, f"scale_grad must be a bool, not {type(scale_grad).__name__}", **received)
     _check_divisible(op_name, f"size of dim {dim}", shape[dim], world_size, received)
-    chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1:])
-    return Plan(op_name=op_name, step=Slice(dim), world_size=world_size, in_shape=shape,
-                layout=local_layout(shape, chunk), dtype=dtype, convention=Convention.REPLICATED_INPUT,
-                arithmetic=Arithmetic(grad_scale=1.0 / world_size if scale_grad else 1.0),
-                wire_view=_wire_view(op_name, dtype, backend_dtypes, received))
+    chunk = (*shape[:dim], shape[dim] // world_size, *shape[dim + 1 :])
+    return Plan(
+        op_name=op_name,
+        step=Slice(dim),
+        world_size=world_size,
+        in_shape=shape,
+        layout=local_layout(shape, chunk),
+        dtype=dtype,
+        convention=Convention.REPLICATED_INPUT,
+        arithmetic=Arithmetic(grad_scale=1.0 / world_size if scale_grad else 1.0),
+        wire_view=_wire_view(op_name, dtype, backend_dtypes, received),
+    )
 
 
 @cached_plan
@@ -549,5 +731,13 @@ def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="redu
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error(op_name, f"op ({reduce_op.value!r}) must be one of sum, avg", **received)
     arithmetic, view = _reduction(op_name, reduce_op, dtype, None, backend_dtypes, received, world_size)
-    return Plan(op_name=op_name, step=Reduce(reduce_op, root), world_size=world_size, in_shape=shape,
-                layout=flat_layout(shape, in_place=True), dtype=dtype, arithmetic=arithmetic, wire_view=view)
+    return Plan(
+        op_name=op_name,
+        step=Reduce(reduce_op, root),
+        world_size=world_size,
+        in_shape=shape,
+        layout=flat_layout(shape, in_place=True),
+        dtype=dtype,
+        arithmetic=arithmetic,
+        wire_view=view,
+    )

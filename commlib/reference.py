@@ -111,8 +111,10 @@ def _step(plan: Plan, sends: Arrays) -> Arrays:
         case Slice(dim=dim):
             return [np.split(send, W, axis=dim)[rank] for rank, send in enumerate(sends)]
         case Pad(dim=dim):
-            return [np.concatenate([send if block == rank else np.zeros_like(send) for block in range(W)], axis=dim)
-                    for rank, send in enumerate(sends)]
+            return [
+                np.concatenate([send if block == rank else np.zeros_like(send) for block in range(W)], axis=dim)
+                for rank, send in enumerate(sends)
+            ]
         case AllToAll():
             return [np.stack([sends[source][rank] for source in range(W)]) for rank in range(W)]
         case AllGather():
@@ -152,8 +154,10 @@ def _take(x: np.ndarray, step: Take | None, rank: int) -> np.ndarray:
 
 def _pack_blocks(x: np.ndarray, step: Blocks) -> np.ndarray:
     """The exact layout's pack: the blocks of `x`, flat, one after another."""
-    parts = [np.take(x, range(start, start + size), axis=step.dim).reshape(-1)
-             for start, size in zip(step.starts, step.sizes, strict=True)]
+    parts = [
+        np.take(x, range(start, start + size), axis=step.dim).reshape(-1)
+        for start, size in zip(step.starts, step.sizes, strict=True)
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=x.dtype)
 
 
@@ -161,7 +165,7 @@ def _unpack_blocks(buffer: np.ndarray, step: Blocks) -> np.ndarray:
     """The exact layout's unpack: each block in place (zeros elsewhere), or their sum with `step.reduce`."""
     out = np.zeros(step.shape, dtype=buffer.dtype)
     for start, size, offset, count, shape in step.pieces():
-        block = buffer[offset:offset + count].reshape(shape)
+        block = buffer[offset : offset + count].reshape(shape)
         if step.reduce:
             out += block
         else:
@@ -194,8 +198,9 @@ def _counts(step: Rearrange | Blocks) -> tuple[int, ...]:
 
 def _exchange_blocks(plans_: list[Plan], sends: Arrays) -> Arrays:
     """all_to_all_v of flat buffers: rank r receives block r of every rank's buffer, in rank order."""
-    blocks = [np.split(send, np.cumsum(_counts(plan.layout.pack))[:-1])
-              for plan, send in zip(plans_, sends, strict=True)]
+    blocks = [
+        np.split(send, np.cumsum(_counts(plan.layout.pack))[:-1]) for plan, send in zip(plans_, sends, strict=True)
+    ]
     recvs = []
     for rank, plan in enumerate(plans_):
         parts = [blocks[source][rank] for source in range(len(plans_))]
@@ -248,7 +253,6 @@ class _Ranks:
 
     def collective(self, plan: Plan, x: np.ndarray) -> np.ndarray:
         return np.stack(run(plan, list(x)))
-
 
     def isnan(self, x: np.ndarray) -> np.ndarray:
         return np.isnan(x) if x.dtype.kind in "fc" else np.zeros(x.shape, dtype=bool)
@@ -315,29 +319,47 @@ def _rank(padded: bool) -> int | None:
 
 def all_gather(xs, dim=-1, *, convention="sum", sizes=None, padded=False) -> Arrays:
     """Reference `all_gather`: ``shape[dim] *= W`` (``sum(sizes)``, exact or `padded` layout)."""
-    plan = plans.all_gather(_shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs), sizes=sizes,
-                            rank=_rank(padded))
+    plan = plans.all_gather(
+        _shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)
+    )
     return run(plan, xs)
 
 
 def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None, sizes=None, padded=False) -> Arrays:
     """Reference `reduce_scatter`: ``shape[dim] /= W`` (rank r: ``sizes[r]`` rows, exact or `padded`)."""
-    plan = plans.reduce_scatter(_shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype,
-                                sizes=sizes, rank=_rank(padded))
+    plan = plans.reduce_scatter(
+        _shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype, sizes=sizes, rank=_rank(padded)
+    )
     return run(plan, xs)
 
 
 def all_to_all(xs, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
     """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W`` (uneven: as the sizes say)."""
-    plan = plans.all_to_all(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs),
-                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=_rank(padded))
+    plan = plans.all_to_all(
+        _shape_of(xs),
+        len(xs),
+        scatter_dim,
+        gather_dim,
+        dtype=_dtype_of(xs),
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+        rank=_rank(padded),
+    )
     return run(plan, xs)
 
 
 def all_to_all_4d(xs, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
     """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
-    plan = plans.all_to_all_4d(_shape_of(xs), len(xs), scatter_dim, gather_dim, dtype=_dtype_of(xs),
-                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes, rank=_rank(padded))
+    plan = plans.all_to_all_4d(
+        _shape_of(xs),
+        len(xs),
+        scatter_dim,
+        gather_dim,
+        dtype=_dtype_of(xs),
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+        rank=_rank(padded),
+    )
     return run(plan, xs)
 
 
@@ -353,8 +375,9 @@ def gather(xs, dst=0, dim=-1, *, sizes=None, padded=False) -> Arrays:
 
 def scatter(xs, src=0, dim=0, *, sizes=None, padded=False) -> Arrays:
     """Reference `scatter`: rank r gets block r of rank `src`'s input along `dim`."""
-    return run(plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)),
-               xs)
+    return run(
+        plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)), xs
+    )
 
 
 def permute(xs, perm) -> Arrays:

@@ -64,14 +64,17 @@ def second_order(op_name: str) -> TypeError:
     >>> print(second_order("ring_attention"))  # doctest: +ELLIPSIS
     ring_attention: a second derivative is not supported: the backward is hand-written (first order); ...
     """
-    message = ("a second derivative is not supported: the backward is hand-written (first order); take one "
-               "gradient, or use ulysses_attention, whose backward is autograd's own")
+    message = (
+        "a second derivative is not supported: the backward is hand-written (first order); take one "
+        "gradient, or use ulysses_attention, whose backward is autograd's own"
+    )
     return kind_error(op_name, message, order=2)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The schedule
 # ---------------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -180,7 +183,7 @@ def _block_positions(sequence: SequenceLayout) -> np.ndarray:
     held = np.full((sequence.world_size, sequence.max_size), -1, dtype=np.int64)
     for index in range(sequence.world_size):
         shard = sequence.positions(index)
-        held[index, :len(shard)] = shard
+        held[index, : len(shard)] = shard
     held = held.reshape(sequence.ring_size, -1)
     held.setflags(write=False)
     return held
@@ -197,9 +200,11 @@ def _cases(rows: int, causal: bool, layout: str) -> tuple[tuple[str, tuple[Piece
     if layout == "contiguous":
         return diagonal, full, ("skip", ())
     # zigzag: q chunks (r, 2W-1-r) against kv chunks (s, 2W-1-s)
-    return (diagonal,
-            ("first-half", (Piece(every, (0, half), "full"),)),  # s < r: every q row sees kv chunk s only
-            ("second-half", (Piece((half, rows), every, "full"),)))  # s > r: q chunk 2W-1-r sees both kv chunks
+    return (
+        diagonal,
+        ("first-half", (Piece(every, (0, half), "full"),)),  # s < r: every q row sees kv chunk s only
+        ("second-half", (Piece((half, rows), every, "full"),)),
+    )  # s > r: q chunk 2W-1-r sees both kv chunks
 
 
 def _case_of(causal: bool, rank: int, block: int) -> int:
@@ -214,14 +219,26 @@ def _check_heads(op_name: str, heads: int, kv_heads: int, ulysses_size: int, rec
         raise comm_error(op_name, f"ulysses_size ({ulysses_size}) must be <= heads ({heads})", **received)
     for name, count in (("heads", heads), ("kv heads", kv_heads)):
         if count % ulysses_size:
-            raise comm_error(op_name, f"{name} ({count}) must be divisible by ulysses_size ({ulysses_size})",
-                             **received)
+            raise comm_error(
+                op_name, f"{name} ({count}) must be divisible by ulysses_size ({ulysses_size})", **received
+            )
 
 
-def ring_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], ring_size: int, *,
-              causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-              dtypes: Sequence[str] = ("float32",) * 3, ulysses_size: int = 1, op_name: str = RING_OP,
-              shard: int | None = None, segment_ids: tuple[Sequence[int], str] | None = None) -> RingPlan:
+def ring_plan(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    v_shape: Sequence[int],
+    ring_size: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    dtypes: Sequence[str] = ("float32",) * 3,
+    ulysses_size: int = 1,
+    op_name: str = RING_OP,
+    shard: int | None = None,
+    segment_ids: tuple[Sequence[int], str] | None = None,
+) -> RingPlan:
     """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
     ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
 
@@ -269,17 +286,36 @@ def ring_plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[
     if sequence is None:
         rows = q[1] * ulysses_size
         named = _cases(rows, causal, layout)
-        index = tuple(tuple(_case_of(causal, rank, (rank - step) % ring_size) for rank in range(ring_size))
-                      for step in range(ring_size))
+        index = tuple(
+            tuple(_case_of(causal, rank, (rank - step) % ring_size) for rank in range(ring_size))
+            for step in range(ring_size)
+        )
     else:
         rows = ulysses_size * sequence.max_size
         named = (("positions", (Piece((0, rows), (0, rows), "positions"),)),)
         index = ((0,) * ring_size,) * ring_size
     shared = tuple(step[0] if len(set(step)) == 1 else None for step in index)
-    return RingPlan(op_name, ring_size, layout, causal, scale, q[0], rows, q[2] // ulysses_size,
-                    k[2] // ulysses_size, q[3], v[3], str(dtypes[0]), ulysses_size,
-                    tuple(pieces for _, pieces in named), tuple(name for name, _ in named), index, shared, sequence,
-                    segment_ids is not None)
+    return RingPlan(
+        op_name,
+        ring_size,
+        layout,
+        causal,
+        scale,
+        q[0],
+        rows,
+        q[2] // ulysses_size,
+        k[2] // ulysses_size,
+        q[3],
+        v[3],
+        str(dtypes[0]),
+        ulysses_size,
+        tuple(pieces for _, pieces in named),
+        tuple(name for name, _ in named),
+        index,
+        shared,
+        sequence,
+        segment_ids is not None,
+    )
 
 
 def _is_even(sequence: SequenceLayout) -> bool:
@@ -288,15 +324,15 @@ def _is_even(sequence: SequenceLayout) -> bool:
     return sequence.seq_len % unit == 0
 
 
-def _check_sequence(op_name: str, sequence: SequenceLayout, ring_size: int, ulysses_size: int,
-                    received: dict) -> None:
+def _check_sequence(op_name: str, sequence: SequenceLayout, ring_size: int, ulysses_size: int, received: dict) -> None:
     """A `SequenceLayout`'s ring and Ulysses sizes are the groups' (or mesh axes') sizes."""
     for name, want in (("ring_size", ring_size), ("ulysses_size", ulysses_size)):
         got = getattr(sequence, name)
         if got != want:
             group = "ring" if name == "ring_size" else "Ulysses"
-            raise comm_error(op_name, f"layout.{name} ({got}) must be the {group} group's world size ({want})",
-                             **received)
+            raise comm_error(
+                op_name, f"layout.{name} ({got}) must be the {group} group's world size ({want})", **received
+            )
 
 
 def _check_shard_rows(op_name: str, sequence: SequenceLayout, shard: int | None, rows: int, received: dict) -> None:
@@ -312,6 +348,7 @@ def _check_shard_rows(op_name: str, sequence: SequenceLayout, shard: int | None,
 # ---------------------------------------------------------------------------------------------------------
 # The walk
 # ---------------------------------------------------------------------------------------------------------
+
 
 class RingBackend(Protocol):
     """What a walker of the ring implements, on one rank's arrays (a frontend's tensors, or the numpy
@@ -334,8 +371,9 @@ class RingBackend(Protocol):
     def attend(self, q: Any, k: Any, v: Any, mask: str) -> tuple[Any, Any]:
         """One piece's ``(out, lse)`` (`commlib.blockwise.attend` at the plan's scale)."""
 
-    def attend_vjp(self, q: Any, k: Any, v: Any, out: Any, d_out: Any, lse: Any, delta: Any,
-                   mask: str) -> tuple[Any, Any, Any]:
+    def attend_vjp(
+        self, q: Any, k: Any, v: Any, out: Any, d_out: Any, lse: Any, delta: Any, mask: str
+    ) -> tuple[Any, Any, Any]:
         """One piece's ``(dq, dk, dv)`` from the final `out` and `lse` (`commlib.blockwise.attend_vjp`)."""
 
     def set_rows(self, x: Any, rows: slice, value: Any) -> Any:
@@ -372,22 +410,31 @@ class RingBackend(Protocol):
         backend may compute a piece that sees nothing and discard it, or keep it: it changes nothing, exactly)."""
 
 
-def _at_step(plan: RingPlan, backend: RingBackend, step: int, function: Callable[..., Any], *operands: Any,
-             segments: tuple[Any, Any] | None = None) -> Any:
+def _at_step(
+    plan: RingPlan,
+    backend: RingBackend,
+    step: int,
+    function: Callable[..., Any],
+    *operands: Any,
+    segments: tuple[Any, Any] | None = None,
+) -> Any:
     """`function` (a case rule) on this rank's case at `step`: static where every rank has the same case (masked
     plans: always, with this rank's mask of the step). `segments`: the ids of this rank's q rows and of the kv
     block it holds (segmented plans)."""
     shared = plan.shared_case[step]
     if plan.masked:
-        return function(backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments,
-                        step=step)
+        return function(
+            backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments, step=step
+        )
     if shared is not None:
         return function(backend, plan.cases[shared], *operands, segments=segments, step=step)
     if segments is None:
         return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
+
     # the ids go in as operands: a backend may split every operand by rank (the reference's simulated ranks)
-    rule = lambda pieces, *arrays: function(backend, pieces, *arrays[:-2], segments=arrays[-2:],  # noqa: E731
-                                            step=step)
+    def rule(pieces, *arrays):
+        return function(backend, pieces, *arrays[:-2], segments=arrays[-2:], step=step)
+
     return backend.switch(step, rule, *operands, *segments)
 
 
@@ -404,8 +451,18 @@ def _piece_mask(math_: ArrayMath, mask: Any, segments: tuple[Any, Any] | None, r
     return same
 
 
-def _forward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: Any, v: Any, out: Any, lse: Any,
-                  key_mask: Any = None, segments: tuple[Any, Any] | None = None, step: int = 0) -> tuple[Any, Any]:
+def _forward_case(
+    backend: RingBackend,
+    pieces: tuple[Piece, ...],
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    key_mask: Any = None,
+    segments: tuple[Any, Any] | None = None,
+    step: int = 0,
+) -> tuple[Any, Any]:
     """Merge the pieces of one case into this rank's (out, lse); `out` None: the first piece (step 0's own
     block, every row) is the start. `key_mask`: the mask of a "positions" piece (masked plans); `segments`: the
     ids of the q rows and kv rows (segmented plans: a later piece that no query of it sees is skipped)."""
@@ -443,8 +500,9 @@ def _received(backend: RingBackend, pending: Any, overlap: bool, held: list[Any]
     return backend.wait(pending) if overlap else pending
 
 
-def forward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, segments: Any = None, *,
-            overlap: bool = True) -> tuple[Any, Any]:
+def forward(
+    plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, segments: Any = None, *, overlap: bool = True
+) -> tuple[Any, Any]:
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
     softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments` (segmented
     plans): every ring block's segment ids, gathered once by the frontend, laid out as its backend's
@@ -466,19 +524,35 @@ def forward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, segmen
     return backend.restore(out, q), lse
 
 
-def _backward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: Any, v: Any, out: Any, d_out: Any,
-                   lse: Any, delta: Any, dq: Any, dk: Any, dv: Any, key_mask: Any = None,
-                   segments: tuple[Any, Any] | None = None, step: int = 0) -> tuple[Any, Any, Any]:
+def _backward_case(
+    backend: RingBackend,
+    pieces: tuple[Piece, ...],
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    d_out: Any,
+    lse: Any,
+    delta: Any,
+    dq: Any,
+    dk: Any,
+    dv: Any,
+    key_mask: Any = None,
+    segments: tuple[Any, Any] | None = None,
+    step: int = 0,
+) -> tuple[Any, Any, Any]:
     """Add the pieces of one case to this rank's dq and the travelling dk, dv (segmented plans: the pieces the
     forward computed)."""
     for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
         mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
 
-        def added(dq: Any, dk: Any, dv: Any, rows: slice = rows, keys: slice = keys,
-                  mask: Any = mask) -> tuple[Any, Any, Any]:
-            grads = backend.attend_vjp(q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows],
-                                       lse[:, rows], delta[:, rows], mask)
+        def added(
+            dq: Any, dk: Any, dv: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask
+        ) -> tuple[Any, Any, Any]:
+            grads = backend.attend_vjp(
+                q[:, rows], k[:, keys], v[:, keys], out[:, rows], d_out[:, rows], lse[:, rows], delta[:, rows], mask
+            )
             dq = backend.add_rows(dq, rows, grads[0])
             return dq, backend.add_rows(dk, keys, grads[1]), backend.add_rows(dv, keys, grads[2])
 
@@ -489,8 +563,19 @@ def _backward_case(backend: RingBackend, pieces: tuple[Piece, ...], q: Any, k: A
     return dq, dk, dv
 
 
-def backward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, out: Any, lse: Any, d_out: Any,
-             segments: Any = None, *, overlap: bool = True) -> tuple[Any, Any, Any]:
+def backward(
+    plan: RingPlan,
+    backend: RingBackend,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    d_out: Any,
+    segments: Any = None,
+    *,
+    overlap: bool = True,
+) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
     (compute dtype) travelling behind k/v (`segments` as `forward`'s), one more send of dk/dv at the end to bring them
     home. Masked plans: what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients
@@ -506,15 +591,31 @@ def backward(plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, out: 
         pending = _start(plan, backend, step, held, overlap)
         keys, values = backend.compute(held[0]), backend.compute(held[1])
         ids = None if segments is None else backend.block_ids(segments, step)
-        dq, dk, dv = _at_step(plan, backend, step, _backward_case, query, keys, values, out_c, d_out_c, lse,
-                              rowsums, dq, dk, dv, segments=ids)
+        dq, dk, dv = _at_step(
+            plan,
+            backend,
+            step,
+            _backward_case,
+            query,
+            keys,
+            values,
+            out_c,
+            d_out_c,
+            lse,
+            rowsums,
+            dq,
+            dk,
+            dv,
+            segments=ids,
+        )
         dk, dv = backend.wait(backend.start([dk, dv]))
         held = _received(backend, pending, overlap, held)
     return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v)
 
 
-def visible_pieces(plan: RingPlan, math_: ArrayMath, blocks: Any, rank: int,
-                   key_mask: Callable[[int], Any] | None = None) -> list[list[Any]]:
+def visible_pieces(
+    plan: RingPlan, math_: ArrayMath, blocks: Any, rank: int, key_mask: Callable[[int], Any] | None = None
+) -> list[list[Any]]:
     """The ring's skip rule for `rank`, decided once per call: ``[step][piece]`` a 0-d bool array of `math_`
     (computed where the ids live: no host read) saying whether piece ``piece`` of the rank's case at ``step``
     is computed -- some query of it sees some key of it (causal, positions and segments); step 0's first piece
@@ -534,8 +635,9 @@ def visible_pieces(plan: RingPlan, math_: ArrayMath, blocks: Any, rank: int,
         mask_of_step = key_mask(step) if plan.masked else None
         row = []
         for index, piece in enumerate(plan.cases[0 if plan.masked else plan.case_index[step][rank]]):
-            mask = _piece_mask(math_, mask_of_step if piece.mask == "positions" else piece.mask, ids,
-                               slice(*piece.q), slice(*piece.kv))
+            mask = _piece_mask(
+                math_, mask_of_step if piece.mask == "positions" else piece.mask, ids, slice(*piece.q), slice(*piece.kv)
+            )
             seen = math_.xp.any(mask)
             row.append(seen | True if step == 0 and index == 0 else seen)
         table.append(row)
@@ -552,11 +654,18 @@ def pieces_computed(plan: RingPlan, segments: Any) -> tuple[int, int]:
     >>> pieces_computed(plan, np.array([[[0, 0, 0, 0]], [[1, 1, 1, 1]]]))  # rank 1's step 1 (block 0) skipped
     (2, 3)
     """
-    scheduled = sum(len(plan.cases[0 if plan.masked else plan.case_index[step][rank]])
-                    for step in range(plan.ring_size) for rank in range(plan.ring_size))
+    scheduled = sum(
+        len(plan.cases[0 if plan.masked else plan.case_index[step][rank]])
+        for step in range(plan.ring_size)
+        for rank in range(plan.ring_size)
+    )
     if segments is None:
         return scheduled, scheduled
     blocks = np.asarray(segments)
-    computed = sum(int(bool(entry)) for rank in range(plan.ring_size)
-                   for row in visible_pieces(plan, NUMPY, blocks, rank) for entry in row)
+    computed = sum(
+        int(bool(entry))
+        for rank in range(plan.ring_size)
+        for row in visible_pieces(plan, NUMPY, blocks, rank)
+        for entry in row
+    )
     return computed, scheduled

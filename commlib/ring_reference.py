@@ -18,9 +18,19 @@ from commlib.sequence import SequenceLayout, shard_sequence, unshard_sequence
 __all__ = ["reference", "SimulatedRanks", "simulate_ring"]
 
 
-def reference(qs: Sequence[Any], ks: Sequence[Any], vs: Sequence[Any], cotangents: Sequence[Any], ring_size: int, *,
-              causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-              ulysses_size: int = 1, segment_ids: Sequence[Any] | None = None) -> tuple[list[np.ndarray], ...]:
+def reference(
+    qs: Sequence[Any],
+    ks: Sequence[Any],
+    vs: Sequence[Any],
+    cotangents: Sequence[Any],
+    ring_size: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    ulysses_size: int = 1,
+    segment_ids: Sequence[Any] | None = None,
+) -> tuple[list[np.ndarray], ...]:
     """float64: every shard's output and ``(dq, dk, dv)`` of attention on the whole sequence (shards in the
     layout: shard ``r * U + u`` at index ``r * U + u``): ``(outs, dqs, dks, dvs)``, lists of W * U arrays.
     `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows. `segment_ids`: every
@@ -58,13 +68,22 @@ class SimulatedRanks:
     def zeros(self, like: np.ndarray) -> np.ndarray:
         return np.zeros(like.shape, dtype=np.float64)
 
-    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-               mask: str | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def attend(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: str | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         return attend(NUMPY, q, k, v, self.plan.scale, mask)
 
-    def attend_vjp(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, d_out: np.ndarray,
-                   lse: np.ndarray, delta: np.ndarray,
-                   mask: str | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def attend_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        out: np.ndarray,
+        d_out: np.ndarray,
+        lse: np.ndarray,
+        delta: np.ndarray,
+        mask: str | np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return attend_vjp(NUMPY, q, k, v, d_out, lse, delta, self.plan.scale, mask)
 
     def set_rows(self, x: np.ndarray, rows: slice, value: np.ndarray) -> np.ndarray:
@@ -108,8 +127,9 @@ class SimulatedRanks:
         blocks = self.split(segments)
         return segments, np.concatenate([blocks[self.plan.kv_block(step, rank)] for rank in range(len(blocks))])
 
-    def when_visible(self, step: int, index: int, mask: np.ndarray, function: Callable[..., Any],
-                     *operands: np.ndarray) -> Any:
+    def when_visible(
+        self, step: int, index: int, mask: np.ndarray, function: Callable[..., Any], *operands: np.ndarray
+    ) -> Any:
         """Every rank computes the piece (where a rank's queries see none of its keys that changes nothing,
         exactly); `computed` counts it for the ranks whose queries see some key (`commlib.ring.visible_pieces`'
         rule, the piece's mask any)."""
@@ -129,9 +149,14 @@ class SimulatedRanks:
         return tuple(np.concatenate(parts) for parts in zip(*results, strict=True))
 
 
-def simulate_ring(plan: ring.RingPlan, qs: Sequence[Any], ks: Sequence[Any], vs: Sequence[Any],
-                  cotangents: Sequence[Any] | None = None,
-                  segment_ids: Sequence[Any] | None = None) -> list[np.ndarray] | tuple[list[np.ndarray], ...]:
+def simulate_ring(
+    plan: ring.RingPlan,
+    qs: Sequence[Any],
+    ks: Sequence[Any],
+    vs: Sequence[Any],
+    cotangents: Sequence[Any] | None = None,
+    segment_ids: Sequence[Any] | None = None,
+) -> list[np.ndarray] | tuple[list[np.ndarray], ...]:
     """The ring walked on W simulated numpy ranks (float64), as the frontends walk it: ``outs`` (and, with
     `cotangents`, ``(outs, dqs, dks, dvs)``), lists of W arrays in the ring layout. A masked plan (an uneven
     `SequenceLayout`) takes the ``R * U`` shards of ``layout.sizes`` rows (or of ``max_size`` rows, as JAX holds
@@ -156,8 +181,12 @@ def _ring_blocks(plan: ring.RingPlan, xs: Sequence[Any]) -> np.ndarray:
         return np.concatenate(xs)
     size = plan.sequence.max_size
     padded = [np.pad(x, [(0, 0), (0, size - x.shape[1]), (0, 0), (0, 0)]) for x in xs]
-    return np.concatenate([np.concatenate(padded[r * plan.ulysses_size:(r + 1) * plan.ulysses_size], axis=1)
-                           for r in range(plan.ring_size)])
+    return np.concatenate(
+        [
+            np.concatenate(padded[r * plan.ulysses_size : (r + 1) * plan.ulysses_size], axis=1)
+            for r in range(plan.ring_size)
+        ]
+    )
 
 
 def _ring_ids(plan: ring.RingPlan, segment_ids: Sequence[Any]) -> np.ndarray:

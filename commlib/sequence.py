@@ -23,14 +23,21 @@ from commlib.attention import _check_int
 from commlib.errors import comm_error, kind_error
 from commlib.uneven import split_sizes
 
-__all__ = ["SEQUENCE_LAYOUTS", "SequenceLayout", "check_layout", "positions", "shard_positions", "shard_sequence",
-           "ulysses_seq_sizes", "unshard_sequence"]
+__all__ = [
+    "SEQUENCE_LAYOUTS",
+    "SequenceLayout",
+    "check_layout",
+    "positions",
+    "shard_positions",
+    "shard_sequence",
+    "ulysses_seq_sizes",
+    "unshard_sequence",
+]
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 
 
-def check_layout(op_name: str, seq: int, ring_size: int, layout: object, ulysses_size: int,
-                 received: dict) -> None:
+def check_layout(op_name: str, seq: int, ring_size: int, layout: object, ulysses_size: int, received: dict) -> None:
     """`layout` known, W and U >= 1, and `seq` (the global length) cut evenly into the layout's chunks."""
     if layout not in SEQUENCE_LAYOUTS:
         raise comm_error(op_name, f"layout ({layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}", **received)
@@ -40,11 +47,18 @@ def check_layout(op_name: str, seq: int, ring_size: int, layout: object, ulysses
     if seq < 1:  # an empty shard: nothing to attend to, and the CPU flash kernels divide by it
         raise comm_error(op_name, f"seq ({seq}) must be >= 1", **received)
     if layout == "zigzag" and seq % (2 * ring_size * ulysses_size):
-        raise comm_error(op_name, f"seq ({seq}) must be divisible by 2 * ring_size * ulysses_size "
-                         f"({2 * ring_size * ulysses_size}) for layout 'zigzag'", **received)
+        raise comm_error(
+            op_name,
+            f"seq ({seq}) must be divisible by 2 * ring_size * ulysses_size "
+            f"({2 * ring_size * ulysses_size}) for layout 'zigzag'",
+            **received,
+        )
     if seq % (ring_size * ulysses_size):
-        raise comm_error(op_name, f"seq ({seq}) must be divisible by ring_size * ulysses_size "
-                         f"({ring_size * ulysses_size})", **received)
+        raise comm_error(
+            op_name,
+            f"seq ({seq}) must be divisible by ring_size * ulysses_size ({ring_size * ulysses_size})",
+            **received,
+        )
 
 
 def positions(seq: int, ring_size: int, layout: str, ulysses_size: int) -> np.ndarray:
@@ -73,8 +87,10 @@ def shard_positions(seq: int, ring_size: int, layout: str = "contiguous", ulysse
         TypeError: S, W or U not ints.
     """
     received = dict(seq=seq, ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
-    seq, ring_size, ulysses_size = (_check_int(name, value, received, "shard_positions") for name, value in
-                                    (("seq", seq), ("ring_size", ring_size), ("ulysses_size", ulysses_size)))
+    seq, ring_size, ulysses_size = (
+        _check_int(name, value, received, "shard_positions")
+        for name, value in (("seq", seq), ("ring_size", ring_size), ("ulysses_size", ulysses_size))
+    )
     check_layout("shard_positions", seq, ring_size, layout, ulysses_size, received)
     return positions(seq, ring_size, layout, ulysses_size)
 
@@ -91,8 +107,9 @@ def shard_sequence(x, dim: int, ring_size: int, layout: str = "contiguous", ulys
     return [np.take(x, row, axis=dim) for row in rows]
 
 
-def unshard_sequence(shards: Sequence, dim: int, ring_size: int, layout: str = "contiguous",
-                     ulysses_size: int = 1) -> np.ndarray:
+def unshard_sequence(
+    shards: Sequence, dim: int, ring_size: int, layout: str = "contiguous", ulysses_size: int = 1
+) -> np.ndarray:
     """numpy: the inverse of `shard_sequence`, the whole sequence back in position order.
 
     >>> unshard_sequence([[0, 1, 6, 7], [2, 3, 4, 5]], 0, 2, "zigzag").tolist()
@@ -160,8 +177,9 @@ class SequenceLayout:
     _positions: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        received = dict(seq_len=self.seq_len, ring_size=self.ring_size, ulysses_size=self.ulysses_size,
-                        layout=self.layout)
+        received = dict(
+            seq_len=self.seq_len, ring_size=self.ring_size, ulysses_size=self.ulysses_size, layout=self.layout
+        )
         for name in ("seq_len", "ring_size", "ulysses_size"):
             value = _check_int(name, getattr(self, name), received, _LAYOUT_OP)
             if value < 1:
@@ -175,7 +193,7 @@ class SequenceLayout:
         shards = []
         for block in _blocks(self.seq_len, self.ring_size, self.layout):
             starts = np.cumsum((0, *split_sizes(len(block), self.ulysses_size)))
-            shards += [tuple(block[starts[u]:starts[u + 1]]) for u in range(self.ulysses_size)]
+            shards += [tuple(block[starts[u] : starts[u + 1]]) for u in range(self.ulysses_size)]
         object.__setattr__(self, "_positions", tuple(shards))
 
     @property
@@ -209,8 +227,12 @@ class SequenceLayout:
         x = np.asarray(x)
         dim = self._dim(x, dim, "shard")
         if x.shape[dim] != self.seq_len:
-            raise comm_error(f"{_LAYOUT_OP}.shard", f"x.shape[{dim}] ({x.shape[dim]}) must be seq_len "
-                             f"({self.seq_len})", shape=x.shape, dim=dim)
+            raise comm_error(
+                f"{_LAYOUT_OP}.shard",
+                f"x.shape[{dim}] ({x.shape[dim]}) must be seq_len ({self.seq_len})",
+                shape=x.shape,
+                dim=dim,
+            )
         shards = [np.take(x, self.positions(i), axis=dim) for i in range(self.world_size)]
         return [_padded(shard, dim, self.max_size) for shard in shards] if padded else shards
 
@@ -220,15 +242,21 @@ class SequenceLayout:
         shards = [np.asarray(shard) for shard in shards]
         name = f"{_LAYOUT_OP}.unshard"
         if len(shards) != self.world_size:
-            raise comm_error(name, f"len(shards) ({len(shards)}) must be world_size ({self.world_size})",
-                             shards=len(shards))
+            raise comm_error(
+                name, f"len(shards) ({len(shards)}) must be world_size ({self.world_size})", shards=len(shards)
+            )
         dim = self._dim(shards[0], dim, "unshard")
         rows = []
         for index, shard in enumerate(shards):
             want = self.max_size if padded else self.sizes[index]
             if shard.ndim != shards[0].ndim or shard.shape[dim] != want:
-                raise comm_error(name, f"shard {index}'s dim {dim} ({shard.shape[dim] if shard.ndim > dim else None}) "
-                                 f"must be {want}", shape=shard.shape, dim=dim, padded=padded)
+                raise comm_error(
+                    name,
+                    f"shard {index}'s dim {dim} ({shard.shape[dim] if shard.ndim > dim else None}) must be {want}",
+                    shape=shard.shape,
+                    dim=dim,
+                    padded=padded,
+                )
             rows.append(np.take(shard, np.arange(self.sizes[index]), axis=dim))
         whole = np.concatenate(rows, axis=dim)
         order = np.concatenate([self.positions(i) for i in range(self.world_size)])
@@ -277,19 +305,29 @@ def ulysses_seq_sizes(op_name: str, layout: object, seq_sizes: object, world_siz
     received = dict(layout=layout, seq_sizes=seq_sizes, world_size=world_size)
     if isinstance(layout, str):
         if layout != "contiguous":
-            message = f"layout ({layout!r}) must be 'contiguous' or a SequenceLayout (Ulysses holds the sequence " \
-                      "in rank order)"
+            message = (
+                f"layout ({layout!r}) must be 'contiguous' or a SequenceLayout (Ulysses holds the sequence "
+                "in rank order)"
+            )
             raise comm_error(op_name, message, **received)
         return seq_sizes
     if not isinstance(layout, SequenceLayout):
-        raise kind_error(op_name, f"layout must be a str or a commlib.SequenceLayout, not {type(layout).__name__}",
-                         **received)
+        raise kind_error(
+            op_name, f"layout must be a str or a commlib.SequenceLayout, not {type(layout).__name__}", **received
+        )
     if layout.world_size != world_size:
-        raise comm_error(op_name, f"layout.world_size ({layout.world_size}) must be the group's world size "
-                         f"({world_size})", **received)
+        raise comm_error(
+            op_name,
+            f"layout.world_size ({layout.world_size}) must be the group's world size ({world_size})",
+            **received,
+        )
     if layout.ring_size > 1 and layout.layout != "contiguous":
-        raise comm_error(op_name, "layout must hold the sequence in rank order (ring_size 1, or layout "
-                         f"'contiguous'), not {layout.layout!r} over ring_size {layout.ring_size}", **received)
+        raise comm_error(
+            op_name,
+            "layout must hold the sequence in rank order (ring_size 1, or layout "
+            f"'contiguous'), not {layout.layout!r} over ring_size {layout.ring_size}",
+            **received,
+        )
     if seq_sizes is not None and _as_tuple(seq_sizes) != layout.sizes:
         raise comm_error(op_name, f"seq_sizes ({seq_sizes}) must be layout.sizes ({layout.sizes})", **received)
     return layout.sizes

@@ -31,11 +31,28 @@ from commlib.errors import comm_error, kind_error
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
 
-__all__ = ["check_layout", "check_tokens", "check_sequence", "check_cross_entropy", "check_share_axes",
-           "check_sync_op", "sparse_gradient_error", "check_token_segments",
-           "position_table", "label_table", "shard_order", "gather_order", "gather_sizes", "next_token_labels",
-           "document_positions", "document_labels", "shard_tokens_reference", "shard_sequence_reference",
-           "gather_sequence_reference", "cross_entropy_reference"]
+__all__ = [
+    "check_layout",
+    "check_tokens",
+    "check_sequence",
+    "check_cross_entropy",
+    "check_share_axes",
+    "check_sync_op",
+    "sparse_gradient_error",
+    "check_token_segments",
+    "position_table",
+    "label_table",
+    "shard_order",
+    "gather_order",
+    "gather_sizes",
+    "next_token_labels",
+    "document_positions",
+    "document_labels",
+    "shard_tokens_reference",
+    "shard_sequence_reference",
+    "gather_sequence_reference",
+    "cross_entropy_reference",
+]
 
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
@@ -54,11 +71,16 @@ def check_layout(op_name: str, layout: object, world_size: int) -> SequenceLayou
     commlib.errors.CommError: shard_tokens: layout.world_size (4) must be the group's world_size (2). Received: ...
     """
     if not isinstance(layout, SequenceLayout):
-        raise kind_error(op_name, f"layout must be a commlib.SequenceLayout, not {type(layout).__name__}",
-                         type=type(layout).__name__)
+        raise kind_error(
+            op_name, f"layout must be a commlib.SequenceLayout, not {type(layout).__name__}", type=type(layout).__name__
+        )
     if layout.world_size != world_size:
-        raise comm_error(op_name, f"layout.world_size ({layout.world_size}) must be the group's world_size "
-                         f"({world_size})", layout=layout, world_size=world_size)
+        raise comm_error(
+            op_name,
+            f"layout.world_size ({layout.world_size}) must be the group's world_size ({world_size})",
+            layout=layout,
+            world_size=world_size,
+        )
     return layout
 
 
@@ -91,8 +113,9 @@ def check_tokens(op_name: str, shape: object, dtype: str, layout: SequenceLayout
     if len(dims) != 2:
         raise comm_error(op_name, f"input_ids ndim ({len(dims)}) must be 2 ([batch, seq])", **received)
     if dims[1] != layout.seq_len:
-        raise comm_error(op_name, f"input_ids.shape[1] ({dims[1]}) must be layout.seq_len ({layout.seq_len})",
-                         **received)
+        raise comm_error(
+            op_name, f"input_ids.shape[1] ({dims[1]}) must be layout.seq_len ({layout.seq_len})", **received
+        )
     return ignore
 
 
@@ -109,8 +132,9 @@ def check_token_segments(op_name: str, shape: object, dtype: str, ids_shape: tup
     if dtype not in INTEGER_DTYPES:
         raise kind_error(op_name, f"segment_ids must have an integer dtype, not {dtype}", **received)
     if dims != tuple(ids_shape):
-        raise comm_error(op_name, f"segment_ids.shape ({dims}) must be input_ids.shape ({tuple(ids_shape)})",
-                         **received)
+        raise comm_error(
+            op_name, f"segment_ids.shape ({dims}) must be input_ids.shape ({tuple(ids_shape)})", **received
+        )
 
 
 def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: str) -> int:
@@ -125,16 +149,18 @@ def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: st
     dims = _dims(op_name, shape, received)
     value = _check_int(op_name, "dim", dim, received)
     if not -len(dims) <= value < len(dims):
-        raise comm_error(op_name, f"dim ({value}) must be in [{-len(dims)}, {len(dims)}) for ndim {len(dims)}",
-                         **received)
+        raise comm_error(
+            op_name, f"dim ({value}) must be in [{-len(dims)}, {len(dims)}) for ndim {len(dims)}", **received
+        )
     value %= len(dims)
     if dims[value] != rows:
         raise comm_error(op_name, f"x.shape[{value}] ({dims[value]}) must be {what} ({rows})", **received)
     return value
 
 
-def check_cross_entropy(shape: object, labels_shape: object, dtype: str, labels_dtype: str,
-                        ignore_index: object) -> int:
+def check_cross_entropy(
+    shape: object, labels_shape: object, dtype: str, labels_dtype: str, ignore_index: object
+) -> int:
     """logits ``[*s, V]`` floating, labels ``[*s]`` integer; returns `ignore_index` as an int.
 
     >>> check_cross_entropy((2, 3, 8), (2, 4), "float32", "int64", -100)
@@ -153,8 +179,7 @@ def check_cross_entropy(shape: object, labels_shape: object, dtype: str, labels_
     if not dims:
         raise comm_error(op_name, "logits ndim (0) must be >= 1 ([..., vocab])", **received)
     if label_dims != dims[:-1]:
-        raise comm_error(op_name, f"labels.shape ({label_dims}) must be logits.shape[:-1] ({dims[:-1]})",
-                         **received)
+        raise comm_error(op_name, f"labels.shape ({label_dims}) must be logits.shape[:-1] ({dims[:-1]})", **received)
     return ignore
 
 
@@ -173,9 +198,14 @@ def check_share_axes(axes: tuple, summed: tuple | None) -> bool:
     if summed is None:
         return False
     if not set(axes) <= set(summed):
-        raise comm_error("cross_entropy", f"axis_name ({tuple(axes)}) must be among the axes value_and_grad sums over "
-                         f"({tuple(summed)}): the other ranks' shares of the loss and of the gradients would not be "
-                         "summed", axis_name=tuple(axes), value_and_grad_axes=tuple(summed))
+        raise comm_error(
+            "cross_entropy",
+            f"axis_name ({tuple(axes)}) must be among the axes value_and_grad sums over "
+            f"({tuple(summed)}): the other ranks' shares of the loss and of the gradients would not be "
+            "summed",
+            axis_name=tuple(axes),
+            value_and_grad_axes=tuple(summed),
+        )
     return True
 
 
@@ -212,7 +242,7 @@ def position_table(layout: SequenceLayout) -> np.ndarray:
     """int64 ``[W, max_size]``: row i holds shard i's global positions, then -1 for each padding row."""
     table = np.full((layout.world_size, layout.max_size), -1, dtype=np.int64)
     for index in range(layout.world_size):
-        table[index, :layout.sizes[index]] = layout.positions(index)
+        table[index, : layout.sizes[index]] = layout.positions(index)
     table.flags.writeable = False
     return table
 
@@ -232,8 +262,11 @@ def shard_order(layout: SequenceLayout, padded: bool) -> np.ndarray | None:
     """The rows of the whole sequence in shard order: every shard's positions concatenated (exact: S rows), or
     each shard padded to `max_size` with -1 (padded: ``W * max_size`` rows). None where that is the identity
     (contiguous and even, or contiguous and exact)."""
-    order = position_table(layout).reshape(-1) if padded else np.concatenate(
-        [layout.positions(index) for index in range(layout.world_size)])
+    order = (
+        position_table(layout).reshape(-1)
+        if padded
+        else np.concatenate([layout.positions(index) for index in range(layout.world_size)])
+    )
     if order.shape[0] == layout.seq_len and np.array_equal(order, np.arange(layout.seq_len)):
         return None
     order.flags.writeable = False
@@ -300,8 +333,9 @@ def document_labels(input_ids, segment_ids, ignore_index: int = -100) -> np.ndar
     return np.where(same, labels, ignore_index).astype(labels.dtype)
 
 
-def shard_tokens_reference(input_ids, layout: SequenceLayout, ignore_index: int = -100, *, padded: bool = False,
-                           segment_ids=None) -> list[tuple[np.ndarray, ...]]:
+def shard_tokens_reference(
+    input_ids, layout: SequenceLayout, ignore_index: int = -100, *, padded: bool = False, segment_ids=None
+) -> list[tuple[np.ndarray, ...]]:
     """Every rank's ``(ids, position_ids, labels)``, each ``[B, sizes[r]]`` (padded: ``[B, max_size]`` with id 0,
     position 0 and label `ignore_index` on padding rows): the whole sequence's tokens, positions
     (``arange(S)``) and `next_token_labels` sharded by `layout`. With `segment_ids` ``[B, S]``: ``(ids,
@@ -320,11 +354,12 @@ def shard_tokens_reference(input_ids, layout: SequenceLayout, ignore_index: int 
     else:
         segments = np.asarray(segment_ids)
         whole = (ids, document_positions(segments), document_labels(ids, segments, ignore_index), segments)
-    fill = (0, 0, ignore_index, -1)[:len(whole)]
+    fill = (0, 0, ignore_index, -1)[: len(whole)]
     shards = [layout.shard(array, 1) for array in whole]
     if padded:
-        shards = [[_pad(shard, layout.max_size, value) for shard in part] for part, value in zip(shards, fill,
-                                                                                                strict=True)]
+        shards = [
+            [_pad(shard, layout.max_size, value) for shard in part] for part, value in zip(shards, fill, strict=True)
+        ]
     return list(zip(*shards, strict=True))
 
 
@@ -340,8 +375,9 @@ def shard_sequence_reference(x, cotangents, layout: SequenceLayout, dim: int = 1
     return outputs, [gradient] * layout.world_size
 
 
-def gather_sequence_reference(shards, cotangents, layout: SequenceLayout, dim: int = 1, *,
-                              convention: str = "sum", padded: bool = False):
+def gather_sequence_reference(
+    shards, cotangents, layout: SequenceLayout, dim: int = 1, *, convention: str = "sum", padded: bool = False
+):
     """`gather_sequence` on W simulated ranks: every rank's output (the whole sequence) and every rank's
     gradient of its shard: its rows of the sum of the cotangents ("sum"), or of its own ("replicated")."""
     whole = layout.unshard(shards, dim, padded=padded)

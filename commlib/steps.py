@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AllReduce:
     """Every rank gets the reduction over ranks."""
@@ -162,8 +161,9 @@ class Pad:
     dim: int
 
 
-Collective: TypeAlias = (AllReduce | Reduce | Broadcast | AllGather | Gather | ReduceScatter | Scatter | AllToAll
-                         | Permute)
+Collective: TypeAlias = (
+    AllReduce | Reduce | Broadcast | AllGather | Gather | ReduceScatter | Scatter | AllToAll | Permute
+)
 LocalStep: TypeAlias = Identity | Slice | Pad
 Step: TypeAlias = Collective | LocalStep
 
@@ -200,8 +200,14 @@ def dims(step: Step) -> tuple[int, ...]:
     match step:
         case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
             return (scatter_dim, gather_dim)
-        case AllGather(dim=dim) | Gather(dim=dim) | ReduceScatter(dim=dim) | Scatter(dim=dim) | Slice(dim=dim) | Pad(
-                dim=dim):
+        case (
+            AllGather(dim=dim)
+            | Gather(dim=dim)
+            | ReduceScatter(dim=dim)
+            | Scatter(dim=dim)
+            | Slice(dim=dim)
+            | Pad(dim=dim)
+        ):
             return (dim,)
         case AllReduce() | Reduce() | Broadcast() | Permute() | Identity():
             return ()

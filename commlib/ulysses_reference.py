@@ -28,8 +28,10 @@ def _exchange_ranks(exchange: Exchange, plans: Sequence[UlyssesPlan], inputs: di
     sizes = exchange.scatter_sizes or (len(exchange.send_index) // W,) * W
     bounds = (*_offsets(sizes), sum(sizes))
     valid = plans[0].seq_sizes
-    return [np.concatenate([sends[source][bounds[r]:bounds[r + 1], :, : valid[source]] for source in range(W)],
-                           axis=2) for r in range(W)]
+    return [
+        np.concatenate([sends[source][bounds[r] : bounds[r + 1], :, : valid[source]] for source in range(W)], axis=2)
+        for r in range(W)
+    ]
 
 
 def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarray]:
@@ -42,8 +44,10 @@ def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarra
     runs = plans[0].out_runs
     if runs is None:
         return outputs[0]
-    return [np.concatenate([outputs[index][rank][:, :, start:stop] for index, start, stop in runs], axis=2)
-            for rank in range(len(plans))]
+    return [
+        np.concatenate([outputs[index][rank][:, :, start:stop] for index, start, stop in runs], axis=2)
+        for rank in range(len(plans))
+    ]
 
 
 def _simulate_group(plans: Sequence[UlyssesPlan], index: int, inputs: dict) -> list[np.ndarray]:
@@ -72,6 +76,9 @@ def _return_ranks(split: HeadSplit, sizes: tuple[int, ...], outputs: list[np.nda
     result = []
     for rank in range(len(outputs)):
         rows = slice(bounds[rank], bounds[rank + 1])
-        result.append(np.concatenate([outputs[source][:, rows, : split.q_sizes[source]]
-                                      for source in range(len(outputs))], axis=2))
+        result.append(
+            np.concatenate(
+                [outputs[source][:, rows, : split.q_sizes[source]] for source in range(len(outputs))], axis=2
+            )
+        )
     return result

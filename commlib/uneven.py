@@ -87,6 +87,7 @@ __all__ = [
     "split_sizes",
 ]
 
+
 def split_sizes(n: int, world_size: int) -> tuple[int, ...]:
     """The balanced split of `n` rows over `world_size` ranks: the first ``n % world_size`` ranks get one row
     more (``numpy.array_split``'s rule). The default way to shard an uneven dim.
@@ -100,8 +101,9 @@ def split_sizes(n: int, world_size: int) -> tuple[int, ...]:
             raise kind_error("split_sizes", f"{name} must be an int, not {type(value).__name__}", **received)
     n, world_size = operator.index(n), operator.index(world_size)
     if n < 0 or world_size < 1:
-        raise comm_error("split_sizes", f"n ({n}) must be >= 0 and world_size ({world_size}) >= 1",
-                         n=n, world_size=world_size)
+        raise comm_error(
+            "split_sizes", f"n ({n}) must be >= 0 and world_size ({world_size}) >= 1", n=n, world_size=world_size
+        )
     base, extra = divmod(n, world_size)
     return tuple(base + (rank < extra) for rank in range(world_size))
 
@@ -118,15 +120,19 @@ def _one_hot(world_size: int, index: int, value: int) -> tuple[int, ...]:
 Sizes_ = tuple[int, ...]
 
 
-def _blocks(step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: Sizes_,
-            rank: int) -> tuple[Blocks, Blocks, Shape]:
+def _blocks(
+    step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: Sizes_, rank: int
+) -> tuple[Blocks, Blocks, Shape]:
     """(pack, unpack, output shape) of the exact layout on `rank` (`shape`: this rank's input)."""
     none = (0,) * world_size
     match step:
         case AllToAll(scatter_dim=scatter_dim, gather_dim=gather_dim):
             out = resized(resized(shape, scatter_dim, scatter[rank]), gather_dim, sum(gather))
-            return (Blocks(shape, scatter_dim, offsets(scatter), scatter),
-                    Blocks(out, gather_dim, offsets(gather), gather), out)
+            return (
+                Blocks(shape, scatter_dim, offsets(scatter), scatter),
+                Blocks(out, gather_dim, offsets(gather), gather),
+                out,
+            )
         case AllGather(dim=dim):
             out = resized(shape, dim, sum(gather))
             sends = (gather[rank],) * world_size
@@ -134,16 +140,25 @@ def _blocks(step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: 
         case Gather(dim=dim, root=root):
             out = resized(shape, dim, sum(gather))
             received = gather if rank == root else none
-            return (Blocks(shape, dim, none, _one_hot(world_size, root, gather[rank])),
-                    Blocks(out, dim, offsets(gather), received), out)
+            return (
+                Blocks(shape, dim, none, _one_hot(world_size, root, gather[rank])),
+                Blocks(out, dim, offsets(gather), received),
+                out,
+            )
         case ReduceScatter(dim=dim):
             out = resized(shape, dim, scatter[rank])
-            return (Blocks(shape, dim, offsets(scatter), scatter),
-                    Blocks(out, dim, none, (scatter[rank],) * world_size, reduce=True), out)
+            return (
+                Blocks(shape, dim, offsets(scatter), scatter),
+                Blocks(out, dim, none, (scatter[rank],) * world_size, reduce=True),
+                out,
+            )
         case Scatter(dim=dim, root=root):
             out = resized(shape, dim, scatter[rank])
-            return (Blocks(shape, dim, offsets(scatter), scatter if rank == root else none),
-                    Blocks(out, dim, none, _one_hot(world_size, root, scatter[rank])), out)
+            return (
+                Blocks(shape, dim, offsets(scatter), scatter if rank == root else none),
+                Blocks(out, dim, none, _one_hot(world_size, root, scatter[rank])),
+                out,
+            )
         case Slice(dim=dim):  # keep this rank's rows of the whole dim
             out, rows = resized(shape, dim, scatter[rank]), (scatter[rank],)
             return Blocks(shape, dim, (offsets(scatter)[rank],), rows), Blocks(out, dim, (0,), rows), out
@@ -187,15 +202,18 @@ def _padded(step: Step, shape: Shape, world_size: int, scatter, gather) -> tuple
             assert_never(step)
 
 
-def layout(step: Step, shape: Shape, world_size: int, scatter_sizes, gather_sizes,
-           rank: int | None = None) -> tuple[Layout, Exact | Padded]:
+def layout(
+    step: Step, shape: Shape, world_size: int, scatter_sizes, gather_sizes, rank: int | None = None
+) -> tuple[Layout, Exact | Padded]:
     """The layout of an uneven plan and its sizes record, for valid, normalised arguments: `Exact` on `rank`,
     `Padded` when `rank` is None. `shape` is the input's."""
     if rank is None:
         padded_layout, before, after = _padded(step, shape, world_size, scatter_sizes, gather_sizes)
         return padded_layout, Padded(scatter_sizes, gather_sizes, before, after)
-    return (_exact(step, shape, world_size, scatter_sizes, gather_sizes, rank),
-            Exact(scatter_sizes, gather_sizes, rank))
+    return (
+        _exact(step, shape, world_size, scatter_sizes, gather_sizes, rank),
+        Exact(scatter_sizes, gather_sizes, rank),
+    )
 
 
 def for_rank(plan: Plan, rank: int) -> Plan:
@@ -298,17 +316,26 @@ def check_sizes(op_name: str, sizes: Sizes, world_size: int, received: dict) -> 
     except TypeError:
         raise kind_error(op_name, f"{sizes.keyword} must be a sequence of ints", **received) from None
     if len(values) != world_size:
-        raise comm_error(op_name, f"len({sizes.keyword}) ({len(values)}) must equal world_size ({world_size})",
-                         **received)
+        raise comm_error(
+            op_name, f"len({sizes.keyword}) ({len(values)}) must equal world_size ({world_size})", **received
+        )
     for index, value in enumerate(values):
         if value < 0:
             raise comm_error(op_name, f"{sizes.keyword}[{index}] ({value}) must be >= 0", **received)
     return values
 
 
-def plan(op_name: str, step: Step, shape: Shape, world_size: int, *, scatter: Sizes | None = None,
-         gather: Sizes | None = None, rank: int | None = None,
-         received: dict) -> tuple[Layout, Exact | Padded] | None:
+def plan(
+    op_name: str,
+    step: Step,
+    shape: Shape,
+    world_size: int,
+    *,
+    scatter: Sizes | None = None,
+    gather: Sizes | None = None,
+    rank: int | None = None,
+    received: dict,
+) -> tuple[Layout, Exact | Padded] | None:
     """The layout and sizes record of a validated uneven call (`step`'s dims normalised), or None when the sizes
     are all equal (the even plan is the same op).
 

@@ -58,6 +58,8 @@ def exchange_layer(call: check.LayerCall) -> None:
 
 def _timeout(call: check.LayerCall, process: int | None, number: int, index: int) -> CommTimeout:
     who = "a process" if process is None else f"process {process}"
-    message = (f"{who} did not compare layer #{number} within {TIMEOUT_MS / 1000:g} s: every process must trace "
-               "the same layers (a process whose call was found in jit's cache does not trace it again)")
+    message = (
+        f"{who} did not compare layer #{number} within {TIMEOUT_MS / 1000:g} s: every process must trace "
+        "the same layers (a process whose call was found in jit's cache does not trace it again)"
+    )
     return CommTimeout(str(comm_error(call.layer, message, rank=index)))

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["collective", "apply", "axis_size", "world_size", "accum"]
 
+
 class _Backend:
     """`commlib.gradients.Backend` on jax arrays over `axes`: the plan walked (`differentiable` False: inside
     a forward) or `collective` again (inside a VJP, so higher derivatives follow the same rules)."""
@@ -38,7 +39,6 @@ class _Backend:
 
     def collective(self, plan: Plan, x: jax.Array) -> jax.Array:
         return _apply(plan, self.axes, x) if self.differentiable else run(plan, self.axes, x)
-
 
     def isnan(self, x: jax.Array) -> jax.Array:
         return jnp.isnan(x)
@@ -64,16 +64,16 @@ def collective(plan: Plan, axes: tuple[str, ...], x: Array) -> jax.Array:
     return gradients.forward(_Backend(axes, differentiable=False), plan, x)
 
 
-def _forward(plan: Plan, axes: tuple[str, ...],
-             x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+def _forward(plan: Plan, axes: tuple[str, ...], x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     # `collective`, not `run`: differentiating the VJP again (a gradient penalty) differentiates this
     # forward too, and must use commlib's rules -- lax has none for pmax/pmin, and its own for the rest.
     out = collective(plan, axes, x)
     return out, ((x, out) if gradients.needs_primal(plan) else None)
 
 
-def _backward(plan: Plan, axes: tuple[str, ...], residuals: tuple[jax.Array, jax.Array] | None,
-              cotangent: jax.Array) -> tuple[jax.Array]:
+def _backward(
+    plan: Plan, axes: tuple[str, ...], residuals: tuple[jax.Array, jax.Array] | None, cotangent: jax.Array
+) -> tuple[jax.Array]:
     x, out = residuals if residuals is not None else (None, None)
     backend = _Backend(axes, differentiable=True)
     return (to_varying(gradients.vjp(backend, plan, x, out, cotangent), axes),)

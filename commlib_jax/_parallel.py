@@ -39,11 +39,16 @@ class Parallel:
     def sizes(self, op_name: str) -> dict:
         """``{"ulysses_size", "ring_size"}`` of the layer's axes (inside the enclosing shard_map / pmap)."""
         if self.plan.attention == "usp":
-            return dict(ulysses_size=axis_size(op_name, _axes(self.ulysses_axis)),
-                        ring_size=axis_size(op_name, _axes(self.ring_axis)))
+            return dict(
+                ulysses_size=axis_size(op_name, _axes(self.ulysses_axis)),
+                ring_size=axis_size(op_name, _axes(self.ring_axis)),
+            )
         size = axis_size(op_name, _axes(self.axis_name))
-        return dict(ulysses_size=size, ring_size=1) if self.plan.attention == "ulysses" else \
-            dict(ulysses_size=1, ring_size=size)
+        return (
+            dict(ulysses_size=size, ring_size=1)
+            if self.plan.attention == "ulysses"
+            else dict(ulysses_size=1, ring_size=size)
+        )
 
     def key(self) -> tuple[object, ...]:
         """What the context decides for the code traced inside it (the plan and the axes, hashable): part of
@@ -70,23 +75,53 @@ class Parallel:
         everyone = lax.all_gather(positions, axis_arg(axes))  # [W, ..., max_size], shard order
         io_callback(functools.partial(_refuse_positions, self.plan), None, everyone, ordered=False)
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        causal: bool,
+        scale: float | None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (and
         segment ids ``[B, max_size]``, None: no segment mask); one call of a `commlib_jax.testing.record()` trace
         while recording."""
         if ACTIVE:
-            axes = axes_of(self.axis_name) if self.axis_name is not None else \
-                _axes(self.ring_axis) + _axes(self.ulysses_axis)  # shard r * U + u
-            return recorded_layer(f"{self.plan.attention}_attention", self._layer, axes, q, k, v, causal=causal,
-                                  scale=scale, segment_ids=segment_ids)
+            axes = (
+                axes_of(self.axis_name)
+                if self.axis_name is not None
+                else _axes(self.ring_axis) + _axes(self.ulysses_axis)
+            )  # shard r * U + u
+            return recorded_layer(
+                f"{self.plan.attention}_attention",
+                self._layer,
+                axes,
+                q,
+                k,
+                v,
+                causal=causal,
+                scale=scale,
+                segment_ids=segment_ids,
+            )
         return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
-    def _layer(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+    def _layer(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        causal: bool,
+        scale: float | None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
-        axis_name, ulysses_axis, ring_axis = (cast(AxisName, axis) for axis in  # checked by `enter`
-                                               (self.axis_name, self.ulysses_axis, self.ring_axis))
+        axis_name, ulysses_axis, ring_axis = (
+            cast(AxisName, axis)
+            for axis in (self.axis_name, self.ulysses_axis, self.ring_axis)  # checked by `enter`
+        )
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, axis_name, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":
@@ -130,11 +165,17 @@ def _known_size(axis: AxisName | None) -> int | None:
         return None
 
 
-def enter(layout: object, axis_name: AxisName | None, attention: str, ulysses_axis: AxisName | None,
-          ring_axis: AxisName | None) -> Parallel:
+def enter(
+    layout: object,
+    axis_name: AxisName | None,
+    attention: str,
+    ulysses_axis: AxisName | None,
+    ring_axis: AxisName | None,
+) -> Parallel:
     """The context of ``parallel(layout, axis_name, attention=..., ...)``, checked by the spec."""
-    spec.check_groups(attention, dict(zip(_NAMES, (axis_name, ulysses_axis, ring_axis), strict=True)), _NAMES,
-                      group_required=True)
+    spec.check_groups(
+        attention, dict(zip(_NAMES, (axis_name, ulysses_axis, ring_axis), strict=True)), _NAMES, group_required=True
+    )
     if attention == "usp":
         sizes = dict(ulysses_size=_known_size(ulysses_axis), ring_size=_known_size(ring_axis))
     elif attention == "ulysses":

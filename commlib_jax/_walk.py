@@ -143,9 +143,11 @@ def _take(step: Take | None, axes: tuple[str, ...], x: jax.Array) -> jax.Array:
     if step.per_rank:
         index = jnp.asarray(step.table())[rank(axes)]
         return jnp.take(x, index, axis=step.dim, mode="fill", fill_value=0)
-    zeros = lambda rows: jnp.zeros((*x.shape[:step.dim], rows, *x.shape[step.dim + 1:]), x.dtype)  # noqa: E731
-    parts = [zeros(rows) if start is None else lax.slice_in_dim(x, start, start + rows, axis=step.dim)
-             for start, rows in step.runs()]
+    zeros = lambda rows: jnp.zeros((*x.shape[: step.dim], rows, *x.shape[step.dim + 1 :]), x.dtype)  # noqa: E731
+    parts = [
+        zeros(rows) if start is None else lax.slice_in_dim(x, start, start + rows, axis=step.dim)
+        for start, rows in step.runs()
+    ]
     return jnp.concatenate(parts, axis=step.dim) if parts else zeros(0)
 
 

@@ -35,8 +35,9 @@ __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 AttentionFn = Callable[..., jax.Array]
 
 
-def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
-              segment_ids: Array | None = None) -> jax.Array:
+def attention(
+    q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None, segment_ids: Array | None = None
+) -> jax.Array:
     """GQA attention on ``[B, S, H, D]`` (``jax.nn.dot_product_attention``'s layout and grouping): q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H //
     H_kv)``; `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``; `segment_ids`
@@ -59,8 +60,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     return _grouped_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
 
-def _grouped_attention(q: Array, k: Array, v: Array, *, causal: bool, scale: float | None,
-                       segment_ids: Array | None = None) -> jax.Array:
+def _grouped_attention(
+    q: Array, k: Array, v: Array, *, causal: bool, scale: float | None, segment_ids: Array | None = None
+) -> jax.Array:
     """GQA attention in plain XLA: q head i of ``[B, T, H, D]`` with kv head ``i // (H // H_kv)``; logits and
     softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64. Masked scores are
     -inf and a row with no finite score gets weights 0 (`commlib.blockwise`'s rule)."""
@@ -98,8 +100,9 @@ def _exchange(exchange: spec.Exchange, inputs: dict, axis_name: AxisName) -> dic
     return {name: recv[start:stop] for name, start, stop in exchange.receive}
 
 
-def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes: tuple, attn_fn: AttentionFn | None,
-            masks: dict) -> jax.Array:
+def _attend(
+    group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes: tuple, attn_fn: AttentionFn | None, masks: dict
+) -> jax.Array:
     """One head group's attention on this rank: ``[B, S, h, D_v]`` (h padded to the largest rank's)."""
     keys, values = local["k"], local["v"]
     if group.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
@@ -109,8 +112,13 @@ def _attend(group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes: tu
     return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
 
 
-def _walk(plan: spec.UlyssesPlan, inputs: dict, axis_name: AxisName, attn_fn: AttentionFn | None,
-          segment_ids: jax.Array | None) -> jax.Array:
+def _walk(
+    plan: spec.UlyssesPlan,
+    inputs: dict,
+    axis_name: AxisName,
+    attn_fn: AttentionFn | None,
+    segment_ids: jax.Array | None,
+) -> jax.Array:
     """The plan's head groups, traced in the torch walk's order (group c + 1's exchanges before group c's
     attention); no group's all-to-all reads another group's attention. Segment ids: all-gathered once."""
     axes = axes_of(axis_name)
@@ -137,10 +145,20 @@ def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name: AxisName) -> dict
     return local
 
 
-def ulysses_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, causal: bool = False,
-                      scale: float | None = None, seq_sizes: Sequence[int] | None = None,
-                      attn_fn: AttentionFn | None = None, layout: str | SequenceLayout = "contiguous",
-                      segment_ids: Array | None = None, chunks: int = 1) -> jax.Array:
+def ulysses_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    axis_name: AxisName,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    seq_sizes: Sequence[int] | None = None,
+    attn_fn: AttentionFn | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: Array | None = None,
+    chunks: int = 1,
+) -> jax.Array:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -208,13 +226,35 @@ def ulysses_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, caus
     size = axis_size(spec.OP_NAME, axes)
     spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
-                                      attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks))
+        exchange_layer(
+            attention_call(
+                spec.OP_NAME,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                world_size=size,
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                seq_sizes=seq_sizes,
+                attn_fn=attn_fn,
+                segment_ids=segment_ids,
+                chunks=chunks,
+            )
+        )
     sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, seq_sizes=sizes,
-                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
-                             layout="padded", segment_ids=segment_type, chunks=chunks)
+    plan = spec.ulysses_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        size,
+        seq_sizes=sizes,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        causal=causal,
+        scale=scale,
+        layout="padded",
+        segment_ids=segment_type,
+        chunks=chunks,
+    )
     return _walk(plan, {"q": q, "k": k, "v": v}, axis_name, attn_fn, segment_ids)

@@ -45,8 +45,14 @@ class Communicator:
         """Ranks along the axis (only inside shard_map / pmap; elsewhere the spec's CommError)."""
         return axis_size("world_size", axes_of(self.axis_name))
 
-    def all_reduce(self, input_: Array, op: ReduceOpArgument | None = ReduceOp.SUM, *, convention: str = "sum",
-                   accum_dtype: DTypeLike | None = None) -> jax.Array:
+    def all_reduce(
+        self,
+        input_: Array,
+        op: ReduceOpArgument | None = ReduceOp.SUM,
+        *,
+        convention: str = "sum",
+        accum_dtype: DTypeLike | None = None,
+    ) -> jax.Array:
         """See `commlib_jax.all_reduce` (op None means sum, as in the torch class)."""
         op = ReduceOp.SUM if op is None else op
         return functional.all_reduce(input_, self.axis_name, op, convention=convention, accum_dtype=accum_dtype)
@@ -55,22 +61,45 @@ class Communicator:
         """See `commlib_jax.all_gather`."""
         return functional.all_gather(input_, self.axis_name, dim, convention=convention, sizes=sizes)
 
-    def reduce_scatter(self, input_: Array, dim: int = 0, op: ReduceOpArgument = ReduceOp.SUM, *,
-                       accum_dtype: DTypeLike | None = None, sizes: Sizes = None) -> jax.Array:
+    def reduce_scatter(
+        self,
+        input_: Array,
+        dim: int = 0,
+        op: ReduceOpArgument = ReduceOp.SUM,
+        *,
+        accum_dtype: DTypeLike | None = None,
+        sizes: Sizes = None,
+    ) -> jax.Array:
         """See `commlib_jax.reduce_scatter`."""
         return functional.reduce_scatter(input_, self.axis_name, dim, op, accum_dtype=accum_dtype, sizes=sizes)
 
-    def all_to_all(self, input_: Array, scatter_dim: int, gather_dim: int, *, scatter_sizes: Sizes = None,
-                   gather_sizes: Sizes = None) -> jax.Array:
+    def all_to_all(
+        self,
+        input_: Array,
+        scatter_dim: int,
+        gather_dim: int,
+        *,
+        scatter_sizes: Sizes = None,
+        gather_sizes: Sizes = None,
+    ) -> jax.Array:
         """See `commlib_jax.all_to_all`."""
-        return functional.all_to_all(input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes,
-                                     gather_sizes=gather_sizes)
+        return functional.all_to_all(
+            input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes
+        )
 
-    def all_to_all_4D(self, input_: Array, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes: Sizes = None,
-                      gather_sizes: Sizes = None) -> jax.Array:
+    def all_to_all_4D(
+        self,
+        input_: Array,
+        scatter_dim: int = 2,
+        gather_dim: int = 1,
+        *,
+        scatter_sizes: Sizes = None,
+        gather_sizes: Sizes = None,
+    ) -> jax.Array:
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_jax.all_to_all_4d`."""
-        return functional.all_to_all_4d(input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes,
-                                        gather_sizes=gather_sizes)
+        return functional.all_to_all_4d(
+            input_, self.axis_name, scatter_dim, gather_dim, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes
+        )
 
     def broadcast(self, input_: Array, src: int = 0) -> jax.Array:
         """See `commlib_jax.broadcast`."""

@@ -54,8 +54,16 @@ __all__ = [
     "shard",
     "reduce",
 ]
-def all_reduce(x: Array, axis_name: AxisName, op: ReduceOpArgument = "sum", *,
-               convention: str = "sum", accum_dtype: DTypeLike | None = None) -> jax.Array:
+
+
+def all_reduce(
+    x: Array,
+    axis_name: AxisName,
+    op: ReduceOpArgument = "sum",
+    *,
+    convention: str = "sum",
+    accum_dtype: DTypeLike | None = None,
+) -> jax.Array:
     """Reduce `x` over `axis_name`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -88,13 +96,15 @@ def all_reduce(x: Array, axis_name: AxisName, op: ReduceOpArgument = "sum", *,
     """
     axes = axes_of(axis_name)
     size = world_size("all_reduce", x, axes)
-    plan = plans.all_reduce(x.shape, size, op, dtype=dtype_name(x.dtype), convention=convention,
-                            accum_dtype=accum(accum_dtype))
+    plan = plans.all_reduce(
+        x.shape, size, op, dtype=dtype_name(x.dtype), convention=convention, accum_dtype=accum(accum_dtype)
+    )
     return apply(plan, axes, x)
 
 
-def all_gather(x: Array, axis_name: AxisName, dim: int = -1, *,
-               convention: str = "sum", sizes: Sizes = None) -> jax.Array:
+def all_gather(
+    x: Array, axis_name: AxisName, dim: int = -1, *, convention: str = "sum", sizes: Sizes = None
+) -> jax.Array:
     """Concatenate every rank's `x` along `dim` in rank order over `axis_name` (a mesh axis name or a tuple
     of them): ``shape[dim] *= W``, x's dtype.
 
@@ -116,13 +126,19 @@ def all_gather(x: Array, axis_name: AxisName, dim: int = -1, *,
     """
     axes = axes_of(axis_name)
     size = world_size("all_gather", x, axes)
-    plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention,
-                            sizes=sizes)
+    plan = plans.all_gather(x.shape, size, dim, dtype=dtype_name(x.dtype), convention=convention, sizes=sizes)
     return apply(plan, axes, x)
 
 
-def reduce_scatter(x: Array, axis_name: AxisName, dim: int = 0, op: ReduceOpArgument = "sum", *,
-                   accum_dtype: DTypeLike | None = None, sizes: Sizes = None) -> jax.Array:
+def reduce_scatter(
+    x: Array,
+    axis_name: AxisName,
+    dim: int = 0,
+    op: ReduceOpArgument = "sum",
+    *,
+    accum_dtype: DTypeLike | None = None,
+    sizes: Sizes = None,
+) -> jax.Array:
     """Reduce over `axis_name` (a mesh axis name or a tuple of them) and keep block `rank` of `dim`:
     ``shape[dim] /= W``; op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes`
     (uneven): rank r keeps ``sizes[r]`` rows (``sum(sizes) == shape[dim]``), padded to ``max(sizes)`` with zeros.
@@ -144,13 +160,21 @@ def reduce_scatter(x: Array, axis_name: AxisName, dim: int = 0, op: ReduceOpArgu
     """
     axes = axes_of(axis_name)
     size = world_size("reduce_scatter", x, axes)
-    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype_name(x.dtype),
-                                accum_dtype=accum(accum_dtype), sizes=sizes)
+    plan = plans.reduce_scatter(
+        x.shape, size, dim, op, dtype=dtype_name(x.dtype), accum_dtype=accum(accum_dtype), sizes=sizes
+    )
     return apply(plan, axes, x)
 
 
-def all_to_all(x: Array, axis_name: AxisName, scatter_dim: int, gather_dim: int, *,
-               scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
+def all_to_all(
+    x: Array,
+    axis_name: AxisName,
+    scatter_dim: int,
+    gather_dim: int,
+    *,
+    scatter_sizes: Sizes = None,
+    gather_sizes: Sizes = None,
+) -> jax.Array:
     """Block j of `scatter_dim` goes to rank j of `axis_name` (a mesh axis name or a tuple of them); the
     received blocks are concatenated along `gather_dim` in rank order: ``shape[scatter_dim] /= W``,
     ``shape[gather_dim] *= W``, any ndim, x's dtype (``lax.all_to_all(..., tiled=True)``).
@@ -179,13 +203,27 @@ def all_to_all(x: Array, axis_name: AxisName, scatter_dim: int, gather_dim: int,
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all", x, axes)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
-                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
+    plan = plans.all_to_all(
+        x.shape,
+        size,
+        scatter_dim,
+        gather_dim,
+        dtype=dtype_name(x.dtype),
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+    )
     return apply(plan, axes, x)
 
 
-def all_to_all_4d(x: Array, axis_name: AxisName, scatter_dim: int = 2, gather_dim: int = 1, *,
-                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None) -> jax.Array:
+def all_to_all_4d(
+    x: Array,
+    axis_name: AxisName,
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
+    *,
+    scatter_sizes: Sizes = None,
+    gather_sizes: Sizes = None,
+) -> jax.Array:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `axis_name` (a mesh axis name or a tuple
     of them), x's dtype.
 
@@ -210,8 +248,15 @@ def all_to_all_4d(x: Array, axis_name: AxisName, scatter_dim: int = 2, gather_di
     """
     axes = axes_of(axis_name)
     size = world_size("all_to_all_4d", x, axes)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype_name(x.dtype),
-                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
+    plan = plans.all_to_all_4d(
+        x.shape,
+        size,
+        scatter_dim,
+        gather_dim,
+        dtype=dtype_name(x.dtype),
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+    )
     return apply(plan, axes, x)
 
 

@@ -43,8 +43,9 @@ ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
 ARRAY_NAME = "jax.Array or numpy.ndarray"
 
 
-def _ring_on_axes(plan: spec.RingPlan, axes: tuple, q: Array, k: Array, v: Array,
-                  segments: jax.Array | None = None) -> jax.Array:
+def _ring_on_axes(
+    plan: spec.RingPlan, axes: tuple, q: Array, k: Array, v: Array, segments: jax.Array | None = None
+) -> jax.Array:
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
     q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block (and its
     segment ids ``[B, rows]``)."""
@@ -79,8 +80,17 @@ class _AxisBackend:
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: str | jax.Array) -> tuple[jax.Array, jax.Array]:
         return blockwise.attend(MATH, q, k, v, self.plan.scale, mask)
 
-    def attend_vjp(self, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, d_out: jax.Array, lse: jax.Array,
-                   delta: jax.Array, mask: str | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def attend_vjp(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        out: jax.Array,
+        d_out: jax.Array,
+        lse: jax.Array,
+        delta: jax.Array,
+        mask: str | jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return blockwise.attend_vjp(MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask)
 
     def set_rows(self, x: jax.Array, rows: slice, value: jax.Array) -> jax.Array:
@@ -119,21 +129,24 @@ class _AxisBackend:
         held = (here - step) % self.plan.ring_size
         return jnp.take(segments, here, axis=0), jnp.take(segments, held, axis=0)
 
-    def when_visible(self, step: int, index: int, mask: jax.Array, function: Callable[..., Any],
-                     *operands: jax.Array) -> Any:
+    def when_visible(
+        self, step: int, index: int, mask: jax.Array, function: Callable[..., Any], *operands: jax.Array
+    ) -> Any:
         """``lax.cond`` on `commlib.ring.visible_pieces`' rule (some query of the piece sees some key, decided
         on device): a skipped piece is the branch that returns its accumulators unchanged."""
         return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array,
-          segments: jax.Array | None = None) -> jax.Array:
+def _ring(
+    plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+) -> jax.Array:
     return spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)[0]
 
 
-def _ring_forward(plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array,
-                  segments: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+def _ring_forward(
+    plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+) -> tuple[jax.Array, tuple]:
     out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)
     return out, (q, k, v, out, lse, segments)
 
@@ -148,9 +161,17 @@ def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals: tuple, cotangent
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
-def ring_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, causal: bool = False,
-                   scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-                   segment_ids: Array | None = None) -> jax.Array:
+def ring_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    axis_name: AxisName,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: Array | None = None,
+) -> jax.Array:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
     q's dtype; equal to `attention` on the whole sequence, cut back the same way.
@@ -218,12 +239,30 @@ def ring_attention(q: Array, k: Array, v: Array, axis_name: AxisName, *, causal:
     size = axis_size(spec.RING_OP, axes)
     check_layer_inputs(spec.RING_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      world_size=size, causal=causal, scale=scale, layout=layout,
-                                      segment_ids=segment_ids))
+        exchange_layer(
+            attention_call(
+                spec.RING_OP,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                world_size=size,
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                segment_ids=segment_ids,
+            )
+        )
     segment_ids, segment_type = _segments(segment_ids)
-    plan = spec.ring_plan(q.shape, k.shape, v.shape, size, causal=causal, scale=scale, layout=layout,
-                          dtypes=[dtype_name(x.dtype) for x in (q, k, v)], segment_ids=segment_type)
+    plan = spec.ring_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        size,
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        segment_ids=segment_type,
+    )
     return _ring_on_axes(plan, axes, q, k, v, segment_ids)
 
 
@@ -235,9 +274,18 @@ def _segments(segment_ids: Array | None) -> tuple[jax.Array | None, tuple | None
     return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
-def usp_attention(q: Array, k: Array, v: Array, ulysses_axis: AxisName, ring_axis: AxisName, *, causal: bool = False,
-                  scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-                  segment_ids: Array | None = None) -> jax.Array:
+def usp_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    ulysses_axis: AxisName,
+    ring_axis: AxisName,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: Array | None = None,
+) -> jax.Array:
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
     to `attention` on the whole sequence, cut back the same way.
@@ -279,13 +327,33 @@ def usp_attention(q: Array, k: Array, v: Array, ulysses_axis: AxisName, ring_axi
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
     check_layer_inputs(spec.USP_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      ulysses_size=ulysses_size, ring_size=axis_size(spec.USP_OP, ring_axes),
-                                      causal=causal, scale=scale, layout=layout, segment_ids=segment_ids))
+        exchange_layer(
+            attention_call(
+                spec.USP_OP,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                ulysses_size=ulysses_size,
+                ring_size=axis_size(spec.USP_OP, ring_axes),
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                segment_ids=segment_ids,
+            )
+        )
     segment_ids, segment_type = _segments(segment_ids)
-    plan = spec.ring_plan(q.shape, k.shape, v.shape, axis_size(spec.USP_OP, ring_axes), causal=causal,
-                          scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          ulysses_size=ulysses_size, op_name=spec.USP_OP, segment_ids=segment_type)
+    plan = spec.ring_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        axis_size(spec.USP_OP, ring_axes),
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        ulysses_size=ulysses_size,
+        op_name=spec.USP_OP,
+        segment_ids=segment_type,
+    )
     q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
     if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
         segment_ids = all_gather(segment_ids, ulysses_axis, 1)

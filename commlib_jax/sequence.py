@@ -38,9 +38,15 @@ from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
 from commlib_jax.training import summed_axes
 
-__all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy",
-           "dot_product_attention", "parallel"]
-
+__all__ = [
+    "shard_tokens",
+    "shard_sequence",
+    "gather_sequence",
+    "position_ids",
+    "cross_entropy",
+    "dot_product_attention",
+    "parallel",
+]
 
 
 def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[SequenceLayout, tuple]:
@@ -49,8 +55,9 @@ def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[S
     size checked against the axes'."""
     state = _parallel.CONTEXTS.innermost()
     layout = parallel_spec.helper_layout(op_name, None if state is None else state.plan, layout)
-    axes = parallel_spec.helper_axes(op_name, None if state is None else state.sequence_axes(),
-                                     () if axis_name is None else axes_of(axis_name))
+    axes = parallel_spec.helper_axes(
+        op_name, None if state is None else state.sequence_axes(), () if axis_name is None else axes_of(axis_name)
+    )
     return spec.check_layout(op_name, layout, axis_size(op_name, axes)), axes
 
 
@@ -90,8 +97,14 @@ def position_ids(layout: SequenceLayout | None = None, axis_name: AxisName | Non
     return jnp.asarray(np.maximum(spec.position_table(layout), 0).astype(np.int32))[rank(axes)]
 
 
-def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
-                 ignore_index: int = -100, segment_ids=None) -> tuple[jax.Array, ...]:
+def shard_tokens(
+    input_ids,
+    layout: SequenceLayout | None = None,
+    axis_name: AxisName | None = None,
+    *,
+    ignore_index: int = -100,
+    segment_ids=None,
+) -> tuple[jax.Array, ...]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     ``[B, layout.max_size]`` (ids and labels in input_ids' dtype, positions int32).
 
@@ -132,8 +145,7 @@ def shard_tokens(input_ids, layout: SequenceLayout | None = None, axis_name: Axi
     if segment_ids is not None:
         return _shard_documents(input_ids, _check_array("shard_tokens", segment_ids, "segment_ids"), rows, ignore)
     ids = jnp.take(input_ids, rows, axis=1, mode="fill", fill_value=0)
-    labels = jnp.take(input_ids, _rows(spec.label_table(layout), layout, axes), axis=1, mode="fill",
-                      fill_value=ignore)
+    labels = jnp.take(input_ids, _rows(spec.label_table(layout), layout, axes), axis=1, mode="fill", fill_value=ignore)
     positions = jnp.broadcast_to(position_ids(layout, axes), ids.shape)
     return ids, positions, labels
 
@@ -149,12 +161,15 @@ def _shard_documents(input_ids, segment_ids, rows: jax.Array, ignore: int) -> tu
     positions = jnp.where(segments < 0, 0, index - first)
     same = jnp.concatenate([~starts[:, 1:] & (segments[:, :-1] >= 0), jnp.zeros_like(starts[:, :1])], 1)
     labels = jnp.where(same, jnp.roll(input_ids, -1, 1), ignore).astype(input_ids.dtype)
-    return tuple(jnp.take(whole, rows, axis=1, mode="fill", fill_value=fill)
-                 for whole, fill in ((input_ids, 0), (positions, 0), (labels, ignore), (segments, -1)))
+    return tuple(
+        jnp.take(whole, rows, axis=1, mode="fill", fill_value=fill)
+        for whole, fill in ((input_ids, 0), (positions, 0), (labels, ignore), (segments, -1))
+    )
 
 
-def shard_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *,
-                   dim: int = 1) -> jax.Array:
+def shard_sequence(
+    x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1
+) -> jax.Array:
     """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., max_size, ..]``
     along `dim` (``S == layout.seq_len``; rows past ``sizes[rank]`` are zeros), x's dtype; no communication
     forward.
@@ -192,8 +207,9 @@ def shard_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName 
     return shard(x, axes, dim)
 
 
-def gather_sequence(x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1,
-                    convention: str = "sum") -> jax.Array:
+def gather_sequence(
+    x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1, convention: str = "sum"
+) -> jax.Array:
     """The inverse of `shard_sequence`: every rank's shard ``[.., max_size, ..]`` (its first ``sizes[r]`` rows
     valid) gathered into the whole sequence ``[.., S, ..]`` in natural position order along `dim`, on every
     rank; x's dtype.
@@ -256,8 +272,9 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     logits, labels = _check_array("cross_entropy", logits, "logits"), _check_array("cross_entropy", labels, "labels")
     axes = axes_of(axis_name)
     axis_size("cross_entropy", axes)
-    ignore = spec.check_cross_entropy(logits.shape, labels.shape, dtype_name(logits.dtype), dtype_name(labels.dtype),
-                                      ignore_index)
+    ignore = spec.check_cross_entropy(
+        logits.shape, labels.shape, dtype_name(logits.dtype), dtype_name(labels.dtype), ignore_index
+    )
     share = spec.check_share_axes(axes, summed_axes())
     accumulate = jnp.promote_types(logits.dtype, jnp.float32)
     valid = labels != ignore
@@ -275,8 +292,9 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
 
 
 @contextlib.contextmanager
-def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysses", ulysses_axis=None,
-             ring_axis=None) -> Iterator[parallel_spec.ParallelPlan]:
+def parallel(
+    layout: SequenceLayout, axis_name=None, *, attention: str = "ulysses", ulysses_axis=None, ring_axis=None
+) -> Iterator[parallel_spec.ParallelPlan]:
     """A context in which `dot_product_attention` runs commlib's `attention` layer on this rank's shard of
     `layout` (enter it around the code that traces the model: the jitted step, or inside the shard_map body).
 
@@ -320,8 +338,18 @@ def parallel(layout: SequenceLayout, axis_name=None, *, attention: str = "ulysse
         yield state.plan
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False, positions=None, segment_ids=None):
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    positions=None,
+    segment_ids=None,
+):
     """``jax.nn.dot_product_attention``'s signature and layout, run by the innermost `parallel` context's layer on
     this rank's shard: query ``[B, T, N, H]``, key and value ``[B, T, K, H]`` (``T = layout.max_size``; GQA by head
     counts, ``N % K == 0``) -> ``[B, T, N, H]``, query's dtype; rows past this shard's own are zeros.
@@ -368,8 +396,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         True
     """
     state = _parallel.current(parallel_spec.CALL_OP)
-    parallel_spec.check_call(state.plan, shard=None, rows=query.shape[1], mask=mask is not None,
-                             bias=bias is not None)
+    parallel_spec.check_call(state.plan, shard=None, rows=query.shape[1], mask=mask is not None, bias=bias is not None)
     parallel_spec.check_sizes(state.plan.layout, state.plan.attention, **state.sizes(parallel_spec.CALL_OP))
     if positions is not None:
         state.check_positions(positions)

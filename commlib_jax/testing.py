@@ -25,8 +25,16 @@ from commlib_jax.testing_trace import record
 __all__ = ["load_named_arrays", "named_arrays", "record", "run"]
 
 
-def run(fn: Callable[..., Any], mesh_shape: int | tuple[int, ...], *, axis_names: str | tuple[str, ...] | None = None,
-        inputs: Any = None, seed: int = 0, grad: bool = True, check_vma: bool = True) -> RunResult:
+def run(
+    fn: Callable[..., Any],
+    mesh_shape: int | tuple[int, ...],
+    *,
+    axis_names: str | tuple[str, ...] | None = None,
+    inputs: Any = None,
+    seed: int = 0,
+    grad: bool = True,
+    check_vma: bool = True,
+) -> RunResult:
     """Call ``fn(**inputs)`` (``fn(*inputs)`` for a tuple) on every device of a mesh of `mesh_shape` under
     ``jax.jit(jax.shard_map(...))``; every device's outputs and gradients as numpy, in rank order.
 
@@ -78,8 +86,10 @@ def run(fn: Callable[..., Any], mesh_shape: int | tuple[int, ...], *, axis_names
     outputs, pullback = jax.vjp(lambda values: mapped(values, fixed), differentiable)
     per_rank = [_rank_outputs(outputs, rank) for rank in range(world_size)]
     (gradients,) = pullback(_stacked_cotangents(outputs, per_rank, seed))
-    return RunResult({"outputs": output, "gradients": _rank_gradients(flat, gradients, rank, arrays)}
-                     for rank, output in enumerate(per_rank))
+    return RunResult(
+        {"outputs": output, "gradients": _rank_gradients(flat, gradients, rank, arrays)}
+        for rank, output in enumerate(per_rank)
+    )
 
 
 def _mesh(mesh_shape: int | tuple[int, ...], axis_names: str | tuple[str, ...] | None) -> Mesh:
@@ -87,8 +97,10 @@ def _mesh(mesh_shape: int | tuple[int, ...], axis_names: str | tuple[str, ...] |
     names = ("sp",) if axis_names is None and len(shape) == 1 else axis_names
     names = (names,) if isinstance(names, str) else names
     if names is None or len(names) != len(shape):
-        raise ValueError(f"commlib_jax.testing.run: axis_names must name each of the {len(shape)} mesh axes. "
-                         f"Received: mesh_shape={shape}, axis_names={axis_names!r}")
+        raise ValueError(
+            f"commlib_jax.testing.run: axis_names must name each of the {len(shape)} mesh axes. "
+            f"Received: mesh_shape={shape}, axis_names={axis_names!r}"
+        )
     devices, needed = jax.devices(), math.prod(shape)
     if len(devices) < needed:
         raise ValueError(
@@ -96,7 +108,8 @@ def _mesh(mesh_shape: int | tuple[int, ...], axis_names: str | tuple[str, ...] |
             f"({devices[0].platform}). JAX fixes the count at first use: call "
             f"jax.config.update('jax_num_cpu_devices', {needed}) before anything uses JAX (or set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}); under pytest, pass "
-            f"--commlib-jax-devices={needed}")
+            f"--commlib-jax-devices={needed}"
+        )
     return Mesh(np.array(devices[:needed]).reshape(shape), tuple(names))
 
 
@@ -107,8 +120,10 @@ def _rank_outputs(outputs: Any, rank: int) -> Any:
 def _check_x64(arrays: Any) -> None:
     wide = [path for path, array in flatten(arrays).items() if array.dtype.itemsize == 8 and array.dtype.kind in "fiuc"]
     if wide and not jax.config.read("jax_enable_x64"):
-        raise ValueError(f"commlib_jax.testing.run: inputs {wide} are 64-bit but JAX's x64 mode is off (they would "
-                         f"run as 32-bit): call jax.config.update('jax_enable_x64', True) first")
+        raise ValueError(
+            f"commlib_jax.testing.run: inputs {wide} are 64-bit but JAX's x64 mode is off (they would "
+            f"run as 32-bit): call jax.config.update('jax_enable_x64', True) first"
+        )
 
 
 def _stacked_cotangents(outputs: Any, per_rank: list, seed: int) -> Any:
@@ -157,12 +172,16 @@ def load_named_arrays(tree: Any, arrays: Mapping[str, Any]) -> Any:
     current = flatten(pure)
     problems = [f"no array for path {path!r}" for path in current if path not in arrays]
     problems += [f"no leaf at path {path!r}" for path in arrays if path not in current]
-    problems += [f"shape differs: {path!r} is {np.shape(current[path])}, the array is {np.shape(array)}"
-                 for path, array in arrays.items() if path in current and np.shape(current[path]) != np.shape(array)]
+    problems += [
+        f"shape differs: {path!r} is {np.shape(current[path])}, the array is {np.shape(array)}"
+        for path, array in arrays.items()
+        if path in current and np.shape(current[path]) != np.shape(array)
+    ]
     if problems:
         raise ParameterMapError("load_named_arrays: arrays cannot be loaded:\n  " + "\n  ".join(problems))
-    loaded = unflatten({path: jax.numpy.asarray(arrays[path], dtype=leaf.dtype) for path, leaf in current.items()},
-                       pure)
+    loaded = unflatten(
+        {path: jax.numpy.asarray(arrays[path], dtype=leaf.dtype) for path, leaf in current.items()}, pure
+    )
     if pure is tree:
         return loaded
     from flax import nnx

@@ -46,8 +46,19 @@ from commlib_torch._compat import (
 )
 from commlib_torch._groups import ResolvedGroup, global_rank
 
-__all__ = ["Started", "all_gather", "all_gather_single", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
-           "reduce_scatter", "reduce_scatter_single", "scatter"]
+__all__ = [
+    "Started",
+    "all_gather",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "scatter",
+]
 
 #: (tensors..., group) -> None, the collective done; an asynchronous call's: -> its c10d work, not waited
 Buffers = Callable[..., "dist.Work | None"]
@@ -112,6 +123,7 @@ def all_reduce(op: ReduceOpType, complex_: bool, compiling: bool, asynchronous: 
         return lambda buffer, group: dist.all_reduce(buffer, op=op, group=group)
     options = _options(dist.AllreduceOptions, asynchronous, reduceOp=op)
     if asynchronous:
+
         def begin(buffer: torch.Tensor, group: ResolvedGroup) -> dist.Work:
             process_group = _direct(group, buffer)
             if process_group is None:
@@ -135,23 +147,36 @@ def all_to_all(complex_: bool, compiling: bool, asynchronous: bool = False) -> B
     order, into recv (empty splits: W equal blocks)."""
     if compiling:
         return lambda recv, send, group, recv_splits=None, send_splits=None: dist.all_to_all_single(
-            recv, send, recv_splits, send_splits, group=group)
+            recv, send, recv_splits, send_splits, group=group
+        )
     options = _options(dist.AllToAllOptions, asynchronous)
     if asynchronous:
-        def begin(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup, recv_splits: Sequence[int] = (),
-                  send_splits: Sequence[int] = ()) -> dist.Work:
+
+        def begin(
+            recv: torch.Tensor,
+            send: torch.Tensor,
+            group: ResolvedGroup,
+            recv_splits: Sequence[int] = (),
+            send_splits: Sequence[int] = (),
+        ) -> dist.Work:
             process_group = _direct(group, send)
             if process_group is None:
-                return dist.all_to_all_single(recv, send, recv_splits or None, send_splits or None, group=group,
-                                              async_op=True)
+                return dist.all_to_all_single(
+                    recv, send, recv_splits or None, send_splits or None, group=group, async_op=True
+                )
             if complex_:
                 recv, send = _real(recv), _real(send)
             return process_group_all_to_all(process_group, recv, send, recv_splits, send_splits, options)
 
         return begin
 
-    def call(recv: torch.Tensor, send: torch.Tensor, group: ResolvedGroup, recv_splits: Sequence[int] = (),
-             send_splits: Sequence[int] = ()) -> None:
+    def call(
+        recv: torch.Tensor,
+        send: torch.Tensor,
+        group: ResolvedGroup,
+        recv_splits: Sequence[int] = (),
+        send_splits: Sequence[int] = (),
+    ) -> None:
         process_group = _direct(group, send)
         if process_group is None:
             dist.all_to_all_single(recv, send, recv_splits or None, send_splits or None, group=group)
@@ -203,8 +228,9 @@ def reduce_scatter(op: ReduceOpType, complex_: bool, compiling: bool, asynchrono
     return call
 
 
-def _begin_dim_0(method: Callable[..., dist.Work], wrapper: Callable[..., dist.Work], keywords: dict, complex_: bool,
-                 options: object) -> Buffers:
+def _begin_dim_0(
+    method: Callable[..., dist.Work], wrapper: Callable[..., dist.Work], keywords: dict, complex_: bool, options: object
+) -> Buffers:
     """The asynchronous ``(recv, send, group) -> work`` of a dim-0 collective: the process group's `method`, or
     the torch.distributed `wrapper` (with `keywords`) where the wrapper must take the call."""
 

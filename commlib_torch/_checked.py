@@ -148,7 +148,7 @@ def exchange_layer(call: check.LayerCall, groups: Sequence[ResolvedGroup], devic
     text = torch.frombuffer(bytearray(call.encode()), dtype=torch.uint8)
     lengths = _gather(torch.tensor([len(text)], device=device), groups).cpu().reshape(-1).tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[:len(text)] = text
+    padded[: len(text)] = text
     texts = _gather(padded.to(device), groups).cpu().numpy()
     calls = [check.LayerCall.decode(row[:length].tobytes()) for row, length in zip(texts, lengths, strict=True)]
     check.compare_layers(calls, index)

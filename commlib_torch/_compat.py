@@ -14,10 +14,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COPY_COMPILED_OUTPUT", "FLASH_CPU", "FLASH_CPU_BACKWARD", "RELEASE", "all_gather_single",
-           "c_apply", "default_group", "functorch_transforms_active", "host_copy", "has_torch_function_unary",
-           "process_group_all_gather", "process_group_all_to_all", "process_group_reduce_scatter",
-           "reduce_scatter_single", "unwrap_if_dead"]
+__all__ = [
+    "COPY_COMPILED_OUTPUT",
+    "FLASH_CPU",
+    "FLASH_CPU_BACKWARD",
+    "RELEASE",
+    "all_gather_single",
+    "c_apply",
+    "default_group",
+    "functorch_transforms_active",
+    "host_copy",
+    "has_torch_function_unary",
+    "process_group_all_gather",
+    "process_group_all_to_all",
+    "process_group_reduce_scatter",
+    "reduce_scatter_single",
+    "unwrap_if_dead",
+]
 
 #: This torch's (major, minor) release, e.g. (2, 13): the version gates below compare it.
 RELEASE: tuple[int, int] = (int(torch.__version__.split(".")[0]), int(torch.__version__.split(".")[1]))
@@ -74,19 +87,21 @@ has_torch_function_unary: Callable[[torch.Tensor], bool] = torch._C._has_torch_f
 #: all_gather_into_tensor).
 all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: torch.distributed's dim-0 reduce_scatter (2.13: reduce_scatter_single; before: reduce_scatter_tensor).
-reduce_scatter_single: Callable[..., Any] = (getattr(dist, "reduce_scatter_single", None)
-                                             or dist.reduce_scatter_tensor)
+reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # The process group's own methods, ``(process_group, recv, send, [recv_splits, send_splits,] options) -> Work``
 # (the stubs type each release's name differently, so they are typed by what the walks pass).
 #: 2.13: ``ProcessGroup.all_to_all_single``; before: ``alltoall_base``.
-process_group_all_to_all: Callable[..., dist.Work] = (getattr(dist.ProcessGroup, "all_to_all_single", None)
-                                                      or dist.ProcessGroup.alltoall_base)
+process_group_all_to_all: Callable[..., dist.Work] = (
+    getattr(dist.ProcessGroup, "all_to_all_single", None) or dist.ProcessGroup.alltoall_base
+)
 #: 2.13: ``ProcessGroup.all_gather_single``; before: the private ``_allgather_base``.
-process_group_all_gather: Callable[..., dist.Work] = (getattr(dist.ProcessGroup, "all_gather_single", None)
-                                                      or dist.ProcessGroup._allgather_base)
+process_group_all_gather: Callable[..., dist.Work] = (
+    getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+)
 #: 2.13: ``ProcessGroup.reduce_scatter_single``; before: the private ``_reduce_scatter_base``.
-process_group_reduce_scatter: Callable[..., dist.Work] = (getattr(dist.ProcessGroup, "reduce_scatter_single", None)
-                                                          or dist.ProcessGroup._reduce_scatter_base)
+process_group_reduce_scatter: Callable[..., dist.Work] = (
+    getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
+)
 
 # c10d's record of the default group (private ``distributed_c10d._world._default_pg``, read on 2.11-2.13):
 # `dist.GroupMember.WORLD` reads it through two Python properties per call. Another torch: the public way.
@@ -108,4 +123,5 @@ FLASH_CPU: Callable[..., Any] | None = getattr(torch.ops.aten, "_scaled_dot_prod
 #: Its backward, ``(d_out, q, k, v, out, lse, dropout, causal, scale=) -> (dq, dk, dv)``, recomputing P from the
 #: LSE it is given (private aten op, read on 2.11-2.13). None where absent: the spec's einsum rules.
 FLASH_CPU_BACKWARD: Callable[..., Any] | None = getattr(
-    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)

@@ -8,8 +8,9 @@ import torch
 __all__ = ["DTYPE_NAMES", "dtype_name"]
 
 #: Every torch dtype -> the spelling the spec uses (``torch.bfloat16 -> "bfloat16"``).
-DTYPE_NAMES: dict[torch.dtype | str, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
-                                             if isinstance(dtype, torch.dtype)}
+DTYPE_NAMES: dict[torch.dtype | str, str] = {
+    dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

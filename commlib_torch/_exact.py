@@ -42,8 +42,9 @@ def _(received: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return received.new_empty(shape)
 
 
-def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype,
-                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def _pack_blocks(
+    x: torch.Tensor, step: Blocks, dtype: torch.dtype, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """The exact layout's pack: the blocks of `x` one after another in one flat buffer (one pass), or a view; a
     buffer of `shape` (of the same size) where given: the output of a local step whose unpack is identity."""
     if step.is_identity and dtype == x.dtype and x.is_contiguous():
@@ -53,7 +54,7 @@ def _pack_blocks(x: torch.Tensor, step: Blocks, dtype: torch.dtype,
     buffer = torch.empty(shape or (step.numel,), dtype=dtype, device=x.device)
     out = buffer.view(-1) if shape else buffer
     for start, rows, offset, count, piece in step.pieces():
-        out[offset:offset + count].view(piece).copy_(x.narrow(step.dim, start, rows))
+        out[offset : offset + count].view(piece).copy_(x.narrow(step.dim, start, rows))
     return buffer
 
 
@@ -69,18 +70,17 @@ def _unpack_blocks(buffer: torch.Tensor, step: Blocks, dtype: torch.dtype, scale
         return zeros_after(buffer, list(step.shape)).to(dtype)
     out = (torch.empty if step.covers else torch.zeros)(step.shape, dtype=dtype, device=buffer.device)
     for start, rows, offset, count, shape in step.pieces():
-        out.narrow(step.dim, start, rows).copy_(buffer[offset:offset + count].view(shape))
+        out.narrow(step.dim, start, rows).copy_(buffer[offset : offset + count].view(shape))
     return out
 
 
-def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: ResolvedGroup,
-                     rank: int) -> list:
+def _gather_pairwise(unpack: Blocks, send: torch.Tensor, recv: torch.Tensor, group: ResolvedGroup, rank: int) -> list:
     """The exchange of a pack that repeats the input (all_gather): `send` itself goes to every other rank and
     each rank's block lands in the flat receive buffer `recv`, pairwise -- no W-fold send buffer. Returns the
     c10d works, begun, not waited."""
     flat, ops, offset = send.reshape(-1), [], 0
     for peer, count in enumerate(unpack.counts):
-        part = recv[offset:offset + count]
+        part = recv[offset : offset + count]
         offset += count
         if peer == rank:
             part.copy_(flat)
@@ -104,8 +104,9 @@ def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup, asynchronous: b
     # then no view of a tensor made inside it, and can be modified in place); the collective receives it flat
     shaped = unpack.is_identity and not unpack.reduce
     if plan.step.is_local:
-        return _unpack_blocks(_pack_blocks(x, pack, buffer_dtype, unpack.shape if shaped else None), unpack, x.dtype,
-                              scale)
+        return _unpack_blocks(
+            _pack_blocks(x, pack, buffer_dtype, unpack.shape if shaped else None), unpack, x.dtype, scale
+        )
     rank, first = group_rank(group), arithmetic.scale_first and scale != 1.0
     recv = torch.empty(unpack.shape if shaped else (unpack.numel,), dtype=buffer_dtype, device=x.device)
     flat = recv.view(-1) if shaped else recv
@@ -118,8 +119,9 @@ def run_exact(plan: Plan, x: torch.Tensor, group: ResolvedGroup, asynchronous: b
     else:
         send = _pack_blocks(x, pack, buffer_dtype)
         send = scaled_first(send, x, scale) if first else send
-        work = dist.all_to_all_single(flat, send, list(unpack.counts), list(pack.counts), group=group,
-                                      async_op=asynchronous)
+        work = dist.all_to_all_single(
+            flat, send, list(unpack.counts), list(pack.counts), group=group, async_op=asynchronous
+        )
         works = [] if work is None else [work]  # (None: done, synchronous)
     if asynchronous:
         return Started(works, _unpacked, plan, recv, x, send)

@@ -14,8 +14,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from commlib import frontend_errors
 from commlib_torch._compat import default_group
 
-__all__ = ["BACKEND_DTYPES", "COMMON_DTYPES", "GroupArgument", "ResolvedGroup", "backend_dtypes", "check_tensor",
-           "default_group", "global_rank", "group_rank", "group_size", "resolve_group", "world_size"]
+__all__ = [
+    "BACKEND_DTYPES",
+    "COMMON_DTYPES",
+    "GroupArgument",
+    "ResolvedGroup",
+    "backend_dtypes",
+    "check_tensor",
+    "default_group",
+    "global_rank",
+    "group_rank",
+    "group_size",
+    "resolve_group",
+    "world_size",
+]
 
 #: What a public ``group=`` argument takes: a process group, None (WORLD), a 1-D DeviceMesh, or a mesh and one of
 #: its dims (a dim name such as "tp", or an index). `resolve_group` turns it into a `ResolvedGroup`.
@@ -23,8 +35,22 @@ GroupArgument = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | 
 #: The process group a call runs over, None meaning WORLD: what the walks, c10d calls and autograd Functions take.
 ResolvedGroup = dist.ProcessGroup | None
 
-_GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-                   "complex32", "complex64", "complex128"})  # measured on torch 2.13: the rest is "Invalid scalar type"
+_GLOO = frozenset(
+    {
+        "bool",
+        "int8",
+        "uint8",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+    }
+)  # measured on torch 2.13: the rest is "Invalid scalar type"
 #: dtypes each c10d backend carries, by backend name. NCCL: ProcessGroupNCCL's ncclDataType map (float8 as
 #: bytes, or as NCCL's own float8 where it has them; complex as its real view, as everywhere in c10d).
 BACKEND_DTYPES = {

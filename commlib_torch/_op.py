@@ -35,8 +35,16 @@ from commlib_torch._groups import (
 from commlib_torch._walk import run, walk
 from commlib_torch.testing_trace import ACTIVE, recorded_op
 
-__all__ = ["FunctorchPlanFunction", "Origin", "PlanFunction", "apply", "at_boundary", "plan_inputs", "reraise",
-           "transforms_active"]
+__all__ = [
+    "FunctorchPlanFunction",
+    "Origin",
+    "PlanFunction",
+    "apply",
+    "at_boundary",
+    "plan_inputs",
+    "reraise",
+    "transforms_active",
+]
 
 #: Whether a torch.func transform (grad, vjp, vmap, ...) is active (`commlib_torch._compat`).
 transforms_active = functorch_transforms_active
@@ -83,8 +91,13 @@ def _primal_rule(plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> torch.Ten
     return gradients.forward(_Backend(group, x.device), plan, x)
 
 
-def at_boundary(step: Callable[[Plan, torch.Tensor, ResolvedGroup], Result], plan: Plan, x: torch.Tensor,
-                group: ResolvedGroup, origin: Origin | None) -> Result:
+def at_boundary(
+    step: Callable[[Plan, torch.Tensor, ResolvedGroup], Result],
+    plan: Plan,
+    x: torch.Tensor,
+    group: ResolvedGroup,
+    origin: Origin | None,
+) -> Result:
     """``step(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
     only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
     that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the step
@@ -100,8 +113,7 @@ def at_boundary(step: Callable[[Plan, torch.Tensor, ResolvedGroup], Result], pla
         reraise(error, plan, x, group, origin)
 
 
-def reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup,
-             origin: Origin | None) -> NoReturn:
+def reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None) -> NoReturn:
     """Raise `error` as CommTimeout / CommFailure where it means one, else as it is."""
     subject, phase = origin or (plan, "forward")
     translated = translate(error, subject.op_name, x, group, phase)
@@ -189,8 +201,9 @@ def apply(plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | No
     return _apply_plan_function(unwrap_if_dead(x), (plan, group, origin))
 
 
-def plan_inputs(op_name: str, x: object,
-                group: GroupArgument) -> tuple[torch.Tensor, ResolvedGroup, int, str, frozenset[str] | None]:
+def plan_inputs(
+    op_name: str, x: object, group: GroupArgument
+) -> tuple[torch.Tensor, ResolvedGroup, int, str, frozenset[str] | None]:
     """`x` checked to be a tensor, the process group `group` names, its world size (this rank checked to be a
     member), x's dtype name and the dtypes the group's backend carries (None: every dtype, x's included): the
     plan builder's inputs. Host time: the common call (a tensor of a dtype every backend carries, a process

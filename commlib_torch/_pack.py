@@ -34,8 +34,20 @@ KERNEL_MIN_BYTES = 16 << 20  # below this the kernel's longer launch outweighs i
 WORDS_MIN_BYTES = 1 << 20  # below this torch's plain copy_: the pass takes a few us, the host's time dominates
 _MODE_ENV = "COMMLIB_PACK"  # "auto" (default), "words" (no Triton kernel), "eager" (torch's plain copy_)
 _TILE_WORDS = 4096  # 4-byte words one program moves (16 KiB): tile sizes 1-8 Ki all measured within 2%
-_TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                            torch.int16, torch.int32, torch.int64, torch.bool})
+_TRITON_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 _state = {"kernel_failed": False}
 
 
@@ -81,8 +93,11 @@ def _launch(x: torch.Tensor, out: torch.Tensor, dims: tuple[int, int, int]) -> b
                 transpose_rows(x, out, *dims)
     except Exception as error:  # no Triton, no compiler, an unsupported GPU: torch's word copy from now on
         _state["kernel_failed"] = True
-        warnings.warn(f"commlib: Triton pack kernel unavailable, using torch's copy ({type(error).__name__}: "
-                      f"{error})", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"commlib: Triton pack kernel unavailable, using torch's copy ({type(error).__name__}: {error})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return False
     return True
 
@@ -105,8 +120,16 @@ def copy_words(x: torch.Tensor, out: torch.Tensor, rows: int, columns: int, row_
     out.view(columns, rows, row_size).view(word).copy_(source)
 
 
-def transpose_rows(x: torch.Tensor, out: torch.Tensor, rows: int, columns: int, row_size: int, *,
-                   tile_words: int = _TILE_WORDS, num_warps: int = 4) -> None:
+def transpose_rows(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    columns: int,
+    row_size: int,
+    *,
+    tile_words: int = _TILE_WORDS,
+    num_warps: int = 4,
+) -> None:
     """``out[b, a, :] = x[a, b, :]`` by the Triton kernel, for contiguous `x` and `out` viewed as
     ``[rows, columns, row_size]`` and ``[columns, rows, row_size]`` (rows moved as raw words)."""
     kernel, word_types = _kernel()
@@ -118,8 +141,18 @@ def transpose_rows(x: torch.Tensor, out: torch.Tensor, rows: int, columns: int, 
     block_rows = max(1, tile_words // block_words)
     word_blocks = -(-words // block_words)
     grid = (-(-rows * columns // block_rows) * word_blocks,)
-    kernel[grid](x, out, rows, columns, words, word_blocks, WORD=word_types[width], BLOCK_ROWS=block_rows,
-                 BLOCK_WORDS=block_words, num_warps=num_warps)
+    kernel[grid](
+        x,
+        out,
+        rows,
+        columns,
+        words,
+        word_blocks,
+        WORD=word_types[width],
+        BLOCK_ROWS=block_rows,
+        BLOCK_WORDS=block_words,
+        num_warps=num_warps,
+    )
 
 
 @functools.cache
@@ -129,8 +162,17 @@ def _kernel():
 
     @triton.jit
     # (Triton reads a parameter's annotation as its own type: the pointers and sizes stay unannotated)
-    def _transpose_rows(source, destination, rows, columns, words, word_blocks, WORD: tl.constexpr,  # type: ignore[no-untyped-def]  # Triton types
-                        BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    def _transpose_rows(  # type: ignore[no-untyped-def]  # Triton types
+        source,
+        destination,
+        rows,
+        columns,
+        words,
+        word_blocks,
+        WORD: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_WORDS: tl.constexpr,
+    ):
         # one tile: BLOCK_ROWS destination rows x BLOCK_WORDS words; destination row b * rows + a is
         # source row a * columns + b; both buffers are read and written as WORD-sized integers
         source = source.to(tl.pointer_type(WORD))

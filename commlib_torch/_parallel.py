@@ -66,17 +66,41 @@ class Parallel:
         if flag.item():
             raise spec.refused_elsewhere_error()
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-               scale: float | None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float | None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards (and segment ids
         ``[B, S_r]``; None: no segment mask); one call of a `commlib_torch.testing.record()` trace while recording."""
         if ACTIVE:
-            return recorded_layer(f"{self.plan.attention}_attention", self._layer, q, k, v, causal=causal, scale=scale,
-                                  segment_ids=segment_ids)
+            return recorded_layer(
+                f"{self.plan.attention}_attention",
+                self._layer,
+                q,
+                k,
+                v,
+                causal=causal,
+                scale=scale,
+                segment_ids=segment_ids,
+            )
         return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
-    def _layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-               scale: float | None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _layer(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float | None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)

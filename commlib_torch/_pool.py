@@ -73,8 +73,9 @@ class WorkerPool:
         pg_timeout: seconds a collective may block inside the process group (None: the torch default).
     """
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 pg_timeout: float | None = None):
+    def __init__(
+        self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0, pg_timeout: float | None = None
+    ):
         if world_size < 1:
             raise ValueError(f"WorkerPool needs world_size >= 1. Received: world_size={world_size}")
         self.world_size, self.backend, self.timeout, self.pg_timeout = world_size, backend, timeout, pg_timeout
@@ -131,8 +132,12 @@ class WorkerPool:
         for rank in range(self.world_size):
             parent_end, child_end = self._context.Pipe()
             settings = (rank, self.world_size, self.backend, store.port, self.timeout, self.pg_timeout)
-            process = self._context.Process(target=_worker_main, args=(settings, child_end, lifeline_reader),
-                                            name=f"commlib-worker-{rank}", daemon=True)
+            process = self._context.Process(
+                target=_worker_main,
+                args=(settings, child_end, lifeline_reader),
+                name=f"commlib-worker-{rank}",
+                daemon=True,
+            )
             process.start()
             child_end.close()  # so the parent sees EOF when the worker dies
             self._processes.append(process)
@@ -242,8 +247,9 @@ def _exit_with_parent(lifeline: multiprocessing.connection.Connection) -> None:
     os._exit(1)
 
 
-def _worker_main(settings: tuple, connection: multiprocessing.connection.Connection,
-                 lifeline: multiprocessing.connection.Connection) -> None:
+def _worker_main(
+    settings: tuple, connection: multiprocessing.connection.Connection, lifeline: multiprocessing.connection.Connection
+) -> None:
     """Worker process: join the process group, then serve jobs until an empty message or EOF."""
     rank, world_size, backend, port, timeout, pg_timeout = settings
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes the pool

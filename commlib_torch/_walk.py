@@ -96,8 +96,9 @@ _CONTIGUOUS = torch.contiguous_format
 _Out = TypeVar("_Out")
 
 
-def rearrange(x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype, *,
-              output: bool = True) -> torch.Tensor:
+def rearrange(
+    x: torch.Tensor, step: Rearrange, shape: tuple[int, ...], dtype: torch.dtype, *, output: bool = True
+) -> torch.Tensor:
     """One local pass of `step` into a contiguous tensor of `shape`: a view (or `x` itself) when nothing moves,
     else one copy into a fresh buffer, cast to `dtype` in the same pass. For the op's `output` the buffer is a
     tensor of `shape` itself, not a view of one of another shape (an autograd Function's output that is a view
@@ -144,8 +145,9 @@ def _reduce(step: Reduce, plan: Plan, made: tuple[int, ...]) -> Transfer:  # (in
     root = step.root  # output's shape)
     reduce = _c10d.reduce(root, _C10D_REDUCE[step.op], dtypes.is_complex(plan.dtype))
 
-    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
+    def transfer(
+        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         reduce(send, group)
         return send if rank == root else None
 
@@ -156,8 +158,9 @@ def _broadcast(step: Broadcast, plan: Plan, made: tuple[int, ...]) -> Transfer: 
     root, recv_shape = step.root, plan.layout.recv_shape  # the root's own buffer)
     broadcast = _c10d.broadcast(root, dtypes.is_complex(plan.dtype))
 
-    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
+    def transfer(
+        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         buffer = send if rank == root else x.new_empty(recv_shape, dtype=dtype)
         broadcast(buffer, group)
         return buffer
@@ -170,8 +173,9 @@ def _gather(step: Gather, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     gather = _c10d.gather(root)
 
-    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
+    def transfer(
+        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         recv = x.new_empty(made, dtype=dtype) if rank == root else None
         gather(send, recv.view(recv_shape) if viewed and recv is not None else recv, group)
         return recv
@@ -184,8 +188,9 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
     viewed = made != recv_shape
     scatter = _c10d.scatter(step.root)
 
-    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
+    def transfer(
+        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         recv = x.new_empty(made, dtype=dtype)
         scatter(send, recv.view(recv_shape) if viewed else recv, group)
         return recv
@@ -208,8 +213,9 @@ def _permute(step: Permute, plan: Plan, kind: Kind) -> tuple[Transfer, list[dist
         begin = all_to_all
         all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
 
-    def transfer(send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
+    def transfer(
+        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         assert send is not None  # (every rank sends its buffer, or none of it)
         splits = by_rank.get(rank)
         if splits is None:
@@ -252,8 +258,16 @@ def _rooted_traceable(step: Rooted, plan: Plan, made: tuple[int, ...]) -> Transf
     return lambda send, group, rank, x, dtype: _traced(step, plan, made, send, group, rank, x, dtype)
 
 
-def _traced(step: Gather | Reduce | Scatter, plan: Plan, made: tuple[int, ...], send: torch.Tensor | None,
-            group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _traced(
+    step: Gather | Reduce | Scatter,
+    plan: Plan,
+    made: tuple[int, ...],
+    send: torch.Tensor | None,
+    group: ResolvedGroup,
+    rank: int,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     assert send is not None  # (traced: every rank packs its input)
     layout, root = plan.layout, step.root
     block = math.prod(layout.recv_shape if isinstance(step, Scatter) else layout.send_shape)
@@ -364,8 +378,9 @@ def _make_walk(plan: Plan, kind: Kind) -> _Made:
     return _conj_resolved(made) if dtypes.is_complex(plan.dtype) else made
 
 
-def _conj_resolved(inner: Callable[[torch.Tensor, ResolvedGroup], _Out]) -> Callable[[torch.Tensor, ResolvedGroup],
-                                                                                       _Out]:
+def _conj_resolved(
+    inner: Callable[[torch.Tensor, ResolvedGroup], _Out],
+) -> Callable[[torch.Tensor, ResolvedGroup], _Out]:
     return lambda x, group: inner(x.resolve_conj(), group)
 
 
@@ -422,6 +437,7 @@ def _pass(step: Rearrange, source_shape: tuple[int, ...], shape: tuple[int, ...]
         return lambda x: rearrange(x, step, shape, x.dtype if dtype is None else dtype, output=False)
     reshaped = tuple(source_shape) != tuple(shape)
     if step.is_identity:
+
         def itself(x: torch.Tensor) -> torch.Tensor:
             if not x.is_contiguous():
                 return rearrange(x, step, shape, x.dtype, output=False)
@@ -446,8 +462,9 @@ def _sender(plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]) -> Pa
     return lambda x: scaled_first(pack(x), x, scale)
 
 
-def _finisher(plan: Plan, accum: torch.dtype | None,
-              shape: tuple[int, ...]) -> tuple[Callable[..., torch.Tensor], tuple[int, ...]]:
+def _finisher(
+    plan: Plan, accum: torch.dtype | None, shape: tuple[int, ...]
+) -> tuple[Callable[..., torch.Tensor], tuple[int, ...]]:
     """((received buffer, x) -> the output, the shape to make the received buffer in) for a collective that
     receives a buffer of `shape`: the scale (where not applied first), then the unpack pass. Where the plan
     says the unpack is identity the buffer is made in the output's shape and is the output (the collective
@@ -457,6 +474,7 @@ def _finisher(plan: Plan, accum: torch.dtype | None,
     unpack, out_shape = plan.layout.unpack, plan.out_shape
     assert isinstance(unpack, Rearrange), plan  # (Blocks: the exact walk's, `run_exact`)
     if accum is not None or not unpack.is_identity:
+
         def unpacked(recv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if scale is not None:
                 recv.mul_(scale)
@@ -482,6 +500,7 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind)
     send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
     reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
     if kind.asynchronous:
+
         def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
             buffer = send(x)
             return Started((reduce(buffer, group),), finish, buffer, x)
@@ -496,8 +515,14 @@ def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind)
     return all_reduce
 
 
-def _begun(send: Pass, collective: _c10d.Buffers, finish: Callable[..., torch.Tensor], made: tuple[int, ...],
-           recv_shape: tuple[int, ...], accum: torch.dtype | None) -> StartedWalk:
+def _begun(
+    send: Pass,
+    collective: _c10d.Buffers,
+    finish: Callable[..., torch.Tensor],
+    made: tuple[int, ...],
+    recv_shape: tuple[int, ...],
+    accum: torch.dtype | None,
+) -> StartedWalk:
     """The asynchronous form of a walk that sends one packed buffer and receives into one (all_to_all, all_gather,
     reduce_scatter): the buffer packed, the receive buffer made (received into through a view where its shape is
     not `recv_shape`), the collective begun; `finish` left to `Started.wait`."""
@@ -547,8 +572,11 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     viewed = made != recv_shape
     complex_ = dtypes.is_complex(plan.dtype)
     compiling, asynchronous = kind.compiling, kind.asynchronous
-    collective = (_c10d.all_gather(complex_, compiling, asynchronous) if op is None
-                  else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous))
+    collective = (
+        _c10d.all_gather(complex_, compiling, asynchronous)
+        if op is None
+        else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous)
+    )
     if asynchronous:
         return _begun(send, collective, finish, made, recv_shape, accum)
 
@@ -562,8 +590,9 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     return gather_or_scatter
 
 
-def _finish_sent(finish: Callable[..., torch.Tensor], recv: torch.Tensor, x: torch.Tensor,
-                 buffer: torch.Tensor) -> torch.Tensor:
+def _finish_sent(
+    finish: Callable[..., torch.Tensor], recv: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor
+) -> torch.Tensor:
     """`finish` of an asynchronous walk, the send `buffer` kept until its work is done."""
     return finish(recv, x)
 
@@ -581,8 +610,9 @@ def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[i
     return None
 
 
-def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | None,
-                       accum: torch.dtype | None) -> Walk:
+def _rooted_or_permute(
+    plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None
+) -> Walk:
     """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
     the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring). `receive_only_root`:
     the root of an eager broadcast or scatter, whose other ranks' input is never read (no pack pass there)."""
@@ -600,8 +630,9 @@ def _rooted_or_permute(plan: Plan, transfer: Transfer, receive_only_root: int | 
     return rooted
 
 
-def _started_permute(plan: Plan, transfer: Transfer, begun: list[dist.Work | None],
-                     accum: torch.dtype | None) -> StartedWalk:
+def _started_permute(
+    plan: Plan, transfer: Transfer, begun: list[dist.Work | None], accum: torch.dtype | None
+) -> StartedWalk:
     """permute begun: its transfer (`_permute`) appends the work to `begun`, taken at once; `Started.wait` gives
     the received buffer's output, or zeros on a rank that receives nothing (the send buffer kept till then)."""
     out_shape = plan.out_shape
@@ -619,6 +650,7 @@ def _started_permute(plan: Plan, transfer: Transfer, begun: list[dist.Work | Non
 
 
 # ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
+
 
 def _itself(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
     return x
@@ -638,7 +670,7 @@ def _slice(plan: Plan, dim: int) -> Walk:
     def slice_(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
         start = group_rank(group) * block
         if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
-            out = x[start:start + block].clone()
+            out = x[start : start + block].clone()
         else:
             out = x.narrow(dim, start, block).clone(memory_format=_CONTIGUOUS)
         return out if scale == 1.0 else out.mul_(scale)

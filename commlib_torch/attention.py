@@ -35,8 +35,15 @@ __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
@@ -61,8 +68,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if causal:
         mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
     seen = mask.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=(mask | ~seen[..., None])[:, None],
-                                         scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=(mask | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
+    )
     return torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0)
 
 
@@ -86,7 +94,7 @@ class _SelectHeads(torch.autograd.Function):
         grads = [cotangent.new_zeros((*shape[1:3], shape[0], *shape[3:])).permute(2, 0, 1, 3) for shape in ctx.shapes]
         offset = 0
         for index, start, stop in ctx.runs:
-            grads[index][start:stop] += cotangent[offset:offset + stop - start]
+            grads[index][start:stop] += cotangent[offset : offset + stop - start]
             offset += stop - start
         return None, *grads
 
@@ -120,8 +128,9 @@ class _Finished:
         return self.result
 
 
-def _start_exchange(collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap: bool,
-                    **kwargs: Any) -> _Finished | Handle:
+def _start_exchange(
+    collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap: bool, **kwargs: Any
+) -> _Finished | Handle:
     """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all); ``wait()`` gives its result.
 
     The seam of the pipeline: with `overlap` (``chunks > 1``) the collective is begun with ``async_op=True``
@@ -136,12 +145,24 @@ def _start_exchange(collective: Callable[..., Any], x: torch.Tensor, *args: Any,
 class _Exchanges:
     """A head group's exchanges in, started: ``wait()`` gives ``{name: [n_r, B, S, D]}`` (heads first)."""
 
-    def __init__(self, exchanges: tuple[spec.Exchange, ...], inputs: dict[str, torch.Tensor],
-                 group: ResolvedGroup, overlap: bool) -> None:
-        self.pending = [(exchange, _start_exchange(all_to_all, _send_buffer(exchange, inputs), 0, 2, group,
-                                                   overlap=overlap,
-                                                   **_sizes(exchange.scatter_sizes, exchange.gather_sizes)))
-                        for exchange in exchanges]
+    def __init__(
+        self, exchanges: tuple[spec.Exchange, ...], inputs: dict[str, torch.Tensor], group: ResolvedGroup, overlap: bool
+    ) -> None:
+        self.pending = [
+            (
+                exchange,
+                _start_exchange(
+                    all_to_all,
+                    _send_buffer(exchange, inputs),
+                    0,
+                    2,
+                    group,
+                    overlap=overlap,
+                    **_sizes(exchange.scatter_sizes, exchange.gather_sizes),
+                ),
+            )
+            for exchange in exchanges
+        ]
 
     def wait(self) -> dict[str, torch.Tensor]:
         local = {}
@@ -159,8 +180,13 @@ def _send_buffer(exchange: spec.Exchange, inputs: dict[str, torch.Tensor]) -> to
     return select.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
 
 
-def _attend(group: spec.HeadGroup, local: dict[str, torch.Tensor], plan: spec.UlyssesPlan,
-            attn_fn: AttentionFn | None, masks: dict) -> torch.Tensor:
+def _attend(
+    group: spec.HeadGroup,
+    local: dict[str, torch.Tensor],
+    plan: spec.UlyssesPlan,
+    attn_fn: AttentionFn | None,
+    masks: dict,
+) -> torch.Tensor:
     """One head group's attention on this rank: ``[B, S, h, D_v]`` from its received heads."""
     if group.local_heads == 0:  # no heads here: an empty output that reads every received block (`spec.HeadGroup`)
         empty = [x.permute(1, 2, 0, 3) for x in (local["q"], local["k"], local["v"])]
@@ -173,8 +199,13 @@ def _attend(group: spec.HeadGroup, local: dict[str, torch.Tensor], plan: spec.Ul
     return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
 
 
-def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: ResolvedGroup,
-          attn_fn: AttentionFn | None, segment_ids: torch.Tensor | None) -> torch.Tensor:
+def _walk(
+    plan: spec.UlyssesPlan,
+    inputs: dict[str, torch.Tensor],
+    group: ResolvedGroup,
+    attn_fn: AttentionFn | None,
+    segment_ids: torch.Tensor | None,
+) -> torch.Tensor:
     """The plan's head groups in pipeline order: group c + 1's exchanges started before group c's attention,
     group c's output all-to-all started after it (before group c + 1's attention), every output waited last.
     The segment ids are all-gathered once (after group 0's exchanges start), for every group."""
@@ -189,18 +220,37 @@ def _walk(plan: spec.UlyssesPlan, inputs: dict[str, torch.Tensor], group: Resolv
         if index + 1 < plan.chunks:
             incoming = _Exchanges(plan.groups[index + 1].exchanges, inputs, group, overlap)
         out = _attend(head_group, local, plan, attn_fn, masks)
-        outgoing.append(_start_exchange(all_to_all_4d, out, 1, 2, group, overlap=overlap,
-                                        **_sizes(plan.out_scatter_sizes, head_group.out_gather_sizes)))
+        outgoing.append(
+            _start_exchange(
+                all_to_all_4d,
+                out,
+                1,
+                2,
+                group,
+                overlap=overlap,
+                **_sizes(plan.out_scatter_sizes, head_group.out_gather_sizes),
+            )
+        )
     outputs = [pending.wait() for pending in outgoing]
     if plan.out_runs is None:
         return outputs[0]
     return torch.cat([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], dim=2)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupArgument = None, *,
-                      causal: bool = False, scale: float | None = None, seq_sizes: Sequence[int] | None = None,
-                      attn_fn: AttentionFn | None = None, layout: str | SequenceLayout = "contiguous",
-                      segment_ids: torch.Tensor | None = None, chunks: int = 1) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: GroupArgument = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    seq_sizes: Sequence[int] | None = None,
+    attn_fn: AttentionFn | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: torch.Tensor | None = None,
+    chunks: int = 1,
+) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
     concatenated along seq, cut back the same way.
@@ -258,14 +308,38 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
     size = world_size(spec.OP_NAME, group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
-        exchange_layer(attention_call(spec.OP_NAME, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      world_size=size, causal=causal, scale=scale, layout=layout, seq_sizes=seq_sizes,
-                                      attn_fn=attn_fn, segment_ids=segment_ids, chunks=chunks), (group,), q.device)
+        exchange_layer(
+            attention_call(
+                spec.OP_NAME,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                world_size=size,
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                seq_sizes=seq_sizes,
+                attn_fn=attn_fn,
+                segment_ids=segment_ids,
+                chunks=chunks,
+            ),
+            (group,),
+            q.device,
+        )
     sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
     segment_type = None
     if segment_ids is not None:
         segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(q.shape, k.shape, v.shape, size, rank=dist.get_rank(group), seq_sizes=sizes,
-                             dtypes=[dtype_name(x.dtype) for x in (q, k, v)], causal=causal, scale=scale,
-                             segment_ids=segment_type, chunks=chunks)
+    plan = spec.ulysses_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        size,
+        rank=dist.get_rank(group),
+        seq_sizes=sizes,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        causal=causal,
+        scale=scale,
+        segment_ids=segment_type,
+        chunks=chunks,
+    )
     return _walk(plan, {"q": q, "k": k, "v": v}, group, attn_fn, segment_ids)

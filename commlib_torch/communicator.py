@@ -47,8 +47,9 @@ class DeviceCommunicator:
     def __init__(self, cpu_group, device: torch.device | None = None, device_group=None, unique_name: str = ""):
         self.device = device or torch.device("cpu")
         self.cpu_group = resolve_group("DeviceCommunicator", cpu_group)
-        self.device_group = self.cpu_group if device_group is None else resolve_group("DeviceCommunicator",
-                                                                                       device_group)
+        self.device_group = (
+            self.cpu_group if device_group is None else resolve_group("DeviceCommunicator", device_group)
+        )
         self.unique_name = unique_name
         self.rank = dist.get_rank(self.cpu_group)
         self.world_size = dist.get_world_size(self.cpu_group)
@@ -70,17 +71,21 @@ class DeviceCommunicator:
         """Differentiable reduce_scatter along `dim`; see `commlib_torch.reduce_scatter`."""
         return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype, sizes=sizes)
 
-    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *, scatter_sizes=None,
-                   gather_sizes=None) -> torch.Tensor:
+    def all_to_all(
+        self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *, scatter_sizes=None, gather_sizes=None
+    ) -> torch.Tensor:
         """Differentiable all_to_all; see `commlib_torch.all_to_all`."""
-        return functional.all_to_all(input_, scatter_dim, gather_dim, self.device_group, scatter_sizes=scatter_sizes,
-                                     gather_sizes=gather_sizes)
+        return functional.all_to_all(
+            input_, scatter_dim, gather_dim, self.device_group, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes
+        )
 
-    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes=None,
-                      gather_sizes=None) -> torch.Tensor:
+    def all_to_all_4D(
+        self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes=None, gather_sizes=None
+    ) -> torch.Tensor:
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_torch.all_to_all_4d`."""
-        return functional.all_to_all_4d(input_, scatter_dim, gather_dim, self.device_group,
-                                        scatter_sizes=scatter_sizes, gather_sizes=gather_sizes)
+        return functional.all_to_all_4d(
+            input_, scatter_dim, gather_dim, self.device_group, scatter_sizes=scatter_sizes, gather_sizes=gather_sizes
+        )
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Differentiable broadcast from group-local `src`; see `commlib_torch.broadcast`."""
@@ -120,8 +125,15 @@ class DeviceCommunicator:
         tensor = check_tensor("send", tensor, "tensor")
         size = world_size("send", self.device_group)
         dst = (self.rank + 1) % size if dst is None else dst
-        plan = plans.point_to_point(tensor.shape, size, self.rank, dst, dtype=dtype_name(tensor.dtype),
-                                    op_name="send", backend_dtypes=backend_dtypes(self.device_group, tensor))
+        plan = plans.point_to_point(
+            tensor.shape,
+            size,
+            self.rank,
+            dst,
+            dtype=dtype_name(tensor.dtype),
+            op_name="send",
+            backend_dtypes=backend_dtypes(self.device_group, tensor),
+        )
         self._transfer(plan, tensor.contiguous(), dst)
 
     def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
@@ -133,8 +145,15 @@ class DeviceCommunicator:
         src = (self.rank - 1) % world if src is None else src
         shape = (size,) if isinstance(size, int) else tuple(size)
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        plan = plans.point_to_point(shape, world, src, self.rank, dtype=dtype_name(dtype), op_name="recv",
-                                    backend_dtypes=backend_dtypes(self.device_group, tensor))
+        plan = plans.point_to_point(
+            shape,
+            world,
+            src,
+            self.rank,
+            dtype=dtype_name(dtype),
+            op_name="recv",
+            backend_dtypes=backend_dtypes(self.device_group, tensor),
+        )
         self._transfer(plan, tensor, src)
         return tensor
 

@@ -73,16 +73,44 @@ __all__ = [
 
 
 @overload
-def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
-               accum_dtype: DtypeArgument = ..., async_op: Literal[False] = ...) -> torch.Tensor: ...
+def all_reduce(
+    x: torch.Tensor,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    accum_dtype: DtypeArgument = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
-               accum_dtype: DtypeArgument = ..., async_op: Literal[True]) -> Handle: ...
+def all_reduce(
+    x: torch.Tensor,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    accum_dtype: DtypeArgument = ...,
+    async_op: Literal[True],
+) -> Handle: ...
 @overload
-def all_reduce(x: torch.Tensor, op: ReduceOpArgument = ..., group: GroupArgument = ..., *, convention: str = ...,
-               accum_dtype: DtypeArgument = ..., async_op: bool) -> Result: ...
-def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
-               convention: str = "sum", accum_dtype: DtypeArgument = None, async_op: bool = False) -> Result:
+def all_reduce(
+    x: torch.Tensor,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    accum_dtype: DtypeArgument = ...,
+    async_op: bool,
+) -> Result: ...
+def all_reduce(
+    x: torch.Tensor,
+    op: ReduceOpArgument = "sum",
+    group: GroupArgument = None,
+    *,
+    convention: str = "sum",
+    accum_dtype: DtypeArgument = None,
+    async_op: bool = False,
+) -> Result:
     """Reduce `x` over the ranks of `group`; every rank gets the result: ``[*s] -> [*s]``, x's dtype.
 
     Args:
@@ -123,22 +151,51 @@ def all_reduce(x: torch.Tensor, op: ReduceOpArgument = "sum", group: GroupArgume
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("all_reduce", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = plans.all_reduce(x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
-                            accum_dtype=accum)
+    plan = plans.all_reduce(
+        x.shape, size, op, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention, accum_dtype=accum
+    )
     return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
-def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
-               sizes: Sizes = ..., async_op: Literal[False] = ...) -> torch.Tensor: ...
+def all_gather(
+    x: torch.Tensor,
+    dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    sizes: Sizes = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
-               sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+def all_gather(
+    x: torch.Tensor,
+    dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    sizes: Sizes = ...,
+    async_op: Literal[True],
+) -> Handle: ...
 @overload
-def all_gather(x: torch.Tensor, dim: int = ..., group: GroupArgument = ..., *, convention: str = ...,
-               sizes: Sizes = ..., async_op: bool) -> Result: ...
-def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, convention: str = "sum",
-               sizes: Sizes = None, async_op: bool = False) -> Result:
+def all_gather(
+    x: torch.Tensor,
+    dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    convention: str = ...,
+    sizes: Sizes = ...,
+    async_op: bool,
+) -> Result: ...
+def all_gather(
+    x: torch.Tensor,
+    dim: int = -1,
+    group: GroupArgument = None,
+    *,
+    convention: str = "sum",
+    sizes: Sizes = None,
+    async_op: bool = False,
+) -> Result:
     """Concatenate every rank's `x` along `dim` in rank order: ``shape[dim] *= W``, x's dtype.
 
     `group`: the process group (None: WORLD). `sizes` (uneven): W ints, rank r's `x` has ``sizes[r]`` rows
@@ -162,23 +219,62 @@ def all_gather(x: torch.Tensor, dim: int = -1, group: GroupArgument = None, *, c
         commlib.errors.CommError: all_gather: dim (1) must be in [-1, 1) for ndim 1. Received: shape=(2,), dim=1
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("all_gather", x, group)
-    plan = plans.all_gather(x.shape, size, dim, dtype=dtype, backend_dtypes=backend_dtypes, convention=convention,
-                            sizes=sizes, rank=None if sizes is None else group_rank(group))
+    plan = plans.all_gather(
+        x.shape,
+        size,
+        dim,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        convention=convention,
+        sizes=sizes,
+        rank=None if sizes is None else group_rank(group),
+    )
     return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
-def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
-                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ...,
-                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int = ...,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    accum_dtype: DtypeArgument = ...,
+    sizes: Sizes = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
-                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int = ...,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    accum_dtype: DtypeArgument = ...,
+    sizes: Sizes = ...,
+    async_op: Literal[True],
+) -> Handle: ...
 @overload
-def reduce_scatter(x: torch.Tensor, dim: int = ..., op: ReduceOpArgument = ..., group: GroupArgument = ..., *,
-                   accum_dtype: DtypeArgument = ..., sizes: Sizes = ..., async_op: bool) -> Result: ...
-def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", group: GroupArgument = None, *,
-                   accum_dtype: DtypeArgument = None, sizes: Sizes = None, async_op: bool = False) -> Result:
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int = ...,
+    op: ReduceOpArgument = ...,
+    group: GroupArgument = ...,
+    *,
+    accum_dtype: DtypeArgument = ...,
+    sizes: Sizes = ...,
+    async_op: bool,
+) -> Result: ...
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int = 0,
+    op: ReduceOpArgument = "sum",
+    group: GroupArgument = None,
+    *,
+    accum_dtype: DtypeArgument = None,
+    sizes: Sizes = None,
+    async_op: bool = False,
+) -> Result:
     """Reduce over the ranks of `group` (None: WORLD) and keep block `rank` of `dim`: ``shape[dim] /= W``;
     op in {"sum", "avg"}; x's dtype (`accum_dtype` as in `all_reduce`). `sizes` (uneven): rank r keeps
     ``sizes[r]`` rows (``sum(sizes) == shape[dim]``); the reduction runs as one all_to_all_single and a sum.
@@ -199,23 +295,63 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpArgument = "sum", 
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("reduce_scatter", x, group)
     accum = None if accum_dtype is None else dtype_name(accum_dtype)
-    plan = plans.reduce_scatter(x.shape, size, dim, op, dtype=dtype, backend_dtypes=backend_dtypes,
-                                accum_dtype=accum, sizes=sizes, rank=None if sizes is None else group_rank(group))
+    plan = plans.reduce_scatter(
+        x.shape,
+        size,
+        dim,
+        op,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        accum_dtype=accum,
+        sizes=sizes,
+        rank=None if sizes is None else group_rank(group),
+    )
     return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
-               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ...,
-               async_op: Literal[False] = ...) -> torch.Tensor: ...
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
-               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: Literal[True],
+) -> Handle: ...
 @overload
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = ..., *,
-               scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: bool) -> Result: ...
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupArgument = None, *,
-               scatter_sizes: Sizes = None, gather_sizes: Sizes = None, async_op: bool = False) -> Result:
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: bool,
+) -> Result: ...
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: GroupArgument = None,
+    *,
+    scatter_sizes: Sizes = None,
+    gather_sizes: Sizes = None,
+    async_op: bool = False,
+) -> Result:
     """Block j of `scatter_dim` goes to rank j of `group` (None: WORLD); the received blocks are concatenated
     along `gather_dim` in rank order: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W``, any ndim,
     x's dtype (``lax.all_to_all(..., tiled=True)``). ``scatter_dim == gather_dim`` keeps the shape: block s
@@ -242,24 +378,63 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: GroupA
         torch.Size([4, 6])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("all_to_all", x, group)
-    plan = plans.all_to_all(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
-                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                            rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
+    plan = plans.all_to_all(
+        x.shape,
+        size,
+        scatter_dim,
+        gather_dim,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+        rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group),
+    )
     return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
 @overload
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
-                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ...,
-                  async_op: Literal[False] = ...) -> torch.Tensor: ...
+def all_to_all_4d(
+    x: torch.Tensor,
+    scatter_dim: int = ...,
+    gather_dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
-                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: Literal[True]) -> Handle: ...
+def all_to_all_4d(
+    x: torch.Tensor,
+    scatter_dim: int = ...,
+    gather_dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: Literal[True],
+) -> Handle: ...
 @overload
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = ..., gather_dim: int = ..., group: GroupArgument = ..., *,
-                  scatter_sizes: Sizes = ..., gather_sizes: Sizes = ..., async_op: bool) -> Result: ...
-def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, group: GroupArgument = None, *,
-                  scatter_sizes: Sizes = None, gather_sizes: Sizes = None, async_op: bool = False) -> Result:
+def all_to_all_4d(
+    x: torch.Tensor,
+    scatter_dim: int = ...,
+    gather_dim: int = ...,
+    group: GroupArgument = ...,
+    *,
+    scatter_sizes: Sizes = ...,
+    gather_sizes: Sizes = ...,
+    async_op: bool,
+) -> Result: ...
+def all_to_all_4d(
+    x: torch.Tensor,
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
+    group: GroupArgument = None,
+    *,
+    scatter_sizes: Sizes = None,
+    gather_sizes: Sizes = None,
+    async_op: bool = False,
+) -> Result:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]`` over `group` (None: WORLD), x's dtype.
 
     ``(2, 1)``: ``[B, S/W, H, D] -> [B, S, H/W, D]``; ``(1, 2)``: ``[B, S, H/W, D] -> [B, S/W, H, D]``.
@@ -286,9 +461,17 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, gr
         commlib.errors.CommError: all_to_all_4d: ndim (3) must be 4 ([batch, seq, heads, head_dim]). Received: ...
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("all_to_all_4d", x, group)
-    plan = plans.all_to_all_4d(x.shape, size, scatter_dim, gather_dim, dtype=dtype, backend_dtypes=backend_dtypes,
-                               scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
-                               rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group))
+    plan = plans.all_to_all_4d(
+        x.shape,
+        size,
+        scatter_dim,
+        gather_dim,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        scatter_sizes=scatter_sizes,
+        gather_sizes=gather_sizes,
+        rank=None if scatter_sizes is None and gather_sizes is None else group_rank(group),
+    )
     return apply(plan, x, group) if async_op is False else start(plan, x, group, async_op)
 
 
@@ -312,8 +495,9 @@ def broadcast(x: torch.Tensor, src: int = 0, group: GroupArgument = None) -> tor
     return apply(plans.broadcast(x.shape, size, src, dtype=dtype, backend_dtypes=backend_dtypes), x, group)
 
 
-def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: GroupArgument = None, *,
-           sizes: Sizes = None) -> torch.Tensor:
+def gather(
+    x: torch.Tensor, dst: int = 0, dim: int = -1, group: GroupArgument = None, *, sizes: Sizes = None
+) -> torch.Tensor:
     """Group rank `dst` gets every rank's `x` concatenated along `dim` (``shape[dim] *= W``); the other ranks
     of `group` (None: WORLD) get zeros of that shape, so every rank can run backward. x's dtype. `sizes`
     (uneven): as in `all_gather` (one all_to_all_single to `dst`).
@@ -328,13 +512,22 @@ def gather(x: torch.Tensor, dst: int = 0, dim: int = -1, group: GroupArgument = 
         tensor([1., 1.])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("gather", x, group)
-    plan = plans.gather(x.shape, size, dst, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
-                        rank=None if sizes is None else group_rank(group))
+    plan = plans.gather(
+        x.shape,
+        size,
+        dst,
+        dim,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        sizes=sizes,
+        rank=None if sizes is None else group_rank(group),
+    )
     return apply(plan, x, group)
 
 
-def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = None, *,
-            sizes: Sizes = None) -> torch.Tensor:
+def scatter(
+    x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = None, *, sizes: Sizes = None
+) -> torch.Tensor:
     """Rank r of `group` (None: WORLD) gets block r of group rank `src`'s `x` along `dim`
     (``shape[dim] /= W``); the other ranks' `x` is not read (its gradient is zero). x's dtype. `sizes`
     (uneven): rank r gets ``sizes[r]`` rows (``sum(sizes) == shape[dim]``).
@@ -350,22 +543,34 @@ def scatter(x: torch.Tensor, src: int = 0, dim: int = 0, group: GroupArgument = 
         tensor([0., 1., 2.])
     """
     x, group, size, dtype, backend_dtypes = plan_inputs("scatter", x, group)
-    plan = plans.scatter(x.shape, size, src, dim, dtype=dtype, backend_dtypes=backend_dtypes, sizes=sizes,
-                         rank=None if sizes is None else group_rank(group))
+    plan = plans.scatter(
+        x.shape,
+        size,
+        src,
+        dim,
+        dtype=dtype,
+        backend_dtypes=backend_dtypes,
+        sizes=sizes,
+        rank=None if sizes is None else group_rank(group),
+    )
     return apply(plan, x, group)
 
 
 @overload
-def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
-            async_op: Literal[False] = ...) -> torch.Tensor: ...
+def permute(
+    x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *, async_op: Literal[False] = ...
+) -> torch.Tensor: ...
 @overload
-def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
-            async_op: Literal[True]) -> Handle: ...
+def permute(
+    x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *, async_op: Literal[True]
+) -> Handle: ...
 @overload
-def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *,
-            async_op: bool) -> Result: ...
-def permute(x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = None, *,
-            async_op: bool = False) -> Result:
+def permute(
+    x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = ..., *, async_op: bool
+) -> Result: ...
+def permute(
+    x: torch.Tensor, perm: Sequence[tuple[int, int]], group: GroupArgument = None, *, async_op: bool = False
+) -> Result:
     """For each ``(src, dst)`` in `perm` (group ranks of `group`, None: WORLD), rank dst gets rank src's `x`
     (``lax.ppermute`` semantics); a rank that is no destination gets zeros. ``[*s] -> [*s]``, x's dtype.
 

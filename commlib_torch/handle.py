@@ -116,8 +116,7 @@ class _Call:
         else:
             out = _waited(started, self.plan, x, self.group, None)  # type: ignore[arg-type]  # started: set at the call
         if x._version != self.version:  # type: ignore[union-attr]  # x: held until this wait
-            raise frontend_errors.modified_before_wait(self.plan.op_name, self.version,
-                                                     x._version)  # type: ignore[union-attr]  # held till now
+            raise frontend_errors.modified_before_wait(self.plan.op_name, self.version, x._version)  # type: ignore[union-attr]  # held till now
         return out
 
 
@@ -165,8 +164,9 @@ class _WaitNode(torch.autograd.Function):
         call = ctx.call
         call.cotangent = cotangent
         if not torch.is_grad_enabled():  # (create_graph: the start node's backward runs the VJP synchronously)
-            call.dual = at_boundary(_begin, gradients.vjp_plan(call.plan), cotangent, call.group,
-                                    (call.plan, "backward"))
+            call.dual = at_boundary(
+                _begin, gradients.vjp_plan(call.plan), cotangent, call.group, (call.plan, "backward")
+            )
         return cotangent.new_empty(0), None
 
 
@@ -176,8 +176,13 @@ def start(plan: Plan, x: torch.Tensor, group: ResolvedGroup, async_op: object = 
     comes here, and anything but True is refused before a collective begins)."""
     if async_op is not True:
         raise frontend_errors.wrong_type(plan.op_name, "async_op", async_op, "bool")
-    if (plan.is_trivial or ACTIVE or gradients.needs_primal(plan) or torch.compiler.is_compiling()
-            or transforms_active()):
+    if (
+        plan.is_trivial
+        or ACTIVE
+        or gradients.needs_primal(plan)
+        or torch.compiler.is_compiling()
+        or transforms_active()
+    ):
         return Handle(result=apply(plan, x, group))
     call = _Call(plan, x, group)
     if x.requires_grad and torch.is_grad_enabled():

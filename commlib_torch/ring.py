@@ -85,15 +85,23 @@ def _kernel_mask(mask: str | torch.Tensor, q: torch.Tensor) -> tuple[bool, torch
     return False, torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
 
 
-def _attend(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
     where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf)."""
     if _FLASH_CPU is None or not _flash(q, v):
         return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
     causal, additive = _kernel_mask(mask, q)
-    out, lse = _FLASH_CPU(_heads_major(q), _heads_major(k, plan.group), _heads_major(v, plan.group), 0.0,
-                          causal, attn_mask=additive, scale=plan.scale)
+    out, lse = _FLASH_CPU(
+        _heads_major(q),
+        _heads_major(k, plan.group),
+        _heads_major(v, plan.group),
+        0.0,
+        causal,
+        attn_mask=additive,
+        scale=plan.scale,
+    )
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     if isinstance(mask, torch.Tensor):  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
         seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
@@ -102,17 +110,34 @@ def _attend(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out, lse
 
 
-def _attend_vjp(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                d_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attend_vjp(
+    plan: spec.RingPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    d_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: str | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
     if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     causal, additive = _kernel_mask(mask, q)
     finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
-    dq, dk, dv = _FLASH_CPU_BACKWARD(_heads_major(d_out), _heads_major(q), _heads_major(k, plan.group),
-                                     _heads_major(v, plan.group), _heads_major(out), finite.transpose(1, 2), 0.0,
-                                     causal, attn_mask=additive, scale=plan.scale)
+    dq, dk, dv = _FLASH_CPU_BACKWARD(
+        _heads_major(d_out),
+        _heads_major(q),
+        _heads_major(k, plan.group),
+        _heads_major(v, plan.group),
+        _heads_major(out),
+        finite.transpose(1, 2),
+        0.0,
+        causal,
+        attn_mask=additive,
+        scale=plan.scale,
+    )
     fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2)  # noqa: E731
     return dq.transpose(1, 2), fold(dk), fold(dv)
 
@@ -126,8 +151,13 @@ def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessG
     for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
         members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
         flat = torch.cat([tensors[index].reshape(-1) for index in members])
-        permute = plans.permute(tuple(flat.shape), plan.ring_size, plan.perm, dtype=dtype_name(dtype),
-                                backend_dtypes=backend_dtypes(group, flat))
+        permute = plans.permute(
+            tuple(flat.shape),
+            plan.ring_size,
+            plan.perm,
+            dtype=dtype_name(dtype),
+            backend_dtypes=backend_dtypes(group, flat),
+        )
         received = at_boundary(run, permute, flat, group, None)
         for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
             moved[index] = part.view(tensors[index].shape)
@@ -143,8 +173,9 @@ class _Sending:
         self.works, self.received, self.flat = works, received, flat
 
 
-def _start(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, rank: int,
-           checked: bool = False) -> _Sending:
+def _start(
+    plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, rank: int, checked: bool = False
+) -> _Sending:
     """`_pass` begun, not waited: per dtype among `tensors` one buffer (their elements end to end) sent to rank
     r + 1 and one received from rank r - 1, all in one `dist.batch_isend_irecv` (asynchronous c10d work).
     `checked`: each buffer's `permute` plan fingerprinted first (checked mode's exchange, as `_pass` does)."""
@@ -157,8 +188,17 @@ def _start(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.Process
             members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
             flat = torch.cat([tensors[index].reshape(-1) for index in members])
             if checked:
-                exchange(plans.permute(tuple(flat.shape), plan.ring_size, plan.perm, dtype=dtype_name(dtype),
-                                       backend_dtypes=backend_dtypes(group, flat)), flat, group)
+                exchange(
+                    plans.permute(
+                        tuple(flat.shape),
+                        plan.ring_size,
+                        plan.perm,
+                        dtype=dtype_name(dtype),
+                        backend_dtypes=backend_dtypes(group, flat),
+                    ),
+                    flat,
+                    group,
+                )
             received = torch.empty_like(flat)
             ops += [dist.P2POp(dist.isend, flat, peers[0], group), dist.P2POp(dist.irecv, received, peers[1], group)]
             for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
@@ -180,8 +220,9 @@ def _wait(plan: spec.RingPlan, sending: _Sending, group: dist.ProcessGroup | Non
     return sending.received
 
 
-def _translated(error: RuntimeError, plan: spec.RingPlan, tensor: torch.Tensor,
-                group: dist.ProcessGroup | None) -> RuntimeError:
+def _translated(
+    error: RuntimeError, plan: spec.RingPlan, tensor: torch.Tensor, group: dist.ProcessGroup | None
+) -> RuntimeError:
     """`error` as `translate` gives it for the ring's permute (`error` itself where it means no failure)."""
     return translate(error, plan.op_name, tensor, group, "forward")
 
@@ -193,8 +234,14 @@ class _RankBackend:
 
     math = _MATH
 
-    def __init__(self, plan: spec.RingPlan, group: dist.ProcessGroup | None, rank: int, device: torch.device,
-                 visible: list[list[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        plan: spec.RingPlan,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        device: torch.device,
+        visible: list[list[bool]] | None = None,
+    ) -> None:
         self.plan, self.group, self.rank, self.device = plan, group, rank, device
         self.visible = visible  # `_visibility`: the skip decisions of the call (None: selected on device)
         self.dtype = getattr(torch, plan.compute_dtype)
@@ -210,6 +257,7 @@ class _RankBackend:
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
+
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype)
 
@@ -219,13 +267,22 @@ class _RankBackend:
     def zeros(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _attend(self.plan, q, k, v, mask)
 
-    def attend_vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d_out: torch.Tensor,
-                   lse: torch.Tensor, delta: torch.Tensor,
-                   mask: str | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attend_vjp(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        d_out: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        mask: str | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _attend_vjp(self.plan, q, k, v, out, d_out, lse, delta, mask)
 
     def set_rows(self, x: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
@@ -252,8 +309,9 @@ class _RankBackend:
         """This rank's ids and those of the kv block it holds at `step`, from every block's ``[W, B, rows]``."""
         return segments[self.rank], segments[self.plan.kv_block(step, self.rank)]
 
-    def when_visible(self, step: int, index: int, mask: torch.Tensor, function: Callable[..., tuple],
-                     *operands: torch.Tensor) -> tuple:
+    def when_visible(
+        self, step: int, index: int, mask: torch.Tensor, function: Callable[..., tuple], *operands: torch.Tensor
+    ) -> tuple:
         """The piece where the call's decisions (`_visibility`, read once per call) say it is visible, else
         skipped. Under Dynamo, which traces no data-dependent branch, the piece is computed on copies of the
         accumulators and kept where its mask's any is True (``torch.where``): the same values bit for bit."""
@@ -267,22 +325,41 @@ class _RankBackend:
 Visible = list[list[bool]] | None  # `_visibility`: the call's skip decisions, read once (None: none, or Dynamo)
 
 
-def _forward(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-             rank: int, segments: torch.Tensor | None = None, visible: Visible = None,
-             overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    plan: spec.RingPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    segments: torch.Tensor | None = None,
+    visible: Visible = None,
+    overlap: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S_r, H, D_v] in q's dtype, lse [B, S_r, H] in the compute dtype)`` (`commlib.ring.forward`;
     `segments` every block's ids ``[W, B, rows]``; `overlap` False: the sequential order, which the tests and
     the bench compare with)."""
     return spec.forward(plan, _RankBackend(plan, group, rank, q.device, visible), q, k, v, segments, overlap=overlap)
 
 
-def _backward(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, d_out: torch.Tensor, group: dist.ProcessGroup | None, rank: int,
-              segments: torch.Tensor | None = None, visible: Visible = None,
-              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    plan: spec.RingPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_out: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    segments: torch.Tensor | None = None,
+    visible: Visible = None,
+    overlap: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (`commlib.ring.backward`; the forward's `visible`: the same pieces, no host read)."""
-    return spec.backward(plan, _RankBackend(plan, group, rank, q.device, visible), q, k, v, out, lse, d_out,
-                         segments, overlap=overlap)
+    return spec.backward(
+        plan, _RankBackend(plan, group, rank, q.device, visible), q, k, v, out, lse, d_out, segments, overlap=overlap
+    )
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -292,8 +369,9 @@ class _FirstOrderOnly(torch.autograd.Function):
     torch.func requires, whose per-call cost does not matter there."""
 
     @staticmethod
-    def forward(op_name: str, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        op_name: str, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return dq.clone(), dk.clone(), dv.clone()
 
     @staticmethod
@@ -309,9 +387,17 @@ class _Ring(torch.autograd.Function):
     """The ring walk (`_forward`); backward `_backward` from the saved q, k, v, output and LSE."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,
-                group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
-                visible: Visible = None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: spec.RingPlan,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        segments: torch.Tensor | None = None,
+        visible: Visible = None,
+    ) -> torch.Tensor:
         out, lse = _forward(plan, q, k, v, group, rank, segments, visible)
         ctx.plan, ctx.group, ctx.rank, ctx.visible = plan, group, rank, visible
         ctx.save_for_backward(q, k, v, out, lse, segments)
@@ -332,9 +418,16 @@ class _FunctorchRing(_Ring):
     non-differentiable output), applied only while one is active (see `commlib_torch._op.FunctorchPlanFunction`)."""
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,  # type: ignore[override]
-                group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
-                visible: Visible = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(  # type: ignore[override]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: spec.RingPlan,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        segments: torch.Tensor | None = None,
+        visible: Visible = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(plan, q, k, v, group, rank, segments, visible)
 
     @staticmethod
@@ -346,9 +439,18 @@ class _FunctorchRing(_Ring):
         ctx.save_for_backward(q, k, v, out, lse, segments)
 
     @staticmethod
-    def vmap(info: Any, in_dims: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan,
-             group: dist.ProcessGroup | None, rank: int, segments: torch.Tensor | None = None,
-             visible: Visible = None) -> NoReturn:
+    def vmap(
+        info: Any,
+        in_dims: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: spec.RingPlan,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        segments: torch.Tensor | None = None,
+        visible: Visible = None,
+    ) -> NoReturn:
         raise frontend_errors.no_vmap(plan.op_name)
 
     @staticmethod
@@ -356,8 +458,9 @@ class _FunctorchRing(_Ring):
         return _Ring.backward(ctx, d_out)
 
 
-def _visibility(plan: spec.RingPlan, segments: torch.Tensor | None, group: dist.ProcessGroup | None,
-                rank: int) -> list[list[bool]] | None:
+def _visibility(
+    plan: spec.RingPlan, segments: torch.Tensor | None, group: dist.ProcessGroup | None, rank: int
+) -> list[list[bool]] | None:
     """The call's skip decisions (`commlib.ring.visible_pieces`, computed where the ids live) as Python bools:
     one host read per call, for the forward and the backward. None without segment ids, and under Dynamo
     (the walk then selects on device, `_RankBackend.when_visible`)."""
@@ -369,13 +472,20 @@ def _visibility(plan: spec.RingPlan, segments: torch.Tensor | None, group: dist.
     read = torch.stack(flat).tolist() if flat else []  # the one host read
     rows, start = [], 0
     for row in table:
-        rows.append(read[start:start + len(row)])
+        rows.append(read[start : start + len(row)])
         start += len(row)
     return rows
 
 
-def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: spec.RingPlan, group: dist.ProcessGroup | None,
-          rank: int, segments: torch.Tensor | None = None) -> torch.Tensor:
+def _ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: spec.RingPlan,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The ring over `group` (segments: this rank's ids ``[B, rows]``, all-gathered here once, for every block)."""
     if segments is not None:
         segments = all_gather(segments[None], 0, group)  # [W, B, rows]: integers, no gradient
@@ -413,9 +523,17 @@ def _check_kinds(op_name: str, q: object, k: object, v: object, segment_ids: obj
     check_layer_inputs(op_name, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, *, causal: bool = False,
-                   scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
     H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
 
@@ -482,22 +600,44 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     segments, segment_type = _segments(segment_ids)
     rank = group_rank(group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
-        exchange_layer(attention_call(spec.RING_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      world_size=world_size(spec.RING_OP, group), causal=causal, scale=scale,
-                                      layout=layout, segment_ids=segment_ids), (group,), q.device)
-    plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.RING_OP, group), causal=causal, scale=scale,
-                          layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          shard=_shard_index(layout, rank), segment_ids=segment_type)
+        exchange_layer(
+            attention_call(
+                spec.RING_OP,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                world_size=world_size(spec.RING_OP, group),
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                segment_ids=segment_ids,
+            ),
+            (group,),
+            q.device,
+        )
+    plan = spec.ring_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        world_size(spec.RING_OP, group),
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        shard=_shard_index(layout, rank),
+        segment_ids=segment_type,
+    )
     if not plan.masked:
         return _ring(q, k, v, plan, group, rank, segments)
     padded_q, padded_k, padded_v = (_padded(x, plan.rows) for x in (q, k, v))
-    out = _ring(padded_q, padded_k, padded_v, plan, group, rank, None if segments is None else
-                _padded(segments, plan.rows))
-    return out[:, :q.shape[1]]
+    out = _ring(
+        padded_q, padded_k, padded_v, plan, group, rank, None if segments is None else _padded(segments, plan.rows)
+    )
+    return out[:, : q.shape[1]]
 
 
-def _heads_out(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+def _heads_out(
+    plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, ...]:
     """The Ulysses all-to-all of q, k, v: ``[B, S_r, H, D] -> [B, U * S_r, H / U, D]`` (ring block r, Ulysses
     rank u's heads). One all-to-all for the three (heads stacked per destination in one local pass) when v's
     head dim is q's, else one each."""
@@ -508,15 +648,25 @@ def _heads_out(plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.T
         return tuple(all_to_all_4d(x, 2, 1, group) for x in (q, k, v))
     batch, rows, _, dim = q.shape
     heads = [plan.heads, plan.kv_heads, plan.kv_heads]
-    per_destination = [x.view(batch, rows, U, n, dim).permute(2, 0, 1, 3, 4) for x, n in zip((q, k, v), heads,
-                                                                                              strict=True)]
+    per_destination = [
+        x.view(batch, rows, U, n, dim).permute(2, 0, 1, 3, 4) for x, n in zip((q, k, v), heads, strict=True)
+    ]
     received = all_to_all(torch.cat(per_destination, dim=3), 0, 2, group)  # [1, B, U * S_r, h + 2 h_kv, D]
     return tuple(received[0].split(heads, dim=2))
 
 
-def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: Group, ring_group: Group, *,
-                  causal: bool = False, scale: float | None = None, layout: str | SequenceLayout = "contiguous",
-                  segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ulysses_group: Group,
+    ring_group: Group,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str | SequenceLayout = "contiguous",
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
     `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
     -> ``[B, S/(W U), H, D_v]``, q's dtype.
@@ -555,14 +705,35 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_gro
     segments, segment_type = _segments(segment_ids)
     ring_rank = group_rank(ring_group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks of both groups compare the options first
-        exchange_layer(attention_call(spec.USP_OP, (q.shape, k.shape, v.shape), dtype_name(q.dtype),
-                                      ulysses_size=world_size(spec.USP_OP, ulysses_group),
-                                      ring_size=world_size(spec.USP_OP, ring_group), causal=causal, scale=scale,
-                                      layout=layout, segment_ids=segment_ids), (ulysses_group, ring_group), q.device)
-    plan = spec.ring_plan(q.shape, k.shape, v.shape, world_size(spec.USP_OP, ring_group), causal=causal,
-                          scale=scale, layout=layout, dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-                          ulysses_size=world_size(spec.USP_OP, ulysses_group), op_name=spec.USP_OP,
-                          shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)), segment_ids=segment_type)
+        exchange_layer(
+            attention_call(
+                spec.USP_OP,
+                (q.shape, k.shape, v.shape),
+                dtype_name(q.dtype),
+                ulysses_size=world_size(spec.USP_OP, ulysses_group),
+                ring_size=world_size(spec.USP_OP, ring_group),
+                causal=causal,
+                scale=scale,
+                layout=layout,
+                segment_ids=segment_ids,
+            ),
+            (ulysses_group, ring_group),
+            q.device,
+        )
+    plan = spec.ring_plan(
+        q.shape,
+        k.shape,
+        v.shape,
+        world_size(spec.USP_OP, ring_group),
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+        ulysses_size=world_size(spec.USP_OP, ulysses_group),
+        op_name=spec.USP_OP,
+        shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)),
+        segment_ids=segment_type,
+    )
     rows = q.shape[1]
     if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
         q, k, v = (_padded(x, plan.rows // plan.ulysses_size) for x in (q, k, v))

@@ -36,9 +36,15 @@ from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, resolve_group, world_size
 from commlib_torch.functional import ReduceOpArgument, all_gather, all_reduce, shard
 
-__all__ = ["shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy",
-           "sync_gradients", "parallel"]
-
+__all__ = [
+    "shard_tokens",
+    "shard_sequence",
+    "gather_sequence",
+    "position_ids",
+    "cross_entropy",
+    "sync_gradients",
+    "parallel",
+]
 
 
 def _rank_layout(op_name: str, layout: object, group: GroupArgument) -> tuple[SequenceLayout, ResolvedGroup, int]:
@@ -61,7 +67,7 @@ def _table(kind: str, layout: SequenceLayout, rank: int, device: torch.device) -
     if kind == "positions":
         table = layout.positions(rank)
     elif kind == "labels":  # where each row's label comes from; -1: ignore_index
-        table = spec.label_table(layout)[rank, :layout.sizes[rank]]
+        table = spec.label_table(layout)[rank, : layout.sizes[rank]]
     elif kind == "shard":  # the shard order, a padding row taken from the zero row at index S
         order = spec.shard_order(layout, padded=not layout.is_even)
         assert order is not None  # only asked for where the spec says there is an order
@@ -90,8 +96,14 @@ def position_ids(layout: SequenceLayout | None = None, group: GroupArgument = No
     return _table("positions", layout, rank, torch.device("cpu")).clone()
 
 
-def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
-                 ignore_index: int = -100, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def shard_tokens(
+    input_ids: torch.Tensor,
+    layout: SequenceLayout | None = None,
+    group: GroupArgument = None,
+    *,
+    ignore_index: int = -100,
+    segment_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     int64-indexed ``[B, sizes[rank]]`` (ids and labels in input_ids' dtype, positions int64).
 
@@ -121,8 +133,9 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, 
     """
     input_ids = check_tensor("shard_tokens", input_ids, "input_ids")
     layout, _, rank = _rank_layout("shard_tokens", layout, group)
-    ignore = spec.check_tokens("shard_tokens", tuple(input_ids.shape), dtype_name(input_ids.dtype), layout,
-                               ignore_index)
+    ignore = spec.check_tokens(
+        "shard_tokens", tuple(input_ids.shape), dtype_name(input_ids.dtype), layout, ignore_index
+    )
     rows, labels_from = (_table(kind, layout, rank, input_ids.device) for kind in ("positions", "labels"))
     if segment_ids is not None:
         return _shard_documents(input_ids, check_tensor("shard_tokens", segment_ids, "segment_ids"), rows, ignore)
@@ -131,11 +144,13 @@ def shard_tokens(input_ids: torch.Tensor, layout: SequenceLayout | None = None, 
     return ids, rows.repeat(input_ids.shape[0], 1), labels
 
 
-def _shard_documents(input_ids: torch.Tensor, segment_ids: torch.Tensor, rows: torch.Tensor,
-                     ignore: int) -> tuple[torch.Tensor, ...]:
+def _shard_documents(
+    input_ids: torch.Tensor, segment_ids: torch.Tensor, rows: torch.Tensor, ignore: int
+) -> tuple[torch.Tensor, ...]:
     """`shard_tokens` of packed documents (`spec.document_positions`, `spec.document_labels`) at `rows`."""
-    spec.check_token_segments("shard_tokens", tuple(segment_ids.shape), dtype_name(segment_ids.dtype),
-                              tuple(input_ids.shape))
+    spec.check_token_segments(
+        "shard_tokens", tuple(segment_ids.shape), dtype_name(segment_ids.dtype), tuple(input_ids.shape)
+    )
     segments = segment_ids.to(input_ids.device)
     index = torch.arange(segments.shape[1], device=segments.device).expand(segments.shape)
     starts = torch.ones_like(segments, dtype=torch.bool)
@@ -148,8 +163,9 @@ def _shard_documents(input_ids: torch.Tensor, segment_ids: torch.Tensor, rows: t
     return tuple(whole.index_select(1, rows) for whole in (input_ids, positions, labels, segments))
 
 
-def shard_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *,
-                   dim: int = 1) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *, dim: int = 1
+) -> torch.Tensor:
     """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., sizes[rank], ..]``
     along `dim` (``S == layout.seq_len``), x's dtype; no communication forward.
 
@@ -172,14 +188,20 @@ def shard_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group:
     dim = spec.check_sequence("shard_sequence", tuple(x.shape), dim, layout.seq_len, "layout.seq_len")
     if spec.shard_order(layout, padded=not layout.is_even) is not None:
         if not layout.is_even:  # a zero row at index S stands for every padding row
-            x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)
+            x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))], dim)
         x = x.index_select(dim, _table("shard", layout, rank, x.device))
     out = shard(x, dim, resolved)
     return out if layout.is_even else out.narrow(dim, 0, layout.sizes[rank])
 
 
-def gather_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group: GroupArgument = None, *, dim: int = 1,
-                    convention: str = "sum") -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor,
+    layout: SequenceLayout | None = None,
+    group: GroupArgument = None,
+    *,
+    dim: int = 1,
+    convention: str = "sum",
+) -> torch.Tensor:
     """The inverse of `shard_sequence`: every rank's shard ``[.., sizes[r], ..]`` gathered into the whole
     sequence ``[.., S, ..]`` in natural position order along `dim`, on every rank; x's dtype.
 
@@ -200,8 +222,13 @@ def gather_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group
     x = check_tensor("gather_sequence", x)
     layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
-        exchange_layer(sequence_call("gather_sequence", x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim,
-                                     convention=convention), (resolved,), x.device)
+        exchange_layer(
+            sequence_call(
+                "gather_sequence", x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim, convention=convention
+            ),
+            (resolved,),
+            x.device,
+        )
     dim = spec.check_sequence("gather_sequence", tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
     whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
     if spec.gather_order(layout) is None:
@@ -209,8 +236,9 @@ def gather_sequence(x: torch.Tensor, layout: SequenceLayout | None = None, group
     return whole.index_select(dim, _table("gather", layout, rank, whole.device))
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgument = None, *,
-                  ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group: GroupArgument = None, *, ignore_index: int = -100
+) -> torch.Tensor:
     """The mean cross entropy over EVERY rank's non-ignored tokens, the same value on every rank of `group`:
     logits ``[*s, V]`` (this rank's tokens), labels ``[*s]`` -> a scalar in ``promote(logits.dtype, float32)``.
 
@@ -235,11 +263,21 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgume
     resolved = resolve_group("cross_entropy", group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         world_size("cross_entropy", resolved)  # (a rank outside the group: the spec's error, not an exchange)
-        exchange_layer(sequence_call("cross_entropy", logits.shape[-1:], None, dtype_name(logits.dtype),
-                                     ignore_index=ignore_index, labels_dtype=dtype_name(labels.dtype)),
-                       (resolved,), logits.device)
-    ignore = spec.check_cross_entropy(tuple(logits.shape), tuple(labels.shape), dtype_name(logits.dtype),
-                                      dtype_name(labels.dtype), ignore_index)
+        exchange_layer(
+            sequence_call(
+                "cross_entropy",
+                logits.shape[-1:],
+                None,
+                dtype_name(logits.dtype),
+                ignore_index=ignore_index,
+                labels_dtype=dtype_name(labels.dtype),
+            ),
+            (resolved,),
+            logits.device,
+        )
+    ignore = spec.check_cross_entropy(
+        tuple(logits.shape), tuple(labels.shape), dtype_name(logits.dtype), dtype_name(labels.dtype), ignore_index
+    )
     accumulate = torch.promote_types(logits.dtype, torch.float32)
     flat = logits.reshape(-1, logits.shape[-1]).to(accumulate)
     local = torch.nn.functional.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=ignore, reduction="sum")
@@ -248,8 +286,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: GroupArgume
     return total[0] / total[1].detach()
 
 
-def sync_gradients(parameters: Iterable[torch.Tensor], group: GroupArgument = None, *,
-                   op: ReduceOpArgument = "sum") -> None:
+def sync_gradients(
+    parameters: Iterable[torch.Tensor], group: GroupArgument = None, *, op: ReduceOpArgument = "sum"
+) -> None:
     """Sum (``op="sum"``) or average (``"avg"``) the gradients of replicated parameters over `group`, in place:
     one all_reduce per dtype and device (the gradients flattened into one buffer each). Parameters without a
     gradient are skipped (every rank must skip the same ones). With `cross_entropy` (each rank's share of the
@@ -286,9 +325,15 @@ def sync_gradients(parameters: Iterable[torch.Tensor], group: GroupArgument = No
 
 
 @contextlib.contextmanager
-def parallel(layout: SequenceLayout, group: GroupArgument = None, *, attention: str = "ulysses",
-             ulysses_group: GroupArgument = None, ring_group: GroupArgument = None,
-             packed: bool = False) -> Iterator[ParallelPlan]:
+def parallel(
+    layout: SequenceLayout,
+    group: GroupArgument = None,
+    *,
+    attention: str = "ulysses",
+    ulysses_group: GroupArgument = None,
+    ring_group: GroupArgument = None,
+    packed: bool = False,
+) -> Iterator[ParallelPlan]:
     """A context in which an integration's attention call (a transformers model built with
     ``attn_implementation="commlib"``) runs commlib's `attention` layer on this rank's shard of `layout`.
 

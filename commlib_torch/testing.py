@@ -20,8 +20,16 @@ from commlib_torch.testing_trace import record
 __all__ = ["load_named_arrays", "named_arrays", "record", "run"]
 
 
-def run(fn: Callable[..., Any], world_size: int, *, inputs: Any = None, seed: int = 0, timeout: float = 120.0,
-        grad: bool = True, pool: WorkerPool | None = None) -> RunResult:
+def run(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    inputs: Any = None,
+    seed: int = 0,
+    timeout: float = 120.0,
+    grad: bool = True,
+    pool: WorkerPool | None = None,
+) -> RunResult:
     """Call ``fn(**inputs)`` (``fn(*inputs)`` for a tuple) on `world_size` gloo ranks; every rank's outputs and
     gradients as numpy.
 
@@ -59,11 +67,12 @@ def run(fn: Callable[..., Any], world_size: int, *, inputs: Any = None, seed: in
     try:
         pickle.dumps(fn)
     except Exception as error:
-        raise TypeError(f"commlib_torch.testing.run: fn must be a module-level function of an importable module "
-                        f"(the ranks import it by name). Received: {fn!r} ({error})") from None
+        raise TypeError(
+            f"commlib_torch.testing.run: fn must be a module-level function of an importable module "
+            f"(the ranks import it by name). Received: {fn!r} ({error})"
+        ) from None
     if pool is not None and pool.world_size != world_size:
-        raise ValueError(f"commlib_torch.testing.run: the pool has {pool.world_size} ranks, world_size is "
-                         f"{world_size}")
+        raise ValueError(f"commlib_torch.testing.run: the pool has {pool.world_size} ranks, world_size is {world_size}")
     try:
         if pool is not None:
             return RunResult(pool.run(_rank, fn, arrays, seed, grad, timeout=timeout))
@@ -86,9 +95,11 @@ def _rank(context: WorkerContext, fn: Callable[..., Any], arrays: dict | tuple, 
 
 def _gradients(tensors: Any, outputs: Any, numpy_outputs: Any, seed: int, rank: int) -> Any:
     flat_outputs, flat_cotangents = flatten(outputs), flatten(cotangents(numpy_outputs, seed, rank))
-    terms = [(output * torch.as_tensor(flat_cotangents[path], dtype=output.dtype)).sum()
-             for path, output in flat_outputs.items()
-             if flat_cotangents[path] is not None and isinstance(output, torch.Tensor) and output.requires_grad]
+    terms = [
+        (output * torch.as_tensor(flat_cotangents[path], dtype=output.dtype)).sum()
+        for path, output in flat_outputs.items()
+        if flat_cotangents[path] is not None and isinstance(output, torch.Tensor) and output.requires_grad
+    ]
     leaves = {path: tensor for path, tensor in flatten(tensors).items() if tensor.requires_grad}
     found: tuple = (None,) * len(leaves)
     if terms and leaves:
@@ -137,9 +148,11 @@ def load_named_arrays(module: torch.nn.Module, arrays: Mapping[str, Any]) -> tor
     parameters = dict(module.named_parameters())
     problems = [f"no array for parameter {name!r}" for name in parameters if name not in arrays]
     problems += [f"no parameter named {name!r}" for name in arrays if name not in parameters]
-    problems += [f"shape differs: {name!r} is {tuple(parameters[name].shape)}, the array is {np.shape(array)}"
-                 for name, array in arrays.items() if name in parameters and
-                 tuple(parameters[name].shape) != np.shape(array)]
+    problems += [
+        f"shape differs: {name!r} is {tuple(parameters[name].shape)}, the array is {np.shape(array)}"
+        for name, array in arrays.items()
+        if name in parameters and tuple(parameters[name].shape) != np.shape(array)
+    ]
     if problems:
         raise ParameterMapError("load_named_arrays: parameters cannot be loaded:\n  " + "\n  ".join(problems))
     with torch.no_grad():

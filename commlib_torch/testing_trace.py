@@ -60,8 +60,7 @@ def record() -> Iterator[Trace]:
 
 
 def _module(recorder: Recorder) -> str:
-    return calling_module(recorder, lambda owner: isinstance(owner, torch.nn.Module),
-                          lambda root: root.named_modules())  # type: ignore[attr-defined]
+    return calling_module(recorder, lambda owner: isinstance(owner, torch.nn.Module), lambda root: root.named_modules())  # type: ignore[attr-defined]
 
 
 def _rank() -> int:
@@ -90,8 +89,9 @@ def recorded_op(plan: Plan, x: torch.Tensor, group: Any, apply: Callable) -> tor
     return out
 
 
-def recorded_layer(op: str, layer: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   **keywords: Any) -> torch.Tensor:
+def recorded_layer(
+    op: str, layer: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **keywords: Any
+) -> torch.Tensor:
     """``layer(q, k, v, **keywords)`` recorded as one call of the attention layer `op` (inputs q, k, v)."""
     recorder = _recording()
     if recorder is None:

@@ -57,17 +57,24 @@ def _grid(axis, cells: np.ndarray, title: str, ranks_per_position: int) -> None:
 def ulysses(path: Path) -> None:
     """Before and after the Ulysses all-to-all, every rank, from the spec's reference."""
     shard = S // W
-    inputs = [np.arange(S * H).reshape(1, S, H, 1)[:, r * shard:(r + 1) * shard] for r in range(W)]
+    inputs = [np.arange(S * H).reshape(1, S, H, 1)[:, r * shard : (r + 1) * shard] for r in range(W)]
     outputs = reference.forward(plans.all_to_all_4d(inputs[0].shape, W, 2, 1), inputs)
     plt = _pyplot()
     figure, axes = plt.subplots(2, W, figsize=(2.3 * W, 7.2), gridspec_kw={"height_ratios": [shard, S]})
     for rank in range(W):
         _grid(axes[0, rank], inputs[rank][0, :, :, 0], f"rank {rank} before: [B, S/W, H, D]", shard)
-        _grid(axes[1, rank], np.asarray(outputs[rank])[0, :, :, 0].astype(int), f"rank {rank} after: [B, S, H/W, D]",
-              shard)
-    figure.suptitle("Ulysses: all_to_all_4d(x, scatter_dim=2, gather_dim=1), W = 4: each rank sends head chunk j "
-                    "to rank j\nand receives every rank's positions of its heads (colour: the rank that held the "
-                    "cell before; (1, 2) is the reverse)", fontsize=9)
+        _grid(
+            axes[1, rank],
+            np.asarray(outputs[rank])[0, :, :, 0].astype(int),
+            f"rank {rank} after: [B, S, H/W, D]",
+            shard,
+        )
+    figure.suptitle(
+        "Ulysses: all_to_all_4d(x, scatter_dim=2, gather_dim=1), W = 4: each rank sends head chunk j "
+        "to rank j\nand receives every rank's positions of its heads (colour: the rank that held the "
+        "cell before; (1, 2) is the reverse)",
+        fontsize=9,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -99,31 +106,45 @@ def layouts(path: Path, seq: int = 16) -> None:
         axis.set(xticks=[], yticks=[])
         mesh = f"ring {ring_size}" if ulysses_size == 1 else f"USP: ring {ring_size} x Ulysses {ulysses_size}"
         work = _causal_work(positions, ring_size, ulysses_size)
-        axis.set_title(f"{layout}, {mesh}: shard r*U+u holds the cells marked r,u; causal (query, key) pairs per "
-                       f"ring block {work}", fontsize=8)
-    figure.suptitle(f"Sequence layouts, S = {seq}: commlib.shard_positions(S, ring_size, layout, ulysses_size)",
-                    fontsize=9)
+        axis.set_title(
+            f"{layout}, {mesh}: shard r*U+u holds the cells marked r,u; causal (query, key) pairs per "
+            f"ring block {work}",
+            fontsize=8,
+        )
+    figure.suptitle(
+        f"Sequence layouts, S = {seq}: commlib.shard_positions(S, ring_size, layout, ulysses_size)", fontsize=9
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
-SEQUENCE_LAYOUTS = (commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4, layout="zigzag"),
-                    commlib.SequenceLayout(16, ring_size=2, ulysses_size=2, layout="zigzag"),
-                    commlib.SequenceLayout(13, ring_size=4, layout="zigzag"),
-                    commlib.SequenceLayout(3, ring_size=4, layout="zigzag"))
+SEQUENCE_LAYOUTS = (
+    commlib.SequenceLayout(16, ring_size=4),
+    commlib.SequenceLayout(16, ring_size=4, layout="zigzag"),
+    commlib.SequenceLayout(16, ring_size=2, ulysses_size=2, layout="zigzag"),
+    commlib.SequenceLayout(13, ring_size=4, layout="zigzag"),
+    commlib.SequenceLayout(3, ring_size=4, layout="zigzag"),
+)
 
 
 def _shard_rows(axis, layout: commlib.SequenceLayout) -> None:
     """Right panel: shard i's rows in order (``positions(i)``), padding rows (JAX) hatched."""
     rows = np.full((layout.world_size, layout.max_size), -1)
     for index in range(layout.world_size):
-        rows[index, :layout.sizes[index]] = layout.positions(index)
+        rows[index, : layout.sizes[index]] = layout.positions(index)
     owner = np.where(rows >= 0, np.arange(layout.world_size)[:, None], -1)
     axis.imshow(np.ma.masked_less(owner, 0), cmap="tab10", vmin=0, vmax=9, aspect="auto")
     for (index, row), position in np.ndenumerate(rows):
-        axis.text(row, index, "pad" if position < 0 else str(position), ha="center", va="center", fontsize=7,
-                  color="grey" if position < 0 else "black")
+        axis.text(
+            row,
+            index,
+            "pad" if position < 0 else str(position),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="grey" if position < 0 else "black",
+        )
     axis.set_xticks(range(layout.max_size), [str(row) for row in range(layout.max_size)], fontsize=6)
     axis.set_yticks(range(layout.world_size), [f"shard {index}" for index in range(layout.world_size)], fontsize=7)
     axis.set_title(f"rows per shard: sizes {layout.sizes}, max_size {layout.max_size}", fontsize=8)
@@ -132,8 +153,9 @@ def _shard_rows(axis, layout: commlib.SequenceLayout) -> None:
 def sequence_layouts(path: Path) -> None:
     """Which shard holds each position (left) and each shard's rows (right), per `SequenceLayout`."""
     plt = _pyplot()
-    figure, axes = plt.subplots(len(SEQUENCE_LAYOUTS), 2, figsize=(12, 1.6 * len(SEQUENCE_LAYOUTS) + 0.6),
-                                gridspec_kw={"width_ratios": [3, 2]})
+    figure, axes = plt.subplots(
+        len(SEQUENCE_LAYOUTS), 2, figsize=(12, 1.6 * len(SEQUENCE_LAYOUTS) + 0.6), gridspec_kw={"width_ratios": [3, 2]}
+    )
     for (left, right), layout in zip(axes, SEQUENCE_LAYOUTS, strict=True):
         owner = np.empty(layout.seq_len, dtype=int)
         for index in range(layout.world_size):
@@ -143,11 +165,17 @@ def sequence_layouts(path: Path) -> None:
             left.text(position, 0, f"{position}\ns{index}", ha="center", va="center", fontsize=7)
         left.set(xticks=[], yticks=[])
         mesh = f"ring {layout.ring_size}" + (f" x Ulysses {layout.ulysses_size}" if layout.ulysses_size > 1 else "")
-        left.set_title(f"SequenceLayout({layout.seq_len}, ring_size={layout.ring_size}, ulysses_size="
-                       f"{layout.ulysses_size}, layout={layout.layout!r}): {mesh}", fontsize=8)
+        left.set_title(
+            f"SequenceLayout({layout.seq_len}, ring_size={layout.ring_size}, ulysses_size="
+            f"{layout.ulysses_size}, layout={layout.layout!r}): {mesh}",
+            fontsize=8,
+        )
         _shard_rows(right, layout)
-    figure.suptitle("Sequence layouts: position p is held by shard s (left, 'p / s'); shard i's rows are "
-                    "layout.positions(i) (right; torch holds sizes[i] rows, JAX pads to max_size)", fontsize=9)
+    figure.suptitle(
+        "Sequence layouts: position p is held by shard s (left, 'p / s'); shard i's rows are "
+        "layout.positions(i) (right; torch holds sizes[i] rows, JAX pads to max_size)",
+        fontsize=9,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

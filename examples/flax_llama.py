@@ -135,8 +135,9 @@ class Decoder(nnx.Module):
         self.norm = nnx.RMSNorm(HIDDEN, dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
         self.head = linear(HIDDEN, VOCAB, rngs)
 
-    def __call__(self, ids: jax.Array, positions: jax.Array, attention=unsharded_attention,
-                 segment_ids=None) -> jax.Array:
+    def __call__(
+        self, ids: jax.Array, positions: jax.Array, attention=unsharded_attention, segment_ids=None
+    ) -> jax.Array:
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x, positions, attention, segment_ids)
@@ -147,8 +148,9 @@ def setup(attention: str, seq_len: int, ulysses_size: int):
     """The layout, the mesh, the axes the sequence is sharded over (device i of the mesh's row-major order holds
     shard i) and the `parallel` context of `attention`."""
     if attention == "usp":
-        layout = commlib.SequenceLayout(seq_len, ring_size=WORLD // ulysses_size, ulysses_size=ulysses_size,
-                                        layout="zigzag")
+        layout = commlib.SequenceLayout(
+            seq_len, ring_size=WORLD // ulysses_size, ulysses_size=ulysses_size, layout="zigzag"
+        )
         mesh = Mesh(np.array(jax.devices()[:WORLD]).reshape(WORLD // ulysses_size, ulysses_size), ("ring", "ulysses"))
         axes = ("ring", "ulysses")  # shard index r * U + u
         return layout, mesh, axes, sequence.parallel(layout, attention="usp", ulysses_axis="ulysses", ring_axis="ring")
@@ -163,6 +165,7 @@ def setup(attention: str, seq_len: int, ulysses_size: int):
 def sharded_step(graphdef, optimizer, layout, mesh, axes):
     """The jitted sharded step: ``(params, opt_state, input_ids) -> (params, opt_state, loss, grads, logits)``;
     logits ``[B, W * max_size, V]``, every device's padded shard in shard order."""
+
     def loss(params, input_ids, segments):
         if segments is None:
             ids, positions, labels = sequence.shard_tokens(input_ids, layout, axes)
@@ -186,10 +189,12 @@ def sharded_step(graphdef, optimizer, layout, mesh, axes):
 
 def unsharded_step(graphdef, optimizer):
     """The jitted reference step on the whole sequence (`unsharded_attention`)."""
+
     def loss(params, input_ids, segments):
         if segments is None:
-            logits = nnx.merge(graphdef, params)(input_ids, jnp.broadcast_to(jnp.arange(input_ids.shape[1]),
-                                                                             input_ids.shape))
+            logits = nnx.merge(graphdef, params)(
+                input_ids, jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+            )
             token_losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], input_ids[:, 1:])
             return token_losses.mean(), logits
         positions, labels, documents = segments  # packed: document positions, labels ignored at documents' ends
@@ -243,8 +248,11 @@ def main() -> int:
     if args.packed:  # the same documents for both: segment ids, and the unsharded positions and labels
         segments = packed_documents(args.batch, args.seq_len, seed=2)
         sharded_documents = jnp.asarray(segments)
-        unsharded_documents = (jnp.asarray(document_positions(segments)),
-                               jnp.asarray(document_labels(np.asarray(input_ids), segments, -1)), sharded_documents)
+        unsharded_documents = (
+            jnp.asarray(document_positions(segments)),
+            jnp.asarray(document_labels(np.asarray(input_ids), segments, -1)),
+            sharded_documents,
+        )
     states = {"sharded": (params, optimizer.init(params)), "unsharded": (params, optimizer.init(params))}
     reference = unsharded_step(graphdef, optimizer)
     errors = {"loss": 0.0, "logits": 0.0, "gradients": 0.0}
@@ -252,20 +260,22 @@ def main() -> int:
         step = sharded_step(graphdef, optimizer, layout, mesh, axes)
         for number in range(1, args.steps + 1):
             *states["sharded"], loss, grads, logits = step(*states["sharded"], input_ids, sharded_documents)
-            *states["unsharded"], want, want_grads, want_logits = reference(*states["unsharded"], input_ids,
-                                                                            unsharded_documents)
+            *states["unsharded"], want, want_grads, want_logits = reference(
+                *states["unsharded"], input_ids, unsharded_documents
+            )
             errors["loss"] = max(errors["loss"], relative(loss, want))
             if number == 1:
                 shards = np.split(np.asarray(logits), layout.world_size, axis=1)
                 errors["logits"] = relative(layout.unshard(shards, dim=1, padded=True), want_logits)
                 errors["gradients"] = max(jax.tree.leaves(jax.tree.map(relative, grads, want_grads)))
             print(f"step {number:3d}  loss {float(loss):.12f}  unsharded {float(want):.12f}", flush=True)
-    passed = (errors["loss"] <= LOSS_TOLERANCE and errors["logits"] <= TOLERANCE
-              and errors["gradients"] <= TOLERANCE)
+    passed = errors["loss"] <= LOSS_TOLERANCE and errors["logits"] <= TOLERANCE and errors["gradients"] <= TOLERANCE
     shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
-    print(f"{'PASS' if passed else 'FAIL'}: {args.attention} W={layout.world_size} S={args.seq_len} "
-          f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} adamw steps; relative errors {shown}",
-          flush=True)
+    print(
+        f"{'PASS' if passed else 'FAIL'}: {args.attention} W={layout.world_size} S={args.seq_len} "
+        f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} adamw steps; relative errors {shown}",
+        flush=True,
+    )
     return 0 if passed else 1
 
 

@@ -43,20 +43,22 @@ HERE = Path(__file__).resolve().parent
 
 
 # The port's weight mapping: transformers' names <-> the Flax decoder's paths (Linear [out, in] is Dense [in, out]).
-LLAMA_TO_FLAX = ParameterMap([
-    ("model.embed_tokens.weight", "embed.embedding"),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.scale"),
-    ("model.layers.{layer}.self_attn.q_proj.weight", "layers.{layer}.attention.query.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.k_proj.weight", "layers.{layer}.attention.key.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attention.value.kernel", LINEAR),
-    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.output.kernel", LINEAR),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.scale"),
-    ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.gate.kernel", LINEAR),
-    ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.up.kernel", LINEAR),
-    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.down.kernel", LINEAR),
-    ("model.norm.weight", "norm.scale"),
-    ("lm_head.weight", "head.kernel", LINEAR),
-])
+LLAMA_TO_FLAX = ParameterMap(
+    [
+        ("model.embed_tokens.weight", "embed.embedding"),
+        ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.scale"),
+        ("model.layers.{layer}.self_attn.q_proj.weight", "layers.{layer}.attention.query.kernel", LINEAR),
+        ("model.layers.{layer}.self_attn.k_proj.weight", "layers.{layer}.attention.key.kernel", LINEAR),
+        ("model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attention.value.kernel", LINEAR),
+        ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.output.kernel", LINEAR),
+        ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.mlp_norm.scale"),
+        ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.gate.kernel", LINEAR),
+        ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.up.kernel", LINEAR),
+        ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.down.kernel", LINEAR),
+        ("model.norm.weight", "norm.scale"),
+        ("lm_head.weight", "head.kernel", LINEAR),
+    ]
+)
 
 
 def tokens(batch: int, seq_len: int) -> np.ndarray:
@@ -90,7 +92,8 @@ def torch_side(out: Path, batch: int, seq_len: int) -> None:
         def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
             dim = self.config.hidden_size // self.config.num_attention_heads
             inverse = 1.0 / self.config.rope_parameters["rope_theta"] ** (
-                torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+                torch.arange(0, dim, 2, dtype=torch.float64) / dim
+            )
             angles = position_ids[..., None].to(torch.float64) * inverse
             angles = torch.cat((angles, angles), dim=-1)
             return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -98,8 +101,15 @@ def torch_side(out: Path, batch: int, seq_len: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     register()
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=VOCAB, attention_dropout=0.0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM._from_config(config, attn_implementation="commlib", dtype=torch.float64)
     for module in model.modules():
@@ -178,10 +188,17 @@ def _jax_run(out: Path, graphdef, params, layout, input_ids: np.ndarray, bug: st
         logits, labels = forward(params, input_ids)
         return sequence.cross_entropy(logits, labels, "sp"), logits
 
-    logits_of = jax.jit(jax.shard_map(lambda p, i: forward(p, i)[0], mesh=mesh, in_specs=(P(), P()),
-                                      out_specs=P(None, "sp")))
-    step = jax.jit(jax.shard_map(value_and_grad(loss, "sp", has_aux=True), mesh=mesh, in_specs=(P(), P()),
-                                 out_specs=((P(), P(None, "sp")), P())))
+    logits_of = jax.jit(
+        jax.shard_map(lambda p, i: forward(p, i)[0], mesh=mesh, in_specs=(P(), P()), out_specs=P(None, "sp"))
+    )
+    step = jax.jit(
+        jax.shard_map(
+            value_and_grad(loss, "sp", has_aux=True),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=((P(), P(None, "sp")), P()),
+        )
+    )
     input_ids = jnp.asarray(input_ids)
     with sequence.parallel(layout, "sp", attention="ulysses"):
         with record() as trace:
@@ -213,12 +230,16 @@ def compare(out: Path, bug: str) -> int:
     agree = max(errors.values()) <= TOLERANCE and divergence is None
     shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
     worst = max(gradients, key=gradients.__getitem__)
-    print(f"port with bug {bug}: relative errors (jax vs torch, float64): {shown} (worst gradient: {worst}); "
-          f"{len(gradients)} parameters; traces: {len(trace_torch)} torch calls, {len(trace_jax)} jax calls")
+    print(
+        f"port with bug {bug}: relative errors (jax vs torch, float64): {shown} (worst gradient: {worst}); "
+        f"{len(gradients)} parameters; traces: {len(trace_torch)} torch calls, {len(trace_jax)} jax calls"
+    )
     if divergence is not None:
         print(divergence.report())
-    print(f"{'PASS' if agree else 'FAIL'}: transformers Llama vs Flax port, Ulysses W={WORLD}, float64, "
-          f"tolerance {TOLERANCE:.0e}")
+    print(
+        f"{'PASS' if agree else 'FAIL'}: transformers Llama vs Flax port, Ulysses W={WORLD}, float64, "
+        f"tolerance {TOLERANCE:.0e}"
+    )
     return 0 if agree else 1
 
 
@@ -230,8 +251,12 @@ def _run(command: list[str], environment: dict[str, str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bug", choices=("none", "local-positions"), action="append",
-                        help="plant a porting bug in the JAX side (repeat: one JAX run per bug; default none)")
+    parser.add_argument(
+        "--bug",
+        choices=("none", "local-positions"),
+        action="append",
+        help="plant a porting bug in the JAX side (repeat: one JAX run per bug; default none)",
+    )
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--side", choices=("torch", "jax"), default=None, help=argparse.SUPPRESS)
@@ -248,8 +273,19 @@ def main() -> int:
     sizes = ["--batch", str(args.batch), "--seq-len", str(args.seq_len)]
     with tempfile.TemporaryDirectory(prefix="port_check_") as directory:
         me = [str(Path(__file__).resolve()), *sizes, "--out", directory]
-        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *me,
-              "--side", "torch"], environment)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={WORLD}",
+                *me,
+                "--side",
+                "torch",
+            ],
+            environment,
+        )
         _run([sys.executable, *me, "--side", "jax", *(word for bug in bugs for word in ("--bug", bug))], environment)
         return max(compare(Path(directory), bug) for bug in bugs)
 

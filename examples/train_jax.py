@@ -42,8 +42,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--coordinator", default="127.0.0.1:29600", help="host:port of process 0")
     parser.add_argument("--local-devices", type=int, help="CPU devices per process (default: 4 / processes)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: simulated CPU devices (gloo between processes); cuda: the GPUs (NCCL)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: simulated CPU devices (gloo between processes); cuda: the GPUs (NCCL)",
+    )
     return parser
 
 
@@ -63,8 +67,10 @@ def start(args: argparse.Namespace) -> None:
         try:
             jax.devices()
         except Exception as error:  # jax raises RuntimeError or AssertionError when no backend starts
-            raise SystemExit(f"--device cuda needs a CUDA jaxlib (pip install 'jax[cuda13]') and a GPU; JAX found "
-                             f"none ({type(error).__name__}: {error})") from None
+            raise SystemExit(
+                f"--device cuda needs a CUDA jaxlib (pip install 'jax[cuda13]') and a GPU; JAX found "
+                f"none ({type(error).__name__}: {error})"
+            ) from None
 
 
 def relative(array, want: np.ndarray) -> float:
@@ -101,8 +107,9 @@ def main() -> int:
         loss, grads = grad_step(params, x, target)
         return loss, jax.tree.map(lambda p, g: p - config.lr * g, params, grads)
 
-    sharded_step = jax.jit(jax.shard_map(rank_step, mesh=mesh, in_specs=(specs, sequence, sequence),
-                                         out_specs=(P(), specs)))
+    sharded_step = jax.jit(
+        jax.shard_map(rank_step, mesh=mesh, in_specs=(specs, sequence, sequence), out_specs=(P(), specs))
+    )
 
     @jax.jit
     def unsharded_step(params, x, target):  # the same model, unsharded, on this process's first device
@@ -111,7 +118,8 @@ def main() -> int:
 
     params, x, target = train_block.init(config, seed=0)  # numpy, the same on every process
     place = lambda value, spec: jax.make_array_from_callback(  # noqa: E731
-        value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+        value.shape, NamedSharding(mesh, spec), lambda index: value[index]
+    )
     sharded = {name: place(value, specs[name]) for name, value in params.items()}
     x_sharded, target_sharded = place(x, sequence), place(target, sequence)
     unsharded = params
@@ -125,13 +133,19 @@ def main() -> int:
         param_error = max(relative(sharded[name], np.asarray(value)) for name, value in unsharded.items())
         worst = max(worst, loss_error, param_error)
         if first:
-            print(f"step {step:2d}  loss {loss:.12f}  unsharded {expected:.12f}  "
-                  f"relative difference: loss {loss_error:.1e}, parameters {param_error:.1e}", flush=True)
+            print(
+                f"step {step:2d}  loss {loss:.12f}  unsharded {expected:.12f}  "
+                f"relative difference: loss {loss_error:.1e}, parameters {param_error:.1e}",
+                flush=True,
+            )
 
     passed = worst <= TOLERANCE
-    print(f"{'PASS' if passed else 'FAIL'}: process {jax.process_index()} of {jax.process_count()}, sp={sp} tp={tp}, "
-          f"{config.steps} steps, largest relative difference {worst:.1e} (limit {TOLERANCE:.0e}) over "
-          f"{world_size} devices", flush=True)
+    print(
+        f"{'PASS' if passed else 'FAIL'}: process {jax.process_index()} of {jax.process_count()}, sp={sp} tp={tp}, "
+        f"{config.steps} steps, largest relative difference {worst:.1e} (limit {TOLERANCE:.0e}) over "
+        f"{world_size} devices",
+        flush=True,
+    )
     return 0 if passed else 1
 
 

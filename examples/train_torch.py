@@ -70,8 +70,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", type=int, help="sequence-parallel size (default: world size / tp)")
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 if the world size is even, else 1)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo process groups; cuda: NCCL, one GPU per process (default: cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo process groups; cuda: NCCL, one GPU per process (default: cpu)",
+    )
     args = parser.parse_args()
     world_size = int(os.environ["WORLD_SIZE"])
     try:
@@ -88,8 +92,10 @@ def main() -> int:
 
     config = train_block.BlockConfig.for_world_size(world_size)
     params, x, target = train_block.init(config, seed=0)  # numpy, the same on every rank
-    mine = {name: torch.tensor(train_block.shard_parameter(name, value, tp, t), device=device, requires_grad=True)
-            for name, value in params.items()}
+    mine = {
+        name: torch.tensor(train_block.shard_parameter(name, value, tp, t), device=device, requires_grad=True)
+        for name, value in params.items()
+    }
     x_mine, target_mine = (torch.tensor(train_block.sequence_block(a, sp, s), device=device) for a in (x, target))
     unsharded = {name: torch.tensor(value, device=device, requires_grad=True) for name, value in params.items()}
     x, target = torch.tensor(x, device=device), torch.tensor(target, device=device)
@@ -110,20 +116,27 @@ def main() -> int:
         expected = expected.detach()
 
         loss_error = abs(float(total) - float(expected)) / abs(float(expected))
-        param_error = max(relative(mine[name].detach(), my_block(name, unsharded[name].detach(), tp, t))
-                          for name in mine)
+        param_error = max(
+            relative(mine[name].detach(), my_block(name, unsharded[name].detach(), tp, t)) for name in mine
+        )
         worst = max(worst, loss_error, param_error)
         if dist.get_rank() == 0:
-            print(f"step {step:2d}  loss {float(total):.12f}  unsharded {float(expected):.12f}  "
-                  f"relative difference: loss {loss_error:.1e}, parameters {param_error:.1e}", flush=True)
+            print(
+                f"step {step:2d}  loss {float(total):.12f}  unsharded {float(expected):.12f}  "
+                f"relative difference: loss {loss_error:.1e}, parameters {param_error:.1e}",
+                flush=True,
+            )
 
     everyone = torch.tensor(worst, device=device)
     dist.all_reduce(everyone, op=dist.ReduceOp.MAX)  # the worst over every rank
     passed = float(everyone) <= TOLERANCE
     if dist.get_rank() == 0:
         verdict = "PASS" if passed else "FAIL"
-        print(f"{verdict}: sp={sp} tp={tp}, {config.steps} steps, largest relative difference {float(everyone):.1e} "
-              f"(limit {TOLERANCE:.0e}) over {world_size} ranks", flush=True)
+        print(
+            f"{verdict}: sp={sp} tp={tp}, {config.steps} steps, largest relative difference {float(everyone):.1e} "
+            f"(limit {TOLERANCE:.0e}) over {world_size} ranks",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0 if passed else 1
 

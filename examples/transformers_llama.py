@@ -63,17 +63,24 @@ def context(attention: str, seq_len: int, ulysses_size: int, packed: bool = Fals
     if attention == "ring":
         layout = commlib.SequenceLayout(seq_len, ring_size=world, layout="zigzag")
         return layout, parallel(layout, attention="ring", packed=packed)
-    layout = commlib.SequenceLayout(seq_len, ring_size=world // ulysses_size, ulysses_size=ulysses_size,
-                                    layout="zigzag")
+    layout = commlib.SequenceLayout(
+        seq_len, ring_size=world // ulysses_size, ulysses_size=ulysses_size, layout="zigzag"
+    )
     ulysses_group, ring_group = usp_groups(ulysses_size)
-    return layout, parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group,
-                            packed=packed)
+    return layout, parallel(layout, attention="usp", ulysses_group=ulysses_group, ring_group=ring_group, packed=packed)
 
 
 def models(seed: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """The same seeded random float64 Llama twice: with commlib's attention, and with SDPA (the reference)."""
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=256, attention_dropout=0.0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(seed)
     reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
     sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
@@ -90,8 +97,12 @@ def packed_documents(batch: int, seq_len: int, seed: int) -> torch.Tensor:
         padding = int(torch.randint(1, max(2, seq_len // 8 + 1), (1,), generator=generator))
         lengths: list[int] = []
         while sum(lengths) < seq_len - padding:
-            lengths.append(min(int(torch.randint(1, max(2, seq_len // 3 + 1), (1,), generator=generator)),
-                               seq_len - padding - sum(lengths)))
+            lengths.append(
+                min(
+                    int(torch.randint(1, max(2, seq_len // 3 + 1), (1,), generator=generator)),
+                    seq_len - padding - sum(lengths),
+                )
+            )
         rows.append(torch.as_tensor(commlib.segment_ids(lengths, seq_len), dtype=torch.int64))
     return torch.stack(rows)
 
@@ -137,8 +148,9 @@ def main() -> int:
         ids, position_ids, labels, mine = shard_tokens(input_ids, layout, segment_ids=segments)
         extra = dict(attention_mask=(mine >= 0).long())  # padding; the documents come from position_ids
         whole_labels = torch.as_tensor(document_labels(input_ids, segments))
-        whole |= dict(position_ids=torch.as_tensor(document_positions(segments)),
-                      attention_mask=document_mask(segments))
+        whole |= dict(
+            position_ids=torch.as_tensor(document_positions(segments)), attention_mask=document_mask(segments)
+        )
         kept = (segments >= 0)[:, layout.positions(rank)]  # the tokens whose logits are compared
     else:
         ids, position_ids, labels = shard_tokens(input_ids, layout)
@@ -156,22 +168,29 @@ def main() -> int:
             want.backward()
             errors["loss"] = max(errors["loss"], relative(loss.detach(), want.detach()))
             if step == 1:
-                errors["logits"] = worst(relative(logits.detach()[kept],
-                                                  want_logits.detach()[:, layout.positions(rank)][kept]))
-                errors["gradients"] = worst(max(relative(p.grad, q.grad) for p, q in
-                                                zip(sharded.parameters(), reference.parameters(), strict=True)))
+                errors["logits"] = worst(
+                    relative(logits.detach()[kept], want_logits.detach()[:, layout.positions(rank)][kept])
+                )
+                errors["gradients"] = worst(
+                    max(
+                        relative(p.grad, q.grad)
+                        for p, q in zip(sharded.parameters(), reference.parameters(), strict=True)
+                    )
+                )
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
             if rank == 0:
                 print(f"step {step:3d}  loss {loss.item():.12f}  unsharded {want.item():.12f}", flush=True)
-    passed = (errors["loss"] <= LOSS_TOLERANCE and errors["logits"] <= TOLERANCE
-              and errors["gradients"] <= TOLERANCE)
+    passed = errors["loss"] <= LOSS_TOLERANCE and errors["logits"] <= TOLERANCE and errors["gradients"] <= TOLERANCE
     if rank == 0:
         shown = ", ".join(f"{name} {value:.1e}" for name, value in errors.items())
-        print(f"{'PASS' if passed else 'FAIL'}: {args.attention} W={dist.get_world_size()} S={args.seq_len} "
-              f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} AdamW steps; relative errors "
-              f"{shown}", flush=True)
+        print(
+            f"{'PASS' if passed else 'FAIL'}: {args.attention} W={dist.get_world_size()} S={args.seq_len} "
+            f"sizes={layout.sizes}{' packed' if args.packed else ''}, {args.steps} AdamW steps; relative errors "
+            f"{shown}",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0 if passed else 1
 

@@ -18,21 +18,28 @@ LENGTHS = (37, 5, 3)
 
 def ring_settings(world_size: int) -> list[tuple[SequenceLayout, bool]]:
     """(layout, causal) of the ring over `world_size` ranks: both layouts at every length, causal and not."""
-    return [(SequenceLayout(seq_len, ring_size=world_size, layout=layout), causal)
-            for seq_len, layout, causal in itertools.product(LENGTHS, ("contiguous", "zigzag"), (False, True))]
+    return [
+        (SequenceLayout(seq_len, ring_size=world_size, layout=layout), causal)
+        for seq_len, layout, causal in itertools.product(LENGTHS, ("contiguous", "zigzag"), (False, True))
+    ]
 
 
 def usp_settings() -> list[tuple[SequenceLayout, bool]]:
     """(layout, causal) of USP on 2 x 2 (ring 2, Ulysses 2) at S = 37 and 5."""
-    return [(SequenceLayout(seq_len, ring_size=2, ulysses_size=2, layout=layout), causal)
-            for seq_len, layout, causal in itertools.product((37, 5), ("contiguous", "zigzag"), (False, True))]
+    return [
+        (SequenceLayout(seq_len, ring_size=2, ulysses_size=2, layout=layout), causal)
+        for seq_len, layout, causal in itertools.product((37, 5), ("contiguous", "zigzag"), (False, True))
+    ]
 
 
 def ulysses_settings() -> list[tuple[SequenceLayout, bool]]:
     """(layout, causal) of Ulysses' ``layout=`` over 4 ranks: ``ulysses_size=4`` at S = 37 and 5, and a contiguous
     ring layout (the same rank order) at S = 3 (an empty shard)."""
-    layouts = [SequenceLayout(37, ulysses_size=4), SequenceLayout(5, ulysses_size=4, layout="zigzag"),
-               SequenceLayout(3, ring_size=4)]
+    layouts = [
+        SequenceLayout(37, ulysses_size=4),
+        SequenceLayout(5, ulysses_size=4, layout="zigzag"),
+        SequenceLayout(3, ring_size=4),
+    ]
     return [(layout, causal) for layout in layouts for causal in (False, True)]
 
 
@@ -51,5 +58,8 @@ def expected(layout: SequenceLayout, whole: dict, causal: bool) -> tuple:
 
 def worst_error(got, want) -> float:
     """Largest absolute difference over every array of every shard (``got[i][shard]`` against ``want[i][shard]``)."""
-    return max(float(np.max(np.abs(np.asarray(g) - w), initial=0.0))
-               for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True))
+    return max(
+        float(np.max(np.abs(np.asarray(g) - w), initial=0.0))
+        for gs, ws in zip(got, want, strict=True)
+        for g, w in zip(gs, ws, strict=True)
+    )

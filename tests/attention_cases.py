@@ -12,8 +12,16 @@ from commlib import SequenceLayout, segment_ids
 from commlib import attention as A
 from commlib.tools.cases import Case, attention_case
 
-__all__ = ["extra_cases", "headless_cases", "handed_case", "chunk_cases", "with_chunks", "kv_exact", "chunked_segments",
-           "BAD_CHUNKS"]
+__all__ = [
+    "extra_cases",
+    "headless_cases",
+    "handed_case",
+    "chunk_cases",
+    "with_chunks",
+    "kv_exact",
+    "chunked_segments",
+    "BAD_CHUNKS",
+]
 
 
 def handed_case(causal: bool = False) -> Case:
@@ -42,16 +50,45 @@ def headless_cases(world_size: int) -> list[Case]:
     heads (H = 3, W = 2, chunks = 2: rank 1's second group is empty). Every rank still takes part in every
     exchange, forward and backward (a headless rank's q and k rows go to the ranks that attend with them)."""
     W = world_size
-    rows = [attention_case(W, (1, 2 * W + 1, W - 1, 2), "headless-value-dim", kv_heads=1, value_dim=3,
-                           seq_sizes="split", causal=True)] if W > 1 else []
+    rows = (
+        [
+            attention_case(
+                W,
+                (1, 2 * W + 1, W - 1, 2),
+                "headless-value-dim",
+                kv_heads=1,
+                value_dim=3,
+                seq_sizes="split",
+                causal=True,
+            )
+        ]
+        if W > 1
+        else []
+    )
     if W == 2:
-        rows += [with_chunks(attention_case(W, (1, 5, 3, 2), "headless-group-value-dim", kv_heads=1, value_dim=3,
-                                            seq_sizes="split", causal=True), chunks) for chunks in (1, 2)]
-        rows += [with_chunks(attention_case(W, (2, 4, 3, 4), "headless-group-float32", kv_heads=3, value_dim=2,
-                                            dtype="float32"), 2)]
+        rows += [
+            with_chunks(
+                attention_case(
+                    W, (1, 5, 3, 2), "headless-group-value-dim", kv_heads=1, value_dim=3, seq_sizes="split", causal=True
+                ),
+                chunks,
+            )
+            for chunks in (1, 2)
+        ]
+        rows += [
+            with_chunks(
+                attention_case(W, (2, 4, 3, 4), "headless-group-float32", kv_heads=3, value_dim=2, dtype="float32"), 2
+            )
+        ]
     if W == 3:  # GQA, split_sizes(4, 3) = (2, 1, 1): ranks 1 and 2 have no heads in group 1
-        rows += [with_chunks(attention_case(W, (1, 7, 4, 2), "headless-group-gqa-value-dim", kv_heads=2,
-                                            value_dim=3, seq_sizes="split"), 2)]
+        rows += [
+            with_chunks(
+                attention_case(
+                    W, (1, 7, 4, 2), "headless-group-gqa-value-dim", kv_heads=2, value_dim=3, seq_sizes="split"
+                ),
+                2,
+            )
+        ]
     return rows
 
 
@@ -64,12 +101,20 @@ def chunk_cases(world_size: int) -> list[tuple[Case, tuple[int, ...]]]:
     W = world_size
     most = -(-8 // W)  # ceil(8 / W): the most q heads a rank attends with at H = 8
     return [
-        (attention_case(W, (1, 2 * W + 3, 2 * W + 1, 3), "chunks-mha", kv_heads=2 * W + 1, seq_sizes="split",
-                        causal=True), (2, 3)),
-        (attention_case(W, (2, 2 * W, 4 * W, 4), "chunks-gqa-aligned", kv_heads=2 * W, dtype="float32",
-                        causal=True), (2,)),
-        (attention_case(W, (1, 3 * W + 1, 8, 2), "chunks-gqa", kv_heads=2, seq_sizes="split"),
-         tuple(sorted({2, most}))),
+        (
+            attention_case(
+                W, (1, 2 * W + 3, 2 * W + 1, 3), "chunks-mha", kv_heads=2 * W + 1, seq_sizes="split", causal=True
+            ),
+            (2, 3),
+        ),
+        (
+            attention_case(W, (2, 2 * W, 4 * W, 4), "chunks-gqa-aligned", kv_heads=2 * W, dtype="float32", causal=True),
+            (2,),
+        ),
+        (
+            attention_case(W, (1, 3 * W + 1, 8, 2), "chunks-gqa", kv_heads=2, seq_sizes="split"),
+            tuple(sorted({2, most})),
+        ),
         (attention_case(W, (1, 2 * W + 1, 2 * W, 3), "chunks-mqa", kv_heads=1, seq_sizes="split", causal=True), (2,)),
         (attention_case(W, (1, 2 * W, 2 * W, 3), "chunks-value-dim", kv_heads=W, value_dim=5, causal=True), (2,)),
     ]
@@ -100,9 +145,15 @@ def chunked_segments(world_size: int) -> tuple[SequenceLayout, list[np.ndarray],
     seq = 6 * world_size + 1
     layout = SequenceLayout(seq, ulysses_size=world_size)
     rng = np.random.default_rng(seq)
-    whole = [rng.standard_normal(shape) for shape in ((2, seq, 2 * world_size + 2, 4),
-                                                      (2, seq, world_size + 1, 4), (2, seq, world_size + 1, 4),
-                                                      (2, seq, 2 * world_size + 2, 4))]
+    whole = [
+        rng.standard_normal(shape)
+        for shape in (
+            (2, seq, 2 * world_size + 2, 4),
+            (2, seq, world_size + 1, 4),
+            (2, seq, world_size + 1, 4),
+            (2, seq, 2 * world_size + 2, 4),
+        )
+    ]
     ids = np.stack([segment_ids([3, seq - 5], seq), segment_ids([seq - 2], seq)])  # row 1: two padding rows
     return layout, whole, ids, 2
 
@@ -113,6 +164,10 @@ BAD_CHUNKS = [
     ("2", "TypeError", "ulysses_attention: chunks must be an int, not str"),
     (2.0, "TypeError", "ulysses_attention: chunks must be an int, not float"),
     (0, "CommError", "ulysses_attention: chunks (0) must be >= 1"),
-    (3, "CommError", "ulysses_attention: chunks (3) must be <= the most q heads a rank attends with (2: "
-                     "split_sizes(heads=6, world_size=4) = (2, 2, 1, 1))"),
+    (
+        3,
+        "CommError",
+        "ulysses_attention: chunks (3) must be <= the most q heads a rank attends with (2: "
+        "split_sizes(heads=6, world_size=4) = (2, 2, 1, 1))",
+    ),
 ]

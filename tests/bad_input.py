@@ -47,8 +47,9 @@ class Row:
 
     @property
     def name(self) -> str:
-        extras = [value for value, default in ((self.layout, "contiguous"), (self.grad_mode, "grad"))
-                  if value != default]
+        extras = [
+            value for value, default in ((self.layout, "contiguous"), (self.grad_mode, "grad")) if value != default
+        ]
         return self.case.name + "".join(f"<{extra}>" for extra in extras)
 
     @property
@@ -57,8 +58,18 @@ class Row:
         return self.grad_mode != "grad" or not self.case.differentiable
 
 
-def _row(op: str, world_size: int, shape, /, *, error: str | None = None, layout: str = "contiguous",
-         grad_mode: str = "grad", dtype: str = "float32", **kwargs) -> Row:
+def _row(
+    op: str,
+    world_size: int,
+    shape,
+    /,
+    *,
+    error: str | None = None,
+    layout: str = "contiguous",
+    grad_mode: str = "grad",
+    dtype: str = "float32",
+    **kwargs,
+) -> Row:
     arguments = ",".join(f"{key}={value}" for key, value in kwargs.items())
     shape = tuple(shape)
     name = f"{op}[W={world_size},{'x'.join(map(str, shape)) or '()'},{dtype}{',' + arguments if arguments else ''}]"
@@ -70,52 +81,126 @@ def _errors(W: int) -> list[Row]:
     """Calls every side must reject with the spec's text (W >= 2)."""
     odd = 2 * W + 1
     return [
-        _row("reduce_scatter", W, (odd, 3), error=f"CommError: reduce_scatter: size of dim 0 ({odd}) must be "
-             f"divisible by world_size ({W})"),
+        _row(
+            "reduce_scatter",
+            W,
+            (odd, 3),
+            error=f"CommError: reduce_scatter: size of dim 0 ({odd}) must be divisible by world_size ({W})",
+        ),
         _row("scatter", W, (2, odd), dim=-1, error=f"CommError: scatter: size of dim 1 ({odd}) must be divisible"),
-        _row("all_to_all", W, (odd, 3), scatter_dim=0, gather_dim=1,
-             error=f"CommError: all_to_all: size of scatter_dim 0 ({odd}) must be divisible by world_size ({W})"),
+        _row(
+            "all_to_all",
+            W,
+            (odd, 3),
+            scatter_dim=0,
+            gather_dim=1,
+            error=f"CommError: all_to_all: size of scatter_dim 0 ({odd}) must be divisible by world_size ({W})",
+        ),
         _row("all_to_all_4d", W, (2, 4, odd, 2), error=f"CommError: all_to_all_4d: heads ({odd}) must be divisible"),
         _row("all_to_all_4d", W, (2, 4 * W, 3), error="CommError: all_to_all_4d: ndim (3) must be 4"),
         _row("all_to_all_4d", W, (1, 2, W, 2, 1), error="CommError: all_to_all_4d: ndim (5) must be 4"),
-        _row("all_to_all_4d", W, (2, 4, 2 * W, 2), scatter_dim=0, gather_dim=3,
-             error="CommError: all_to_all_4d: (scatter_dim, gather_dim) (0, 3) must be (2, 1) or (1, 2)"),
-        _row("shard", W, (3, odd), error=f"CommError: shard: size of dim 1 ({odd}) must be divisible by world_size "
-             f"({W})"),
+        _row(
+            "all_to_all_4d",
+            W,
+            (2, 4, 2 * W, 2),
+            scatter_dim=0,
+            gather_dim=3,
+            error="CommError: all_to_all_4d: (scatter_dim, gather_dim) (0, 3) must be (2, 1) or (1, 2)",
+        ),
+        _row(
+            "shard", W, (3, odd), error=f"CommError: shard: size of dim 1 ({odd}) must be divisible by world_size ({W})"
+        ),
         _row("shard", W, (2 * W,), dim=1, error="CommError: shard: dim (1) must be in [-1, 1) for ndim 1"),
         _row("shard", W, (2 * W,), scale_grad=1, error="TypeError: shard: scale_grad must be a bool, not int"),
         _row("reduce", W, (3,), op="max", error="CommError: reduce: op ('max') must be one of sum, avg"),
         _row("reduce", W, (3,), dst=W, error=f"CommError: reduce: dst ({W}) must be in [0, {W})"),
-        _row("reduce", W, (3,), op="avg", dtype="int32",
-             error="CommError: reduce: op ('avg') needs a floating or complex dtype, not int32"),
+        _row(
+            "reduce",
+            W,
+            (3,),
+            op="avg",
+            dtype="int32",
+            error="CommError: reduce: op ('avg') needs a floating or complex dtype, not int32",
+        ),
         _row("all_gather", W, (3, 4), dim=2, error="CommError: all_gather: dim (2) must be in [-2, 2) for ndim 2"),
         _row("reduce_scatter", W, (2 * W, 3), dim=-3, error="CommError: reduce_scatter: dim (-3) must be in [-2, 2)"),
         _row("gather", W, (3,), dim=1, error="CommError: gather: dim (1) must be in [-1, 1) for ndim 1"),
         _row("scatter", W, (2 * W, 3), dim=2, error="CommError: scatter: dim (2) must be in [-2, 2)"),
-        _row("all_to_all", W, (2 * W, 3), scatter_dim=0, gather_dim=5,
-             error="CommError: all_to_all: gather_dim (5) must be in [-2, 2)"),
+        _row(
+            "all_to_all",
+            W,
+            (2 * W, 3),
+            scatter_dim=0,
+            gather_dim=5,
+            error="CommError: all_to_all: gather_dim (5) must be in [-2, 2)",
+        ),
         _row("all_to_all_4d", W, (2, 4, 2 * W, 2), scatter_dim=4, error="CommError: all_to_all_4d: scatter_dim (4)"),
         _row("all_gather", W, (), error="CommError: all_gather: dim (-1) must be in [0, 0) for ndim 0"),
         _row("all_reduce", W, (3,), op="band", error="CommError: all_reduce: op ('band') must be one of sum, avg"),
         _row("all_reduce", W, (3,), op="mean", error="CommError: all_reduce: op ('mean') must be one of"),
-        _row("reduce_scatter", W, (2 * W,), op="max", error="CommError: reduce_scatter: op ('max') must be one of "
-             "sum, avg"),
-        _row("all_reduce", W, (3,), op="avg", dtype="int32",
-             error="CommError: all_reduce: op ('avg') needs a floating or complex dtype, not int32"),
-        _row("reduce_scatter", W, (2 * W,), op="avg", dtype="int32",
-             error="CommError: reduce_scatter: op ('avg') needs a floating or complex dtype, not int32"),
-        _row("all_reduce", W, (3,), accum_dtype="int32",
-             error="CommError: all_reduce: accum_dtype (int32) and the input dtype (float32) must be floating"),
-        _row("all_reduce", W, (3,), dtype="int32", accum_dtype="float32",
-             error="CommError: all_reduce: accum_dtype (float32) and the input dtype (int32) must be floating"),
-        _row("all_reduce", W, (3,), dtype="bfloat16", accum_dtype="float16",
-             error="CommError: all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value "
-             "of the input dtype (bfloat16: 8, 7)"),
-        _row("reduce_scatter", W, (2 * W,), dtype="float16", accum_dtype="bfloat16",
-             error="CommError: reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every "
-             "value of the input dtype (float16: 5, 10)"),
-        _row("all_reduce", W, (3,), convention="mean",
-             error="CommError: all_reduce: convention ('mean') must be one of sum, replicated"),
+        _row(
+            "reduce_scatter",
+            W,
+            (2 * W,),
+            op="max",
+            error="CommError: reduce_scatter: op ('max') must be one of sum, avg",
+        ),
+        _row(
+            "all_reduce",
+            W,
+            (3,),
+            op="avg",
+            dtype="int32",
+            error="CommError: all_reduce: op ('avg') needs a floating or complex dtype, not int32",
+        ),
+        _row(
+            "reduce_scatter",
+            W,
+            (2 * W,),
+            op="avg",
+            dtype="int32",
+            error="CommError: reduce_scatter: op ('avg') needs a floating or complex dtype, not int32",
+        ),
+        _row(
+            "all_reduce",
+            W,
+            (3,),
+            accum_dtype="int32",
+            error="CommError: all_reduce: accum_dtype (int32) and the input dtype (float32) must be floating",
+        ),
+        _row(
+            "all_reduce",
+            W,
+            (3,),
+            dtype="int32",
+            accum_dtype="float32",
+            error="CommError: all_reduce: accum_dtype (float32) and the input dtype (int32) must be floating",
+        ),
+        _row(
+            "all_reduce",
+            W,
+            (3,),
+            dtype="bfloat16",
+            accum_dtype="float16",
+            error="CommError: all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value "
+            "of the input dtype (bfloat16: 8, 7)",
+        ),
+        _row(
+            "reduce_scatter",
+            W,
+            (2 * W,),
+            dtype="float16",
+            accum_dtype="bfloat16",
+            error="CommError: reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every "
+            "value of the input dtype (float16: 5, 10)",
+        ),
+        _row(
+            "all_reduce",
+            W,
+            (3,),
+            convention="mean",
+            error="CommError: all_reduce: convention ('mean') must be one of sum, replicated",
+        ),
         _row("broadcast", W, (3,), src=W, error=f"CommError: broadcast: src ({W}) must be in [0, {W})"),
         _row("broadcast", W, (3,), src=-1, error=f"CommError: broadcast: src (-1) must be in [0, {W})"),
         _row("gather", W, (3,), dst=W, error=f"CommError: gather: dst ({W}) must be in [0, {W})"),
@@ -123,8 +208,9 @@ def _errors(W: int) -> list[Row]:
         _row("permute", W, (3,), perm=[[0, W]], error=f"CommError: permute: dst ({W}) must be in [0, {W})"),
         _row("permute", W, (3,), perm=[[-1, 0]], error=f"CommError: permute: src (-1) must be in [0, {W})"),
         _row("permute", W, (3,), perm=[[0, 1], [0, W - 1]], error="CommError: permute: perm repeats source rank 0"),
-        _row("permute", W, (3,), perm=[[0, 1], [W - 1, 1]], error="CommError: permute: perm repeats destination "
-             "rank 1"),
+        _row(
+            "permute", W, (3,), perm=[[0, 1], [W - 1, 1]], error="CommError: permute: perm repeats destination rank 1"
+        ),
         _row("permute", W, (3,), perm=[[0]], error="TypeError: permute: perm must be a sequence of (src, dst) pairs"),
         _row("permute", W, (3,), perm=[[0, 1, 1]], error="TypeError: permute: perm must be a sequence of"),
         _row("all_gather", W, (3,), dim="0", error="TypeError: all_gather: dim must be an int, not str"),
@@ -241,30 +327,88 @@ def _uneven(W: int) -> list[Row]:
     valid calls with a zero-size rank in every layout, grad mode and dtype class."""
     zeroed, odd = (0, *split_sizes(2 * W - 1, W - 1)), split_sizes(2 * W + 1, W)
     return [
-        _row("all_gather", W, (3, 2), dim=0, sizes=(3,) * (W + 1),
-             error=f"CommError: all_gather: len(sizes) ({W + 1}) must equal world_size ({W}). Received: dim=0, sizes="),
-        _row("reduce_scatter", W, (2 * W, 3), sizes=(-1, *[2] * (W - 1)),
-             error="CommError: reduce_scatter: sizes[0] (-1) must be >= 0. Received: dim=0, op='sum', sizes=(-1, "),
-        _row("scatter", W, (2 * W + 2, 2), sizes=odd, error=f"CommError: scatter: sum(sizes) ({2 * W + 1}) must equal "
-             f"the size of dim 0 ({2 * W + 2})"),
-        _row("all_to_all_4d", W, (1, 3, W + 2, 2), scatter_sizes=(W + 1, *[0] * (W - 1)), gather_sizes=zeroed,
-             error=f"CommError: all_to_all_4d: sum(scatter_sizes) ({W + 1}) must equal heads ({W + 2})"),
+        _row(
+            "all_gather",
+            W,
+            (3, 2),
+            dim=0,
+            sizes=(3,) * (W + 1),
+            error=f"CommError: all_gather: len(sizes) ({W + 1}) must equal world_size ({W}). Received: dim=0, sizes=",
+        ),
+        _row(
+            "reduce_scatter",
+            W,
+            (2 * W, 3),
+            sizes=(-1, *[2] * (W - 1)),
+            error="CommError: reduce_scatter: sizes[0] (-1) must be >= 0. Received: dim=0, op='sum', sizes=(-1, ",
+        ),
+        _row(
+            "scatter",
+            W,
+            (2 * W + 2, 2),
+            sizes=odd,
+            error=f"CommError: scatter: sum(sizes) ({2 * W + 1}) must equal the size of dim 0 ({2 * W + 2})",
+        ),
+        _row(
+            "all_to_all_4d",
+            W,
+            (1, 3, W + 2, 2),
+            scatter_sizes=(W + 1, *[0] * (W - 1)),
+            gather_sizes=zeroed,
+            error=f"CommError: all_to_all_4d: sum(scatter_sizes) ({W + 1}) must equal heads ({W + 2})",
+        ),
         _row("gather", W, (3,), sizes="3", error="TypeError: gather: sizes must be a sequence of ints"),
-        _row("all_to_all", W, (2 * W, 3), scatter_dim=0, gather_dim=-2, scatter_sizes=split_sizes(2 * W, W),
-             error="CommError: all_to_all: scatter_dim (0) must differ from gather_dim (0) with uneven sizes"),
-        _row("all_to_all", W, (2, 3), scatter_dim=0, gather_dim=1, scatter_sizes=(1.0, 1.0),
-             error="TypeError: all_to_all: scatter_sizes must be a sequence of ints"),
-        _row("all_to_all_4d", W, (2, 3, W + 2, 3), scatter_sizes=split_sizes(W + 2, W), gather_sizes=zeroed,
-             layout="channels_last"),
-        _row("all_to_all_4d", W, (2, 2 * W + 1, 3, 2), scatter_dim=1, gather_dim=2, scatter_sizes=odd,
-             gather_sizes=(3, *[0] * (W - 1)), layout="transposed"),
+        _row(
+            "all_to_all",
+            W,
+            (2 * W, 3),
+            scatter_dim=0,
+            gather_dim=-2,
+            scatter_sizes=split_sizes(2 * W, W),
+            error="CommError: all_to_all: scatter_dim (0) must differ from gather_dim (0) with uneven sizes",
+        ),
+        _row(
+            "all_to_all",
+            W,
+            (2, 3),
+            scatter_dim=0,
+            gather_dim=1,
+            scatter_sizes=(1.0, 1.0),
+            error="TypeError: all_to_all: scatter_sizes must be a sequence of ints",
+        ),
+        _row(
+            "all_to_all_4d",
+            W,
+            (2, 3, W + 2, 3),
+            scatter_sizes=split_sizes(W + 2, W),
+            gather_sizes=zeroed,
+            layout="channels_last",
+        ),
+        _row(
+            "all_to_all_4d",
+            W,
+            (2, 2 * W + 1, 3, 2),
+            scatter_dim=1,
+            gather_dim=2,
+            scatter_sizes=odd,
+            gather_sizes=(3, *[0] * (W - 1)),
+            layout="transposed",
+        ),
         _row("all_gather", W, (3, 2), dim=0, sizes=zeroed, grad_mode="no_grad"),
         _row("all_gather", W, (2, 3), dim=-1, sizes=zeroed, convention="replicated", grad_mode="constant"),
         _row("reduce_scatter", W, (2, 2 * W + 1), dim=1, sizes=odd, op="avg", grad_mode="inference_mode"),
         _row("gather", W, (3, 2, 2), dst=W - 1, dim=0, sizes=zeroed, layout="channels_last"),
         _row("scatter", W, (2 * W + 1, 2), src=W - 1, sizes=odd, dtype="float64"),
-        _row("all_to_all", W, (2 * W + 1, 3), scatter_dim=0, gather_dim=1, scatter_sizes=odd, gather_sizes=zeroed,
-             dtype="int32"),
+        _row(
+            "all_to_all",
+            W,
+            (2 * W + 1, 3),
+            scatter_dim=0,
+            gather_dim=1,
+            scatter_sizes=odd,
+            gather_sizes=zeroed,
+            dtype="int32",
+        ),
     ]
 
 
@@ -273,28 +417,45 @@ def _context(W: int) -> list[Row]:
     non-contiguous or channels_last inputs, forward only, and in bfloat16."""
     zigzag = dict(kv_heads=2, causal=True, layout="zigzag")
     rows = [
-        Row(context_case(W, (1, 3 * W, 4, 3), kv_heads=2, layout="zigzag"), f"CommError: ring_attention: seq ({3 * W}) "
-            f"must be divisible by 2 * ring_size * ulysses_size ({2 * W}) for layout 'zigzag'"),
+        Row(
+            context_case(W, (1, 3 * W, 4, 3), kv_heads=2, layout="zigzag"),
+            f"CommError: ring_attention: seq ({3 * W}) "
+            f"must be divisible by 2 * ring_size * ulysses_size ({2 * W}) for layout 'zigzag'",
+        ),
         Row(context_case(W, (1, 0, 4, 3), f"empty-{W}", kv_heads=2), "CommError: ring_attention: seq (0) must be >= 1"),
-        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=2, layout="ring"),
-            "CommError: ring_attention: layout ('ring') must be one of contiguous, zigzag"),
-        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=3), "CommError: ring_attention: heads (4) must be divisible by "
-            "kv heads (3)"),
-        Row(context_case(W, (1, 2 * W, 4, 3), kv_heads=2, causal=1),
-            "TypeError: ring_attention: causal must be a bool, not int"),
-        Row(context_case(1, (1, 2 * W, W - 1, 3), kv_heads=1, ulysses_size=W),
-            f"CommError: usp_attention: ulysses_size ({W}) must be <= heads ({W - 1})"),
-        Row(context_case(1, (1, 2 * W, 2 * W, 3), kv_heads=1, ulysses_size=W),
-            f"CommError: usp_attention: kv heads (1) must be divisible by ulysses_size ({W})"),
+        Row(
+            context_case(W, (1, 2 * W, 4, 3), kv_heads=2, layout="ring"),
+            "CommError: ring_attention: layout ('ring') must be one of contiguous, zigzag",
+        ),
+        Row(
+            context_case(W, (1, 2 * W, 4, 3), kv_heads=3),
+            "CommError: ring_attention: heads (4) must be divisible by kv heads (3)",
+        ),
+        Row(
+            context_case(W, (1, 2 * W, 4, 3), kv_heads=2, causal=1),
+            "TypeError: ring_attention: causal must be a bool, not int",
+        ),
+        Row(
+            context_case(1, (1, 2 * W, W - 1, 3), kv_heads=1, ulysses_size=W),
+            f"CommError: usp_attention: ulysses_size ({W}) must be <= heads ({W - 1})",
+        ),
+        Row(
+            context_case(1, (1, 2 * W, 2 * W, 3), kv_heads=1, ulysses_size=W),
+            f"CommError: usp_attention: kv heads (1) must be divisible by ulysses_size ({W})",
+        ),
         Row(context_case(W, (2, 4 * W, 4, 3), **zigzag), layout="transposed"),
         Row(context_case(W, (2, 2 * W, 2, 3), kv_heads=1, causal=True), layout="channels_last"),
         Row(context_case(W, (1, 4 * W, 4, 4), dtype="bfloat16", **zigzag)),
-        Row(context_case(1, (2, 4 * W, 2 * W, 3), kv_heads=W, ulysses_size=W, causal=True, layout="zigzag"),
-            layout="transposed"),
+        Row(
+            context_case(1, (2, 4 * W, 2 * W, 3), kv_heads=W, ulysses_size=W, causal=True, layout="zigzag"),
+            layout="transposed",
+        ),
     ]
     for mode in GRAD_MODES[1:]:
-        rows += [Row(context_case(W, (1, 4 * W, 4, 3), **zigzag), grad_mode=mode),
-                 Row(context_case(1, (1, 2 * W, 2 * W, 2), kv_heads=W, ulysses_size=W), grad_mode=mode)]
+        rows += [
+            Row(context_case(W, (1, 4 * W, 4, 3), **zigzag), grad_mode=mode),
+            Row(context_case(1, (1, 2 * W, 2 * W, 2), kv_heads=W, ulysses_size=W), grad_mode=mode),
+        ]
     return rows
 
 
@@ -320,8 +481,9 @@ def _world_size_one() -> list[Row]:
         _row("shard", 1, (3, 4), dim=0, scale_grad=True),
         _row("reduce", 1, (2, 3), op="avg"),
         _row("reduce", 1, (3,), dst=1, error="CommError: reduce: dst (1) must be in [0, 1) for world_size 1"),
-        _row("all_reduce", 1, (3,), op="avg", dtype="int32",
-             error="CommError: all_reduce: op ('avg') needs a floating"),
+        _row(
+            "all_reduce", 1, (3,), op="avg", dtype="int32", error="CommError: all_reduce: op ('avg') needs a floating"
+        ),
     ]
 
 

@@ -21,11 +21,27 @@ import subprocess
 import sys
 
 MODULES = {
-    "torch": ("commlib_torch.functional", "commlib_torch.attention", "commlib_torch.communicator",
-              "commlib_torch.ring", "commlib_torch.sequence", "commlib_torch.integrations.transformers",
-              "commlib_torch.testing", "commlib_torch.testing_trace", "commlib_torch.handle"),
-    "jax": ("commlib_jax.functional", "commlib_jax.attention", "commlib_jax.communicator", "commlib_jax.ring",
-            "commlib_jax.sequence", "commlib_jax.training", "commlib_jax.testing", "commlib_jax.testing_trace"),
+    "torch": (
+        "commlib_torch.functional",
+        "commlib_torch.attention",
+        "commlib_torch.communicator",
+        "commlib_torch.ring",
+        "commlib_torch.sequence",
+        "commlib_torch.integrations.transformers",
+        "commlib_torch.testing",
+        "commlib_torch.testing_trace",
+        "commlib_torch.handle",
+    ),
+    "jax": (
+        "commlib_jax.functional",
+        "commlib_jax.attention",
+        "commlib_jax.communicator",
+        "commlib_jax.ring",
+        "commlib_jax.sequence",
+        "commlib_jax.training",
+        "commlib_jax.testing",
+        "commlib_jax.testing_trace",
+    ),
 }
 JAX_DEVICES = 4
 
@@ -65,15 +81,20 @@ def run(frontend: str) -> dict:
             runner.run(test, out=output.write)
         missing += _missing(module)
     results = runner.summarize(verbose=False)
-    return {"attempted": results.attempted, "failed": results.failed, "output": output.getvalue(),
-            "missing": missing}
+    return {"attempted": results.attempted, "failed": results.failed, "output": output.getvalue(), "missing": missing}
 
 
 def check(frontend: str) -> None:
     """Run `run(frontend)` in a fresh interpreter; fail on a failed example or a public function without one."""
     root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "tests.doctest_runner", frontend], cwd=root, capture_output=True,
-                            text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.doctest_runner", frontend],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed"] == 0, report["output"]

@@ -19,8 +19,9 @@ __all__ = ["layer_cases"]
 
 
 @st.composite
-def layer_cases(draw: st.DrawFn, world_sizes: tuple[int, ...] = (1, 2, 3, 4),
-                dtypes: tuple[str, ...] = ("float64", "float32")) -> Case:
+def layer_cases(
+    draw: st.DrawFn, world_sizes: tuple[int, ...] = (1, 2, 3, 4), dtypes: tuple[str, ...] = ("float64", "float32")
+) -> Case:
     """One attention layer call (see the module docstring)."""
     W = draw(st.sampled_from(world_sizes))
     layer = draw(st.sampled_from(("ulysses", "ring", "usp") if W == 4 else ("ulysses", "ring")))
@@ -33,13 +34,27 @@ def layer_cases(draw: st.DrawFn, world_sizes: tuple[int, ...] = (1, 2, 3, 4),
     batch = draw(st.integers(1, 2))
     if layer == "ulysses":
         rows = tuple(draw(st.lists(st.integers(0, 3), min_size=W, max_size=W)))
-        return cases.attention_case(W, (batch, sum(rows), heads, head_dim), "~fuzz", kv_heads=kv_heads,
-                                    seq_sizes=rows, chunks=draw(st.integers(1, 3)), **keywords)
+        return cases.attention_case(
+            W,
+            (batch, sum(rows), heads, head_dim),
+            "~fuzz",
+            kv_heads=kv_heads,
+            seq_sizes=rows,
+            chunks=draw(st.integers(1, 3)),
+            **keywords,
+        )
     ring_size, ulysses_size = (2, 2) if layer == "usp" else (W, None)
     layout = draw(st.sampled_from(("contiguous", "zigzag")))
     if draw(st.booleans()):
         seq, keywords["any_length"] = draw(st.integers(1, 3 * W + 2)), True
     else:
         seq = draw(st.integers(1, 2)) * W * (2 if layout == "zigzag" else 1)
-    return cases.context_case(ring_size, (batch, seq, heads, head_dim), "~fuzz", kv_heads=kv_heads,
-                              ulysses_size=ulysses_size, layout=layout, **keywords)
+    return cases.context_case(
+        ring_size,
+        (batch, seq, heads, head_dim),
+        "~fuzz",
+        kv_heads=kv_heads,
+        ulysses_size=ulysses_size,
+        layout=layout,
+        **keywords,
+    )

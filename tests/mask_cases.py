@@ -9,8 +9,22 @@ from commlib import SequenceLayout
 from commlib.attention import attention, attention_vjp
 from commlib.masks import segment_ids
 
-__all__ = ["HANDED", "HANDED_SHAPE", "TOLERANCE", "handed_ids", "whole_inputs", "expected", "shards", "worst_error",
-           "padding_rows", "check_handed", "random_documents", "nan_or_blind", "NAN_LAYOUTS", "check_nan_or_blind"]
+__all__ = [
+    "HANDED",
+    "HANDED_SHAPE",
+    "TOLERANCE",
+    "handed_ids",
+    "whole_inputs",
+    "expected",
+    "shards",
+    "worst_error",
+    "padding_rows",
+    "check_handed",
+    "random_documents",
+    "nan_or_blind",
+    "NAN_LAYOUTS",
+    "check_nan_or_blind",
+]
 
 #: B, S, H, H_kv, D of the handed case.
 HANDED_SHAPE = (2, 40, 8, 2, 16)
@@ -37,21 +51,28 @@ def handed_ids(seq: int = 40) -> np.ndarray:
     return np.stack([segment_ids([3, 17, 9, 11], 40), segment_ids([25], 40)])[:, :seq]
 
 
-def whole_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0,
-                 value_dim: int | None = None) -> list:
+def whole_inputs(
+    batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0, value_dim: int | None = None
+) -> list:
     """Whole-sequence float64 q, k, v (v's head dim `value_dim`, default D) and the output cotangent."""
     rng = np.random.default_rng(seed)
     value_dim = head_dim if value_dim is None else value_dim
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, value_dim),
-              (batch, seq, heads, value_dim)]
+    shapes = [
+        (batch, seq, heads, head_dim),
+        (batch, seq, kv_heads, head_dim),
+        (batch, seq, kv_heads, value_dim),
+        (batch, seq, heads, value_dim),
+    ]
     return [rng.standard_normal(shape) for shape in shapes]
 
 
 def expected(whole, ids, causal: bool) -> list:
     """The unsharded masked reference: ``[out, dq, dk, dv]`` (float64, whole sequence)."""
     q, k, v, cotangent = whole
-    return [attention(q, k, v, causal=causal, q_segments=ids),
-            *attention_vjp(q, k, v, cotangent, causal=causal, q_segments=ids)]
+    return [
+        attention(q, k, v, causal=causal, q_segments=ids),
+        *attention_vjp(q, k, v, cotangent, causal=causal, q_segments=ids),
+    ]
 
 
 def shards(x, layout: SequenceLayout, padded: bool = False) -> list:
@@ -96,8 +117,9 @@ def random_documents(world_size: int) -> tuple[np.ndarray, list, list[tuple[str,
     rng = np.random.default_rng(world_size)
     ids = np.stack([segment_ids(rng.integers(1, 12, size=4), 37) for _ in range(2)])
     whole = whole_inputs(2, 37, 4, 2, 3, seed=world_size)
-    settings = [("ring_attention", SequenceLayout(37, ring_size=world_size, layout=name)) for name in
-                ("contiguous", "zigzag")] + [("ulysses_attention", SequenceLayout(37, ulysses_size=world_size))]
+    settings = [
+        ("ring_attention", SequenceLayout(37, ring_size=world_size, layout=name)) for name in ("contiguous", "zigzag")
+    ] + [("ulysses_attention", SequenceLayout(37, ulysses_size=world_size))]
     if world_size == 4:
         settings.append(("usp_attention", SequenceLayout(37, ring_size=2, ulysses_size=2, layout="zigzag")))
     return ids, whole, settings

@@ -19,8 +19,11 @@ def layouts(world_size: int) -> list[SequenceLayout]:
     """Every layout of the table at `world_size`."""
     found = []
     for seq_len in LENGTHS:
-        found += [SequenceLayout(seq_len, ring_size=world_size), SequenceLayout(seq_len, world_size, layout="zigzag"),
-                  SequenceLayout(seq_len, ulysses_size=world_size)]
+        found += [
+            SequenceLayout(seq_len, ring_size=world_size),
+            SequenceLayout(seq_len, world_size, layout="zigzag"),
+            SequenceLayout(seq_len, ulysses_size=world_size),
+        ]
         if world_size == 4:
             found += [SequenceLayout(seq_len, 2, 2), SequenceLayout(seq_len, 2, 2, layout="zigzag")]
     if world_size == 4:
@@ -32,14 +35,15 @@ def data(layout: SequenceLayout, seed: int = 0) -> dict:
     """The seeded inputs of one layout: full token ids ``[B, S]``, a replicated sequence ``[B, S, D]``, logits
     ``[B, S, V]`` with their labels (next tokens, a few more ignored), and per-rank cotangents of shard_sequence
     (``[B, sizes[r], D]``) and gather_sequence (``[B, S, D]``)."""
-    rng = np.random.default_rng([seed, layout.seq_len, layout.ring_size, layout.ulysses_size,
-                                 len(layout.layout)])
+    rng = np.random.default_rng([seed, layout.seq_len, layout.ring_size, layout.ulysses_size, len(layout.layout)])
     S, W = layout.seq_len, layout.world_size
     ids = rng.integers(0, V, size=(B, S))
     labels = next_token_labels(ids, IGNORE)
     labels[rng.random((B, S)) < 0.2] = IGNORE
     return {
-        "ids": ids, "x": rng.standard_normal((B, S, D)), "logits": 3 * rng.standard_normal((B, S, V)),
+        "ids": ids,
+        "x": rng.standard_normal((B, S, D)),
+        "logits": 3 * rng.standard_normal((B, S, V)),
         "labels": labels,
         "shard_cotangents": [rng.standard_normal((B, layout.sizes[rank], D)) for rank in range(W)],
         "gather_cotangents": [rng.standard_normal((B, S, D)) for _ in range(W)],
@@ -50,8 +54,11 @@ def model_parameters(seq_len: int, seed: int = 1) -> dict[str, np.ndarray]:
     """A tiny model's float64 parameters: token and position embeddings ``[V, D]``, ``[S, D]`` and a head
     ``[D, V]``."""
     rng = np.random.default_rng([seed, seq_len])
-    return {"embed": rng.standard_normal((V, D)), "position": rng.standard_normal((seq_len, D)),
-            "head": rng.standard_normal((D, V))}
+    return {
+        "embed": rng.standard_normal((V, D)),
+        "position": rng.standard_normal((seq_len, D)),
+        "head": rng.standard_normal((D, V)),
+    }
 
 
 def documents(layout: SequenceLayout, seed: int = 0) -> np.ndarray:

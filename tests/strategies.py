@@ -21,8 +21,19 @@ from hypothesis import strategies as st
 from commlib.reduce_op import is_floating
 from commlib.tools.cases import Case
 
-__all__ = ["JAX", "MOVING_OPS", "OPS", "SEEDS", "TORCH", "UNEVEN_OPS", "Space", "cases", "fuzz_cases", "uneven_calls",
-           "uneven_case"]
+__all__ = [
+    "JAX",
+    "MOVING_OPS",
+    "OPS",
+    "SEEDS",
+    "TORCH",
+    "UNEVEN_OPS",
+    "Space",
+    "cases",
+    "fuzz_cases",
+    "uneven_calls",
+    "uneven_case",
+]
 
 SEEDS = st.integers(0, 2**16)
 
@@ -239,8 +250,10 @@ def fuzz_cases(draw, space: Space):
     data) bool or int32: the mix the fuzz loop that found issue 23's items 1-2 drew from."""
     if draw(st.booleans()):
         op = draw(st.sampled_from(UNEVEN_OPS))
-        case = uneven_case(draw(uneven_calls(ops=(op,), world_sizes=space.world_sizes)),
-                           transposed=space.transposed and draw(st.booleans()))
+        case = uneven_case(
+            draw(uneven_calls(ops=(op,), world_sizes=space.world_sizes)),
+            transposed=space.transposed and draw(st.booleans()),
+        )
     else:
         op = draw(st.sampled_from(OPS))
         case = draw(cases(op, space))

@@ -64,8 +64,9 @@ def test_torch(row, pool):
     from commlib_torch.tools.parity_jobs import merge, run_case
 
     arrays = _arrays(row)
-    replies = pool(row.case.world_size).run(run_case, row.case, arrays, grad_mode=row.grad_mode,
-                                                  channels_last=row.layout == "channels_last")
+    replies = pool(row.case.world_size).run(
+        run_case, row.case, arrays, grad_mode=row.grad_mode, channels_last=row.layout == "channels_last"
+    )
     outputs, gradients, error = merge(row.case, replies)
     result = parity.check(row.case, arrays, outputs, gradients, error, "torch", "gloo", forward_only=row.forward_only)
     assert result.passed, _report(row, result)
@@ -90,6 +91,7 @@ def test_jax(row, jax_cpu):
             error = None
         except (CommError, TypeError) as raised:
             outputs, gradients, error = None, None, f"{type(raised).__name__}: {raised}"
-        result = parity.check(row.case, _arrays(row), outputs, gradients, error, "jax", mode,
-                              forward_only=row.forward_only)
+        result = parity.check(
+            row.case, _arrays(row), outputs, gradients, error, "jax", mode, forward_only=row.forward_only
+        )
         assert result.passed, _report(row, result)

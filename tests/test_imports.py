@@ -84,8 +84,17 @@ def test_frontends_export_the_same_names():
 
 def test_attention_modules_export_the_same_names():
     probe = "import commlib_{0}.attention as m; print(sorted(m.__all__))"
-    names = [subprocess.run([sys.executable, "-c", probe.format(frontend)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=240, check=True).stdout for frontend in ("torch", "jax")]
+    names = [
+        subprocess.run(
+            [sys.executable, "-c", probe.format(frontend)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=True,
+        ).stdout
+        for frontend in ("torch", "jax")
+    ]
     torch_names, jax_names = (ast.literal_eval(text) for text in names)
     assert torch_names == jax_names
     assert {"ulysses_attention", "ring_attention", "usp_attention"} <= set(torch_names)
@@ -130,7 +139,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[module] = "open"
         for imported in sorted(graph.get(module, ())):
             if state.get(imported) == "open":
-                return [*path[path.index(imported):], imported]
+                return [*path[path.index(imported) :], imported]
             if imported not in state and (found := visit(imported, [*path, imported])):
                 return found
         state[module] = "done"

@@ -50,8 +50,9 @@ print(json.dumps(found))
 @functools.cache
 def _signatures(frontend: str) -> dict[str, list]:
     """{public function: [[name, kind, default repr or None], ...]} of one frontend."""
-    result = subprocess.run([sys.executable, "-c", _PROBE, frontend], cwd=ROOT, capture_output=True, text=True,
-                            timeout=240, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, frontend], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -85,11 +86,15 @@ def test_async_op_is_torch_only_and_last():
 
 
 def test_same_keywords_but_the_group():
-    torch_signatures = {name: [p for p in parameters if p != TORCH_ONLY]
-                        for name, parameters in _signatures("torch").items()}
+    torch_signatures = {
+        name: [p for p in parameters if p != TORCH_ONLY] for name, parameters in _signatures("torch").items()
+    }
     jax_signatures = _signatures("jax")
-    differences = {name: found for name in sorted(torch_signatures.keys() & jax_signatures.keys())
-                   if (found := _differences(torch_signatures[name], jax_signatures[name]))}
+    differences = {
+        name: found
+        for name in sorted(torch_signatures.keys() & jax_signatures.keys())
+        if (found := _differences(torch_signatures[name], jax_signatures[name]))
+    }
     assert differences == {}
 
 

@@ -29,11 +29,19 @@ def test_the_pages_parity_test_passes_and_its_broken_port_fails_with_the_pages_t
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     assert files["test_port.py"].count(CAUSAL) == 1
-    (tmp_path / "test_port_not_causal.py").write_text(files["test_port.py"].replace(CAUSAL, CAUSAL.replace(
-        "True", "False")))
+    (tmp_path / "test_port_not_causal.py").write_text(
+        files["test_port.py"].replace(CAUSAL, CAUSAL.replace("True", "False"))
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "commlib_pytest", "-p", "no:cacheprovider", "-q"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "commlib_pytest", "-p", "no:cacheprovider", "-q"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 1 and "1 failed, 1 passed" in output, output
     assert "FAILED test_port_not_causal.py::test_the_port_agrees" in output
@@ -53,8 +61,11 @@ def _tokens(line: str) -> list[str]:
 def test_the_plugin_is_the_entry_point_and_imports_no_framework():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {"commlib_pytest": "commlib_pytest"}
-    probe = ("import sys, commlib_pytest; print(sorted({'torch', 'jax'} & set(sys.modules)), "
-             "callable(commlib_pytest.torch_ranks), callable(commlib_pytest.jax_devices))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=True)
+    probe = (
+        "import sys, commlib_pytest; print(sorted({'torch', 'jax'} & set(sys.modules)), "
+        "callable(commlib_pytest.torch_ranks), callable(commlib_pytest.jax_devices))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.split() == ["[]", "True", "True"]

@@ -45,18 +45,47 @@ def _assert_trained(output: str, passes: int) -> None:
 
 def test_torch_example_with_torchrun_standalone():
     command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/train_torch.py"]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
-                          stdin=subprocess.DEVNULL, check=False)
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     _assert_trained(done.stdout, passes=1)
 
 
 def test_jax_example_with_two_processes():
     port = _free_port()
-    commands = [[sys.executable, "examples/train_jax.py", "--num-processes", "2", "--process-id", str(process),
-                 "--coordinator", f"127.0.0.1:{port}"] for process in (0, 1)]
-    launched = [subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True) for command in commands]
+    commands = [
+        [
+            sys.executable,
+            "examples/train_jax.py",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(process),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+        ]
+        for process in (0, 1)
+    ]
+    launched = [
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for command in commands
+    ]
     try:
         outputs = [process.communicate(timeout=LIMIT)[0] for process in launched]
     finally:
@@ -68,8 +97,10 @@ def test_jax_example_with_two_processes():
     assert re.search(r"^PASS: process 1 of 2, sp=2 tp=2, 20 steps", outputs[1], re.MULTILINE), outputs[1]
 
 
-@pytest.mark.parametrize(("attention", "seq_len", "packed"),
-                         [("ulysses", 37, False), ("ring", 37, False), ("usp", 37, False), ("ring", 37, True)])
+@pytest.mark.parametrize(
+    ("attention", "seq_len", "packed"),
+    [("ulysses", 37, False), ("ring", 37, False), ("usp", 37, False), ("ring", 37, True)],
+)
 def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     """examples/transformers_llama.py over 4 ranks: a transformers Llama (GQA) with commlib's attention through the
     registry, 5 AdamW steps equal to the unsharded model's, one launch per layer at S = 37 (shards of 10, 9, 9, 9
@@ -78,21 +109,41 @@ def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     Other lengths are proven in process, where a length costs no launch: S = 5 at W = 4 (2, 1, 1, 1 rows), S = 3
     (an empty shard) and even lengths for every layer in tests/torch/test_ring_any_length.py, and the Llama through
     the registry at S = 7, 9, 13, 37 in tests/torch/test_integrations.py."""
-    command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py",
-               "--attention", attention, "--seq-len", str(seq_len), *(["--packed"] if packed else [])]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
-                          stdin=subprocess.DEVNULL, check=False)
+    command = [
+        *_torchrun(),
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "examples/transformers_llama.py",
+        "--attention",
+        attention,
+        "--seq-len",
+        str(seq_len),
+        *(["--packed"] if packed else []),
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
     tag = " packed" if packed else ""
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), (
         done.stdout
+    )
 
 
-@pytest.mark.parametrize(("attention", "seq_len", "packed"),
-                         [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, True)])
+@pytest.mark.parametrize(
+    ("attention", "seq_len", "packed"), [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, True)]
+)
 def test_flax_llama_with_python(attention, seq_len, packed):
     """examples/flax_llama.py on 4 CPU devices: a Flax nnx decoder (GQA, RoPE) with commlib's attention swapped in
     under shard_map, 5 optax adamw steps in one jitted step equal to the unsharded model's. One launch per layer,
@@ -101,14 +152,30 @@ def test_flax_llama_with_python(attention, seq_len, packed):
     lengths, some shorter than a shard, some crossing shards, and padding; the JAX shards' padding rows too).
     USP at uneven lengths without segment ids is proven in process (tests/jax/test_ring_any_length.py,
     ``test_usp_any_length``: S = 37 and 5, both layouts, causal and not)."""
-    command = [sys.executable, "examples/flax_llama.py", "--attention", attention, "--seq-len", str(seq_len),
-               *(["--packed"] if packed else [])]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=LIMIT,
-                          stdin=subprocess.DEVNULL, check=False)
+    command = [
+        sys.executable,
+        "examples/flax_llama.py",
+        "--attention",
+        attention,
+        "--seq-len",
+        str(seq_len),
+        *(["--packed"] if packed else []),
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     steps = re.findall(r"^step +(\d+) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
     assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
     tag = " packed" if packed else ""
-    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), \
+    assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), (
         done.stdout
+    )

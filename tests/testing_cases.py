@@ -15,6 +15,7 @@ SHAPE = (3, 5)  # x is [W + 1, *SHAPE]: one more row than ranks
 
 def inputs(world_size: int, dtype: str = "float64"):
     """The ``inputs=`` callable: x and ids from the run's seeded generator."""
+
     def make(rng: np.random.Generator) -> dict:
         return {"x": rng.standard_normal((world_size + 1, *SHAPE)).astype(dtype), "ids": rng.integers(0, 9, 4)}
 
@@ -27,9 +28,15 @@ def expected(world_size: int, seed: int = 0, dtype: str = "float64") -> list[dic
     x, ids = arrays["x"].astype(np.float64), arrays["ids"]
     W = world_size
     scales = np.arange(1, W + 1, dtype=np.float64)
-    outputs = [{"reduced": x * scales.sum(), "gathered": x[:W] * scales[:, None, None],
-                "square": np.float64(scale * scale * (x * x).sum()), "ids": ids + rank}
-               for rank, scale in enumerate(scales)]
+    outputs = [
+        {
+            "reduced": x * scales.sum(),
+            "gathered": x[:W] * scales[:, None, None],
+            "square": np.float64(scale * scale * (x * x).sum()),
+            "ids": ids + rank,
+        }
+        for rank, scale in enumerate(scales)
+    ]
     drawn = [cotangents(output, seed, rank) for rank, output in enumerate(outputs)]
     summed = {name: sum(cotangent[name] for cotangent in drawn) for name in ("reduced", "gathered")}
     results = []

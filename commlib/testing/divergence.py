@@ -61,8 +61,10 @@ class Divergence:
     def report(self) -> str:
         """The divergence as a few readable lines (also ``str(divergence)``)."""
         a, b = self.names
-        lines = [f"first divergence at call {self.index} ({a}: {self.lengths[0]} calls, {b}: {self.lengths[1]} "
-                 f"calls; the {self.index} before it agree within tolerance)"]
+        lines = [
+            f"first divergence at call {self.index} ({a}: {self.lengths[0]} calls, {b}: {self.lengths[1]} "
+            f"calls; the {self.index} before it agree within tolerance)"
+        ]
         width = max(len(a), len(b)) + 1
         for name, call in ((a, self.call_a), (b, self.call_b)):
             lines.append(f"  {name + ':':{width}} " + (call.site() if call else "(no call: the trace ended)"))
@@ -84,20 +86,30 @@ class Divergence:
             return []
         hints, differing = [], {difference.name for difference in self.differences}
         if self.call_a.op.endswith("_attention") and differing == {"q", "k"}:
-            hints.append("q and k differ and v agrees: the rotary embedding (RoPE) and the positions it is fed are "
-                         "what q and k get and v does not")
+            hints.append(
+                "q and k differ and v agrees: the rotary embedding (RoPE) and the positions it is fed are "
+                "what q and k get and v does not"
+            )
         ranks = sorted({difference.rank for difference in self.differences})
         if 0 in self.call_a.ranks and len(self.call_a.ranks) > 1 and 0 not in ranks:
-            hints.append(f"rank 0 agrees and {_ranks(ranks)} not: something computed from each rank's own shard "
-                         "(positions, offsets, labels) where it should be global; a contiguous layout's rank 0 "
-                         "holds positions that are both")
+            hints.append(
+                f"rank 0 agrees and {_ranks(ranks)} not: something computed from each rank's own shard "
+                "(positions, offsets, labels) where it should be global; a contiguous layout's rank 0 "
+                "holds positions that are both"
+            )
         return hints
 
     __str__ = report
 
 
-def first_divergence(trace_a: Sequence[Call], trace_b: Sequence[Call], *, rtol: float | None = None,
-                     atol: float | None = None, names: tuple[str, str] = ("a", "b")) -> Divergence | None:
+def first_divergence(
+    trace_a: Sequence[Call],
+    trace_b: Sequence[Call],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    names: tuple[str, str] = ("a", "b"),
+) -> Divergence | None:
     """The first call where `trace_a` and `trace_b` differ, or None where every call agrees within tolerance.
 
     Args:
@@ -168,8 +180,7 @@ def _signature(a: Call, b: Call) -> str:
             for rank, value in arrays_a[name].items():
                 other = arrays_b[name][rank]
                 if value.shape != other.shape or value.dtype != other.dtype:
-                    return (f"{name} on rank {rank}: shape {value.shape} {value.dtype} and "
-                            f"{other.shape} {other.dtype}")
+                    return f"{name} on rank {rank}: shape {value.shape} {value.dtype} and {other.shape} {other.dtype}"
     return ""
 
 
@@ -202,23 +213,42 @@ def _difference(name: str, rank: int, a: np.ndarray, b: np.ndarray, rtol, atol) 
     if a.size == 0:
         return None
     exact = a.dtype.kind not in "fc"  # integers, bools: exact
-    wrong, error, magnitude = beyond_tolerance(a, b, 0.0 if exact else tolerance(a.dtype.name),
-                                               *((None, None) if exact else (rtol, atol)))
+    wrong, error, magnitude = beyond_tolerance(
+        a, b, 0.0 if exact else tolerance(a.dtype.name), *((None, None) if exact else (rtol, atol))
+    )
     if not wrong.any():
         return None
     wide = np.complex128 if "c" in (a.dtype.kind, b.dtype.kind) else np.float64
     scale = max(float(np.max(magnitude, initial=0.0)), 1e-300)
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(wrong)), wrong.shape))
-    return Difference(name, rank, float(error.max()), float(error.max()) / scale, index,
-                      a.astype(wide)[index].item(), b.astype(wide)[index].item())
+    return Difference(
+        name,
+        rank,
+        float(error.max()),
+        float(error.max()) / scale,
+        index,
+        a.astype(wide)[index].item(),
+        b.astype(wide)[index].item(),
+    )
 
 
 def _table(differences: Sequence[Difference], a: str, b: str) -> list[str]:
     """The differences as aligned rows (the first 12; a count of the rest)."""
     rows = [("input", "rank", "max abs", "max rel", "first index", a, b)]
-    rows += [(d.name, str(d.rank), f"{d.max_abs:.1e}", f"{d.max_rel:.1e}", str(d.index), f"{d.value_a:.6g}",
-              f"{d.value_b:.6g}") for d in differences[:12]]
+    rows += [
+        (
+            d.name,
+            str(d.rank),
+            f"{d.max_abs:.1e}",
+            f"{d.max_rel:.1e}",
+            str(d.index),
+            f"{d.value_a:.6g}",
+            f"{d.value_b:.6g}",
+        )
+        for d in differences[:12]
+    ]
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    lines = ["    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-             for row in rows]
+    lines = [
+        "    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
     return lines + ([f"    ... and {len(differences) - 12} more"] if len(differences) > 12 else [])

@@ -47,8 +47,10 @@ class Rule:
     def __post_init__(self) -> None:
         torch_names, jax_names = _PLACEHOLDER.findall(self.torch), _PLACEHOLDER.findall(self.jax)
         if not set(jax_names) <= set(torch_names) or len(set(torch_names)) != len(torch_names):
-            raise ParameterMapError(f"Rule: the JAX pattern's placeholders must be among the torch pattern's, each "
-                                    f"once. Received: torch={self.torch!r}, jax={self.jax!r}")
+            raise ParameterMapError(
+                f"Rule: the JAX pattern's placeholders must be among the torch pattern's, each "
+                f"once. Received: torch={self.torch!r}, jax={self.jax!r}"
+            )
 
     @property
     def stacked(self) -> tuple[str, ...]:
@@ -128,19 +130,23 @@ class ParameterMap:
             array = np.asarray(value)
             stacked = rule.stacked
             inverse = None if rule.axes is None else tuple(int(i) for i in np.argsort(rule.axes))
-            for stack_index in np.ndindex(*array.shape[:len(stacked)]):
+            for stack_index in np.ndindex(*array.shape[: len(stacked)]):
                 name = rule.torch.format(**indices, **dict(zip(stacked, map(str, stack_index), strict=True)))
                 piece = array[stack_index]
                 mapped[name] = piece if inverse is None else np.transpose(piece, inverse)
                 sources[name] = path
         return self._finish("to_torch", mapped, sources, like, problems)
 
-    def _match(self, patterns: list[re.Pattern[str]], name: str, what: str,
-               problems: list[str]) -> tuple[Rule, dict[str, str]] | None:
+    def _match(
+        self, patterns: list[re.Pattern[str]], name: str, what: str, problems: list[str]
+    ) -> tuple[Rule, dict[str, str]] | None:
         """The one rule whose pattern matches `name`; None, with a problem, where none or several do (taking the
         first of two silently maps by rule order, which a reader of the rules cannot see)."""
-        found = [(rule, matched.groupdict()) for rule, pattern in zip(self.rules, patterns, strict=True)
-                 if (matched := pattern.match(name))]
+        found = [
+            (rule, matched.groupdict())
+            for rule, pattern in zip(self.rules, patterns, strict=True)
+            if (matched := pattern.match(name))
+        ]
         if len(found) == 1:
             return found[0]
         if not found:
@@ -151,8 +157,9 @@ class ParameterMap:
         return None
 
     @staticmethod
-    def _stack(target: str, rule: Rule, entry: dict[tuple[int, ...], tuple[str, np.ndarray]],
-               problems: list[str]) -> np.ndarray:
+    def _stack(
+        target: str, rule: Rule, entry: dict[tuple[int, ...], tuple[str, np.ndarray]], problems: list[str]
+    ) -> np.ndarray:
         """The JAX array of `target`: its one piece, or the pieces stacked on the leading axes of `rule.stacked`."""
         if not rule.stacked:
             return entry[()][1]
@@ -167,8 +174,13 @@ class ParameterMap:
         return pieces.reshape(*extent, *pieces.shape[1:])
 
     @staticmethod
-    def _finish(direction: str, mapped: dict[str, np.ndarray], sources: dict[str, str],
-                like: Mapping[str, Any] | None, problems: list[str]) -> dict[str, np.ndarray]:
+    def _finish(
+        direction: str,
+        mapped: dict[str, np.ndarray],
+        sources: dict[str, str],
+        like: Mapping[str, Any] | None,
+        problems: list[str],
+    ) -> dict[str, np.ndarray]:
         if like is not None:
             problems += [f"nothing maps to {name!r}" for name in like if name not in mapped]
             for name, array in mapped.items():
@@ -177,8 +189,9 @@ class ParameterMap:
                 elif array.shape != _shape(like[name]):
                     want = _shape(like[name])
                     hint = " (its transpose: check the rule's axes)" if array.shape == want[::-1] else ""
-                    problems.append(f"shape differs: {name!r} is {array.shape} from {sources[name]!r}, like has "
-                                    f"{want}{hint}")
+                    problems.append(
+                        f"shape differs: {name!r} is {array.shape} from {sources[name]!r}, like has {want}{hint}"
+                    )
             mapped = {name: mapped[name] for name in like if name in mapped} | mapped
         if problems:
             listed = "\n  ".join(problems)

@@ -41,8 +41,9 @@ def tolerance(*dtypes: Any) -> float:
     return max((TOLERANCES.get(_COMPONENT.get(name, name), 0.0) for name in names), default=0.0)
 
 
-def beyond_tolerance(a: np.ndarray, b: np.ndarray, default: float, rtol: float | None = None,
-                     atol: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def beyond_tolerance(
+    a: np.ndarray, b: np.ndarray, default: float, rtol: float | None = None, atol: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Elementwise ``(beyond, difference, magnitude)`` of arrays `a` and `b` (one shape) under the module's rule.
 
     Where both elements are finite: ``difference = |a - b|`` and ``magnitude = max(|a|, |b|)``, and an element is
@@ -79,9 +80,11 @@ def _numeric(leaf: Any, path: str, side: str) -> np.ndarray:
     value = np.asarray(leaf)
     if value.dtype.kind not in _NUMERIC:
         shown_leaf = repr(leaf) if len(repr(leaf)) <= 40 else repr(leaf)[:37] + "..."
-        raise TypeError(f"assert_parity: the leaf at {shown(path)} of {side} is not numeric (dtype "
-                        f"{value.dtype}); compare arrays, numbers or None. Received: {type(leaf).__name__} "
-                        f"{shown_leaf}")
+        raise TypeError(
+            f"assert_parity: the leaf at {shown(path)} of {side} is not numeric (dtype "
+            f"{value.dtype}); compare arrays, numbers or None. Received: {type(leaf).__name__} "
+            f"{shown_leaf}"
+        )
     return value
 
 
@@ -98,8 +101,9 @@ class _Difference:
     value_b: object
 
 
-def assert_parity(a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None,
-                  names: tuple[str, str] = ("a", "b")) -> None:
+def assert_parity(
+    a: Any, b: Any, *, rtol: float | None = None, atol: float | None = None, names: tuple[str, str] = ("a", "b")
+) -> None:
     """Assert that pytrees `a` and `b` hold the same structure and, leaf by leaf, close values.
 
     `a`, `b`: pytrees (dicts, lists, tuples) of arrays (numpy arrays, numbers, anything ``np.asarray`` takes; a
@@ -164,8 +168,9 @@ def _leaves(a: Any, b: Any, path: str, names: tuple[str, str]):
         yield path, a, b
         return
     if _kind(a) != _kind(b) and not (isinstance(a, Mapping) and isinstance(b, Mapping)):
-        raise AssertionError(f"assert_parity: structures differ at {shown(path)}: {names[0]} has {_kind(a)}, "
-                             f"{names[1]} has {_kind(b)}")
+        raise AssertionError(
+            f"assert_parity: structures differ at {shown(path)}: {names[0]} has {_kind(a)}, {names[1]} has {_kind(b)}"
+        )
     if isinstance(a, Mapping):
         _same_keys(a, b, path, names)
         for key in a:
@@ -178,44 +183,64 @@ def _leaves(a: Any, b: Any, path: str, names: tuple[str, str]):
 def _same_keys(a: Mapping, b: Mapping, path: str, names: tuple[str, str]) -> None:
     only_a, only_b = [key for key in a if key not in b], [key for key in b if key not in a]
     if only_a or only_b:
-        raise AssertionError(f"assert_parity: structures differ at {shown(path)}: keys only in {names[0]}: "
-                             f"{only_a}; keys only in {names[1]}: {only_b}")
+        raise AssertionError(
+            f"assert_parity: structures differ at {shown(path)}: keys only in {names[0]}: "
+            f"{only_a}; keys only in {names[1]}: {only_b}"
+        )
 
 
-def _compare(path: str, rank: int | None, leaf_a: Any, leaf_b: Any, rtol: float | None, atol: float | None,
-             names: tuple[str, str]) -> _Difference | None:
+def _compare(
+    path: str,
+    rank: int | None,
+    leaf_a: Any,
+    leaf_b: Any,
+    rtol: float | None,
+    atol: float | None,
+    names: tuple[str, str],
+) -> _Difference | None:
     """The failure row of one pair of leaves, None when they agree; AssertionError for shapes that differ."""
     if leaf_a is None:
         return None
     value_a, value_b = _numeric(leaf_a, path, names[0]), _numeric(leaf_b, path, names[1])
     if value_a.shape != value_b.shape:
         where = "" if rank is None else f", rank {rank}"
-        raise AssertionError(f"assert_parity: shapes differ at {shown(path)}{where}: {names[0]} has "
-                             f"{value_a.shape}, {names[1]} has {value_b.shape}")
-    beyond, difference, magnitude = beyond_tolerance(value_a, value_b, tolerance(value_a.dtype, value_b.dtype),
-                                                     rtol, atol)
+        raise AssertionError(
+            f"assert_parity: shapes differ at {shown(path)}{where}: {names[0]} has "
+            f"{value_a.shape}, {names[1]} has {value_b.shape}"
+        )
+    beyond, difference, magnitude = beyond_tolerance(
+        value_a, value_b, tolerance(value_a.dtype, value_b.dtype), rtol, atol
+    )
     if not beyond.any():
         return None
     first = tuple(int(i) for i in np.unravel_index(int(np.argmax(beyond)), beyond.shape))
     relative = np.divide(difference, magnitude, out=np.where(difference > 0, np.inf, 0.0), where=magnitude > 0)
-    return _Difference(path, rank, float(difference.max()), float(relative.max()), first,
-                       value_a[first].item(), value_b[first].item())
+    return _Difference(
+        path, rank, float(difference.max()), float(relative.max()), first, value_a[first].item(), value_b[first].item()
+    )
 
 
-def _report(differences: Sequence[_Difference], count: int, rtol: float | None, atol: float | None,
-            names: tuple[str, str]) -> str:
-    rule = ("tolerance per dtype as commlib parity's" if rtol is None and atol is None
-            else f"rtol={rtol}, atol={atol}")
-    header = (f"assert_parity: {len(differences)} of {count} arrays differ between {names[0]} and {names[1]} "
-              f"({rule})")
+def _report(
+    differences: Sequence[_Difference], count: int, rtol: float | None, atol: float | None, names: tuple[str, str]
+) -> str:
+    rule = "tolerance per dtype as commlib parity's" if rtol is None and atol is None else f"rtol={rtol}, atol={atol}"
+    header = f"assert_parity: {len(differences)} of {count} arrays differ between {names[0]} and {names[1]} ({rule})"
     rows = [["path", "rank", "max abs", "max rel", "first index", names[0], names[1]]]
     order = {path: index for index, path in reversed(list(enumerate(row.path for row in differences)))}
     shown_rows = sorted(differences, key=lambda row: order[row.path])[:_MAX_ROWS]  # by path, then rank
     for row in shown_rows:
-        rows.append([shown(row.path), "-" if row.rank is None else str(row.rank), f"{row.max_abs:.1e}",
-                     f"{row.max_rel:.1e}", str(row.index), repr(row.value_a), repr(row.value_b)])
+        rows.append(
+            [
+                shown(row.path),
+                "-" if row.rank is None else str(row.rank),
+                f"{row.max_abs:.1e}",
+                f"{row.max_rel:.1e}",
+                str(row.index),
+                repr(row.value_a),
+                repr(row.value_b),
+            ]
+        )
     widths = [max(len(cells[column]) for cells in rows) for column in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
-             for cells in rows]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip() for cells in rows]
     more = [f"... and {len(differences) - _MAX_ROWS} more"] if len(differences) > _MAX_ROWS else []
     return "\n".join([header, *lines, *more])

@@ -67,11 +67,15 @@ def seeded_inputs(inputs: Any, seed: int, caller: str) -> dict | tuple:
     if made is None:
         return {}
     if not isinstance(made, Mapping | list | tuple):
-        raise TypeError(f"{caller}: inputs must be a dict (keyword arguments of fn), a tuple (positional "
-                        f"arguments) or a callable rng -> one of them. Received: {type(made).__name__}")
+        raise TypeError(
+            f"{caller}: inputs must be a dict (keyword arguments of fn), a tuple (positional "
+            f"arguments) or a callable rng -> one of them. Received: {type(made).__name__}"
+        )
     if isinstance(made, Mapping) and not all(isinstance(key, str) for key in made):
-        raise TypeError(f"{caller}: the keys of a dict of inputs name fn's keyword arguments and must be "
-                        f"strings. Received: {list(made)}")
+        raise TypeError(
+            f"{caller}: the keys of a dict of inputs name fn's keyword arguments and must be "
+            f"strings. Received: {list(made)}"
+        )
     flat = {path: np.asarray(leaf) for path, leaf in flatten(made).items()}
     tree = unflatten(flat, made)
     return dict(tree) if isinstance(made, Mapping) else tuple(tree)

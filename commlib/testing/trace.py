@@ -76,8 +76,9 @@ class Trace(Sequence[Call]):
         return len(self.calls)
 
     def __repr__(self) -> str:
-        return f"Trace({len(self)} calls: {', '.join(call.site() for call in self.calls[:4])}" + \
-            (", ...)" if len(self) > 4 else ")")
+        return f"Trace({len(self)} calls: {', '.join(call.site() for call in self.calls[:4])}" + (
+            ", ...)" if len(self) > 4 else ")"
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the trace as one ``.npz`` (the arrays, and the calls' fields as JSON)."""
@@ -99,8 +100,17 @@ class Trace(Sequence[Call]):
                 if key != "__calls__":
                     index, role, name, rank = key.rsplit("/", 3)
                     found.setdefault((int(index), role), {}).setdefault(name, {})[int(rank)] = stored[key]
-        return cls(Call(row["index"], row["op"], row["module"], row["plan"], found.get((row["index"], "inputs"), {}),
-                        found.get((row["index"], "outputs"), {})) for row in table)
+        return cls(
+            Call(
+                row["index"],
+                row["op"],
+                row["module"],
+                row["plan"],
+                found.get((row["index"], "inputs"), {}),
+                found.get((row["index"], "outputs"), {}),
+            )
+            for row in table
+        )
 
     @classmethod
     def merge(cls, traces: Sequence[Trace]) -> Trace:
@@ -144,13 +154,20 @@ class Recorder:
         self._lock = threading.Lock()
         self._names: dict[int, tuple[object, dict[int, str]]] = {}  # id(root module) -> (root, its names)
 
-    def open(self, op: str, module: str, plan: dict[str, str], inputs: Sequence[str] = ("x",),
-             outputs: Sequence[str] = ("out",)) -> int:
+    def open(
+        self,
+        op: str,
+        module: str,
+        plan: dict[str, str],
+        inputs: Sequence[str] = ("x",),
+        outputs: Sequence[str] = ("out",),
+    ) -> int:
         """A new call (its arrays named `inputs` and `outputs`, in that order, to come): its index."""
         with self._lock:
             index = len(self.trace.calls)
-            self.trace.calls.append(Call(index, op, module, plan, {name: {} for name in inputs},
-                                         {name: {} for name in outputs}))
+            self.trace.calls.append(
+                Call(index, op, module, plan, {name: {} for name in inputs}, {name: {} for name in outputs})
+            )
         return index
 
     def store(self, index: int, role: str, name: str, rank: int, array: Any) -> None:
@@ -176,8 +193,9 @@ class Recorder:
         return self._names[id(root)][1]
 
 
-def calling_module(recorder: Recorder, is_module: Callable[[object], bool],
-                   named: Callable[[object], Iterable[tuple[str, object]]]) -> str:
+def calling_module(
+    recorder: Recorder, is_module: Callable[[object], bool], named: Callable[[object], Iterable[tuple[str, object]]]
+) -> str:
     """The name of the innermost module on the Python stack (a frame whose ``self`` `is_module`), relative to
     the outermost one (the root, as ``named(root)`` names its modules: torch ``named_modules``, the nnx graph);
     the root itself is shown by its class name, no module on the stack as ``""``.
@@ -212,6 +230,11 @@ def describe_plan(plan: Any) -> dict[str, str]:
     >>> describe_plan(plans.all_gather((3, 5), 4, dim=0))["out_shape"]
     '(12, 5)'
     """
-    return {"world_size": str(plan.world_size), "in_shape": str(tuple(plan.in_shape)),
-            "out_shape": str(tuple(plan.out_shape)), "dtype": plan.dtype, "convention": str(plan.convention.value),
-            "step": repr(plan.step)}
+    return {
+        "world_size": str(plan.world_size),
+        "in_shape": str(tuple(plan.in_shape)),
+        "out_shape": str(tuple(plan.out_shape)),
+        "dtype": plan.dtype,
+        "convention": str(plan.convention.value),
+        "step": repr(plan.step),
+    }

@@ -26,9 +26,29 @@ from commlib import attention, split_sizes, uneven
 from commlib.layout import Plan
 from commlib.tools import progress, train_block
 
-__all__ = ["case_names", "CONTEXT_BASELINE", "CONTEXT_SHAPE", "CONTEXT_SIZES_MIB", "context_rows", "context_wire",
-           "FRAMEWORKS", "FULL", "QUICK", "TARGETS", "TRAIN_STEP", "TRAIN_STEP_SIZES_MIB", "Row", "Target", "markdown",
-           "plot", "rows", "run", "train_step_config", "uneven_ulysses", "wire_bytes"]
+__all__ = [
+    "case_names",
+    "CONTEXT_BASELINE",
+    "CONTEXT_SHAPE",
+    "CONTEXT_SIZES_MIB",
+    "context_rows",
+    "context_wire",
+    "FRAMEWORKS",
+    "FULL",
+    "QUICK",
+    "TARGETS",
+    "TRAIN_STEP",
+    "TRAIN_STEP_SIZES_MIB",
+    "Row",
+    "Target",
+    "markdown",
+    "plot",
+    "rows",
+    "run",
+    "train_step_config",
+    "uneven_ulysses",
+    "wire_bytes",
+]
 
 FRAMEWORKS = ("torch", "jax")
 #: `commlib bench` settings; --quick takes QUICK (only the cases marked quick), explicit options win.
@@ -56,8 +76,13 @@ class Target:
     def applies(self, row: Row) -> bool:
         name = self.case.removesuffix("*")
         matches = row.case.startswith(name) if self.case.endswith("*") else row.case == name
-        return (matches and row.framework == self.framework and row.baseline == self.baseline
-                and row.world_size == self.world_size and row.size_mib == self.size_mib)
+        return (
+            matches
+            and row.framework == self.framework
+            and row.baseline == self.baseline
+            and row.world_size == self.world_size
+            and row.size_mib == self.size_mib
+        )
 
 
 #: The issue's targets (CPU, gloo, world 4, 16 MiB per rank).
@@ -82,8 +107,9 @@ def train_step_config(nbytes: int, sp: int):
     (512, 256, 256, 1024)
     """
     dim = 256
-    return train_block.BlockConfig(batch=1, seq=sp * max(1, nbytes // (4 * dim)), dim=dim, heads=8, head_dim=32,
-                                hidden=4 * dim)
+    return train_block.BlockConfig(
+        batch=1, seq=sp * max(1, nbytes // (4 * dim)), dim=dim, heads=8, head_dim=32, hidden=4 * dim
+    )
 
 
 @dataclasses.dataclass
@@ -126,8 +152,18 @@ def rows(records: list[dict], targets=TARGETS) -> list[Row]:
         seconds, subject = record["seconds"], record["subject"]
         for baseline in record["baselines"]:
             mine, theirs = _median_ms(seconds[subject]), _median_ms(seconds[baseline])
-            row = Row(record["framework"], record["case"], record["world_size"], record["size_mib"], subject, mine,
-                      baseline, theirs, mine / theirs, max(_spread(seconds[subject]), _spread(seconds[baseline])))
+            row = Row(
+                record["framework"],
+                record["case"],
+                record["world_size"],
+                record["size_mib"],
+                subject,
+                mine,
+                baseline,
+                theirs,
+                mine / theirs,
+                max(_spread(seconds[subject]), _spread(seconds[baseline])),
+            )
             cpu = record.get("cpu_seconds")
             if cpu:
                 row.cpu_ratio = statistics.median(cpu[subject]) / statistics.median(cpu[baseline])
@@ -185,8 +221,12 @@ def context_wire(kind: str, world_size: int, nbytes: int) -> dict[str, int]:
         ulysses = (rows * (heads + 2 * kv_heads) + rows * heads) * head_dim * 4 // U  # q, k, v out; output back
         return {"commlib usp": W * (2 * ulysses + (3 * ring - 2) * kv), CONTEXT_BASELINE: baseline}
     split = attention.head_split(heads, kv_heads, W)
-    sent = sum(rows * (split.q_sizes[j] + 2 * split.kv_sizes[j] + split.q_sizes[r]) * head_dim * 4
-               for r in range(W) for j in range(W) if j != r)
+    sent = sum(
+        rows * (split.q_sizes[j] + 2 * split.kv_sizes[j] + split.q_sizes[r]) * head_dim * 4
+        for r in range(W)
+        for j in range(W)
+        if j != r
+    )
     return {"commlib ulysses": 2 * sent, CONTEXT_BASELINE: baseline}
 
 
@@ -195,14 +235,16 @@ def wire_bytes(plan: Plan, itemsize: int = 4) -> int:
     return itemsize * sum(uneven.sent_elements(plan, rank) for rank in range(plan.world_size))
 
 
-def _run_framework(framework: str, out: Path, options: list[str], timeout: float,
-                   runner: str = "bench_runner") -> tuple[list[dict], dict, str]:
+def _run_framework(
+    framework: str, out: Path, options: list[str], timeout: float, runner: str = "bench_runner"
+) -> tuple[list[dict], dict, str]:
     """(records, versions, error text or "") of one runner subprocess (``commlib_<framework>.tools.<runner>``)."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.{runner}", str(out), *options]
     env = dict(os.environ)
     if framework == "jax":  # one XLA thread per device: fewer threads contending for the cores, less noise
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        ).strip()
     try:
         done = progress.run(command, phase=f"{framework} {runner.replace('_runner', '')}", timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -225,20 +267,44 @@ def case_names(framework: str, runner: str = "bench_runner", timeout: float = 30
     return done.stdout.splitlines()
 
 
-def run(world_sizes=(2, 4), sizes_mib=(1, 4, 16, 64), repeats: int = 7, warmup: int = 1, frameworks=FRAMEWORKS,
-        quick: bool = False, cases: list[str] | None = None, timeout: float = 3600.0) -> tuple[list[Row], dict]:
+def run(
+    world_sizes=(2, 4),
+    sizes_mib=(1, 4, 16, 64),
+    repeats: int = 7,
+    warmup: int = 1,
+    frameworks=FRAMEWORKS,
+    quick: bool = False,
+    cases: list[str] | None = None,
+    timeout: float = 3600.0,
+) -> tuple[list[Row], dict]:
     """Run the benches; (rows, facts about the run: versions, machine, load, seconds, failures, and the
     runners' records with every round's seconds)."""
-    options = ["--world-sizes", *map(str, world_sizes), "--sizes-mib", *map(str, sizes_mib),
-               "--repeats", str(repeats), "--warmup", str(warmup), *(["--quick"] if quick else [])]
-    facts: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "load_before": _load(),
-             "versions": {"python": sys.version.split()[0]}, "failures": {}, "records": []}
+    options = [
+        "--world-sizes",
+        *map(str, world_sizes),
+        "--sizes-mib",
+        *map(str, sizes_mib),
+        "--repeats",
+        str(repeats),
+        "--warmup",
+        str(warmup),
+        *(["--quick"] if quick else []),
+    ]
+    facts: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": _machine(),
+        "load_before": _load(),
+        "versions": {"python": sys.version.split()[0]},
+        "failures": {},
+        "records": [],
+    }
     start, result = time.perf_counter(), []
     with tempfile.TemporaryDirectory(prefix="commlib-bench-") as tmp:
         for framework in frameworks:
             extra = ["--cases", *cases] if cases else []
-            records, versions, error = _run_framework(framework, Path(tmp) / f"{framework}.json",
-                                                      options + extra, timeout)
+            records, versions, error = _run_framework(
+                framework, Path(tmp) / f"{framework}.json", options + extra, timeout
+            )
             facts["versions"].update(versions)
             if error:
                 facts["failures"][framework] = error
@@ -268,19 +334,51 @@ def markdown(result: list[Row]) -> str:
     for row in result:
         verdict = "" if row.target is None else f"<= {row.target:.2f} {'met' if row.met else 'MISSED'}"
         spread = "-" if row.spread is None else f"{100 * row.spread:.0f}%"
-        wire = "-" if row.subject_wire_mib is None else (
-            f"{row.subject_wire_mib:.2f} / {_number(row.baseline_wire_mib)}")
-        body.append([row.framework, row.case, row.world_size, f"{row.size_mib:g}", _number(row.subject_ms, 1),
-                     row.baseline, _number(row.baseline_ms, 1), _number(row.ratio), spread,
-                     _number(row.cpu_ratio), wire, verdict])
-    headers = ["framework", "case", "W", "MiB/rank", "commlib ms", "baseline", "baseline ms", "ratio", "spread",
-               "cpu ratio", "wire MiB (commlib / baseline)", "target"]
+        wire = (
+            "-" if row.subject_wire_mib is None else (f"{row.subject_wire_mib:.2f} / {_number(row.baseline_wire_mib)}")
+        )
+        body.append(
+            [
+                row.framework,
+                row.case,
+                row.world_size,
+                f"{row.size_mib:g}",
+                _number(row.subject_ms, 1),
+                row.baseline,
+                _number(row.baseline_ms, 1),
+                _number(row.ratio),
+                spread,
+                _number(row.cpu_ratio),
+                wire,
+                verdict,
+            ]
+        )
+    headers = [
+        "framework",
+        "case",
+        "W",
+        "MiB/rank",
+        "commlib ms",
+        "baseline",
+        "baseline ms",
+        "ratio",
+        "spread",
+        "cpu ratio",
+        "wire MiB (commlib / baseline)",
+        "target",
+    ]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 #: The op families `plot` gives a panel each: a case belongs to the first whose prefix its name starts with.
-FAMILIES = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather",), "reduce_scatter": ("reduce_scatter",),
-            "all_to_all": ("all_to_all",), "attention layers": ("ring", "usp", "ulysses"), "train step": ("train",)}
+FAMILIES = {
+    "all_reduce": ("all_reduce",),
+    "all_gather": ("all_gather",),
+    "reduce_scatter": ("reduce_scatter",),
+    "all_to_all": ("all_to_all",),
+    "attention layers": ("ring", "usp", "ulysses"),
+    "train step": ("train",),
+}
 
 
 def family(case: str) -> str:
@@ -311,8 +409,13 @@ def _panel(axis, legend, series: dict[tuple[str, int], list[Row]], markers: dict
     styles: dict[str, Any] = {case: ("-", "--", ":")[index // 10 % 3] for index, case in enumerate(cases)}
     for (case, world_size), points in sorted(series.items()):
         points.sort(key=lambda row: row.size_mib)
-        axis.plot([p.size_mib for p in points], [p.ratio for p in points], color=colours[case],
-                  linestyle=styles[case], marker=markers[world_size])
+        axis.plot(
+            [p.size_mib for p in points],
+            [p.ratio for p in points],
+            color=colours[case],
+            linestyle=styles[case],
+            marker=markers[world_size],
+        )
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set(xscale="log", xlabel="MiB per rank", ylabel="commlib / baseline", title=title)
     baselines = {case: rows[0].baseline for (case, _), rows in series.items()}
@@ -338,9 +441,13 @@ def plot(result: list[Row], path: str | Path) -> bool:
     families = list(dict.fromkeys(name for name, _ in panels))
     frameworks = [name for name in ("torch", "jax") if any(f == name for _, f in panels)]
     markers = dict(zip(sorted({row.world_size for row in result}), "osD^v", strict=False))
-    figure, axes = plt.subplots(max(1, len(families)), 2 * max(1, len(frameworks)), squeeze=False,
-                                figsize=(8.5 * max(1, len(frameworks)), 3.4 * max(1, len(families))),
-                                gridspec_kw={"width_ratios": [3, 2] * max(1, len(frameworks))})
+    figure, axes = plt.subplots(
+        max(1, len(families)),
+        2 * max(1, len(frameworks)),
+        squeeze=False,
+        figsize=(8.5 * max(1, len(frameworks)), 3.4 * max(1, len(families))),
+        gridspec_kw={"width_ratios": [3, 2] * max(1, len(frameworks))},
+    )
     for axis in axes.flat:
         axis.set_visible(False)
     for (name, framework), series in panels.items():

@@ -116,8 +116,9 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
     return Case(name, op_name, world_size, tuple(shape), dtype, tuple(kwargs.items()), transposed, tuple(inputs), draw)
 
 
-def attention_case(world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
-                   **kwargs) -> Case:
+def attention_case(
+    world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64", **kwargs
+) -> Case:
     """A `ulysses_attention` row: global q of `shape` ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head
     dim `value_dim` if given); `seq_sizes` "split" means ``split_sizes(S, W)``."""
     if kwargs.get("seq_sizes") == "split":
@@ -146,16 +147,22 @@ def attention_rows(case: Case) -> tuple[int, ...]:
 def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
     batch, seq, heads, head_dim = case.shape
     kv_heads, value_dim = int(case.params["kv_heads"]), int(case.params.get("value_dim", head_dim))  # type: ignore[call-overload]
-    return {"q": case.shape, "k": (batch, seq, kv_heads, head_dim), "v": (batch, seq, kv_heads, value_dim),
-            "cotangent": (batch, seq, heads, value_dim)}
+    return {
+        "q": case.shape,
+        "k": (batch, seq, kv_heads, head_dim),
+        "v": (batch, seq, kv_heads, value_dim),
+        "cotangent": (batch, seq, heads, value_dim),
+    }
 
 
 def attention_whole(case: Case, arrays) -> dict[str, np.ndarray]:
     """An attention case's whole arrays (`make_arrays` holds every rank's rows padded): the valid rows of every
     rank, concatenated along seq in rank order."""
     rows = attention_rows(case)
-    return {name: np.concatenate([part[:, :size] for part, size in zip(ranks, rows, strict=True)], axis=1)
-            for name, ranks in arrays.items()}
+    return {
+        name: np.concatenate([part[:, :size] for part, size in zip(ranks, rows, strict=True)], axis=1)
+        for name, ranks in arrays.items()
+    }
 
 
 def attention_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
@@ -174,11 +181,26 @@ def _uneven_cases(W: int) -> list[Case]:
     zeroed = (0, *split_sizes(2 * W - 1, W - 1)) if W > 1 else (3,)  # rank 0 holds nothing
     return [
         _case("all_to_all_4d", W, (2, max(seq), H, 3), scatter_sizes=heads, gather_sizes=seq),
-        _case("all_to_all_4d", W, (2, S, max(heads), 3), scatter_dim=1, gather_dim=2, scatter_sizes=seq,
-              gather_sizes=heads),
+        _case(
+            "all_to_all_4d",
+            W,
+            (2, S, max(heads), 3),
+            scatter_dim=1,
+            gather_dim=2,
+            scatter_sizes=seq,
+            gather_sizes=heads,
+        ),
         _case("all_to_all_4d", W, (1, max(zeroed), H, 2), scatter_sizes=heads, gather_sizes=zeroed, transposed=True),
-        _case("all_to_all", W, (sum(zeroed), 3, 2), scatter_dim=0, gather_dim=-1, scatter_sizes=zeroed,
-              gather_sizes=split_sizes(W + 1, W), dtype="bfloat16"),
+        _case(
+            "all_to_all",
+            W,
+            (sum(zeroed), 3, 2),
+            scatter_dim=0,
+            gather_dim=-1,
+            scatter_sizes=zeroed,
+            gather_sizes=split_sizes(W + 1, W),
+            dtype="bfloat16",
+        ),
         _case("all_gather", W, (max(seq), 3), dim=0, sizes=seq),
         _case("all_gather", W, (2, max(zeroed)), dim=-1, sizes=zeroed, convention="replicated", transposed=True),
         _case("reduce_scatter", W, (2, S, 3), dim=1, sizes=seq),
@@ -273,17 +295,36 @@ def case_table(world_size: int) -> list[Case]:
     ]
 
 
-def context_case(ring_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64",
-                 ulysses_size: int | None = None, **kwargs) -> Case:
+def context_case(
+    ring_size: int,
+    shape,
+    tag: str = "",
+    /,
+    *,
+    kv_heads: int,
+    dtype: str = "float64",
+    ulysses_size: int | None = None,
+    **kwargs,
+) -> Case:
     """A `ring_attention` row over `ring_size` ranks, or with `ulysses_size` U a `usp_attention` row over
     ``ring_size * U`` ranks (world rank ``r * U + u`` at ring index r, Ulysses index u): global q of `shape`
     ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head dim `value_dim` if given); keywords `causal`,
     `scale`, `layout` are the call's."""
     if ulysses_size is None:
-        return _case(CONTEXT_OPS[0], ring_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"),
-                     **kwargs)
-    return _case(CONTEXT_OPS[1], ring_size * ulysses_size, shape, tag, kv_heads=kv_heads, dtype=dtype,
-                 inputs=("q", "k", "v"), ulysses_size=ulysses_size, **kwargs)
+        return _case(
+            CONTEXT_OPS[0], ring_size, shape, tag, kv_heads=kv_heads, dtype=dtype, inputs=("q", "k", "v"), **kwargs
+        )
+    return _case(
+        CONTEXT_OPS[1],
+        ring_size * ulysses_size,
+        shape,
+        tag,
+        kv_heads=kv_heads,
+        dtype=dtype,
+        inputs=("q", "k", "v"),
+        ulysses_size=ulysses_size,
+        **kwargs,
+    )
 
 
 def context_layout(case: Case) -> tuple[int, int, str]:
@@ -305,8 +346,9 @@ def context_sequence(case: Case) -> sequence.SequenceLayout | None:
 def context_kwargs(case: Case) -> dict[str, Any]:
     """The keywords a context row passes to ``ring_attention`` / ``usp_attention`` (an any-length row: its
     `SequenceLayout` as ``layout``)."""
-    kwargs = {key: value for key, value in case.kwargs
-              if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size", "any_length")}
+    kwargs = {
+        key: value for key, value in case.kwargs if key not in (*ATTENTION_SHAPE_KEYS, "ulysses_size", "any_length")
+    }
     layout = context_sequence(case)
     return kwargs if layout is None else {**kwargs, "layout": layout}
 
@@ -318,8 +360,9 @@ def context_plan(case: Case) -> ring.RingPlan:
     rows = case.shape[1] // case.world_size if layout is None else layout.max_size
     shapes = _attention_global_shapes(case)
     q, k, v = ((*shapes[name][:1], rows, *shapes[name][2:]) for name in "qkv")
-    return ring.ring_plan(q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size,
-                          op_name=case.op, **context_kwargs(case))
+    return ring.ring_plan(
+        q, k, v, ring_size, dtypes=(case.dtype,) * 3, ulysses_size=ulysses_size, op_name=case.op, **context_kwargs(case)
+    )
 
 
 def _context_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
@@ -413,8 +456,10 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
     rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
     W = case.world_size
     if case.op in CONTEXT_OPS:  # the whole sequence drawn, every rank given its shard of the layout
-        return {name: _fill_padding(case, _context_shards(case, _draw(rng, shape, case.dtype)), rng)
-                for name, shape in _attention_global_shapes(case).items()}
+        return {
+            name: _fill_padding(case, _context_shards(case, _draw(rng, shape, case.dtype)), rng)
+            for name, shape in _attention_global_shapes(case).items()
+        }
     if case.op == ATTENTION:  # every rank's rows padded to the longest shard (rows past its own: ignored)
         rows = max(attention_rows(case))
         shapes = {name: (shape[0], rows, *shape[2:]) for name, shape in _attention_global_shapes(case).items()}
@@ -549,14 +594,24 @@ def _context_expected(case: Case, arrays) -> tuple[list, dict]:
     options = dict(causal=kwargs.get("causal", False), scale=kwargs.get("scale"))
     any_length = context_sequence(case)
     if any_length is None:
-        outs, *grads = ring_reference.reference(arrays["q"], arrays["k"], arrays["v"], arrays["cotangent"], ring_size,
-                                                layout=layout, ulysses_size=ulysses_size, **options)
+        outs, *grads = ring_reference.reference(
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            arrays["cotangent"],
+            ring_size,
+            layout=layout,
+            ulysses_size=ulysses_size,
+            **options,
+        )
         return outs, dict(zip("qkv", grads, strict=True))
     exact = [exact_arrays(case, arrays, rank) for rank in range(case.world_size)]
     qs, ks, vs, cotangents = ([mine[name] for mine in exact] for name in ("q", "k", "v", "cotangent"))
     outs, *grads = ring_reference.reference(qs, ks, vs, cotangents, ring_size, layout=any_length, **options)
-    padded = [padded_result(case, rank, outs[rank], {name: grad[rank] for name, grad in zip("qkv", grads, strict=True)})
-              for rank in range(case.world_size)]
+    padded = [
+        padded_result(case, rank, outs[rank], {name: grad[rank] for name, grad in zip("qkv", grads, strict=True)})
+        for rank in range(case.world_size)
+    ]
     return [out for out, _ in padded], {name: [mine[name] for _, mine in padded] for name in "qkv"}
 
 
@@ -588,8 +643,12 @@ def read(directory: Path) -> list[tuple[Case, dict[str, list[np.ndarray]]]]:
         data = dict(stored)
     result = []
     for row in table:
-        row = {**row, "shape": tuple(row["shape"]), "inputs": tuple(row["inputs"]),
-               "kwargs": tuple((key, value) for key, value in row["kwargs"])}
+        row = {
+            **row,
+            "shape": tuple(row["shape"]),
+            "inputs": tuple(row["inputs"]),
+            "kwargs": tuple((key, value) for key, value in row["kwargs"]),
+        }
         case = Case(**row)
         names = [*case.inputs, "cotangent"]
         arrays = {
@@ -604,4 +663,3 @@ def read(directory: Path) -> list[tuple[Case, dict[str, list[np.ndarray]]]]:
 def result_key(case: Case, mode: str, what: str, rank: int) -> str:
     """Key of a runner's result array: what = "out" or "grad_<input>"."""
     return _key(case.name, mode, what, rank)
-

@@ -44,7 +44,7 @@ def _format_error(value: float | None) -> str:
 
 def _mode(mode: str) -> str:
     """The mode as the table shows it: ``shard_map[check_vma=True] -> check_vma=True`` (the other modes as named)."""
-    return mode[len("shard_map["):-1] if mode.startswith("shard_map[") else mode
+    return mode[len("shard_map[") : -1] if mode.startswith("shard_map[") else mode
 
 
 def _print_table(rows: list[parity.Row]) -> None:
@@ -53,8 +53,17 @@ def _print_table(rows: list[parity.Row]) -> None:
     import tabulate as tabulate_module
     from tabulate import tabulate
 
-    body = [[row.case, row.framework, _mode(row.mode), _format_error(row.out_error), _format_error(row.grad_error),
-             "pass" if row.passed else "FAIL"] for row in rows]
+    body = [
+        [
+            row.case,
+            row.framework,
+            _mode(row.mode),
+            _format_error(row.out_error),
+            _format_error(row.grad_error),
+            "pass" if row.passed else "FAIL",
+        ]
+        for row in rows
+    ]
     headers = ["case", "framework", "mode", "err out", "err grad", "result"]
 
     def render(case_width: int) -> str:
@@ -90,8 +99,10 @@ def _parity(args: argparse.Namespace) -> int:
         rows += mask_parity.run(args.world_size, **options)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
-    print(f"\nworld_size={args.world_size} seed={args.seed} workload={args.workload}: {len(rows) - failed} passed, "
-          f"{failed} failed in {time.perf_counter() - start:.1f} s")
+    print(
+        f"\nworld_size={args.world_size} seed={args.seed} workload={args.workload}: {len(rows) - failed} passed, "
+        f"{failed} failed in {time.perf_counter() - start:.1f} s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
     return 0 if rows and not failed else 1
@@ -104,16 +115,25 @@ def _host_bench(args: argparse.Namespace) -> int:
     print(table)
     met = [row.met for row in rows if row.met is not None]
     cost = host_bench.checked_cost(rows)
-    print(f"\n{len(rows)} comparisons, targets met {sum(met)}/{len(met)}; checked mode adds "
-          f"{'-' if cost is None else f'{cost:.1f}'} us per call (median over ops); fake backend, W {world_size}, "
-          f"{args.calls} calls per variant; {facts['seconds']} s; load average {facts['load_before']} -> "
-          f"{facts['load_after']}; {facts['versions']}")
+    print(
+        f"\n{len(rows)} comparisons, targets met {sum(met)}/{len(met)}; checked mode adds "
+        f"{'-' if cost is None else f'{cost:.1f}'} us per call (median over ops); fake backend, W {world_size}, "
+        f"{args.calls} calls per variant; {facts['seconds']} s; load average {facts['load_before']} -> "
+        f"{facts['load_after']}; {facts['versions']}"
+    )
     for framework, error in facts["failures"].items():
         print(f"{framework} runner FAILED: {error}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"facts": facts, "settings": {"world_size": world_size,
-                                                                            "calls": args.calls},
-                                               "rows": [dataclasses.asdict(row) for row in rows]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "facts": facts,
+                    "settings": {"world_size": world_size, "calls": args.calls},
+                    "rows": [dataclasses.asdict(row) for row in rows],
+                },
+                indent=1,
+            )
+        )
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     return 1 if facts["failures"] or not rows else 0
@@ -142,21 +162,27 @@ def _bench(args: argparse.Namespace) -> int:
         return _host_bench(args)
     settings: dict[str, Any] = {**bench.QUICK} if args.quick else {**bench.FULL}
     settings.update({key: value for key in settings if (value := getattr(args, key)) is not None})
-    rows, facts = bench.run(**settings, frameworks=args.frameworks, quick=args.quick, cases=args.cases,
-                            timeout=args.timeout)
+    rows, facts = bench.run(
+        **settings, frameworks=args.frameworks, quick=args.quick, cases=args.cases, timeout=args.timeout
+    )
     table = bench.markdown(rows)
     print(table)
     met = [row.met for row in rows if row.met is not None]
     verdict = f"targets met {sum(met)}/{len(met)}" if met else "no target applies (they are set at W 4, 16 MiB)"
-    print(f"\n{len(rows)} comparisons, {verdict}; {facts['seconds']} s; "
-          f"load average {facts['load_before']} -> {facts['load_after']}; {facts['versions']}")
+    print(
+        f"\n{len(rows)} comparisons, {verdict}; {facts['seconds']} s; "
+        f"load average {facts['load_before']} -> {facts['load_after']}; {facts['versions']}"
+    )
     for framework, error in facts["failures"].items():
         print(f"{framework} runner FAILED: {error}")
     if not rows:
         print(f"no comparison ran (cases {args.cases})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"facts": facts, "settings": settings,
-                                               "rows": [dataclasses.asdict(row) for row in rows]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"facts": facts, "settings": settings, "rows": [dataclasses.asdict(row) for row in rows]}, indent=1
+            )
+        )
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     if args.plot and not bench.plot(rows, args.plot):
@@ -202,42 +228,74 @@ examples:
 
 
 def _add_bench(commands) -> None:
-    timing = commands.add_parser("bench", help="time commlib against raw collectives, the seed and bare jax.lax",
-                                 description=BENCH, formatter_class=_HelpFormatter)
+    timing = commands.add_parser(
+        "bench",
+        help="time commlib against raw collectives, the seed and bare jax.lax",
+        description=BENCH,
+        formatter_class=_HelpFormatter,
+    )
     timing.add_argument("--quick", action="store_true", help=f"a short run (about a minute): {bench.QUICK}")
     timing.add_argument("--world-sizes", type=_positive, nargs="+", help=f"default {bench.FULL['world_sizes']}")
     timing.add_argument("--sizes-mib", type=float, nargs="+", help=f"MiB per rank, default {bench.FULL['sizes_mib']}")
     timing.add_argument("--repeats", type=int, help=f"timed rounds per variant, default {bench.FULL['repeats']}")
     timing.add_argument("--warmup", type=int, help=f"untimed rounds first, default {bench.FULL['warmup']}")
-    timing.add_argument("--frameworks", nargs="+", choices=bench.FRAMEWORKS, default=list(bench.FRAMEWORKS),
-                        help="which frontends to time (each in a subprocess of its own)")
-    timing.add_argument("--cases", nargs="+", metavar="NAME",
-                        help="only the cases of these names (each framework runs those it has; see --list-cases)")
-    timing.add_argument("--list-cases", action="store_true",
-                        help="print the names --cases accepts, per framework (with --host: the host cases), and stop")
+    timing.add_argument(
+        "--frameworks",
+        nargs="+",
+        choices=bench.FRAMEWORKS,
+        default=list(bench.FRAMEWORKS),
+        help="which frontends to time (each in a subprocess of its own)",
+    )
+    timing.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="NAME",
+        help="only the cases of these names (each framework runs those it has; see --list-cases)",
+    )
+    timing.add_argument(
+        "--list-cases",
+        action="store_true",
+        help="print the names --cases accepts, per framework (with --host: the host cases), and stop",
+    )
     timing.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows and run facts as JSON")
     timing.add_argument("--markdown", metavar="PATH", type=_writable, help="also write the table as markdown")
     timing.add_argument("--plot", metavar="PATH", type=_writable, help="also plot the ratios as PNG (needs matplotlib)")
     timing.add_argument("--timeout", type=float, default=3600.0, help="seconds per framework runner")
-    timing.add_argument("--host", action="store_true",
-                        help="host time per call instead (torch, fake process group, small tensors): commlib vs "
-                             "torch.distributed.nn, the raw call by hand, the hand-written Ulysses, checked mode")
+    timing.add_argument(
+        "--host",
+        action="store_true",
+        help="host time per call instead (torch, fake process group, small tensors): commlib vs "
+        "torch.distributed.nn, the raw call by hand, the hand-written Ulysses, checked mode",
+    )
     timing.add_argument("--calls", type=_positive, default=3000, help="with --host: timed calls per variant")
     timing.set_defaults(handler=_bench)
 
 
 def _add_parity(commands) -> None:
-    check = commands.add_parser("parity", help="run the case table through numpy, torch and JAX and compare",
-                                description=PARITY, formatter_class=_HelpFormatter)
+    check = commands.add_parser(
+        "parity",
+        help="run the case table through numpy, torch and JAX and compare",
+        description=PARITY,
+        formatter_class=_HelpFormatter,
+    )
     check.add_argument("--world-size", type=_positive, default=4, help="ranks (torch processes, JAX CPU devices)")
     check.add_argument("--seed", type=int, default=0, help="seed of the case table's inputs")
     check.add_argument("--json", metavar="PATH", type=_writable, help="also write the rows as JSON")
-    check.add_argument("--frameworks", nargs="+", choices=parity.FRAMEWORKS, default=list(parity.FRAMEWORKS),
-                       help="which frontends to compare with the reference (each in a subprocess of its own)")
-    check.add_argument("--workload", choices=("ops", "train", "sequence", "masks", "all"), default="ops",
-                       help="ops: the case table; train: the training block on every SP x TP mesh; sequence: the "
-                            "sequence helpers on every layout and the two model examples (W = 4); masks: the "
-                            "attention layers with segment ids (padding, packed documents); all: the four")
+    check.add_argument(
+        "--frameworks",
+        nargs="+",
+        choices=parity.FRAMEWORKS,
+        default=list(parity.FRAMEWORKS),
+        help="which frontends to compare with the reference (each in a subprocess of its own)",
+    )
+    check.add_argument(
+        "--workload",
+        choices=("ops", "train", "sequence", "masks", "all"),
+        default="ops",
+        help="ops: the case table; train: the training block on every SP x TP mesh; sequence: the "
+        "sequence helpers on every layout and the two model examples (W = 4); masks: the "
+        "attention layers with segment ids (padding, packed documents); all: the four",
+    )
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)
 
@@ -254,8 +312,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if importlib.util.find_spec("tabulate") is None:  # the spec does without; its command does not
-        print("commlib: the commlib command prints its tables with tabulate: pip install 'commlib[cli]' "
-              "(the torch, jax, test and bench extras include it)", file=sys.stderr)
+        print(
+            "commlib: the commlib command prints its tables with tabulate: pip install 'commlib[cli]' "
+            "(the torch, jax, test and bench extras include it)",
+            file=sys.stderr,
+        )
         return 2
     return args.handler(args)
 

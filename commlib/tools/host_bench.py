@@ -24,8 +24,18 @@ from commlib.tools import bench
 __all__ = ["BY_HAND_OPS", "TARGETS", "markdown", "run"]
 
 #: The ops whose target is against the raw call by hand (the runner's case names).
-BY_HAND_OPS = ("all_gather (dim 0)", "reduce_scatter (dim 0)", "all_to_all (= all_to_all_single)", "broadcast",
-               "gather (dim 0)", "scatter (dim 0)", "permute (ring)", "sum_grad", "shard (dim 0)", "reduce")
+BY_HAND_OPS = (
+    "all_gather (dim 0)",
+    "reduce_scatter (dim 0)",
+    "all_to_all (= all_to_all_single)",
+    "broadcast",
+    "gather (dim 0)",
+    "scatter (dim 0)",
+    "permute (ring)",
+    "sum_grad",
+    "shard (dim 0)",
+    "reduce",
+)
 _HOST = dict(world_size=4, size_mib=0.0)
 #: The issue's targets (fake backend, world size 4, small tensors), ratios of medians from one run.
 TARGETS = (
@@ -35,17 +45,24 @@ TARGETS = (
 )
 
 
-def run(world_size: int = 4, calls: int = 3000, cases: list[str] | None = None,
-        timeout: float = 3600.0) -> tuple[list[bench.Row], dict[str, Any]]:
+def run(
+    world_size: int = 4, calls: int = 3000, cases: list[str] | None = None, timeout: float = 3600.0
+) -> tuple[list[bench.Row], dict[str, Any]]:
     """Run the torch host-time runner; (rows, facts about the run, the runner's records included)."""
     options = ["--world-size", str(world_size), "--calls", str(calls), *(["--cases", *cases] if cases else [])]
-    facts: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": bench._machine(),
-                             "load_before": bench._load(), "versions": {"python": sys.version.split()[0]},
-                             "failures": {}, "records": []}
+    facts: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": bench._machine(),
+        "load_before": bench._load(),
+        "versions": {"python": sys.version.split()[0]},
+        "failures": {},
+        "records": [],
+    }
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="commlib-host-") as tmp:
-        records, versions, error = bench._run_framework("torch", Path(tmp) / "torch.json", options, timeout,
-                                                        runner="host_runner")
+        records, versions, error = bench._run_framework(
+            "torch", Path(tmp) / "torch.json", options, timeout, runner="host_runner"
+        )
     facts["versions"].update(versions)
     if error:
         facts["failures"]["torch"] = error
@@ -65,16 +82,38 @@ def markdown(rows: list[bench.Row]) -> str:
     for row in rows:
         verdict = "" if row.target is None else f"<= {row.target:.2f} {'met' if row.met else 'MISSED'}"
         added = None if row.subject_ms is None or row.baseline_ms is None else row.subject_ms - row.baseline_ms
-        body.append([row.case, row.subject, _us(row.subject_ms), row.baseline, _us(row.baseline_ms),
-                     bench._number(row.ratio), "-" if added is None else f"{1e3 * added:+.1f}",
-                     "-" if row.spread is None else f"{100 * row.spread:.0f}%", verdict])
-    headers = ["case", "subject", "us/call", "baseline", "baseline us/call", "ratio", "difference us", "spread",
-               "target"]
+        body.append(
+            [
+                row.case,
+                row.subject,
+                _us(row.subject_ms),
+                row.baseline,
+                _us(row.baseline_ms),
+                bench._number(row.ratio),
+                "-" if added is None else f"{1e3 * added:+.1f}",
+                "-" if row.spread is None else f"{100 * row.spread:.0f}%",
+                verdict,
+            ]
+        )
+    headers = [
+        "case",
+        "subject",
+        "us/call",
+        "baseline",
+        "baseline us/call",
+        "ratio",
+        "difference us",
+        "spread",
+        "target",
+    ]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 def checked_cost(rows: list[bench.Row]) -> float | None:
     """Median over ops of the host time checked mode adds per call (us), from the ``checked`` rows."""
-    added = [1e3 * (row.subject_ms - row.baseline_ms) for row in rows
-             if row.subject == "commlib checked" and row.subject_ms is not None and row.baseline_ms is not None]
+    added = [
+        1e3 * (row.subject_ms - row.baseline_ms)
+        for row in rows
+        if row.subject == "commlib checked" and row.subject_ms is not None and row.baseline_ms is not None
+    ]
     return statistics.median(added) if added else None

@@ -29,8 +29,24 @@ from commlib.sequence import SequenceLayout
 from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 from commlib.tools.sequence_parity import SequenceResults, load, relative_error
 
-__all__ = ["DOCUMENTS", "FILL", "OUTPUTS", "RESULTS", "TOLERANCE", "MaskCase", "MaskResults", "cases", "compare",
-           "cross", "data", "expected", "padding", "run", "segment_shards", "shards"]
+__all__ = [
+    "DOCUMENTS",
+    "FILL",
+    "OUTPUTS",
+    "RESULTS",
+    "TOLERANCE",
+    "MaskCase",
+    "MaskResults",
+    "cases",
+    "compare",
+    "cross",
+    "data",
+    "expected",
+    "padding",
+    "run",
+    "segment_shards",
+    "shards",
+]
 
 TOLERANCE = 1e-10  # float64, relative to max(1, |reference|)
 FILL = 7.0  # JAX's padded rows of q, k, v and the cotangent: every layer must ignore them
@@ -67,11 +83,14 @@ class MaskCase:
 def _layers(seq_len: int, world_size: int) -> list[tuple[str, SequenceLayout]]:
     W = world_size
     found = [("ulysses_attention", SequenceLayout(seq_len, ulysses_size=W))]
-    found += [("ring_attention", SequenceLayout(seq_len, ring_size=W, layout=name)) for name in ("contiguous",
-                                                                                                "zigzag")]
+    found += [
+        ("ring_attention", SequenceLayout(seq_len, ring_size=W, layout=name)) for name in ("contiguous", "zigzag")
+    ]
     if W == 4:
-        found += [("usp_attention", SequenceLayout(seq_len, ring_size=2, ulysses_size=2, layout=name))
-                  for name in ("contiguous", "zigzag")]
+        found += [
+            ("usp_attention", SequenceLayout(seq_len, ring_size=2, ulysses_size=2, layout=name))
+            for name in ("contiguous", "zigzag")
+        ]
     return found
 
 
@@ -79,8 +98,11 @@ def cases(world_size: int) -> list[MaskCase]:
     """Every case at `world_size`: both document sets (the handed case causal, the packed one at the uneven S = 37
     not), every layer (USP at W = 4 only). One mask a set keeps the JAX runner's compilations (two per case) to
     about a minute at W = 4."""
-    return [MaskCase(documents, op, layout, causal) for documents, (_, seq_len, *_, causal) in DOCUMENTS.items()
-            for op, layout in _layers(seq_len, world_size)]
+    return [
+        MaskCase(documents, op, layout, causal)
+        for documents, (_, seq_len, *_, causal) in DOCUMENTS.items()
+        for op, layout in _layers(seq_len, world_size)
+    ]
 
 
 def data(case: MaskCase, seed: int = 0) -> dict[str, np.ndarray]:
@@ -89,16 +111,22 @@ def data(case: MaskCase, seed: int = 0) -> dict[str, np.ndarray]:
     (int32, padding -1)."""
     batch, seq_len, heads, kv_heads, head_dim, rows, _ = DOCUMENTS[case.documents]
     rng = np.random.default_rng([seed, seq_len, heads])
-    shapes = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, head_dim),
-              "cotangent": (heads, head_dim)}
+    shapes = {
+        "q": (heads, head_dim),
+        "k": (kv_heads, head_dim),
+        "v": (kv_heads, head_dim),
+        "cotangent": (heads, head_dim),
+    }
     found = {name: rng.standard_normal((batch, seq_len, *shape)) for name, shape in shapes.items()}
     return found | {"segment_ids": np.stack([segment_ids(lengths, seq_len) for lengths in rows])}
 
 
 def shards(x: np.ndarray, layout: SequenceLayout, fill: float = 0.0) -> list[np.ndarray]:
     """`x` ``[B, S, H, D]`` cut into `layout`'s shards, each padded to ``max_size`` rows of `fill`."""
-    return [np.where((np.arange(layout.max_size) >= size)[:, None, None], fill, part)
-            for part, size in zip(layout.shard(x, 1, padded=True), layout.sizes, strict=True)]
+    return [
+        np.where((np.arange(layout.max_size) >= size)[:, None, None], fill, part)
+        for part, size in zip(layout.shard(x, 1, padded=True), layout.sizes, strict=True)
+    ]
 
 
 def segment_shards(ids: np.ndarray, layout: SequenceLayout) -> list[np.ndarray]:
@@ -115,16 +143,21 @@ def expected(case: MaskCase, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Every rank's `OUTPUTS` from the unsharded masked float64 reference, in the padded layout (padded rows 0)."""
     found = data(case, seed)
     q, k, v, cotangent, ids = (found[name] for name in ("q", "k", "v", "cotangent", "segment_ids"))
-    whole = [attention(q, k, v, causal=case.causal, q_segments=ids),
-             *attention_vjp(q, k, v, cotangent, causal=case.causal, q_segments=ids)]
+    whole = [
+        attention(q, k, v, causal=case.causal, q_segments=ids),
+        *attention_vjp(q, k, v, cotangent, causal=case.causal, q_segments=ids),
+    ]
     per_output = [case.layout.shard(x, 1, padded=True) for x in whole]
     return [dict(zip(OUTPUTS, values, strict=True)) for values in zip(*per_output, strict=True)]
 
 
 def _nonzero_padding(got: list[dict], rows: list[np.ndarray]) -> list[str]:
     """The outputs (of `OUTPUTS`) that are not exactly 0 on some rank's padding rows."""
-    return [key for key in OUTPUTS if any(np.any(np.asarray(mine[key])[mask] != 0)
-                                          for mine, mask in zip(got, rows, strict=True))]
+    return [
+        key
+        for key in OUTPUTS
+        if any(np.any(np.asarray(mine[key])[mask] != 0) for mine, mask in zip(got, rows, strict=True))
+    ]
 
 
 def _row(case: MaskCase, framework: str, mode: str, got: list[dict], want: list[dict], rows) -> Row:
@@ -136,8 +169,9 @@ def _row(case: MaskCase, framework: str, mode: str, got: list[dict], want: list[
 
 
 def _ranks(stored: dict, case: MaskCase, mode: str) -> list[dict[str, np.ndarray]]:
-    return [{key: stored[f"{case.name}|{mode}|{key}|{rank}"] for key in OUTPUTS}
-            for rank in range(case.layout.world_size)]
+    return [
+        {key: stored[f"{case.name}|{mode}|{key}|{rank}"] for key in OUTPUTS} for rank in range(case.layout.world_size)
+    ]
 
 
 def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> list[Row]:
@@ -150,8 +184,7 @@ def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> lis
         if error is not None or case is None:
             rows.append(Row(name, framework, mode, None, None, False, error or "not a case of this world size"))
             continue
-        rows.append(_row(case, framework, mode, _ranks(stored, case, mode), expected(case, seed),
-                         padding(case, seed)))
+        rows.append(_row(case, framework, mode, _ranks(stored, case, mode), expected(case, seed), padding(case, seed)))
     ran = {name for name, _ in meta["entries"]}
     return rows + [Row(name, framework, "-", None, None, False, "not run") for name in by_name if name not in ran]
 
@@ -166,8 +199,7 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int, seed: int) -> list[Ro
         mine = _ranks(torch_stored, case, "gloo")
         for name, mode in jax_meta["entries"]:
             if name == case.name and f"{name}|{mode}" not in jax_meta["errors"]:
-                rows.append(_row(case, "torch vs jax", mode, mine, _ranks(jax_stored, case, mode),
-                                 padding(case, seed)))
+                rows.append(_row(case, "torch vs jax", mode, mine, _ranks(jax_stored, case, mode), padding(case, seed)))
     return rows
 
 
@@ -179,6 +211,12 @@ class MaskResults(SequenceResults):
 
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
     """The masks workload at `world_size`: rows per framework, mode and case, then torch against JAX."""
-    return run_workload("masks", world_size, seed, frameworks, timeout,
-                        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
-                        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size, seed))
+    return run_workload(
+        "masks",
+        world_size,
+        seed,
+        frameworks,
+        timeout,
+        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
+        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size, seed),
+    )

@@ -89,8 +89,17 @@ def _max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return worst
 
 
-def check(case: cases.Case, arrays, outputs, gradients, error: str | None, framework="", mode="", *,
-          forward_only: bool = False) -> Row:
+def check(
+    case: cases.Case,
+    arrays,
+    outputs,
+    gradients,
+    error: str | None,
+    framework="",
+    mode="",
+    *,
+    forward_only: bool = False,
+) -> Row:
     """Compare one frontend's result for `case` with the reference.
 
     `outputs`: every rank's output; `gradients`: {input name: every rank's gradient}; `error`: the
@@ -138,8 +147,15 @@ def compare(table, framework: str, result_dir: Path) -> list[Row]:
     return rows
 
 
-def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float,
-               extra: tuple[str, ...] = (), total: int | None = None) -> Row | None:
+def run_runner(
+    framework: str,
+    in_dir: Path,
+    out_dir: Path,
+    world_size: int,
+    timeout: float,
+    extra: tuple[str, ...] = (),
+    total: int | None = None,
+) -> Row | None:
     """Run ``python -m commlib_<framework>.tools.parity_runner IN OUT --world-size N [extra]``, its progress
     shown on stderr (`commlib.tools.progress`; `total`: the items it will report); None when it exited 0, else
     the failed "(runner)" row (timeout or exit status with the end of its output)."""
@@ -157,8 +173,9 @@ def run_runner(framework: str, in_dir: Path, out_dir: Path, world_size: int, tim
     return None
 
 
-def _run_framework(framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float,
-                   total: int) -> list[Row]:
+def _run_framework(
+    framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float, total: int
+) -> list[Row]:
     failed = run_runner(framework, in_dir, out_dir, world_size, timeout, total=total)
     return [failed] if failed else compare(cases.read(in_dir), framework, out_dir)
 
@@ -177,8 +194,15 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 
         return rows
 
 
-def run_workload(workload: str, world_size: int, seed: int, frameworks, timeout: float,
-                 compare: Callable[[str, Path], list[Row]], cross: Callable[[Path, Path], list[Row]]) -> list[Row]:
+def run_workload(
+    workload: str,
+    world_size: int,
+    seed: int,
+    frameworks,
+    timeout: float,
+    compare: Callable[[str, Path], list[Row]],
+    cross: Callable[[Path, Path], list[Row]],
+) -> list[Row]:
     """A workload whose runners read ``<workload>.json`` (seed and world size): each framework's runner
     (``--workload <workload>``), its rows ``compare(framework, out_dir)`` (or its failed "(runner)" row), then
     ``cross(torch_dir, jax_dir)`` when both ran."""

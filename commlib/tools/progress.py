@@ -33,6 +33,7 @@ POLL = 0.2  # seconds between two reads of the progress file
 
 # ---- the runner's side ------------------------------------------------------------------------------------
 
+
 def expect(total: int) -> None:
     """Declare how many items this runner will report (`done`)."""
     _append(f"total {total}")
@@ -52,6 +53,7 @@ def _append(line: str) -> None:
 
 # ---- the driver's side ------------------------------------------------------------------------------------
 
+
 def _clock(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
@@ -60,8 +62,9 @@ def _clock(seconds: float) -> str:
 class Display:
     """What the driver shows for one phase (one runner): `update` as items finish, `finish` at the end."""
 
-    def __init__(self, phase: str, total: int | None = None, stream: TextIO | None = None,
-                 clock=time.monotonic) -> None:
+    def __init__(
+        self, phase: str, total: int | None = None, stream: TextIO | None = None, clock=time.monotonic
+    ) -> None:
         self.phase, self.total, self.stream, self.clock = phase, total, stream or sys.stderr, clock
         self.terminal = self.stream.isatty()
         self.start = self.last_line = clock()
@@ -129,8 +132,15 @@ def _read(path: Path) -> tuple[int | None, list[str]]:
     return total, list(labels)
 
 
-def run(command: list[str], *, phase: str, timeout: float, total: int | None = None, env: dict | None = None,
-        stream: TextIO | None = None) -> subprocess.CompletedProcess:
+def run(
+    command: list[str],
+    *,
+    phase: str,
+    timeout: float,
+    total: int | None = None,
+    env: dict | None = None,
+    stream: TextIO | None = None,
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=DEVNULL, env=env)``
     that shows the runner's progress as `phase` meanwhile (`total`: the items expected unless the runner
     declares it). Raises `subprocess.TimeoutExpired` after `timeout` seconds (the runner is killed)."""
@@ -140,8 +150,9 @@ def run(command: list[str], *, phase: str, timeout: float, total: int | None = N
         progress = folder / "progress"
         environment = {**(os.environ if env is None else env), ENV: str(progress)}
         with open(folder / "stdout", "w+") as out, open(folder / "stderr", "w+") as err:
-            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                       env=environment)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, env=environment
+            )
             deadline = time.monotonic() + timeout
             while process.poll() is None:
                 if time.monotonic() > deadline:

@@ -67,26 +67,39 @@ def _dead_rank(path: str) -> str:
     times = [survivor["seconds"] for run in runs for survivor in run["survivors"].values()]
     quick = [seconds for seconds in times if seconds < timeout - 1]
     slow = sum(any(s["seconds"] >= timeout - 1 for s in run["survivors"].values()) for run in runs)
-    return (f"{len(quick)} of {len(times)} survivors raised `CommFailure` within {max(quick):.1f} s; in {slow} of "
-            f"{len(runs)} runs at least one waited the full timeout ({timeout:g} s) and raised `CommTimeout`")
+    return (
+        f"{len(quick)} of {len(times)} survivors raised `CommFailure` within {max(quick):.1f} s; in {slow} of "
+        f"{len(runs)} runs at least one waited the full timeout ({timeout:g} s) and raised `CommTimeout`"
+    )
 
 
 def _ring_masks(path: str) -> str:
     """``benchmarks/ring_masks.py``'s stored rows as a markdown table."""
-    lines = ["| layout | segment ids | pieces computed / scheduled | median s | min s | bytes one rank sends per "
-             "forward step |", "|---|---|---|---|---|---|"]
-    lines += [f"| {row['layout']} | {'yes' if row['segment_ids'] else 'no'} | {row['pieces_computed']} / "
-              f"{row['pieces_scheduled']} | {row['median_s']:.2f} | {row['min_s']:.2f} | "
-              f"{row['bytes_sent_per_forward_step']} |" for row in _json(path)["rows"]]
+    lines = [
+        "| layout | segment ids | pieces computed / scheduled | median s | min s | bytes one rank sends per "
+        "forward step |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row['layout']} | {'yes' if row['segment_ids'] else 'no'} | {row['pieces_computed']} / "
+        f"{row['pieces_scheduled']} | {row['median_s']:.2f} | {row['min_s']:.2f} | "
+        f"{row['bytes_sent_per_forward_step']} |"
+        for row in _json(path)["rows"]
+    ]
     return "\n" + "\n".join(lines) + "\n"
 
 
 def _all_ones_mask(path: str) -> str:
     """``benchmarks/all_ones_mask.py``'s stored rows as a markdown table."""
-    lines = ["| variant | median s | min s | decisions (all_reduces) per forward | logits vs no mask |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {row['variant']} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['decisions_per_forward']} | "
-              f"{row['logits_max_difference_to_no_mask']:.1e} |" for row in _json(path)["rows"]]
+    lines = [
+        "| variant | median s | min s | decisions (all_reduces) per forward | logits vs no mask |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row['variant']} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['decisions_per_forward']} | "
+        f"{row['logits_max_difference_to_no_mask']:.1e} |"
+        for row in _json(path)["rows"]
+    ]
     return "\n" + "\n".join(lines) + "\n"
 
 
@@ -131,8 +144,10 @@ def _documents() -> list[Path]:
 
 def quoted() -> dict[Path, list[tuple[str, str]]]:
     """Every document's quotes, (NAME, TEXT) in order."""
-    return {path: [(m["name"], m["text"]) for m in _MARKED.finditer(path.read_text(encoding="utf-8"))]
-            for path in _documents()}
+    return {
+        path: [(m["name"], m["text"]) for m in _MARKED.finditer(path.read_text(encoding="utf-8"))]
+        for path in _documents()
+    }
 
 
 def check() -> list[str]:

@@ -37,21 +37,57 @@ from commlib.sequence_helpers import (
 from commlib.tools import progress
 from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 
-__all__ = ["B", "D", "V", "IGNORE", "EXAMPLES", "MODELS", "TOLERANCE", "SequenceResults", "compare", "cross", "data",
-           "example", "expected", "layouts", "load", "model_cases", "model_name", "name", "pad", "relative_error",
-           "run"]
+__all__ = [
+    "B",
+    "D",
+    "V",
+    "IGNORE",
+    "EXAMPLES",
+    "MODELS",
+    "TOLERANCE",
+    "SequenceResults",
+    "compare",
+    "cross",
+    "data",
+    "example",
+    "expected",
+    "layouts",
+    "load",
+    "model_cases",
+    "model_name",
+    "name",
+    "pad",
+    "relative_error",
+    "run",
+]
 
 B, D, V = 2, 3, 11  # batch > 1, a hidden size, a vocabulary
 IGNORE = -100
 TOLERANCE = 1e-10  # float64, relative to max(1, |reference|); model rows: relative to the unsharded run
 #: The helpers' outputs (and their gradients) each runner stores per layout, rank by rank.
-OUTPUTS = ("ids", "positions", "labels", "position_ids", "shard_out", "shard_grad", "gather_out", "gather_grad",
-           "gather_replicated_out", "gather_replicated_grad", "loss", "loss_grad")
+OUTPUTS = (
+    "ids",
+    "positions",
+    "labels",
+    "position_ids",
+    "shard_out",
+    "shard_grad",
+    "gather_out",
+    "gather_grad",
+    "gather_replicated_out",
+    "gather_replicated_grad",
+    "loss",
+    "loss_grad",
+)
 #: Rows per layout: (helper, the outputs compared as "err out", as "err grad").
-HELPERS = (("shard_tokens", ("ids", "positions", "labels"), ()), ("position_ids", ("position_ids",), ()),
-           ("shard_sequence", ("shard_out",), ("shard_grad",)), ("gather_sequence", ("gather_out",), ("gather_grad",)),
-           ("gather_sequence,convention=replicated", ("gather_replicated_out",), ("gather_replicated_grad",)),
-           ("cross_entropy", ("loss",), ("loss_grad",)))
+HELPERS = (
+    ("shard_tokens", ("ids", "positions", "labels"), ()),
+    ("position_ids", ("position_ids",), ()),
+    ("shard_sequence", ("shard_out",), ("shard_grad",)),
+    ("gather_sequence", ("gather_out",), ("gather_grad",)),
+    ("gather_sequence,convention=replicated", ("gather_replicated_out",), ("gather_replicated_grad",)),
+    ("cross_entropy", ("loss",), ("loss_grad",)),
+)
 MODELS = ("transformers", "flax")
 MODEL_LENGTH = 37
 
@@ -61,9 +97,13 @@ def layouts(world_size: int) -> list[SequenceLayout]:
     Ulysses at S = 5 (one shard a row longer); at W = 4 also USP 2 x 2 zigzag at S = 37 and a zigzag ring at S = 3
     (a shard holding no row)."""
     W = world_size
-    found = [SequenceLayout(8 * W, ring_size=W), SequenceLayout(37, ring_size=W),
-             SequenceLayout(8 * W, ring_size=W, layout="zigzag"), SequenceLayout(37, ring_size=W, layout="zigzag"),
-             SequenceLayout(5, ulysses_size=W)]
+    found = [
+        SequenceLayout(8 * W, ring_size=W),
+        SequenceLayout(37, ring_size=W),
+        SequenceLayout(8 * W, ring_size=W, layout="zigzag"),
+        SequenceLayout(37, ring_size=W, layout="zigzag"),
+        SequenceLayout(5, ulysses_size=W),
+    ]
     if W == 4:
         found += [SequenceLayout(37, 2, 2, layout="zigzag"), SequenceLayout(3, ring_size=4, layout="zigzag")]
     return list(dict.fromkeys(found))  # at W = 1 several are one
@@ -79,8 +119,9 @@ def name(layout: SequenceLayout) -> str:
 
 def model_cases(world_size: int) -> list[tuple[str, str]]:
     """``(example, attention)`` of the model rows: every example with ulysses, ring and usp at W = 4, else none."""
-    return [(model, attention) for model in MODELS for attention in ("ulysses", "ring", "usp")] if world_size == 4 \
-        else []
+    return (
+        [(model, attention) for model in MODELS for attention in ("ulysses", "ring", "usp")] if world_size == 4 else []
+    )
 
 
 def data(layout: SequenceLayout, seed: int = 0) -> dict[str, Any]:
@@ -93,10 +134,15 @@ def data(layout: SequenceLayout, seed: int = 0) -> dict[str, Any]:
     ids = rng.integers(0, V, size=(B, S))
     labels = next_token_labels(ids, IGNORE)
     labels[rng.random((B, S)) < 0.2] = IGNORE
-    return {"ids": ids, "x": rng.standard_normal((B, S, D)), "logits": 3 * rng.standard_normal((B, S, V)),
-            "labels": labels, "shard_cotangents": [rng.standard_normal((B, size, D)) for size in layout.sizes],
-            "gather_cotangents": [rng.standard_normal((B, S, D)) for _ in range(W)],
-            "replicated_cotangents": [rng.standard_normal((B, S, D)) for _ in range(W)]}
+    return {
+        "ids": ids,
+        "x": rng.standard_normal((B, S, D)),
+        "logits": 3 * rng.standard_normal((B, S, V)),
+        "labels": labels,
+        "shard_cotangents": [rng.standard_normal((B, size, D)) for size in layout.sizes],
+        "gather_cotangents": [rng.standard_normal((B, S, D)) for _ in range(W)],
+        "replicated_cotangents": [rng.standard_normal((B, S, D)) for _ in range(W)],
+    }
 
 
 def pad(x: np.ndarray, rows: int, value: float = 0) -> np.ndarray:
@@ -113,16 +159,26 @@ def expected(layout: SequenceLayout, seed: int = 0) -> list[dict[str, np.ndarray
     padded = [pad(c, layout.max_size) for c in case["shard_cotangents"]]
     shard_out, shard_grad = shard_sequence_reference(case["x"], padded, layout, padded=True)
     gather = gather_sequence_reference(own, case["gather_cotangents"], layout, padded=True)
-    replicated = gather_sequence_reference(own, case["replicated_cotangents"], layout, convention="replicated",
-                                           padded=True)
+    replicated = gather_sequence_reference(
+        own, case["replicated_cotangents"], layout, convention="replicated", padded=True
+    )
     loss, loss_grad = cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     tokens = shard_tokens_reference(case["ids"], layout, IGNORE, padded=True)
     positions = np.maximum(position_table(layout), 0)
     ranks = []
     for rank in range(layout.world_size):
-        values = (*tokens[rank], positions[rank][None], shard_out[rank], shard_grad[rank], gather[0][rank],
-                  gather[1][rank], replicated[0][rank], replicated[1][rank], np.asarray(loss),
-                  layout.shard(loss_grad, 1, padded=True)[rank])
+        values = (
+            *tokens[rank],
+            positions[rank][None],
+            shard_out[rank],
+            shard_grad[rank],
+            gather[0][rank],
+            gather[1][rank],
+            replicated[0][rank],
+            replicated[1][rank],
+            np.asarray(loss),
+            layout.shard(loss_grad, 1, padded=True)[rank],
+        )
         ranks.append(dict(zip(OUTPUTS, values, strict=True)))
     return ranks
 
@@ -176,8 +232,9 @@ def relative_error(got: list[dict], want: list[dict], keys) -> float:
             a, b = np.asarray(mine[key], dtype=np.float64), np.asarray(theirs[key], dtype=np.float64)
             if a.shape != b.shape:
                 return float("inf")
-            worst = max(worst, float(np.max(np.abs(a - b), initial=0.0)) / max(1.0, float(np.max(np.abs(b),
-                                                                                                 initial=0.0))))
+            worst = max(
+                worst, float(np.max(np.abs(a - b), initial=0.0)) / max(1.0, float(np.max(np.abs(b), initial=0.0)))
+            )
     return worst
 
 
@@ -206,7 +263,8 @@ def _expected_cases(framework: str, world_size: int) -> list[str]:
     """The cases a runner of `framework` must report: every layout, and its example's model rows."""
     example = "transformers" if framework == "torch" else "flax"
     return [name(layout) for layout in layouts(world_size)] + [
-        model_name(model, attention) for model, attention in model_cases(world_size) if model == example]
+        model_name(model, attention) for model, attention in model_cases(world_size) if model == example
+    ]
 
 
 def _case_rows(case: str, framework: str, mode: str, meta: dict, stored: dict, world_size: int, want) -> list[Row]:
@@ -229,8 +287,11 @@ def compare(framework: str, result_dir: Path, world_size: int, seed: int) -> lis
     for case, mode in meta["entries"]:
         rows += _case_rows(case, framework, mode, meta, stored, world_size, want)
     ran = {case for case, _ in meta["entries"]}
-    return rows + [Row(case, framework, "-", None, None, False, "not run")
-                   for case in _expected_cases(framework, world_size) if case not in ran]
+    return rows + [
+        Row(case, framework, "-", None, None, False, "not run")
+        for case in _expected_cases(framework, world_size)
+        if case not in ran
+    ]
 
 
 def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
@@ -244,17 +305,24 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
         mine = _ranks(torch_stored, case, "gloo", OUTPUTS, world_size)
         for entry_case, mode in jax_meta["entries"]:
             if entry_case == case and f"{case}|{mode}" not in jax_meta["errors"]:
-                rows += _helper_rows(case, "torch vs jax", mode, mine, _ranks(jax_stored, case, mode, OUTPUTS,
-                                                                              world_size))
+                rows += _helper_rows(
+                    case, "torch vs jax", mode, mine, _ranks(jax_stored, case, mode, OUTPUTS, world_size)
+                )
     return rows
 
 
 def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
     """The sequence workload at `world_size`: rows per framework, mode, layout and helper, the model rows, then
     torch against JAX."""
-    return run_workload("sequence", world_size, seed, frameworks, timeout,
-                        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
-                        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size))
+    return run_workload(
+        "sequence",
+        world_size,
+        seed,
+        frameworks,
+        timeout,
+        lambda framework, out_dir: compare(framework, out_dir, world_size, seed),
+        lambda torch_dir, jax_dir: cross(torch_dir, jax_dir, world_size),
+    )
 
 
 #: The checkout's examples/ folder (the model rows run the examples' own code).

@@ -40,7 +40,14 @@ __all__ = [
 
 #: Parameter name -> the dim split over TP (None: replicated), in the order every side lists them.
 TP_DIM: dict[str, int | None] = {
-    "norm1": None, "wq": None, "wk": None, "wv": None, "wo": None, "norm2": None, "w_in": 1, "w_out": 0,
+    "norm1": None,
+    "wq": None,
+    "wk": None,
+    "wv": None,
+    "wo": None,
+    "norm2": None,
+    "w_in": 1,
+    "w_out": 0,
 }
 
 
@@ -67,8 +74,16 @@ class BlockConfig:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shape of every parameter."""
         D, HD, F = self.dim, self.heads * self.head_dim, self.hidden
-        return {"norm1": (D,), "wq": (D, HD), "wk": (D, HD), "wv": (D, HD), "wo": (HD, D), "norm2": (D,),
-                "w_in": (D, F), "w_out": (F, D)}
+        return {
+            "norm1": (D,),
+            "wq": (D, HD),
+            "wk": (D, HD),
+            "wv": (D, HD),
+            "wo": (HD, D),
+            "norm2": (D,),
+            "w_in": (D, F),
+            "w_out": (F, D),
+        }
 
     @property
     def tokens(self) -> int:
@@ -167,8 +182,9 @@ def _attention_vjp(config, q, k, v, cotangent):
     return attention.attention_vjp(q, k, v, cotangent, causal=config.causal)
 
 
-def loss_and_grads(config: BlockConfig, params: dict[str, np.ndarray], x: np.ndarray,
-                   target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_grads(
+    config: BlockConfig, params: dict[str, np.ndarray], x: np.ndarray, target: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
     """The unsharded block's loss and the gradient of every parameter (float64)."""
     p = params
     B, S, _ = x.shape

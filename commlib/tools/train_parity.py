@@ -22,8 +22,22 @@ from commlib.errors import CommError
 from commlib.tools import progress, train_block
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 
-__all__ = ["STEPS", "TOLERANCE", "UNSHARDED", "History", "TrainResults", "check", "compare", "cross", "expected",
-           "read", "reference", "run", "unshard_gradients", "write"]
+__all__ = [
+    "STEPS",
+    "TOLERANCE",
+    "UNSHARDED",
+    "History",
+    "TrainResults",
+    "check",
+    "compare",
+    "cross",
+    "expected",
+    "read",
+    "reference",
+    "run",
+    "unshard_gradients",
+    "write",
+]
 
 STEPS = 3  # SGD steps per run: losses and gradients of steps 2.. depend on the framework's own updates
 TOLERANCE = 1e-10  # float64, relative
@@ -104,9 +118,10 @@ def _load(directory: Path) -> tuple[list[dict], dict[str, History]]:
         if "error" in entry:
             continue
         key = f"{entry['mode']}|{_case(entry['mesh'] and tuple(entry['mesh']))}"
-        histories[key] = [(stored[f"{key}|{step}|loss"], {name: stored[f"{key}|{step}|{name}"]
-                                                          for name in train_block.TP_DIM})
-                          for step in range(entry["steps"])]
+        histories[key] = [
+            (stored[f"{key}|{step}|loss"], {name: stored[f"{key}|{step}|{name}"] for name in train_block.TP_DIM})
+            for step in range(entry["steps"])
+        ]
     return meta["runs"], histories
 
 
@@ -147,8 +162,10 @@ def expected(trajectory, mesh: tuple[int, int] | None) -> History:
     sp, tp = mesh or (1, 1)
     history = []
     for loss, grads in trajectory:
-        ranks = {name: np.stack([np.stack([train_block.shard_parameter(name, value, tp, t) for t in range(tp)])] * sp)
-                 for name, value in grads.items()}
+        ranks = {
+            name: np.stack([np.stack([train_block.shard_parameter(name, value, tp, t) for t in range(tp)])] * sp)
+            for name, value in grads.items()
+        }
         history.append((np.full((sp, tp), loss), ranks))
     return history
 

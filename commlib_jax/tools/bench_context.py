@@ -81,27 +81,40 @@ def _inputs(world_size: int, rows: int) -> list:
 
     rng = np.random.default_rng(1000)
     heads, kv_heads, head_dim = bench.CONTEXT_SHAPE
-    return [jnp.asarray(rng.standard_normal((world_size, 1, rows, count, head_dim), dtype=np.float32))
-            for count in (heads, kv_heads, kv_heads, heads)]
+    return [
+        jnp.asarray(rng.standard_normal((world_size, 1, rows, count, head_dim), dtype=np.float32))
+        for count in (heads, kv_heads, kv_heads, heads)
+    ]
 
 
 def _record(kind: str, world_size: int, size_mib: float, time_calls: Callable) -> dict:
     nbytes, subject, baseline = int(size_mib * 2**20), f"commlib {kind}", bench.CONTEXT_BASELINE
     rows = bench.context_rows(nbytes)
     ring_size, ulysses_size = (world_size // 2, 2) if kind == "usp" else (world_size, 1)
-    positions = shard_positions(rows * world_size, ring_size, "contiguous" if kind == "ulysses" else "zigzag",
-                                ulysses_size)
-    steps = {subject: _step(_attend(kind), world_size, kind == "usp"),
-             baseline: _step(_all_gather_kv(positions), world_size, False)}
+    positions = shard_positions(
+        rows * world_size, ring_size, "contiguous" if kind == "ulysses" else "zigzag", ulysses_size
+    )
+    steps = {
+        subject: _step(_attend(kind), world_size, kind == "usp"),
+        baseline: _step(_all_gather_kv(positions), world_size, False),
+    }
     inputs = _inputs(world_size, rows)
     values = {name: [np.asarray(x) for x in step(*inputs)] for name, step in steps.items()}
     for mine, theirs in zip(values[subject], values[baseline], strict=True):
         if not np.allclose(mine, theirs, rtol=1e-4, atol=1e-4):
             raise AssertionError(f"{subject} and {baseline} disagree at world size {world_size}, {rows} rows")
     seconds = time_calls({name: (lambda step=step: step(*inputs)) for name, step in steps.items()})
-    return {"framework": "jax", "case": case_name(kind), "world_size": world_size, "size_mib": size_mib,
-            "subject": subject, "baselines": [baseline], "seconds": seconds["wall"], "cpu_seconds": seconds["cpu"],
-            "wire_bytes": bench.context_wire(kind, world_size, nbytes)}
+    return {
+        "framework": "jax",
+        "case": case_name(kind),
+        "world_size": world_size,
+        "size_mib": size_mib,
+        "subject": subject,
+        "baselines": [baseline],
+        "seconds": seconds["wall"],
+        "cpu_seconds": seconds["cpu"],
+        "wire_bytes": bench.context_wire(kind, world_size, nbytes),
+    }
 
 
 def records(world_size: int, kinds, time_calls: Callable) -> list[dict]:

@@ -80,8 +80,9 @@ def _uneven_ours(x, axis_name):
     from commlib import split_sizes
 
     W = lax.axis_size(axis_name)
-    return cl.all_to_all_4d(x, axis_name, 2, 1, scatter_sizes=split_sizes(x.shape[2], W),
-                            gather_sizes=split_sizes(W * x.shape[1] - 1, W))
+    return cl.all_to_all_4d(
+        x, axis_name, 2, 1, scatter_sizes=split_sizes(x.shape[2], W), gather_sizes=split_sizes(W * x.shape[1] - 1, W)
+    )
 
 
 def _uneven_wire(world_size: int, nbytes: int) -> dict[str, int]:
@@ -89,8 +90,9 @@ def _uneven_wire(world_size: int, nbytes: int) -> dict[str, int]:
     from commlib.tools.bench import UNEVEN_HEAD_DIM, uneven_ulysses, wire_bytes
 
     seq, heads, rows, padded_heads = uneven_ulysses(world_size, nbytes)
-    ours = plans.all_to_all_4d((1, rows, sum(heads), UNEVEN_HEAD_DIM), world_size, scatter_sizes=heads,
-                               gather_sizes=seq)
+    ours = plans.all_to_all_4d(
+        (1, rows, sum(heads), UNEVEN_HEAD_DIM), world_size, scatter_sizes=heads, gather_sizes=seq
+    )
     even = plans.all_to_all_4d((1, rows, padded_heads, UNEVEN_HEAD_DIM), world_size)
     return {"commlib": wire_bytes(ours), _PADDED_LAX: wire_bytes(even)}
 
@@ -102,19 +104,32 @@ def _cases() -> dict[str, JaxCase]:
 
     return {
         "all_reduce": JaxCase(_flat, lambda x, a: cl.all_reduce(x, a), lambda x, a: lax.psum(x, a), quick=True),
-        "all_gather (dim 0)": JaxCase(_flat, lambda x, a: cl.all_gather(x, a, dim=0),
-                                      lambda x, a: lax.all_gather(x, a, axis=0, tiled=True)),
-        "reduce_scatter (dim 0)": JaxCase(_flat, lambda x, a: cl.reduce_scatter(x, a, dim=0),
-                                          lambda x, a: lax.psum_scatter(x, a, scatter_dimension=0, tiled=True),
-                                          quick=True),
-        "all_to_all_4d (2, 1) B=1": JaxCase(_ulysses(1), lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
-                                            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True), quick=True),
-        "all_to_all_4d (2, 1) B=2": JaxCase(_ulysses(2), lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
-                                            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True)),
-        "all_to_all_4d (2, 1) B=1 uneven": JaxCase(_uneven_shape(False), _uneven_ours,
-                                                   lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True),
-                                                   bare_shape=_uneven_shape(True), wire=_uneven_wire,
-                                                   baseline=_PADDED_LAX),
+        "all_gather (dim 0)": JaxCase(
+            _flat, lambda x, a: cl.all_gather(x, a, dim=0), lambda x, a: lax.all_gather(x, a, axis=0, tiled=True)
+        ),
+        "reduce_scatter (dim 0)": JaxCase(
+            _flat,
+            lambda x, a: cl.reduce_scatter(x, a, dim=0),
+            lambda x, a: lax.psum_scatter(x, a, scatter_dimension=0, tiled=True),
+            quick=True,
+        ),
+        "all_to_all_4d (2, 1) B=1": JaxCase(
+            _ulysses(1),
+            lambda x, a: cl.all_to_all_4d(x, a, 2, 1),
+            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True),
+            quick=True,
+        ),
+        "all_to_all_4d (2, 1) B=2": JaxCase(
+            _ulysses(2), lambda x, a: cl.all_to_all_4d(x, a, 2, 1), lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True)
+        ),
+        "all_to_all_4d (2, 1) B=1 uneven": JaxCase(
+            _uneven_shape(False),
+            _uneven_ours,
+            lambda x, a: lax.all_to_all(x, a, 2, 1, tiled=True),
+            bare_shape=_uneven_shape(True),
+            wire=_uneven_wire,
+            baseline=_PADDED_LAX,
+        ),
     }
 
 
@@ -134,8 +149,9 @@ def _functions(case: JaxCase, world_size: int) -> dict[str, Callable]:
     return functions
 
 
-def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int,
-              warmup: int) -> dict[str, dict[str, list[float]]]:
+def time_case(
+    case: JaxCase, world_size: int, nbytes: int, repeats: int, warmup: int
+) -> dict[str, dict[str, list[float]]]:
     """Seconds per call of each variant (wall and cpu, as `time_calls`), `repeats` rounds in rotating order after
     `warmup` rounds."""
     import jax
@@ -151,8 +167,9 @@ def time_case(case: JaxCase, world_size: int, nbytes: int, repeats: int,
 
     shape = case.shape(world_size, nbytes // 4)
     inputs = {"commlib": arrays("commlib", shape)}
-    inputs["lax"] = inputs["commlib"] if case.bare_shape is None else arrays("lax", case.bare_shape(world_size,
-                                                                                                  nbytes // 4))
+    inputs["lax"] = (
+        inputs["commlib"] if case.bare_shape is None else arrays("lax", case.bare_shape(world_size, nbytes // 4))
+    )
     forward = {name: np.asarray(fn(*inputs[name.split()[0]])) for name, fn in functions.items() if name.endswith("fwd")}
     if case.bare_shape is None and not np.allclose(forward["commlib fwd"], forward["lax fwd"], rtol=1e-5, atol=1e-5):
         raise AssertionError(f"commlib and lax disagree at world size {world_size}, shape {shape}")
@@ -185,12 +202,20 @@ def time_calls(calls: dict[str, Callable[[], object]], repeats: int, warmup: int
 
 def _records(name: str, case: JaxCase, world_size: int, size: float, seconds: dict) -> list[dict]:
     wire, bare = case.wire(world_size, int(size * 2**20)) if case.wire else None, case.baseline
-    return [{"framework": "jax", "case": f"{name} {part}", "world_size": world_size, "size_mib": size,
-             "subject": "commlib", "baselines": [bare],
-             "seconds": {"commlib": seconds["wall"][f"commlib {part}"], bare: seconds["wall"][f"lax {part}"]},
-             "cpu_seconds": {"commlib": seconds["cpu"][f"commlib {part}"], bare: seconds["cpu"][f"lax {part}"]},
-             "wire_bytes": wire}
-            for part in ("fwd", "fwd+bwd")]
+    return [
+        {
+            "framework": "jax",
+            "case": f"{name} {part}",
+            "world_size": world_size,
+            "size_mib": size,
+            "subject": "commlib",
+            "baselines": [bare],
+            "seconds": {"commlib": seconds["wall"][f"commlib {part}"], bare: seconds["wall"][f"lax {part}"]},
+            "cpu_seconds": {"commlib": seconds["cpu"][f"commlib {part}"], bare: seconds["cpu"][f"lax {part}"]},
+            "wire_bytes": wire,
+        }
+        for part in ("fwd", "fwd+bwd")
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             records += bench_train.records(world_size, TRAIN_STEP_SIZES_MIB, args.repeats, args.warmup)
             progress.done(f"W={world_size} {TRAIN_STEP}")
         context = [kind for kind in bench_context.KINDS if bench_context.case_name(kind) in requested or everything]
-        records += bench_context.records(world_size, context,
-                                         lambda calls: time_calls(calls, args.repeats, args.warmup))
+        records += bench_context.records(
+            world_size, context, lambda calls: time_calls(calls, args.repeats, args.warmup)
+        )
         progress.done(f"W={world_size} context attention")
     versions = {"jax": jax.__version__, "python": sys.version.split()[0]}
     args.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))

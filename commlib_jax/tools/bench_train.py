@@ -57,8 +57,10 @@ def steps(config: train_block.BlockConfig, mesh) -> dict[str, Callable]:
         return lax.psum(loss, "sp"), grads
 
     specs, rows = parameter_specs("tp"), P(None, "sp", None)
-    return {name: jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(P(), specs)))
-            for name, step in (("commlib", commlib), ("jax.lax", bare))}
+    return {
+        name: jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(P(), specs)))
+        for name, step in (("commlib", commlib), ("jax.lax", bare))
+    }
 
 
 def _flat(result) -> np.ndarray:
@@ -76,8 +78,11 @@ def _time(world_size: int, nbytes: int, repeats: int, warmup: int) -> dict[str, 
     config = train_step_config(nbytes, sp)
     mesh = Mesh(np.array(jax.devices()[:world_size]).reshape(sp, tp), ("sp", "tp"))
     params, x, target = train_block.init(config, seed=0)
-    args = ({name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
-            jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
+    args = (
+        {name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(target, jnp.float32),
+    )
     compiled = steps(config, mesh)
     results = {name: _flat(step(*args)) for name, step in compiled.items()}
     if not np.allclose(results["commlib"], results["jax.lax"], rtol=1e-4, atol=1e-6):
@@ -101,7 +106,16 @@ def records(world_size: int, sizes_mib, repeats: int, warmup: int) -> list[dict]
     result = []
     for size in sizes_mib:
         seconds = _time(world_size, int(size * 2**20), repeats, warmup)
-        result.append({"framework": "jax", "case": TRAIN_STEP, "world_size": world_size, "size_mib": size,
-                       "subject": "commlib", "baselines": ["jax.lax"], "seconds": seconds["wall"],
-                       "cpu_seconds": seconds["cpu"]})
+        result.append(
+            {
+                "framework": "jax",
+                "case": TRAIN_STEP,
+                "world_size": world_size,
+                "size_mib": size,
+                "subject": "commlib",
+                "baselines": ["jax.lax"],
+                "seconds": seconds["wall"],
+                "cpu_seconds": seconds["cpu"],
+            }
+        )
     return result

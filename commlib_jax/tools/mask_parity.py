@@ -26,7 +26,7 @@ MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]")
 
 
 def _mesh(case: spec.MaskCase):
-    devices = np.array(jax.devices()[:case.layout.world_size])
+    devices = np.array(jax.devices()[: case.layout.world_size])
     if case.op == "usp_attention":
         shape = (case.layout.ring_size, case.layout.ulysses_size)
         return Mesh(devices.reshape(shape), ("ring", "ulysses")), P(("ring", "ulysses"))
@@ -47,8 +47,7 @@ def _program(case: spec.MaskCase, mode: str):
         out = _call(case, q[0], k[0], v[0], segment_ids[0])
         return out[None], (out * cotangent[0]).sum()[None]
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(axes,) * 5, out_specs=(axes, axes),
-                           check_vma=mode == MODES[0])
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(axes,) * 5, out_specs=(axes, axes), check_vma=mode == MODES[0])
 
     def run(cotangent, segment_ids, q, k, v):
         def total(q, k, v):
@@ -64,12 +63,16 @@ def _program(case: spec.MaskCase, mode: str):
 def masked(case: spec.MaskCase, seed: int, mode: str) -> list[dict[str, np.ndarray]]:
     """Every rank's `spec.OUTPUTS` of `case` in `mode` (float64, the padded layout)."""
     inputs = spec.data(case, seed)
-    stacked = [jnp.asarray(np.stack(spec.shards(inputs[name], case.layout, spec.FILL)))
-               for name in ("cotangent", "q", "k", "v")]
+    stacked = [
+        jnp.asarray(np.stack(spec.shards(inputs[name], case.layout, spec.FILL)))
+        for name in ("cotangent", "q", "k", "v")
+    ]
     ids = jnp.asarray(np.stack(spec.segment_shards(inputs["segment_ids"], case.layout)))
     found = _program(case, mode)(stacked[0], ids, *stacked[1:])
-    return [{key: np.asarray(value[rank], np.float64) for key, value in zip(spec.OUTPUTS, found, strict=True)}
-            for rank in range(case.layout.world_size)]
+    return [
+        {key: np.asarray(value[rank], np.float64) for key, value in zip(spec.OUTPUTS, found, strict=True)}
+        for rank in range(case.layout.world_size)
+    ]
 
 
 def record(in_dir: Path, results: spec.MaskResults) -> None:

@@ -69,8 +69,12 @@ def _mapped(case, mode: str):
 
     W = case.world_size
     if mode == "pmap":
-        return jax.pmap(lambda ct, *xs: jax.tree.map(lambda t: t[0], _per_rank(case, "i")(
-            None if ct is None else ct[None], *(x[None] for x in xs))), axis_name="i")
+        return jax.pmap(
+            lambda ct, *xs: jax.tree.map(
+                lambda t: t[0], _per_rank(case, "i")(None if ct is None else ct[None], *(x[None] for x in xs))
+            ),
+            axis_name="i",
+        )
     devices = np.array(jax.devices()[:W])
     axis: str | tuple[str, str]
     if case.op == _USP:
@@ -85,8 +89,9 @@ def _mapped(case, mode: str):
     check_vma = mode != "shard_map[check_vma=False]"
     spec = P(axis)
     n = len(case.inputs) + 1
-    return jax.shard_map(_per_rank(case, axis), mesh=mesh, in_specs=(spec,) * n, out_specs=(spec, spec),
-                         check_vma=check_vma)
+    return jax.shard_map(
+        _per_rank(case, axis), mesh=mesh, in_specs=(spec,) * n, out_specs=(spec, spec), check_vma=check_vma
+    )
 
 
 def run_case(case, arrays, mode: str):

@@ -29,7 +29,7 @@ FILL = 7.0  # the padding rows' inputs: every helper must ignore them
 
 def _mesh(layout: SequenceLayout):
     """The mesh and axis name: ``("ring", "ulysses")`` for a USP layout (shard ``r * U + u``), else ``"i"``."""
-    devices = np.array(jax.devices()[:layout.world_size])
+    devices = np.array(jax.devices()[: layout.world_size])
     if layout.ring_size > 1 and layout.ulysses_size > 1:
         return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), ("ring", "ulysses")
     return Mesh(devices, ("i",)), "i"
@@ -38,10 +38,14 @@ def _mesh(layout: SequenceLayout):
 def _body(layout: SequenceLayout, axis):
     def body(ids, x, shards, replicated, logits, labels, shard_ct, gather_ct, replicated_ct):
         ids, x, shards, replicated, logits, labels, shard_ct, gather_ct, replicated_ct = (
-            a[0] for a in (ids, x, shards, replicated, logits, labels, shard_ct, gather_ct, replicated_ct))
+            a[0] for a in (ids, x, shards, replicated, logits, labels, shard_ct, gather_ct, replicated_ct)
+        )
         tokens = sequence.shard_tokens(ids, layout, axis, ignore_index=spec.IGNORE)
-        outs = (sequence.shard_sequence(x, layout, axis), sequence.gather_sequence(shards, layout, axis),
-                sequence.gather_sequence(replicated, layout, axis, convention="replicated"))
+        outs = (
+            sequence.shard_sequence(x, layout, axis),
+            sequence.gather_sequence(shards, layout, axis),
+            sequence.gather_sequence(replicated, layout, axis, convention="replicated"),
+        )
         loss = sequence.cross_entropy(logits, labels, axis, ignore_index=spec.IGNORE)
         total = sum(jnp.sum(out * ct) for out, ct in zip(outs, (shard_ct, gather_ct, replicated_ct), strict=True))
         found = (*tokens, sequence.position_ids(layout, axis)[None], *outs, loss)
@@ -52,8 +56,9 @@ def _body(layout: SequenceLayout, axis):
 
 def _program(layout: SequenceLayout, mode: str):
     mesh, axis = _mesh(layout)
-    mapped = jax.shard_map(_body(layout, axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis),
-                           check_vma=mode == MODES[0])
+    mapped = jax.shard_map(
+        _body(layout, axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=mode == MODES[0]
+    )
 
     def run(ids, x, shards, replicated, logits, labels, *cotangents):
         def total(x, shards, replicated, logits):
@@ -74,10 +79,17 @@ def helpers(layout: SequenceLayout, seed: int, mode: str) -> list[dict[str, np.n
     case, W, rows = spec.data(layout, seed), layout.world_size, layout.max_size
     shards = _padded(layout.shard(case["x"], 1), rows)
     labels = _padded(layout.shard(case["labels"], 1), rows, spec.IGNORE)
-    inputs = (np.broadcast_to(case["ids"], (W, *case["ids"].shape)), np.broadcast_to(case["x"], (W, *case["x"].shape)),
-              shards, shards.copy(), _padded(layout.shard(case["logits"], 1), rows), labels,
-              _padded(case["shard_cotangents"], rows), np.stack(case["gather_cotangents"]),
-              np.stack(case["replicated_cotangents"]))
+    inputs = (
+        np.broadcast_to(case["ids"], (W, *case["ids"].shape)),
+        np.broadcast_to(case["x"], (W, *case["x"].shape)),
+        shards,
+        shards.copy(),
+        _padded(layout.shard(case["logits"], 1), rows),
+        labels,
+        _padded(case["shard_cotangents"], rows),
+        np.stack(case["gather_cotangents"]),
+        np.stack(case["replicated_cotangents"]),
+    )
     grads, found = _program(layout, mode)(*inputs)
     outputs = ("ids", "positions", "labels", "position_ids", "shard_out", "gather_out", "gather_replicated_out", "loss")
     named = dict(zip(outputs, found, strict=True))
@@ -98,12 +110,15 @@ def model(example, attention: str, seq_len: int) -> dict[str, float]:
     with sequence_parallel:
         step = example.sharded_step(graphdef, optimizer, layout, mesh, axes)
         *_, loss, grads, logits = step(params, optimizer.init(params), input_ids)
-    *_, want, want_grads, want_logits = example.unsharded_step(graphdef, optimizer)(params, optimizer.init(params),
-                                                                                     input_ids)
+    *_, want, want_grads, want_logits = example.unsharded_step(graphdef, optimizer)(
+        params, optimizer.init(params), input_ids
+    )
     shards = np.split(np.asarray(logits), layout.world_size, axis=1)
-    return {"loss": example.relative(loss, want),
-            "logits": example.relative(layout.unshard(shards, dim=1, padded=True), want_logits),
-            "gradients": max(jax.tree.leaves(jax.tree.map(example.relative, grads, want_grads)))}
+    return {
+        "loss": example.relative(loss, want),
+        "logits": example.relative(layout.unshard(shards, dim=1, padded=True), want_logits),
+        "gradients": max(jax.tree.leaves(jax.tree.map(example.relative, grads, want_grads))),
+    }
 
 
 def record(in_dir: Path, results: spec.SequenceResults) -> None:

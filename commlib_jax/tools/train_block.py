@@ -40,8 +40,11 @@ def block_loss(params: dict, x, target, config: train_block.BlockConfig, axes: t
     heads = (B, S_local, config.heads, config.head_dim)
     h = rms_norm(x, p["norm1"], config.eps)
     q, k, v = ((h @ p[name]).reshape(heads) for name in ("wq", "wk", "wv"))
-    attended = (attention(q, k, v, causal=config.causal) if axes is None
-                else ulysses_attention(q, k, v, axes[0], causal=config.causal))
+    attended = (
+        attention(q, k, v, causal=config.causal)
+        if axes is None
+        else ulysses_attention(q, k, v, axes[0], causal=config.causal)
+    )
     y = x + attended.reshape(B, S_local, -1) @ p["wo"]
     u = rms_norm(y, p["norm2"], config.eps)
     if axes is not None:

@@ -49,16 +49,23 @@ def per_rank(body, mode: str, sp: int, tp: int):
         mapped = _pmapped(body, sp, tp)
 
         def split(params, x, target):
-            params = {name: value if train_block.TP_DIM[name] is None else _split(value, tp, train_block.TP_DIM[name])
-                      for name, value in params.items()}
+            params = {
+                name: value if train_block.TP_DIM[name] is None else _split(value, tp, train_block.TP_DIM[name])
+                for name, value in params.items()
+            }
             return mapped(params, _split(x, sp, 1), _split(target, sp, 1))
 
         return split
     mesh = Mesh(np.array(jax.devices()[: sp * tp]).reshape(sp, tp), AXES)
     sequence = P(None, "sp")
     ranks = lambda *args: jax.tree.map(lambda leaf: leaf[None, None], body(*args))  # noqa: E731
-    return jax.shard_map(ranks, mesh=mesh, in_specs=(parameter_specs("tp"), sequence, sequence),
-                         out_specs=P("sp", "tp"), check_vma=mode != "shard_map[check_vma=False]")
+    return jax.shard_map(
+        ranks,
+        mesh=mesh,
+        in_specs=(parameter_specs("tp"), sequence, sequence),
+        out_specs=P("sp", "tp"),
+        check_vma=mode != "shard_map[check_vma=False]",
+    )
 
 
 def train_step(config: train_block.BlockConfig):

@@ -40,8 +40,16 @@ def register(name: str = "commlib") -> None:
     AttentionMaskInterface.register(name, padding_mask)
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
     """transformers' mask function for ``attn_implementation="commlib"``: None (the causal mask, which the layer
     applies from global positions) when the model is given no padding mask; else that 2-D mask ``[B, S_r]``
     (this rank's tokens), which `attention_forward` turns into segment ids (padding: -1), unless every rank's mask
@@ -58,9 +66,17 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     return attention_mask
 
 
-def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention call (``sdpa_attention_forward``'s signature) run by the innermost
     `commlib_torch.sequence.parallel` context's layer: query ``[B, H, S_r, D]``, key and value ``[B, H_kv, S_r,
     D]`` (this rank's rows; GQA by head counts, ``H % H_kv == 0``) -> ``([B, S_r, H, D], None)``, query's dtype.
@@ -100,15 +116,24 @@ def attention_forward(module: torch.nn.Module | None, query: torch.Tensor, key: 
     """
     state = _parallel.current(spec.CALL_OP)
     segments: list[torch.Tensor | None] = []
-    state.refuse_together(lambda: segments.append(_check(state, query, attention_mask, dropout, kwargs)),
-                          query.device)
+    state.refuse_together(lambda: segments.append(_check(state, query, attention_mask, dropout, kwargs)), query.device)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     segment_ids = segments[0]
-    if segment_ids is not None and attention_mask is not None and not state.packed and \
-            _keeps_every_token(state, module, attention_mask):
+    if (
+        segment_ids is not None
+        and attention_mask is not None
+        and not state.packed
+        and _keeps_every_token(state, module, attention_mask)
+    ):
         segment_ids = None  # every rank's mask keeps every token: the same attention, unmasked
-    out = state.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                       scale=scaling, segment_ids=segment_ids)
+    out = state.attend(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        causal=bool(causal),
+        scale=scaling,
+        segment_ids=segment_ids,
+    )
     return out, None
 
 
@@ -124,8 +149,7 @@ class _Decision(NamedTuple):
 _LAST: list[_Decision] = []
 
 
-def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None,
-                      attention_mask: torch.Tensor) -> bool:
+def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None, attention_mask: torch.Tensor) -> bool:
     """Whether the 2-D padding mask of every rank of the layer keeps every token (then the layer needs no segment
     ids: one document a row is the unmasked attention). Decided by one int64 all_reduce (MIN) over each of the
     layer's groups in the first attention layer of a forward (``module.layer_idx == 0``) and wherever a layer is
@@ -133,8 +157,13 @@ def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None
     forward reuse the answer. Every rank runs the same layers in the same order and transformers hands every
     layer of a forward the same mask, so the ranks all reduce in the same calls and agree on the answer."""
     last = _LAST[0] if _LAST else None
-    if (last is not None and getattr(module, "layer_idx", 0) != 0 and last.mask() is attention_mask
-            and last.version == attention_mask._version and last.state() is state):
+    if (
+        last is not None
+        and getattr(module, "layer_idx", 0) != 0
+        and last.mask() is attention_mask
+        and last.version == attention_mask._version
+        and last.state() is state
+    ):
         return last.kept
     flag = attention_mask.all().to(torch.int64).reshape(1)
     for group in state.groups():
@@ -144,15 +173,23 @@ def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None
     return kept
 
 
-def _check(state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-           kwargs: dict) -> torch.Tensor | None:
+def _check(
+    state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict
+) -> torch.Tensor | None:
     """What `attention_forward` refuses: the spec's call checks, and ``position_ids`` neither the shard's nor
     packed documents'. Returns the segment ids ``[B, S_r]`` of packed documents and padding (None: neither)."""
     refused = any(kwargs.get(name) is not None for name in ("s_aux", "sinks", "position_bias"))
     padding = attention_mask is not None and attention_mask.dim() == 2
-    spec.check_call(state.plan, shard=state.shard, rows=query.shape[2], mask=attention_mask is not None and not padding,
-                    bias=refused, dropout=dropout, sliding_window=kwargs.get("sliding_window"),
-                    softcap=kwargs.get("softcap"))
+    spec.check_call(
+        state.plan,
+        shard=state.shard,
+        rows=query.shape[2],
+        mask=attention_mask is not None and not padding,
+        bias=refused,
+        dropout=dropout,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+    )
     segments = None
     position_ids = kwargs.get("position_ids")
     if position_ids is not None:
@@ -164,9 +201,13 @@ def _check(state: _parallel.Parallel, query: torch.Tensor, attention_mask: torch
     if padding:
         assert attention_mask is not None
         if tuple(attention_mask.shape) != tuple(query.shape[:1]) + tuple(query.shape[2:3]):
-            raise comm_error(spec.CALL_OP, f"a padding attention_mask {tuple(attention_mask.shape)} must be "
-                             f"[batch, this rank's rows] {(query.shape[0], query.shape[2])}",
-                             attention=state.plan.attention, layout=state.plan.layout)
+            raise comm_error(
+                spec.CALL_OP,
+                f"a padding attention_mask {tuple(attention_mask.shape)} must be "
+                f"[batch, this rank's rows] {(query.shape[0], query.shape[2])}",
+                attention=state.plan.attention,
+                layout=state.plan.layout,
+            )
         kept = attention_mask.to(torch.bool)
         segments = torch.where(kept, 0 if segments is None else segments, -1)
     return None if segments is None else segments.expand(query.shape[0], -1).contiguous()
@@ -180,6 +221,7 @@ def _documents(state: _parallel.Parallel, position_ids: torch.Tensor, expected: 
     counts = (after == position_ids[..., :-1] + 1) | (after == 0)
     local = torch.arange(expected.shape[-1], device=expected.device)
     if bool((position_ids < 0).any() | (position_ids > expected).any() | (steps & ~counts).any()) or (
-            bool((position_ids == local).all()) and not bool((expected == local).all())):
+        bool((position_ids == local).all()) and not bool((expected == local).all())
+    ):
         raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())
     return (expected - position_ids).to(torch.int64)

@@ -10,8 +10,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ByHand", "CopyToTensorParallel", "ReduceFromTensorParallel", "SeedAllToAll4D", "block_loss_by_hand",
-           "seed_all_to_all_4d", "ulysses_by_hand"]
+__all__ = [
+    "ByHand",
+    "CopyToTensorParallel",
+    "ReduceFromTensorParallel",
+    "SeedAllToAll4D",
+    "block_loss_by_hand",
+    "seed_all_to_all_4d",
+    "ulysses_by_hand",
+]
 
 
 def seed_all_to_all_4d(input_, world_size, scatter_dim, gather_dim, exchange=None):
@@ -29,8 +36,12 @@ def seed_all_to_all_4d(input_, world_size, scatter_dim, gather_dim, exchange=Non
     bs, seqlen, shard_hn, hd = input_.shape
     shard_seqlen = seqlen // world_size
     input_ = input_.transpose(0, 2).contiguous()  # shard_hn, seqlen, bs, hd
-    input_ = input_.reshape(shard_hn, world_size, shard_seqlen, bs, hd).transpose(0, 1).reshape(
-        shard_hn * world_size, shard_seqlen, bs, hd).contiguous()
+    input_ = (
+        input_.reshape(shard_hn, world_size, shard_seqlen, bs, hd)
+        .transpose(0, 1)
+        .reshape(shard_hn * world_size, shard_seqlen, bs, hd)
+        .contiguous()
+    )
     output = torch.empty_like(input_)
     exchange(output, input_)
     return output.transpose(0, 2).contiguous()  # bs, seqlen, sharded_hn, hd

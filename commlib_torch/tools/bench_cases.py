@@ -60,8 +60,15 @@ class BenchCase:
 CASES: dict[str, BenchCase] = {}
 
 
-def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib", quick: bool = False,
-               wire: Callable[[int, int], dict[str, int]] | None = None, sizes_mib: tuple[float, ...] | None = None):
+def bench_case(
+    name: str,
+    baselines: tuple[str, ...],
+    *,
+    subject: str = "commlib",
+    quick: bool = False,
+    wire: Callable[[int, int], dict[str, int]] | None = None,
+    sizes_mib: tuple[float, ...] | None = None,
+):
     """Register a builder ``(ctx, bytes per rank) -> {variant name: call}`` as the bench case `name`; `wire`
     gives the bytes each variant sends, where the case reports them; `sizes_mib` the case's own sizes (a whole
     training step cannot run at every size of the collective cases)."""
@@ -74,6 +81,7 @@ def bench_case(name: str, baselines: tuple[str, ...], *, subject: str = "commlib
 
 
 # ---- other baselines -------------------------------------------------------------------------------------
+
 
 def _funcol():
     import torch.distributed._functional_collectives as funcol
@@ -110,6 +118,7 @@ def _numel(nbytes: int) -> int:
 
 # ---- cases: commlib vs the raw torch.distributed call (and functional collectives) on the same bytes ------
 
+
 @bench_case("all_reduce", baselines=("torch.distributed", "clone + torch.distributed", "funcol"), quick=True)
 def _all_reduce(ctx, nbytes):
     """c10d reduces in place: the raw call overwrites a buffer refilled (untimed) before each call; a
@@ -122,10 +131,12 @@ def _all_reduce(ctx, nbytes):
         dist.all_reduce(out, group=ctx.group)
         return out
 
-    return {"commlib": lambda: commlib_torch.all_reduce(x),
-            "torch.distributed": (lambda: buffer.copy_(x), lambda: dist.all_reduce(buffer, group=ctx.group)),
-            "clone + torch.distributed": clone_and_reduce,
-            "funcol": lambda: funcol(x, "sum", ctx.group)}
+    return {
+        "commlib": lambda: commlib_torch.all_reduce(x),
+        "torch.distributed": (lambda: buffer.copy_(x), lambda: dist.all_reduce(buffer, group=ctx.group)),
+        "clone + torch.distributed": clone_and_reduce,
+        "funcol": lambda: funcol(x, "sum", ctx.group),
+    }
 
 
 @bench_case("all_gather (dim 0)", baselines=("torch.distributed", "funcol"), quick=True)
@@ -138,8 +149,11 @@ def _all_gather(ctx, nbytes):
         all_gather_single(out, x, group=ctx.group)
         return out
 
-    return {"commlib": lambda: commlib_torch.all_gather(x, dim=0), "torch.distributed": raw,
-            "funcol": lambda: funcol(x, 0, ctx.group)}
+    return {
+        "commlib": lambda: commlib_torch.all_gather(x, dim=0),
+        "torch.distributed": raw,
+        "funcol": lambda: funcol(x, 0, ctx.group),
+    }
 
 
 @bench_case("reduce_scatter (dim 0)", baselines=("torch.distributed", "funcol"), quick=True)
@@ -152,8 +166,11 @@ def _reduce_scatter(ctx, nbytes):
         reduce_scatter_single(out, x, group=ctx.group)
         return out
 
-    return {"commlib": lambda: commlib_torch.reduce_scatter(x, dim=0), "torch.distributed": raw,
-            "funcol": lambda: funcol(x, "sum", 0, ctx.group)}
+    return {
+        "commlib": lambda: commlib_torch.reduce_scatter(x, dim=0),
+        "torch.distributed": raw,
+        "funcol": lambda: funcol(x, "sum", 0, ctx.group),
+    }
 
 
 @bench_case("all_to_all_single", baselines=("torch.distributed", "funcol"), quick=True)
@@ -166,11 +183,15 @@ def _all_to_all_single(ctx, nbytes):
         dist.all_to_all_single(out, x, group=ctx.group)
         return out
 
-    return {"commlib": lambda: commlib_torch.all_to_all(x, 1, 0).reshape(1, -1), "torch.distributed": raw,
-            "funcol": lambda: funcol(x.reshape(ctx.world_size, -1)).reshape(1, -1)}
+    return {
+        "commlib": lambda: commlib_torch.all_to_all(x, 1, 0).reshape(1, -1),
+        "torch.distributed": raw,
+        "funcol": lambda: funcol(x.reshape(ctx.world_size, -1)).reshape(1, -1),
+    }
 
 
 # ---- cases: Ulysses all_to_all_4d vs the seed's three copies and the hand-written permute + collective ------
+
 
 def _ulysses_input(ctx: WorkerContext, nbytes: int, batch: int, dims: tuple[int, int]) -> torch.Tensor:
     """[B, S/W, H, D] for (2, 1), [B, S, H/W, D] for (1, 2), of about `nbytes` (float32)."""
@@ -180,15 +201,18 @@ def _ulysses_input(ctx: WorkerContext, nbytes: int, batch: int, dims: tuple[int,
 
 
 def _ulysses_case(batch: int, dims: tuple[int, int], quick: bool = False) -> None:
-    @bench_case(f"all_to_all_4d {dims} B={batch}", baselines=("seed (3 copies)", "torch.distributed.nn", "funcol"),
-                quick=quick)
+    @bench_case(
+        f"all_to_all_4d {dims} B={batch}", baselines=("seed (3 copies)", "torch.distributed.nn", "funcol"), quick=quick
+    )
     def build(ctx, nbytes):
         x, W = _ulysses_input(ctx, nbytes, batch, dims), ctx.world_size
         nn_exchange, funcol_exchange = _nn_exchange(ctx.group), _funcol_exchange(ctx.group)
-        return {"commlib": lambda: commlib_torch.all_to_all_4d(x, *dims),
-                "seed (3 copies)": lambda: seed_all_to_all_4d(x, W, *dims),
-                "torch.distributed.nn": lambda: ulysses_by_hand(x, W, *dims, nn_exchange),
-                "funcol": lambda: ulysses_by_hand(x, W, *dims, funcol_exchange)}
+        return {
+            "commlib": lambda: commlib_torch.all_to_all_4d(x, *dims),
+            "seed (3 copies)": lambda: seed_all_to_all_4d(x, W, *dims),
+            "torch.distributed.nn": lambda: ulysses_by_hand(x, W, *dims, nn_exchange),
+            "funcol": lambda: ulysses_by_hand(x, W, *dims, funcol_exchange),
+        }
 
 
 _ulysses_case(1, (2, 1), quick=True)
@@ -213,6 +237,7 @@ def _ulysses_backward(ctx, nbytes):
 
 # ---- cases: checked mode and the inference path (issue 5) --------------------------------------------------
 
+
 def _checked_case(name: str, make_input, call) -> None:
     @bench_case(f"{name} checked", baselines=("commlib",), subject="commlib checked")
     def build(ctx, nbytes):
@@ -227,13 +252,15 @@ def _checked_case(name: str, make_input, call) -> None:
 
 
 _checked_case("all_reduce", lambda ctx, nbytes: _input(ctx, (_numel(nbytes),)), commlib_torch.all_reduce)
-_checked_case("all_to_all_4d (2, 1) B=1", lambda ctx, nbytes: _ulysses_input(ctx, nbytes, 1, (2, 1)),
-              commlib_torch.all_to_all_4d)
+_checked_case(
+    "all_to_all_4d (2, 1) B=1", lambda ctx, nbytes: _ulysses_input(ctx, nbytes, 1, (2, 1)), commlib_torch.all_to_all_4d
+)
 
 
 def _inference_case(mode_name: str, mode) -> None:
-    @bench_case(f"all_reduce {mode_name}", baselines=("clone + torch.distributed", "commlib"),
-                subject=f"commlib {mode_name}")
+    @bench_case(
+        f"all_reduce {mode_name}", baselines=("clone + torch.distributed", "commlib"), subject=f"commlib {mode_name}"
+    )
     def build(ctx, nbytes):
         """commlib on an input that requires grad, called under `mode` (no graph), vs the raw collective
         (out of place, as commlib is) and vs commlib building the graph."""
@@ -248,8 +275,11 @@ def _inference_case(mode_name: str, mode) -> None:
             dist.all_reduce(out, group=ctx.group)
             return out
 
-        return {f"commlib {mode_name}": under_mode, "clone + torch.distributed": clone_and_reduce,
-                "commlib": lambda: commlib_torch.all_reduce(x)}
+        return {
+            f"commlib {mode_name}": under_mode,
+            "clone + torch.distributed": clone_and_reduce,
+            "commlib": lambda: commlib_torch.all_reduce(x),
+        }
 
 
 _inference_case("no_grad", torch.no_grad)
@@ -268,8 +298,7 @@ def _median_seconds(call: Callable[[], object], repeats: int, group) -> float:
     return statistics.median(times)
 
 
-def checked_overhead(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                     repeats: int = 50) -> dict[str, float]:
+def checked_overhead(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, repeats: int = 50) -> dict[str, float]:
     """Median seconds per call on this rank (call it on every rank of `group`) of an all_reduce(sum) of `x`:
 
     ``raw`` (``dist.all_reduce`` of a copy, as commlib's out-of-place op does), ``commlib`` (input
@@ -292,21 +321,28 @@ def checked_overhead(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
         def call():
             with mode():
                 commlib_torch.all_reduce(leaf, group=group)
+
         return call
 
     def with_check():
         with checked():
             commlib_torch.all_reduce(leaf, group=group)
 
-    calls = {"raw": raw, "commlib": lambda: commlib_torch.all_reduce(leaf, group=group),
-             "no_grad": in_mode(torch.no_grad), "inference_mode": in_mode(torch.inference_mode),
-             "constant": lambda: commlib_torch.all_reduce(constant, group=group), "checked": with_check,
-             "fingerprint": lambda: exchange(plan, constant, group)}
+    calls = {
+        "raw": raw,
+        "commlib": lambda: commlib_torch.all_reduce(leaf, group=group),
+        "no_grad": in_mode(torch.no_grad),
+        "inference_mode": in_mode(torch.inference_mode),
+        "constant": lambda: commlib_torch.all_reduce(constant, group=group),
+        "checked": with_check,
+        "fingerprint": lambda: exchange(plan, constant, group),
+    }
     with checked(False):
         return {name: _median_seconds(call, repeats, group) for name, call in calls.items()}
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
+
 
 def _parts(variant: Variant) -> tuple[Callable[[], object] | None, Callable[[], object]]:
     return variant if isinstance(variant, tuple) else (None, variant)

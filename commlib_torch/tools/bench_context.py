@@ -32,8 +32,12 @@ _USP_GROUPS: dict[int, tuple] = {}
 
 def _inputs(ctx: WorkerContext, rows: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + ctx.rank)
-    shapes = [(1, rows, _HEADS, _HEAD_DIM), (1, rows, _KV_HEADS, _HEAD_DIM), (1, rows, _KV_HEADS, _HEAD_DIM),
-              (1, rows, _HEADS, _HEAD_DIM)]
+    shapes = [
+        (1, rows, _HEADS, _HEAD_DIM),
+        (1, rows, _KV_HEADS, _HEAD_DIM),
+        (1, rows, _KV_HEADS, _HEAD_DIM),
+        (1, rows, _HEADS, _HEAD_DIM),
+    ]
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
@@ -54,16 +58,22 @@ def _all_gather_kv(positions, rank: int, group=None):
 
     def attend(q, k, v):
         keys, values = (commlib_torch.all_gather(x, 1, group) for x in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
         return out.transpose(1, 2)
 
     return attend
 
 
 def _case(kind: str, subject: str):
-    @bench_case(f"{kind} attention fwd+bwd", baselines=(_BASELINE,), subject=subject,
-                wire=lambda W, nbytes: context_wire(kind, W, nbytes), sizes_mib=CONTEXT_SIZES_MIB)
+    @bench_case(
+        f"{kind} attention fwd+bwd",
+        baselines=(_BASELINE,),
+        subject=subject,
+        wire=lambda W, nbytes: context_wire(kind, W, nbytes),
+        sizes_mib=CONTEXT_SIZES_MIB,
+    )
     def build(ctx, nbytes):
         W, rows = ctx.world_size, context_rows(nbytes)
         q, k, v, cotangent = _inputs(ctx, rows)
@@ -78,8 +88,10 @@ def _case(kind: str, subject: str):
             positions = shard_positions(rows * W, W)
             attend = lambda *x: ulysses_attention(*x, causal=True)  # noqa: E731
         baseline = _all_gather_kv(positions, ctx.rank)
-        return {subject: lambda: _step(attend, q, k, v, cotangent),
-                _BASELINE: lambda: _step(baseline, q, k, v, cotangent)}
+        return {
+            subject: lambda: _step(attend, q, k, v, cotangent),
+            _BASELINE: lambda: _step(baseline, q, k, v, cotangent),
+        }
 
 
 def _usp_groups(world_size: int) -> tuple:

@@ -26,8 +26,9 @@ def _set_threads(ctx: WorkerContext, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int, warmup: int,
-        threads: int) -> list[dict]:
+def run(
+    world_size: int, names: list[str], sizes_mib: list[float], repeats: int, warmup: int, threads: int
+) -> list[dict]:
     """Every case at every size on one pool of `world_size` gloo ranks: records for the driver."""
     records = []
     with WorkerPool(world_size, timeout=600.0) as pool:
@@ -41,9 +42,19 @@ def run(world_size: int, names: list[str], sizes_mib: list[float], repeats: int,
                 slowest = {v: [max(rank[i]["wall"][v] for rank in per_rank) for i in range(repeats)] for v in variants}
                 work = {v: [sum(rank[i]["cpu"][v] for rank in per_rank) for i in range(repeats)] for v in variants}
                 wire = case.wire(world_size, nbytes) if case.wire else None
-                records.append({"framework": "torch", "case": name, "world_size": world_size, "size_mib": size,
-                                "subject": case.subject, "baselines": list(case.baselines), "seconds": slowest,
-                                "cpu_seconds": work, "wire_bytes": wire})
+                records.append(
+                    {
+                        "framework": "torch",
+                        "case": name,
+                        "world_size": world_size,
+                        "size_mib": size,
+                        "subject": case.subject,
+                        "baselines": list(case.baselines),
+                        "seconds": slowest,
+                        "cpu_seconds": work,
+                        "wire_bytes": wire,
+                    }
+                )
                 progress.done(f"W={world_size} {name} {size:g} MiB")
     return records
 

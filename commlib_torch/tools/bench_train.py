@@ -36,8 +36,10 @@ def _train_step(ctx, nbytes):
     s, t = mesh.get_local_rank("sp"), mesh.get_local_rank("tp")
     config = train_step_config(nbytes, sp)
     params, x, target = train_block.init(config, seed=0)
-    tensors = {name: torch.from_numpy(train_block.shard_parameter(name, value, tp, t)).float().requires_grad_()
-               for name, value in params.items()}
+    tensors = {
+        name: torch.from_numpy(train_block.shard_parameter(name, value, tp, t)).float().requires_grad_()
+        for name, value in params.items()
+    }
     x, target = (torch.from_numpy(train_block.sequence_block(a, sp, s)).float() for a in (x, target))
 
     def step(loss_fn, groups) -> torch.Tensor:
@@ -46,5 +48,7 @@ def _train_step(ctx, nbytes):
         grads = torch.autograd.grad(loss, list(tensors.values()))
         return torch.cat([loss.detach().reshape(1), *(grad.reshape(-1) for grad in grads)])
 
-    return {"commlib": lambda: step(block_loss, ((mesh, "sp"), (mesh, "tp"))),
-            "torch.distributed": lambda: step(block_loss_by_hand, (mesh.get_group("sp"), mesh.get_group("tp")))}
+    return {
+        "commlib": lambda: step(block_loss, ((mesh, "sp"), (mesh, "tp"))),
+        "torch.distributed": lambda: step(block_loss_by_hand, (mesh.get_group("sp"), mesh.get_group("tp"))),
+    }

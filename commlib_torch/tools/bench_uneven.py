@@ -31,8 +31,9 @@ _EVEN, _BY_HAND = "even on the padded size", "pad + even + unpad"
 
 def _wire(world_size: int, nbytes: int) -> dict[str, int]:
     seq, heads, rows, padded_heads = uneven_ulysses(world_size, nbytes)
-    exact = plans.all_to_all_4d((1, seq[0], sum(heads), UNEVEN_HEAD_DIM), world_size, scatter_sizes=heads,
-                                gather_sizes=seq, rank=0)
+    exact = plans.all_to_all_4d(
+        (1, seq[0], sum(heads), UNEVEN_HEAD_DIM), world_size, scatter_sizes=heads, gather_sizes=seq, rank=0
+    )
     even = wire_bytes(plans.all_to_all_4d((1, rows, padded_heads, UNEVEN_HEAD_DIM), world_size))
     return {"commlib": wire_bytes(exact), _EVEN: even, _BY_HAND: even}
 
@@ -52,11 +53,14 @@ def _uneven_ulysses(ctx, nbytes):
 
     def by_hand():
         filled = x.new_zeros(padded.shape)
-        filled[:, :seq[rank]].index_copy_(2, slots, x)
-        return commlib_torch.all_to_all_4d(filled).index_select(1, valid)[:, :, :heads[rank]]
+        filled[:, : seq[rank]].index_copy_(2, slots, x)
+        return commlib_torch.all_to_all_4d(filled).index_select(1, valid)[:, :, : heads[rank]]
 
-    return {"commlib": lambda: commlib_torch.all_to_all_4d(x, scatter_sizes=heads, gather_sizes=seq),
-            _EVEN: even, _BY_HAND: by_hand}
+    return {
+        "commlib": lambda: commlib_torch.all_to_all_4d(x, scatter_sizes=heads, gather_sizes=seq),
+        _EVEN: even,
+        _BY_HAND: by_hand,
+    }
 
 
 _COLUMNS = 256
@@ -70,8 +74,11 @@ def _gather_rows(world_size: int, nbytes: int) -> tuple[int, ...]:
 def _gather_wire(world_size: int, nbytes: int) -> dict[str, int]:
     rows = _gather_rows(world_size, nbytes)
     exact = wire_bytes(plans.all_gather((rows[0], _COLUMNS), world_size, 0, sizes=rows, rank=0))
-    return {"commlib": exact, _W_FOLD: exact,
-            _PADDED: wire_bytes(plans.all_gather((max(rows), _COLUMNS), world_size, 0))}
+    return {
+        "commlib": exact,
+        _W_FOLD: exact,
+        _PADDED: wire_bytes(plans.all_gather((max(rows), _COLUMNS), world_size, 0)),
+    }
 
 
 @bench_case("all_gather (dim 0) uneven", baselines=(_W_FOLD, _PADDED), wire=_gather_wire)
@@ -83,13 +90,14 @@ def _uneven_all_gather(ctx, nbytes):
 
     def w_fold():
         out = torch.empty(sum(counts))
-        dist.all_to_all_single(out, x.reshape(1, -1).expand(W, -1).reshape(-1), counts, [x.numel()] * W,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            out, x.reshape(1, -1).expand(W, -1).reshape(-1), counts, [x.numel()] * W, group=ctx.group
+        )
         return out.view(-1, _COLUMNS)
 
     def padded():
         filled = x.new_zeros(max(rows), _COLUMNS)
-        filled[:rows[rank]] = x
+        filled[: rows[rank]] = x
         out = torch.empty(W, max(rows), _COLUMNS)
         all_gather_single(out.view(-1), filled.view(-1), group=ctx.group)
         return torch.cat([out[peer, :size] for peer, size in enumerate(rows)])

@@ -90,11 +90,15 @@ def _all_reduce_by_hand(x: torch.Tensor) -> torch.Tensor:
 
 # ---- the cases (W = world size; 256-1024 float32 per rank) --------------------------------------------------
 
+
 @_case("all_reduce", (NN, BY_HAND))
 def _all_reduce(world_size: int) -> Variants:
     x = _input(256)
-    return {"commlib": lambda: commlib_torch.all_reduce(x), NN: lambda: _nn().all_reduce(x),
-            BY_HAND: _by_hand(x, _all_reduce_by_hand, _all_reduce_by_hand)}
+    return {
+        "commlib": lambda: commlib_torch.all_reduce(x),
+        NN: lambda: _nn().all_reduce(x),
+        BY_HAND: _by_hand(x, _all_reduce_by_hand, _all_reduce_by_hand),
+    }
 
 
 def _gather_by_hand(x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +122,10 @@ def _all_gather(world_size: int) -> Variants:
 @_case("reduce_scatter (dim 0)")
 def _reduce_scatter(world_size: int) -> Variants:
     x = _input(8 * world_size, 32)
-    return {"commlib": lambda: commlib_torch.reduce_scatter(x, 0),
-            BY_HAND: _by_hand(x, _scatter_by_hand, _gather_by_hand)}
+    return {
+        "commlib": lambda: commlib_torch.reduce_scatter(x, 0),
+        BY_HAND: _by_hand(x, _scatter_by_hand, _gather_by_hand),
+    }
 
 
 @_case("all_to_all (= all_to_all_single)", (NN, BY_HAND))
@@ -131,9 +137,11 @@ def _all_to_all(world_size: int) -> Variants:
         dist.all_to_all_single(out, source.view(world_size, 64))
         return out
 
-    return {"commlib": lambda: commlib_torch.all_to_all(x, 1, 0),
-            NN: lambda: _nn().all_to_all_single(x.new_empty((world_size, 64)), x.view(world_size, 64)),
-            BY_HAND: _by_hand(x, raw, lambda cotangent: raw(cotangent).view(1, -1))}
+    return {
+        "commlib": lambda: commlib_torch.all_to_all(x, 1, 0),
+        NN: lambda: _nn().all_to_all_single(x.new_empty((world_size, 64)), x.view(world_size, 64)),
+        BY_HAND: _by_hand(x, raw, lambda cotangent: raw(cotangent).view(1, -1)),
+    }
 
 
 def _ulysses_case(batch: int, dims: tuple[int, int]) -> None:
@@ -156,9 +164,11 @@ def _ulysses_case(batch: int, dims: tuple[int, int]) -> None:
         def dual(cotangent: torch.Tensor) -> torch.Tensor:
             return ulysses_by_hand(cotangent, world_size, dims[1], dims[0], raw_exchange)
 
-        return {"commlib": lambda: commlib_torch.all_to_all_4d(x, *dims),
-                "hand-written (torch.distributed.nn)": lambda: ulysses_by_hand(x, world_size, *dims, nn_exchange),
-                BY_HAND: _by_hand(x, raw, dual)}
+        return {
+            "commlib": lambda: commlib_torch.all_to_all_4d(x, *dims),
+            "hand-written (torch.distributed.nn)": lambda: ulysses_by_hand(x, world_size, *dims, nn_exchange),
+            BY_HAND: _by_hand(x, raw, dual),
+        }
 
 
 _ulysses_case(1, (2, 1))
@@ -181,8 +191,11 @@ def _reduce_by_hand(x: torch.Tensor) -> torch.Tensor:
 @_case("broadcast", (NN, BY_HAND))
 def _broadcast(world_size: int) -> Variants:
     x = _input(256)
-    return {"commlib": lambda: commlib_torch.broadcast(x, 0), NN: lambda: _nn().broadcast(x, 0),
-            BY_HAND: _by_hand(x, _broadcast_by_hand, _reduce_by_hand)}
+    return {
+        "commlib": lambda: commlib_torch.broadcast(x, 0),
+        NN: lambda: _nn().broadcast(x, 0),
+        BY_HAND: _by_hand(x, _broadcast_by_hand, _reduce_by_hand),
+    }
 
 
 def _gather_to_root(x: torch.Tensor) -> torch.Tensor:  # this process is rank 0, the root
@@ -201,15 +214,16 @@ def _scatter_from_root(x: torch.Tensor) -> torch.Tensor:
 @_case("gather (dim 0)")
 def _gather(world_size: int) -> Variants:
     x = _input(8, 32)
-    return {"commlib": lambda: commlib_torch.gather(x, 0, 0),
-            BY_HAND: _by_hand(x, _gather_to_root, _scatter_from_root)}
+    return {"commlib": lambda: commlib_torch.gather(x, 0, 0), BY_HAND: _by_hand(x, _gather_to_root, _scatter_from_root)}
 
 
 @_case("scatter (dim 0)")
 def _scatter(world_size: int) -> Variants:
     x = _input(8 * world_size, 32)
-    return {"commlib": lambda: commlib_torch.scatter(x, 0, 0),
-            BY_HAND: _by_hand(x, _scatter_from_root, _gather_to_root)}
+    return {
+        "commlib": lambda: commlib_torch.scatter(x, 0, 0),
+        BY_HAND: _by_hand(x, _scatter_from_root, _gather_to_root),
+    }
 
 
 @_case("permute (ring)")
@@ -227,15 +241,19 @@ def _permute(world_size: int) -> Variants:
 
         return call
 
-    return {"commlib": lambda: commlib_torch.permute(x, ring),
-            BY_HAND: _by_hand(x, exchange(forward_splits), exchange(backward_splits))}
+    return {
+        "commlib": lambda: commlib_torch.permute(x, ring),
+        BY_HAND: _by_hand(x, exchange(forward_splits), exchange(backward_splits)),
+    }
 
 
 @_case("sum_grad")
 def _sum_grad(world_size: int) -> Variants:
     x = _input(256)
-    return {"commlib": lambda: commlib_torch.sum_grad(x),
-            BY_HAND: _by_hand(x, lambda source: source, _all_reduce_by_hand)}  # Megatron's f returns x itself
+    return {
+        "commlib": lambda: commlib_torch.sum_grad(x),
+        BY_HAND: _by_hand(x, lambda source: source, _all_reduce_by_hand),
+    }  # Megatron's f returns x itself
 
 
 @_case("shard (dim 0)")
@@ -243,7 +261,7 @@ def _shard(world_size: int) -> Variants:
     x = _input(8 * world_size, 32)
 
     def slice_by_hand(source: torch.Tensor) -> torch.Tensor:  # this process is rank 0: block 0, a fresh tensor
-        return source[:source.shape[0] // world_size].clone()
+        return source[: source.shape[0] // world_size].clone()
 
     return {"commlib": lambda: commlib_torch.shard(x, 0), BY_HAND: _by_hand(x, slice_by_hand, _gather_by_hand)}
 
@@ -300,6 +318,7 @@ _backward_case("all_to_all_4d (2, 1) B=1", "hand-written (torch.distributed.nn)"
 
 # ---- timing ---------------------------------------------------------------------------------------------
 
+
 def init_fake(world_size: int) -> None:
     """This process as rank 0 of a fake process group of `world_size` (no communication at all)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -316,8 +335,9 @@ def time_variants(variants: Variants, calls: int, warmup: int = 200, chunk: int 
         for _ in range(warmup):
             variants[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    orders = [[(variants[name], samples[name]) for name in names[shift:] + names[:shift]]
-              for shift in range(len(names))]
+    orders = [
+        [(variants[name], samples[name]) for name in names[shift:] + names[:shift]] for shift in range(len(names))
+    ]
     clock = time.perf_counter
     for first in range(0, calls, chunk):
         gc.collect()
@@ -339,8 +359,17 @@ def run(world_size: int, calls: int, names: list[str]) -> list[dict]:
     for name in names:
         case = CASES[name]
         seconds = time_variants(case.build(world_size), calls)
-        records.append({"framework": "torch", "case": name, "world_size": world_size, "size_mib": 0.0,
-                        "subject": case.subject, "baselines": list(case.baselines), "seconds": seconds})
+        records.append(
+            {
+                "framework": "torch",
+                "case": name,
+                "world_size": world_size,
+                "size_mib": 0.0,
+                "subject": case.subject,
+                "baselines": list(case.baselines),
+                "seconds": seconds,
+            }
+        )
         progress.done(name)
     return records
 

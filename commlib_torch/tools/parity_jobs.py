@@ -78,12 +78,25 @@ def _gradient(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.grad
 
 
-_GRAD_MODES = {"grad": contextlib.nullcontext, "func": contextlib.nullcontext, "constant": contextlib.nullcontext,
-               "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+_GRAD_MODES = {
+    "grad": contextlib.nullcontext,
+    "func": contextlib.nullcontext,
+    "constant": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+}
 
 
-def run_case(context, case: cases.Case, arrays: dict[str, list[np.ndarray]], *, grad_mode: str = "grad",
-             channels_last: bool = False, group=None, strided: bool = False):
+def run_case(
+    context,
+    case: cases.Case,
+    arrays: dict[str, list[np.ndarray]],
+    *,
+    grad_mode: str = "grad",
+    channels_last: bool = False,
+    group=None,
+    strided: bool = False,
+):
     """One case on this rank (a `WorkerPool` job): ("ok", output, {input: grad}) or ("error", text) when
     the call is rejected. Outputs and gradients come back as float64 (integers as they are).
 
@@ -124,7 +137,8 @@ def _run_func(context, case: cases.Case, inputs: dict, mine: dict, channels_last
         # torch annotates vjp's result as 2 or 3 long (3 with has_aux, which this call does not pass):
         out, pullback = torch.func.vjp(  # type: ignore[misc]
             lambda *xs: _call(case, dict(zip(names, xs, strict=True)), group),
-            *(tensor.detach() for tensor in inputs.values()))
+            *(tensor.detach() for tensor in inputs.values()),
+        )
     except (CommError, TypeError) as error:
         return "error", f"{type(error).__name__}: {error}"
     grads = pullback(_tensor(mine["cotangent"], case, channels_last))

@@ -20,7 +20,6 @@ from commlib_torch.tools.pool import WorkerError, WorkerPool
 __all__ = ["helpers", "model", "record"]
 
 
-
 def _numpy(tensor: torch.Tensor, rows: int, value: float = 0) -> np.ndarray:
     return spec.pad(tensor.detach().numpy(), rows, value) if tensor.ndim >= 2 else tensor.detach().numpy()
 
@@ -40,22 +39,28 @@ def helpers(ctx, layout: SequenceLayout, seed: int) -> dict[str, np.ndarray]:
     """A pool job: every helper of `spec.OUTPUTS` on this rank, padded to ``layout.max_size`` rows."""
     case, rank, rows = spec.data(layout, seed), ctx.rank, layout.max_size
     ids, positions, labels = sequence.shard_tokens(torch.from_numpy(case["ids"]), layout, ignore_index=spec.IGNORE)
-    found = {"ids": _numpy(ids, rows), "positions": _numpy(positions, rows),
-             "labels": _numpy(labels, rows, spec.IGNORE),
-             "position_ids": _numpy(sequence.position_ids(layout)[None], rows)}
+    found = {
+        "ids": _numpy(ids, rows),
+        "positions": _numpy(positions, rows),
+        "labels": _numpy(labels, rows, spec.IGNORE),
+        "position_ids": _numpy(sequence.position_ids(layout)[None], rows),
+    }
     x = torch.from_numpy(case["x"]).requires_grad_()
     out = sequence.shard_sequence(x, layout)
     _backward(out, case["shard_cotangents"][rank])
     found |= {"shard_out": _numpy(out, rows), "shard_grad": _gradient(x).numpy()}
-    for convention, prefix, cotangents in (("sum", "gather", "gather_cotangents"),
-                                           ("replicated", "gather_replicated", "replicated_cotangents")):
+    for convention, prefix, cotangents in (
+        ("sum", "gather", "gather_cotangents"),
+        ("replicated", "gather_replicated", "replicated_cotangents"),
+    ):
         shard = torch.from_numpy(layout.shard(case["x"], 1)[rank]).requires_grad_()
         whole = sequence.gather_sequence(shard, layout, convention=convention)
         _backward(whole, case[cotangents][rank])
         found |= {f"{prefix}_out": whole.detach().numpy(), f"{prefix}_grad": _numpy(_gradient(shard), rows)}
     logits = torch.from_numpy(layout.shard(case["logits"], 1)[rank]).requires_grad_()
-    loss = sequence.cross_entropy(logits, torch.from_numpy(layout.shard(case["labels"], 1)[rank]),
-                                  ignore_index=spec.IGNORE)
+    loss = sequence.cross_entropy(
+        logits, torch.from_numpy(layout.shard(case["labels"], 1)[rank]), ignore_index=spec.IGNORE
+    )
     loss.backward()
     return found | {"loss": loss.detach().numpy(), "loss_grad": _numpy(_gradient(logits), rows)}
 
@@ -77,11 +82,15 @@ def model(ctx, attention: str, seq_len: int) -> dict[str, float]:
     want_logits = reference(input_ids=input_ids, use_cache=False).logits
     want = torch.nn.functional.cross_entropy(want_logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
     want.backward()
-    gradients = max(example.relative(p.grad, q.grad) for p, q in zip(sharded.parameters(), reference.parameters(),
-                                                                      strict=True))
+    gradients = max(
+        example.relative(p.grad, q.grad) for p, q in zip(sharded.parameters(), reference.parameters(), strict=True)
+    )
     mine = want_logits.detach()[:, layout.positions(ctx.rank)]
-    return {"loss": example.relative(loss.detach(), want.detach()), "logits": example.relative(logits.detach(), mine),
-            "gradients": gradients}
+    return {
+        "loss": example.relative(loss.detach(), want.detach()),
+        "logits": example.relative(logits.detach(), mine),
+        "gradients": gradients,
+    }
 
 
 def _worst(replies: list[dict[str, float]]) -> dict[str, float]:

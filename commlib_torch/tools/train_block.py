@@ -21,9 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
-def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
-               config: train_block.BlockConfig,
-               groups: tuple[GroupArgument, GroupArgument] | None = None) -> torch.Tensor:
+def block_loss(
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    target: torch.Tensor,
+    config: train_block.BlockConfig,
+    groups: tuple[GroupArgument, GroupArgument] | None = None,
+) -> torch.Tensor:
     """This rank's loss: ``0.5 * sum((block(x) - target)^2) / (B * S)`` over its tokens.
 
     x, target: ``[B, S/SP, D]``, this rank's sequence block. `groups`: the (SP, TP) groups -- process groups or
@@ -35,8 +39,11 @@ def block_loss(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.T
     heads = (B, S_local, config.heads, config.head_dim)
     h = rms_norm(x, p["norm1"], config.eps)
     q, k, v = ((h @ p[name]).reshape(heads) for name in ("wq", "wk", "wv"))
-    attended = (attention(q, k, v, causal=config.causal) if groups is None
-                else ulysses_attention(q, k, v, groups[0], causal=config.causal))
+    attended = (
+        attention(q, k, v, causal=config.causal)
+        if groups is None
+        else ulysses_attention(q, k, v, groups[0], causal=config.causal)
+    )
     y = x + attended.reshape(B, S_local, -1) @ p["wo"]
     u = rms_norm(y, p["norm2"], config.eps)
     if groups is not None:

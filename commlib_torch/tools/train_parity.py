@@ -40,8 +40,10 @@ def train_step(params: dict[str, torch.Tensor], x, target, config: train_block.B
 
 def _local(config, params, x, target, sp, tp, coordinate):
     s, t = coordinate
-    tensors = {name: torch.from_numpy(train_block.shard_parameter(name, value, tp, t).copy()).requires_grad_()
-               for name, value in params.items()}
+    tensors = {
+        name: torch.from_numpy(train_block.shard_parameter(name, value, tp, t).copy()).requires_grad_()
+        for name, value in params.items()
+    }
     block = lambda a: torch.from_numpy(train_block.sequence_block(a, sp, s).copy())  # noqa: E731
     return tensors, block(x), block(target)
 
@@ -64,8 +66,10 @@ def _stacked(replies, sp: int, tp: int) -> train_parity.History:
     history = []
     for step in range(steps):
         losses = np.array([[by_coordinate[(s, t)][step][0] for t in range(tp)] for s in range(sp)])
-        grads = {name: np.stack([np.stack([by_coordinate[(s, t)][step][1][name] for t in range(tp)])
-                                 for s in range(sp)]) for name in train_block.TP_DIM}
+        grads = {
+            name: np.stack([np.stack([by_coordinate[(s, t)][step][1][name] for t in range(tp)]) for s in range(sp)])
+            for name in train_block.TP_DIM
+        }
         history.append((losses, grads))
     return history
 

@@ -22,8 +22,7 @@ def main(process: int, port: int, layer: str, options: list[dict]) -> dict:
 
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
-                               initialization_timeout=120)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process, initialization_timeout=120)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -37,8 +36,14 @@ def main(process: int, port: int, layer: str, options: list[dict]) -> dict:
     sharding = NamedSharding(mesh, P(None, "x"))
     q, k, v = (jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index]) for x in whole)
     call = getattr(commlib_jax.attention, layer)
-    step = jax.jit(jax.shard_map(lambda q, k, v: call(q, k, v, "x", **options[process]), mesh=mesh,
-                                 in_specs=P(None, "x"), out_specs=P(None, "x")))
+    step = jax.jit(
+        jax.shard_map(
+            lambda q, k, v: call(q, k, v, "x", **options[process]),
+            mesh=mesh,
+            in_specs=P(None, "x"),
+            out_specs=P(None, "x"),
+        )
+    )
     try:
         out = step(q, k, v)
     except CommError as error:

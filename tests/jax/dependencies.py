@@ -18,7 +18,7 @@ def subjaxprs(eqn):
         for inner in value if isinstance(value, (tuple, list)) else [value]:
             if isinstance(inner, (core.Jaxpr, core.ClosedJaxpr)):
                 jaxpr = getattr(inner, "jaxpr", inner)
-                yield jaxpr, eqn.invars[len(eqn.invars) - len(jaxpr.invars):]
+                yield jaxpr, eqn.invars[len(eqn.invars) - len(jaxpr.invars) :]
 
 
 def collective_sources(jaxpr, primitive: str) -> list[frozenset[int]]:
@@ -29,8 +29,9 @@ def collective_sources(jaxpr, primitive: str) -> list[frozenset[int]]:
     numbers = itertools.count()
 
     def read(sources: dict, variables) -> frozenset[int]:
-        return frozenset().union(*(sources.get(var, frozenset()) for var in variables
-                                   if not isinstance(var, core.Literal)))
+        return frozenset().union(
+            *(sources.get(var, frozenset()) for var in variables if not isinstance(var, core.Literal))
+        )
 
     def walk(jaxpr, sources: dict) -> list[frozenset[int]]:
         for eqn in jaxpr.eqns:

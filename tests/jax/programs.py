@@ -68,8 +68,9 @@ def on_mesh(case: cases.Case, mesh_shape, mesh_axes, axis_name, check_vma=True, 
     spec = P(names if set(names) == set(mesh_axes) else tuple(mesh_axes))
     body = (per_rank or (lambda axis: parity_runner._per_rank(case, axis)))(axis_name)
     n = len(case.inputs) + 1
-    return jax.shard_map(body, mesh=Mesh(devices, tuple(mesh_axes)), in_specs=(spec,) * n, out_specs=(spec, spec),
-                         check_vma=check_vma)
+    return jax.shard_map(
+        body, mesh=Mesh(devices, tuple(mesh_axes)), in_specs=(spec,) * n, out_specs=(spec, spec), check_vma=check_vma
+    )
 
 
 def _program(function):

@@ -142,15 +142,28 @@ def test_custom_attn_fn():
     assert calls == [((1, 10, 2, 4), (1, 10, 2, 4), (1, 10, 2, 4), True, 0.4)]
 
 
-@pytest.mark.parametrize(("shapes", "kwargs", "message"), [
-    (((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4)), {}, "heads (6) must be divisible by kv heads (4). Received: "
-     "q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None"),
-    (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)), dict(seq_sizes=(3, 3, 3)), "len(seq_sizes) (3) must equal "
-     "world_size (4)"),
-    (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)), dict(causal="yes"), "causal must be a bool, not str"),
-    (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)), dict(seq_sizes=(4, 3, 2, 1)),
-     "seq (3) must equal max(seq_sizes) (4) in the padded layout"),
-])
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "message"),
+    [
+        (
+            ((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4)),
+            {},
+            "heads (6) must be divisible by kv heads (4). Received: "
+            "q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None",
+        ),
+        (
+            ((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)),
+            dict(seq_sizes=(3, 3, 3)),
+            "len(seq_sizes) (3) must equal world_size (4)",
+        ),
+        (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)), dict(causal="yes"), "causal must be a bool, not str"),
+        (
+            ((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4)),
+            dict(seq_sizes=(4, 3, 2, 1)),
+            "seq (3) must equal max(seq_sizes) (4) in the padded layout",
+        ),
+    ],
+)
 def test_bad_input(shapes, kwargs, message):
     """The spec's text (the same as torch's for the same mistake), raised while tracing."""
 
@@ -164,13 +177,17 @@ def test_bad_input(shapes, kwargs, message):
     assert str(raised.value).startswith(f"ulysses_attention: {message}")
 
 
-
 def test_integer_inputs_are_refused():
     """JAX's softmax of integer scores gave zeros; the spec refuses it while tracing, with torch's text."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("i",))
-    mapped = jax.shard_map(lambda q, k, v: ulysses_attention(q[0], k[0], v[0], "i")[None], mesh=mesh,
-                           in_specs=(P("i"),) * 3, out_specs=P("i"))
+    mapped = jax.shard_map(
+        lambda q, k, v: ulysses_attention(q[0], k[0], v[0], "i")[None],
+        mesh=mesh,
+        in_specs=(P("i"),) * 3,
+        out_specs=P("i"),
+    )
     with pytest.raises(CommError) as raised:
         jax.jit(mapped).trace(*(jnp.ones((4, 1, 3, heads, 4), jnp.int32) for heads in (6, 2, 2)))
-    assert str(raised.value).startswith("ulysses_attention: q, k, v dtype (int32) must be floating (bfloat16, "
-                                        "float16, float32, float64). Received: ")
+    assert str(raised.value).startswith(
+        "ulysses_attention: q, k, v dtype (int32) must be floating (bfloat16, float16, float32, float64). Received: "
+    )

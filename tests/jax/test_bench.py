@@ -16,14 +16,18 @@ def test_train_step_variants_compute_the_unsharded_step():
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("sp", "tp"))
     params, x, target = train_block.init(config, seed=0)
     want_loss, want_grads = train_block.loss_and_grads(config, params, x, target)
-    args = ({name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
-            jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
+    args = (
+        {name: jnp.asarray(value, jnp.float32) for name, value in params.items()},
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(target, jnp.float32),
+    )
     for name, step in bench_train.steps(config, mesh).items():
         loss, grads = step(*args)
         assert abs(float(loss) - want_loss) <= 1e-5 * abs(want_loss), name
         for key, want in want_grads.items():
-            np.testing.assert_allclose(np.asarray(grads[key]), want, rtol=1e-3, atol=1e-5 * np.abs(want).max(),
-                                       err_msg=f"{name} {key}")
+            np.testing.assert_allclose(
+                np.asarray(grads[key]), want, rtol=1e-3, atol=1e-5 * np.abs(want).max(), err_msg=f"{name} {key}"
+            )
 
 
 def test_context_bench_variants_compute_the_reference():
@@ -45,5 +49,7 @@ def test_context_bench_variants_compute_the_reference():
             np.testing.assert_allclose(np.asarray(mine), np.stack(theirs), rtol=1e-4, atol=1e-5, err_msg=name)
     assert context_rows(2**20) == 512
     kv_bytes = 512 * 2 * 64 * 2 * 4  # 1 MiB of q per rank: 512 rows; k and v [1, 512, 2, 64] float32
-    assert context_wire("ring", W, 2**20) == {"commlib ring": W * (3 * W - 2) * kv_bytes,
-                                              "all-gather KV": W * 2 * (W - 1) * kv_bytes}
+    assert context_wire("ring", W, 2**20) == {
+        "commlib ring": W * (3 * W - 2) * kv_bytes,
+        "all-gather KV": W * 2 * (W - 1) * kv_bytes,
+    }

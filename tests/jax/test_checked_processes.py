@@ -26,9 +26,17 @@ def _run(layer: str, options: list[dict]) -> list[dict]:
     port, root = _free_port(), os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     environment.pop("XLA_FLAGS", None)  # (this session's 4-device flag is not the processes')
-    processes = [subprocess.Popen([sys.executable, "-m", "tests.jax.checked_processes", str(process), str(port),
-                                   layer, json.dumps(options)], cwd=root, env=environment, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for process in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.jax.checked_processes", str(process), str(port), layer, json.dumps(options)],
+            cwd=root,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for process in range(2)
+    ]
     outputs = [process.communicate(timeout=240) for process in processes]
     assert all(process.returncode == 0 for process in processes), [error[-2000:] for _, error in outputs]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
@@ -36,12 +44,21 @@ def _run(layer: str, options: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("layer", "options", "expected"),
-    [("ring_attention", [{"causal": True, "layout": "contiguous"}, {"causal": True, "layout": "zigzag"}],
-      "ring_attention: ranks disagree on layout: rank 0 has 'contiguous', rank 1 has 'zigzag'. Received: rank={}, "
-      "layout={}"),
-     ("ulysses_attention", [{"causal": False}, {"causal": True}],
-      "ulysses_attention: ranks disagree on causal: rank 0 has False, rank 1 has True. Received: rank={}, "
-      "causal={}")],
+    [
+        (
+            "ring_attention",
+            [{"causal": True, "layout": "contiguous"}, {"causal": True, "layout": "zigzag"}],
+            "ring_attention: ranks disagree on layout: rank 0 has 'contiguous', rank 1 has "
+            "'zigzag'. Received: rank={}, "
+            "layout={}",
+        ),
+        (
+            "ulysses_attention",
+            [{"causal": False}, {"causal": True}],
+            "ulysses_attention: ranks disagree on causal: rank 0 has False, rank 1 has True. Received: rank={}, "
+            "causal={}",
+        ),
+    ],
     ids=["ring-layout", "ulysses-causal"],
 )
 def test_processes_that_disagree_all_raise(layer, options, expected):

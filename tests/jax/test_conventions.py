@@ -55,8 +55,9 @@ def _example_gradients(mode, op, kwargs, xs, cotangents):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("op", "kwargs", "xs", "cotangents", "expected"), [e[1:] for e in EXAMPLES],
-                         ids=[e[0] for e in EXAMPLES])
+@pytest.mark.parametrize(
+    ("op", "kwargs", "xs", "cotangents", "expected"), [e[1:] for e in EXAMPLES], ids=[e[0] for e in EXAMPLES]
+)
 def test_example(mode, op, kwargs, xs, cotangents, expected):
     np.testing.assert_array_equal(_example_gradients(mode, op, kwargs, xs, cotangents), np.asarray(expected))
 
@@ -166,9 +167,13 @@ FACTORS = {
     (8, "L_r out_specs=P(), check_vma=False", "any"): (_replicated_out(False, psum=False), (Q, Q, Q, Q)),
     (8, "pmap, L_r out_axes=None", "any"): (_pmap(None), (Q, Q, Q, Q)),
     (9, "L_r out_specs=P(), check_vma=True", "varying"): (
-        _replicated_out(True, psum=False), (ValueError, ValueError, ValueError, ValueError)),
+        _replicated_out(True, psum=False),
+        (ValueError, ValueError, ValueError, ValueError),
+    ),
     (10, "L_r out_specs=P(), check_vma=True", "same"): (
-        _replicated_out(True, psum=False), (Q, ValueError, ValueError, ValueError)),
+        _replicated_out(True, psum=False),
+        (Q, ValueError, ValueError, ValueError),
+    ),
 }
 
 SHARED = {  # row 11, x shared by all ranks: factor 1 against the sum over ranks of the torch answer
@@ -183,7 +188,7 @@ SHARED = {  # row 11, x shared by all ranks: factor 1 against the sum over ranks
 
 def _factor_cases():
     for (row, setting, pattern), (grad, factors) in FACTORS.items():
-        for each in (("varying", "same") if pattern == "any" else (pattern,)):
+        for each in ("varying", "same") if pattern == "any" else (pattern,):
             for op, factor in zip(OPS, factors, strict=True):
                 yield pytest.param(grad, each, op, factor, id=f"row {row}: {setting} [c {each}] {op}")
 
@@ -210,7 +215,6 @@ def test_factor_shared_input(setting, op, pattern):
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
-
 @pytest.mark.parametrize("setting", ["shard_map check_vma=False", "pmap out_axes=None"])
 def test_unchecked_replicated_output_is_one_rank(setting):
     """Row 8's forward value: one rank's L_r (rank 0's), not the total."""
@@ -221,6 +225,7 @@ def test_unchecked_replicated_output_is_one_rank(setting):
     else:
         value = jax.pmap(L, AXIS, out_axes=None)(x.reshape(W, N))
     assert value == per_rank[0] != per_rank.sum()
+
 
 # --- Megatron f/g, data parallel, Ulysses ---------------------------------------------------------------------
 
@@ -261,8 +266,10 @@ def test_megatron_mlp(where, check_vma, g_convention, factor):
         np.testing.assert_allclose(value, factor * expected, rtol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize(("variant", "check_vma", "dx_factor"), [
-    ("lax", True, 1), ("commlib g", True, 1), ("commlib f and g", True, CommError), ("commlib f and g", False, W)])
+@pytest.mark.parametrize(
+    ("variant", "check_vma", "dx_factor"),
+    [("lax", True, 1), ("commlib g", True, 1), ("commlib f and g", True, CommError), ("commlib f and g", False, W)],
+)
 def test_megatron_mlp_shared_input(variant, check_vma, dx_factor):
     """x given once with in_specs=P(): JAX's transpose of the shared input already sums dx over ranks. So
     lax.pcast(to="varying") as f and lax.psum as g (check_vma=True, loss out_specs=P()), or commlib's g alone,
@@ -314,8 +321,9 @@ def test_ulysses(check_vma):
     rng = np.random.default_rng(2)
     q, k, v, cotangent = (rng.standard_normal((2, 8, 4, 3)) for _ in range(4))  # [B, S, H, D]
     seq = P(None, AXIS)
-    per_rank = _shard_map(lambda q, k, v, c: jnp.sum(c * ulysses_attention(q, k, v, AXIS))[None], check_vma,
-                          (seq,) * 4, P(AXIS))
+    per_rank = _shard_map(
+        lambda q, k, v, c: jnp.sum(c * ulysses_attention(q, k, v, AXIS))[None], check_vma, (seq,) * 4, P(AXIS)
+    )
     got = jax.jit(jax.grad(lambda *a: per_rank(*a, cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
     for name, value, expected in zip("qkv", got, reference_attention.attention_vjp(q, k, v, cotangent), strict=True):
         np.testing.assert_allclose(value, expected, rtol=1e-10, atol=1e-12, err_msg=name)

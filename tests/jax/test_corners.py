@@ -79,7 +79,8 @@ def test_complex_avg_forward_and_gradient(mode, op_name):
 
 def test_int16_and_float8_follow_the_spec():
     gathered = _mapped(lambda x: commlib_jax.all_gather(x, "i", 0), 2, "shard_map")(
-        jnp.asarray([[1], [2]], dtype=jnp.int16))
+        jnp.asarray([[1], [2]], dtype=jnp.int16)
+    )
     assert gathered.dtype == jnp.int16
     np.testing.assert_array_equal(np.asarray(gathered), [[1, 2], [1, 2]])
     x = jnp.asarray([[1.5, NAN, -2.0], [2.5, 1.0, -3.0]], dtype=jnp.float8_e4m3fn)
@@ -90,16 +91,27 @@ def test_int16_and_float8_follow_the_spec():
 
 
 CALLS = {  # op -> its arguments after (x, axis_name)
-    "all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
-    "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "shard": (0,),
+    "all_reduce": (),
+    "all_gather": (0,),
+    "reduce_scatter": (0,),
+    "all_to_all": (0, 1),
+    "all_to_all_4d": (),
+    "broadcast": (0,),
+    "gather": (0,),
+    "scatter": (0,),
+    "permute": ([(0, 1)],),
+    "sum_grad": (),
+    "shard": (0,),
     "reduce": (0,),
 }
 
 
 @pytest.mark.parametrize("op", CALLS)
 def test_an_op_outside_shard_map_or_pmap(op):
-    message = (f"{op}: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
-               f"with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'")
+    message = (
+        f"{op}: axis_name ('i') is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
+        f"with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name='i'"
+    )
     with pytest.raises(CommError) as raised:
         getattr(commlib_jax, op)(jnp.ones((2, 2)), "i", *CALLS[op])
     assert str(raised.value) == message
@@ -114,16 +126,21 @@ def test_a_wrong_axis_name_inside_a_map_lists_the_bound_axes(mode):
     call outside every map)."""
     with pytest.raises(CommError) as raised:
         _mapped(lambda x: commlib_jax.all_reduce(x, "j"), 2, mode)(jnp.ones((2, 2)))
-    assert str(raised.value) == ("all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / "
-                                 "jax.pmap bind ('i',). Received: axis_name='j'")
+    assert str(raised.value) == (
+        "all_reduce: axis_name ('j') is not bound here: the enclosing jax.shard_map / "
+        "jax.pmap bind ('i',). Received: axis_name='j'"
+    )
 
 
 @pytest.mark.parametrize("op", CALLS)
-@pytest.mark.parametrize(("axis_name", "error", "message"), [
-    ((), CommError, "axis_name (()) must name at least one mesh axis. Received: axis_name=()"),
-    (0, TypeError, "axis_name must be a mesh axis name (str) or a tuple of them, not int. Received: axis_name=0"),
-    (("i", "i"), CommError, "axis_name (('i', 'i')) names 'i' twice. Received: axis_name=('i', 'i')"),
-])
+@pytest.mark.parametrize(
+    ("axis_name", "error", "message"),
+    [
+        ((), CommError, "axis_name (()) must name at least one mesh axis. Received: axis_name=()"),
+        (0, TypeError, "axis_name must be a mesh axis name (str) or a tuple of them, not int. Received: axis_name=0"),
+        (("i", "i"), CommError, "axis_name (('i', 'i')) names 'i' twice. Received: axis_name=('i', 'i')"),
+    ],
+)
 def test_an_axis_name_that_names_no_axis(op, axis_name, error, message):
     with pytest.raises(error) as raised:
         _mapped(lambda x: getattr(commlib_jax, op)(x, axis_name, *CALLS[op]), 2, "shard_map")(jnp.ones((2, 2)))
@@ -134,8 +151,9 @@ def test_an_axis_name_that_names_no_axis(op, axis_name, error, message):
 def test_a_traced_rank(op):
     with pytest.raises(TypeError) as raised:
         _mapped(lambda x: getattr(commlib_jax, op)(x, "i", lax.axis_index("i")), 2, "shard_map")(jnp.ones((2, 2)))
-    assert str(raised.value).startswith(f"{op}: {'src' if op in ('broadcast', 'scatter') else 'dst'} must be a "
-                                        "static int, not a traced ")
+    assert str(raised.value).startswith(
+        f"{op}: {'src' if op in ('broadcast', 'scatter') else 'dst'} must be a static int, not a traced "
+    )
 
 
 @pytest.mark.parametrize("op", CALLS)
@@ -158,7 +176,7 @@ def test_scatter_of_bool(mode, sizes):
     assert out.dtype == jnp.bool_ and out.shape == (world_size, rows, 3)
     for rank in range(world_size):
         valid = bounds[rank + 1] - bounds[rank]
-        np.testing.assert_array_equal(np.asarray(out[rank])[:valid], xs[1][bounds[rank]:bounds[rank + 1]])
+        np.testing.assert_array_equal(np.asarray(out[rank])[:valid], xs[1][bounds[rank] : bounds[rank + 1]])
         assert not np.asarray(out[rank])[valid:].any()
 
 

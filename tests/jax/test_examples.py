@@ -23,6 +23,7 @@ from tests.jax import programs
 
 MODES = modes_for(4)
 
+
 def _stack(arrays) -> jax.Array:
     """Every rank's array stacked on a leading [W] axis, the layout the mapped functions take."""
     return jnp.asarray(np.stack(arrays))
@@ -91,8 +92,11 @@ def test_shard_example(scale_grad, factor, via_communicator, mode):
     outputs, grads = _run_and_check(case, arrays, function, mode)
     assert [out.tolist() for out in outputs] == [[2.0 * rank, 2.0 * rank + 1] for rank in range(4)]
     assert [grad.tolist() for grad in grads["x"]] == [[factor * v for v in (1, 10, 2, 20, 3, 30, 4, 40)]] * 4
-    print(f"shard example (jax {mode}, scale_grad={scale_grad}):", [out.tolist() for out in outputs],
-          grads["x"][0].tolist())
+    print(
+        f"shard example (jax {mode}, scale_grad={scale_grad}):",
+        [out.tolist() for out in outputs],
+        grads["x"][0].tolist(),
+    )
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -123,7 +127,8 @@ def test_shard_of_one_shared_value(check_vma):
         "already sums a shared value's gradient over them, so shard would sum it again (4 times the gradient). "
         "Take the gradient with commlib_jax.training.value_and_grad, which gives every rank its own copy of the "
         "parameters as torch does, or slice the shared x with lax.dynamic_slice_in_dim at lax.axis_index('i'), "
-        "whose gradient JAX sums once. Received: shape=(8,), axis_name='i'")
+        "whose gradient JAX sums once. Received: shape=(8,), axis_name='i'"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -132,8 +137,10 @@ def test_reduce_example(op, factor, mode):
     """W=4, rank r holding [r+1, 10(r+1)], cotangent (r+1): dst=2 gets [10, 100] (/ 4 for avg), the others
     zeros; every rank's gradient is dst's cotangent, [3, 3] (/ 4 for avg)."""
     case = cases.Case(f"example:reduce,{op}", "reduce", 4, (2,), "float32", (("dst", 2), ("op", op)))
-    arrays = {"x": _ranks([[r + 1, 10 * (r + 1)] for r in range(4)]),
-              "cotangent": _ranks([[r + 1] * 2 for r in range(4)])}
+    arrays = {
+        "x": _ranks([[r + 1, 10 * (r + 1)] for r in range(4)]),
+        "cotangent": _ranks([[r + 1] * 2 for r in range(4)]),
+    }
     outputs, grads = _run_and_check(case, arrays, programs.mapped(case, mode), mode)
     assert [out.tolist() for out in outputs] == [[0.0, 0.0]] * 2 + [[10.0 * factor, 100.0 * factor]] + [[0.0, 0.0]]
     assert [grad.tolist() for grad in grads["x"]] == [[3.0 * factor] * 2] * 4
@@ -142,8 +149,9 @@ def test_reduce_example(op, factor, mode):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_all_to_all_on_one_dim_is_lax_all_to_all_with_split_equal_to_concat(dim):
     """Values and gradients equal lax's own ``all_to_all(split_axis=dim, concat_axis=dim, tiled=True)``."""
-    case = cases.Case(f"example:all_to_all,{dim}", "all_to_all", 4, (8, 8), "float64",
-                      (("scatter_dim", dim), ("gather_dim", dim)))
+    case = cases.Case(
+        f"example:all_to_all,{dim}", "all_to_all", 4, (8, 8), "float64", (("scatter_dim", dim), ("gather_dim", dim))
+    )
     arrays = cases.make_arrays(case, 3)
 
     def lax_body(axis_name):
@@ -228,8 +236,10 @@ def test_accum_dtype_is_the_dtype_of_the_collective(op, accum_dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("op", "values", "output"), [("max", [1, 5, 2, 3], 5), ("min", [4, 0, 6, 7], 0),
-                                                      ("product", [2, 0, 3, 4], 0), ("product", [1, 2, 3, 4], 24)])
+@pytest.mark.parametrize(
+    ("op", "values", "output"),
+    [("max", [1, 5, 2, 3], 5), ("min", [4, 0, 6, 7], 0), ("product", [2, 0, 3, 4], 0), ("product", [1, 2, 3, 4], 24)],
+)
 def test_integer_all_reduce_forward(op, values, output, mode):
     case = _scalar_case(op, 4, dtype="int32")
     arrays = {"x": _ranks(values, "int32")}
@@ -368,8 +378,13 @@ def test_jit_of_grad_equals_grad_of_jit(mode):
     np.testing.assert_allclose(np.asarray(grad_of_jit, np.float64), np.stack(want), atol=2e-5)
 
 
-CLOSED_OVER = [("all_reduce", {}), ("all_reduce", {"op": "max"}), ("all_gather", {"dim": 0}),
-               ("broadcast", {"src": 2}), ("permute", {"perm": [[0, 1], [1, 2], [2, 3], [3, 0]]})]
+CLOSED_OVER = [
+    ("all_reduce", {}),
+    ("all_reduce", {"op": "max"}),
+    ("all_gather", {"dim": 0}),
+    ("broadcast", {"src": 2}),
+    ("permute", {"perm": [[0, 1], [1, 2], [2, 3], [3, 0]]}),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -443,6 +458,7 @@ def test_double_backward_of_linear_ops(mode):
             return body
 
         function = programs.mapped(case, mode, per_rank)
+
         def penalty(cotangent, function=function, arrays=arrays):
             return function(cotangent, _stack(arrays["x"]), _stack(arrays["v"]))[1].sum()
 
@@ -481,8 +497,15 @@ def test_second_derivatives_of_reductions(op, convention, mode):
     gradients of sum(gx * v) with respect to x and to the cotangent match finite differences of the
     reference VJP (lax has no differentiation rule for pmax / pmin: commlib's forward must be used)."""
     plan = plans.all_reduce((2,), 3, op, dtype="float64", convention=convention)
-    case = cases.Case(f"second:{op},{convention}", "all_reduce", 3, (2,), "float64",
-                      (("op", op), ("convention", convention)), inputs=("x", "v"))
+    case = cases.Case(
+        f"second:{op},{convention}",
+        "all_reduce",
+        3,
+        (2,),
+        "float64",
+        (("op", op), ("convention", convention)),
+        inputs=("x", "v"),
+    )
 
     def per_rank(axis_name):
         def body(cotangent, x, v):

@@ -19,8 +19,9 @@ EXAMPLES = 60
 FUZZ = strategies.Space(max_size=2, dtypes=("float64",), transposed=False, world_sizes=(4,))
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(data=st.data(), seed=strategies.SEEDS)
 def test_fuzz(data, seed):
     case = data.draw(strategies.fuzz_cases(FUZZ), label="case")

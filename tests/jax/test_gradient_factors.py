@@ -45,8 +45,12 @@ FACTORS = {
 
 def _parameters():
     rng = np.random.default_rng(0)
-    return {"embed": rng.standard_normal((V, E)), "position": rng.standard_normal((S, E)),
-            "qkv": rng.standard_normal((E, 3 * E)) / 3, "head": rng.standard_normal((E, V))}
+    return {
+        "embed": rng.standard_normal((V, E)),
+        "position": rng.standard_normal((S, E)),
+        "qkv": rng.standard_normal((E, 3 * E)) / 3,
+        "head": rng.standard_normal((E, V)),
+    }
 
 
 PARAMS = _parameters()
@@ -78,12 +82,18 @@ STACKED = P("i")  # each rank's result along a leading [W] axis
 def _mapped(body, mode: str, out_specs=STACKED):
     """`body(params, ids)` on every rank, params and ids replicated (pmap: ids given per rank, `_ids`)."""
     if mode == "pmap":
-        return jax.pmap(body, axis_name="i", in_axes=(None, 0), out_axes=0 if out_specs == P("i") else None,
-                        devices=jax.devices()[:W])
+        return jax.pmap(
+            body,
+            axis_name="i",
+            in_axes=(None, 0),
+            out_axes=0 if out_specs == P("i") else None,
+            devices=jax.devices()[:W],
+        )
     mesh = Mesh(np.array(jax.devices()[:W]), ("i",))
     stacked = (lambda *args: jax.tree.map(lambda a: a[None], body(*args))) if out_specs == P("i") else body
-    return jax.shard_map(stacked, mesh=mesh, in_specs=(P(), P()), out_specs=out_specs,
-                         check_vma=mode == "check_vma=True")
+    return jax.shard_map(
+        stacked, mesh=mesh, in_specs=(P(), P()), out_specs=out_specs, check_vma=mode == "check_vma=True"
+    )
 
 
 def _ids(mode: str) -> np.ndarray:
@@ -92,6 +102,7 @@ def _ids(mode: str) -> np.ndarray:
 
 def _inside(mode: str, way: str):
     """Every rank's gradients [W, ...] taken inside the map."""
+
     def body(params, ids):
         if way == "value_and_grad inside":
             return value_and_grad(_rank_loss, "i")(params, ids)[1]

@@ -29,20 +29,41 @@ RING = [(rank, (rank + 1) % W) for rank in range(W)]
 PAIRS = {
     "all_reduce sum": ((8, 16), lambda x: commlib_jax.all_reduce(x, AXIS), lambda x: lax.psum(x, AXIS)),
     "all_reduce avg": ((8, 16), lambda x: commlib_jax.all_reduce(x, AXIS, "avg"), lambda x: lax.pmean(x, AXIS)),
-    "all_gather dim 0": ((8, 16), lambda x: commlib_jax.all_gather(x, AXIS, dim=0),
-                         lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)),
-    "all_gather dim -1": ((8, 16), lambda x: commlib_jax.all_gather(x, AXIS, dim=-1),
-                          lambda x: lax.all_gather(x, AXIS, axis=1, tiled=True)),
-    "reduce_scatter dim 0": ((8, 16), lambda x: commlib_jax.reduce_scatter(x, AXIS, dim=0),
-                             lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)),
-    "reduce_scatter dim 1": ((8, 16), lambda x: commlib_jax.reduce_scatter(x, AXIS, dim=1),
-                             lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)),
-    "all_to_all (0, 2)": ((8, 3, 5), lambda x: commlib_jax.all_to_all(x, AXIS, 0, 2),
-                          lambda x: lax.all_to_all(x, AXIS, 0, 2, tiled=True)),
-    "all_to_all_4d (2, 1)": ((2, 8, 8, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 2, 1),
-                             lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True)),
-    "all_to_all_4d (1, 2) batch 1": ((1, 8, 8, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 1, 2),
-                                     lambda x: lax.all_to_all(x, AXIS, 1, 2, tiled=True)),
+    "all_gather dim 0": (
+        (8, 16),
+        lambda x: commlib_jax.all_gather(x, AXIS, dim=0),
+        lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True),
+    ),
+    "all_gather dim -1": (
+        (8, 16),
+        lambda x: commlib_jax.all_gather(x, AXIS, dim=-1),
+        lambda x: lax.all_gather(x, AXIS, axis=1, tiled=True),
+    ),
+    "reduce_scatter dim 0": (
+        (8, 16),
+        lambda x: commlib_jax.reduce_scatter(x, AXIS, dim=0),
+        lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True),
+    ),
+    "reduce_scatter dim 1": (
+        (8, 16),
+        lambda x: commlib_jax.reduce_scatter(x, AXIS, dim=1),
+        lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True),
+    ),
+    "all_to_all (0, 2)": (
+        (8, 3, 5),
+        lambda x: commlib_jax.all_to_all(x, AXIS, 0, 2),
+        lambda x: lax.all_to_all(x, AXIS, 0, 2, tiled=True),
+    ),
+    "all_to_all_4d (2, 1)": (
+        (2, 8, 8, 16),
+        lambda x: commlib_jax.all_to_all_4d(x, AXIS, 2, 1),
+        lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True),
+    ),
+    "all_to_all_4d (1, 2) batch 1": (
+        (1, 8, 8, 16),
+        lambda x: commlib_jax.all_to_all_4d(x, AXIS, 1, 2),
+        lambda x: lax.all_to_all(x, AXIS, 1, 2, tiled=True),
+    ),
     "permute": ((8, 16), lambda x: commlib_jax.permute(x, AXIS, RING), lambda x: lax.ppermute(x, AXIS, RING)),
 }
 
@@ -59,16 +80,30 @@ MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap")
 SEQ, HEADS = (16, 16, 16, 15), (2, 2, 1, 1)  # S = 63, H = 6
 #: name -> (shape, commlib op with uneven sizes (padded layout), shape on the padded size, the even lax op there).
 UNEVEN = {
-    "all_to_all_4d (2, 1)": ((2, 16, 6, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 2, 1, scatter_sizes=HEADS,
-                                                                                 gather_sizes=SEQ),
-                             (2, 16, 8, 16), lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True)),
-    "all_to_all_4d (1, 2)": ((2, 63, 2, 16), lambda x: commlib_jax.all_to_all_4d(x, AXIS, 1, 2, scatter_sizes=SEQ,
-                                                                                 gather_sizes=HEADS),
-                             (2, 64, 2, 16), lambda x: lax.all_to_all(x, AXIS, 1, 2, tiled=True)),
-    "all_gather": ((16, 8), lambda x: commlib_jax.all_gather(x, AXIS, 0, sizes=SEQ),
-                   (16, 8), lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)),
-    "reduce_scatter": ((8, 63), lambda x: commlib_jax.reduce_scatter(x, AXIS, 1, sizes=SEQ),
-                       (8, 64), lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)),
+    "all_to_all_4d (2, 1)": (
+        (2, 16, 6, 16),
+        lambda x: commlib_jax.all_to_all_4d(x, AXIS, 2, 1, scatter_sizes=HEADS, gather_sizes=SEQ),
+        (2, 16, 8, 16),
+        lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True),
+    ),
+    "all_to_all_4d (1, 2)": (
+        (2, 63, 2, 16),
+        lambda x: commlib_jax.all_to_all_4d(x, AXIS, 1, 2, scatter_sizes=SEQ, gather_sizes=HEADS),
+        (2, 64, 2, 16),
+        lambda x: lax.all_to_all(x, AXIS, 1, 2, tiled=True),
+    ),
+    "all_gather": (
+        (16, 8),
+        lambda x: commlib_jax.all_gather(x, AXIS, 0, sizes=SEQ),
+        (16, 8),
+        lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True),
+    ),
+    "reduce_scatter": (
+        (8, 63),
+        lambda x: commlib_jax.reduce_scatter(x, AXIS, 1, sizes=SEQ),
+        (8, 64),
+        lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True),
+    ),
 }
 
 
@@ -77,8 +112,13 @@ def _mapped(body, mode: str):
     if mode == "pmap":
         return jax.pmap(body, axis_name=AXIS)
     mesh = Mesh(np.array(jax.devices()[:W]), (AXIS,))
-    return jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                         check_vma=mode != "shard_map[check_vma=False]")
+    return jax.shard_map(
+        lambda x: body(x[0])[None],
+        mesh=mesh,
+        in_specs=P(AXIS),
+        out_specs=P(AXIS),
+        check_vma=mode != "shard_map[check_vma=False]",
+    )
 
 
 def counts(body, shape, mode: str, part: str) -> dict[str, int]:
@@ -97,8 +137,10 @@ def counts(body, shape, mode: str, part: str) -> dict[str, int]:
 
 
 def _split(found: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    return ({kind: n for kind, n in found.items() if kind in COLLECTIVES},
-            {kind: n for kind, n in found.items() if kind in LAYOUT})
+    return (
+        {kind: n for kind, n in found.items() if kind in COLLECTIVES},
+        {kind: n for kind, n in found.items() if kind in LAYOUT},
+    )
 
 
 @pytest.mark.parametrize("part", ["forward", "gradient"])

@@ -19,8 +19,9 @@ from tests.layer_fuzz import layer_cases
 EXAMPLES = int(os.environ.get("COMMLIB_FUZZ_EXAMPLES", "20"))  # more for a longer hunt
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(data=st.data(), seed=strategies.SEEDS)
 def test_layer_fuzz(data, seed):
     case = data.draw(layer_cases(world_sizes=(2, 4)), label="case")

@@ -19,7 +19,7 @@ from tests import mask_cases as masks
 
 
 def _mesh(op, layout):
-    devices = np.array(jax.devices()[:layout.world_size])
+    devices = np.array(jax.devices()[: layout.world_size])
     if op == "usp_attention":
         return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), P(("ring", "ulysses"))
     return Mesh(devices, ("i",)), P("i")
@@ -45,16 +45,20 @@ def _run(op, layout, name, whole, ids, causal, check_vma=True, dtype=jnp.float64
         out = _call(op, name, q[0], k[0], v[0], causal=causal, **kwargs)
         return out[None], (out.astype(cotangent.dtype) * cotangent[0]).sum()[None]
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (None if ids is None else spec,),
-                           out_specs=(spec, spec), check_vma=check_vma)
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(spec,) * 4 + (None if ids is None else spec,),
+        out_specs=(spec, spec),
+        check_vma=check_vma,
+    )
 
     def total(inputs):
         out, losses = mapped(jnp.asarray(stacked[3]), *inputs, segments)
         return losses.sum(), out
 
     grads, out = jax.jit(jax.grad(total, has_aux=True))([jnp.asarray(x, dtype) for x in stacked[:3]])
-    return [[np.asarray(x[i], np.float64)[:, :size] for i, size in enumerate(layout.sizes)]
-            for x in (out, *grads)]
+    return [[np.asarray(x[i], np.float64)[:, :size] for i, size in enumerate(layout.sizes)] for x in (out, *grads)]
 
 
 @pytest.mark.parametrize(("op", "layout", "name"), masks.HANDED, ids=lambda x: str(getattr(x, "layout", x)))
@@ -82,10 +86,13 @@ def test_documents_at_any_length(world_size):
 
 
 @pytest.mark.parametrize("op", ["ulysses_attention", "ring_attention", "usp_attention"])
-@pytest.mark.parametrize(("ids", "text"), [
-    (np.zeros((1, 3), np.float32), "TypeError: {op}: segment_ids dtype (float32) must be an integer dtype"),
-    (np.zeros((1, 4), np.int32), "CommError: {op}: segment_ids shape (1, 4) must be q's [batch, seq] (1, 3)"),
-])
+@pytest.mark.parametrize(
+    ("ids", "text"),
+    [
+        (np.zeros((1, 3), np.float32), "TypeError: {op}: segment_ids dtype (float32) must be an integer dtype"),
+        (np.zeros((1, 4), np.int32), "CommError: {op}: segment_ids shape (1, 4) must be q's [batch, seq] (1, 3)"),
+    ],
+)
 def test_bad_segment_ids(op, ids, text):
     """Refused while tracing, before any collective, naming the layer and the argument (the torch text)."""
     layout = SequenceLayout(12, ring_size=2, ulysses_size=2)
@@ -116,8 +123,9 @@ def test_list_inputs_are_refused(op, argument):
 
     with pytest.raises(TypeError) as raised:
         jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.zeros((4, 1, 3, 2, 4)))
-    assert str(raised.value) == (f"{op}: {argument} must be a jax.Array or numpy.ndarray, not list. "
-                                 "Received: type='list'"), raised.value
+    assert str(raised.value) == (
+        f"{op}: {argument} must be a jax.Array or numpy.ndarray, not list. Received: type='list'"
+    ), raised.value
 
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])

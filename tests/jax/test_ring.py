@@ -27,8 +27,12 @@ _COLLECTIVES = ("all_to_all", "all_gather", "all_reduce", "reduce_scatter", "col
 def _whole(batch, seq, heads, kv_heads, head_dim, seed=0):
     """Whole-sequence float64 q, k, v and the output cotangent."""
     rng = np.random.default_rng(seed)
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), (batch, seq, kv_heads, head_dim),
-              (batch, seq, heads, head_dim)]
+    shapes = [
+        (batch, seq, heads, head_dim),
+        (batch, seq, kv_heads, head_dim),
+        (batch, seq, kv_heads, head_dim),
+        (batch, seq, heads, head_dim),
+    ]
     return [rng.standard_normal(shape) for shape in shapes]
 
 
@@ -63,8 +67,10 @@ def _errors(got, whole, ring_size, layout, causal, ulysses_size=1):
     """Max abs error of (out, dq, dk, dv) over every shard against the float64 reference."""
     shards = [shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in whole]
     expected = ring_reference.reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
-    return [max(float(np.abs(mine[i] - theirs[i]).max()) for i in range(len(theirs)))
-            for mine, theirs in zip(got, expected, strict=True)]
+    return [
+        max(float(np.abs(mine[i] - theirs[i]).max()) for i in range(len(theirs)))
+        for mine, theirs in zip(got, expected, strict=True)
+    ]
 
 
 def _ring_errors(world_size, causal, layout, whole, dtype=jnp.float64, check_vma=True):
@@ -76,8 +82,13 @@ def _ring_errors(world_size, causal, layout, whole, dtype=jnp.float64, check_vma
 
 #: (W, causal, layout, H_kv) with H = 4 at W = 1-3 (W = 4: the parity table's rows, below): every (causal, layout)
 #: pair, MHA (H_kv = 4), GQA and MQA (H_kv = 1).
-RING_CASES = [(1, True, "zigzag", 2), (2, False, "zigzag", 4), (2, True, "contiguous", 2), (3, True, "zigzag", 2),
-              (3, False, "contiguous", 1)]
+RING_CASES = [
+    (1, True, "zigzag", 2),
+    (2, False, "zigzag", 4),
+    (2, True, "contiguous", 2),
+    (3, True, "zigzag", 2),
+    (3, False, "contiguous", 1),
+]
 
 
 @pytest.mark.parametrize(("world_size", "causal", "layout", "kv_heads"), RING_CASES)
@@ -113,10 +124,19 @@ def test_handed_case():
     row = parity.check(case, arrays, outputs, gradients, None, "jax", MODE)
     expected_outputs, expected_gradients = cases.expected(case, arrays)
     errors = {"out": max(np.abs(mine - theirs).max() for mine, theirs in zip(outputs, expected_outputs, strict=True))}
-    errors.update({f"d{name}": max(np.abs(mine - theirs).max() for mine, theirs in
-                                   zip(gradients[name], expected_gradients[name], strict=True)) for name in "qkv"})
-    print(f"handed case (JAX): parity errors out {row.out_error:.2e} grad {row.grad_error:.2e}; max abs errors "
-          + ", ".join(f"{name} {error:.2e}" for name, error in errors.items()))
+    errors.update(
+        {
+            f"d{name}": max(
+                np.abs(mine - theirs).max()
+                for mine, theirs in zip(gradients[name], expected_gradients[name], strict=True)
+            )
+            for name in "qkv"
+        }
+    )
+    print(
+        f"handed case (JAX): parity errors out {row.out_error:.2e} grad {row.grad_error:.2e}; max abs errors "
+        + ", ".join(f"{name} {error:.2e}" for name, error in errors.items())
+    )
     assert row.passed and max(errors.values()) < 1e-10, (row, errors)
 
 
@@ -170,8 +190,13 @@ def test_saves_q_k_v_out_and_lse(dtype):
     call = lambda q, k, v: ring_attention(q, k, v, "i", causal=True, layout="zigzag")  # noqa: E731
     shapes = [(W, B, S // W, H, D), (W, B, S // W, H_kv, D), (W, B, S // W, H_kv, D)]
     compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
-    expected = [((B, S // W, H, D), dtype), ((B, S // W, H_kv, D), dtype), ((B, S // W, H_kv, D), dtype),
-                ((B, S // W, H, D), dtype), ((B, S // W, H), compute)]
+    expected = [
+        ((B, S // W, H, D), dtype),
+        ((B, S // W, H_kv, D), dtype),
+        ((B, S // W, H_kv, D), dtype),
+        ((B, S // W, H, D), dtype),
+        ((B, S // W, H), compute),
+    ]
     assert _saved(call, mesh, spec, shapes, dtype) == expected
 
 
@@ -205,8 +230,9 @@ def test_permutes_and_wire():
     assert _permutes(gradient.jaxpr) == [block] * (2 * (W - 1) + 2 * (W - 1) + 2 * W)
     text = jax.jit(jax.grad(lambda xs: mapped(cotangent, *xs)[1].sum())).lower(inputs).as_text()
     assert [name for name in _COLLECTIVES if f'"stablehlo.{name}"' in text] == ["collective_permute"]
-    plan = ring.ring_plan((B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True,
-                          layout="zigzag")
+    plan = ring.ring_plan(
+        (B, S // W, H, D), (B, S // W, H_kv, D), (B, S // W, H_kv, D), W, causal=True, layout="zigzag"
+    )
     assert plan.wire_elements() == B * (S // W) * H_kv * 2 * D
 
 
@@ -220,8 +246,11 @@ def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
             found.append(computed)
         out_tainted = [computed or eqn.primitive.name == "dot_general"] * len(eqn.outvars)
         for inner, feeding in subjaxprs(eqn):
-            inner_tainted = {var for var, outer in zip(inner.invars, feeding, strict=True)
-                             if not isinstance(outer, core.Literal) and outer in tainted}
+            inner_tainted = {
+                var
+                for var, outer in zip(inner.invars, feeding, strict=True)
+                if not isinstance(outer, core.Literal) and outer in tainted
+            }
             found += _permute_inputs_computed(inner, inner_tainted)
             if len(inner.outvars) == len(eqn.outvars) and eqn.primitive.name != "scan":  # output i from output i
                 inner_out = [not isinstance(var, core.Literal) and var in inner_tainted for var in inner.outvars]
@@ -233,8 +262,10 @@ def _permute_inputs_computed(jaxpr, tainted: set) -> list[bool]:
 
 
 def _computes(jaxpr) -> bool:
-    return any(eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in subjaxprs(eqn))
-               for eqn in jaxpr.eqns)
+    return any(
+        eqn.primitive.name == "dot_general" or any(_computes(inner) for inner, _ in subjaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

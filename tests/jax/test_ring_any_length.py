@@ -30,7 +30,7 @@ def _program(layout, causal, op):
         mesh, axes = Mesh(np.array(jax.devices()[:4]), ("seq",)), "seq"
         call = lambda q, k, v: ulysses_attention(q, k, v, "seq", causal=causal, layout=layout)  # noqa: E731
     elif layout.ulysses_size == 1:
-        mesh, axes = Mesh(np.array(jax.devices()[:layout.world_size]), ("ring",)), "ring"
+        mesh, axes = Mesh(np.array(jax.devices()[: layout.world_size]), ("ring",)), "ring"
         call = lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal, layout=layout)  # noqa: E731
     else:
         mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "ulysses"))
@@ -73,22 +73,31 @@ def _check(layout, causal, op=None):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_any_length(world_size):
     """S = 37, 5, 3 (empty shards at W = 4), contiguous and zigzag, causal and not: within 1e-10 on every shard."""
-    failed = [f"{layout} causal={causal}: {error:.2e}" for layout, causal in any_length.ring_settings(world_size)
-              if (error := _check(layout, causal)) > any_length.TOLERANCE]
+    failed = [
+        f"{layout} causal={causal}: {error:.2e}"
+        for layout, causal in any_length.ring_settings(world_size)
+        if (error := _check(layout, causal)) > any_length.TOLERANCE
+    ]
     assert not failed, "\n".join(failed)
 
 
 def test_usp_any_length():
     """USP 2 x 2 at S = 37 and 5, both layouts, causal and not: within 1e-10 on every shard."""
-    failed = [f"{layout} causal={causal}: {error:.2e}" for layout, causal in any_length.usp_settings()
-              if (error := _check(layout, causal)) > any_length.TOLERANCE]
+    failed = [
+        f"{layout} causal={causal}: {error:.2e}"
+        for layout, causal in any_length.usp_settings()
+        if (error := _check(layout, causal)) > any_length.TOLERANCE
+    ]
     assert not failed, "\n".join(failed)
 
 
 def test_ulysses_layout():
     """``ulysses_attention(..., layout=SequenceLayout)`` is ``seq_sizes=layout.sizes``: within 1e-10 on every shard."""
-    failed = [f"{layout} causal={causal}: {error:.2e}" for layout, causal in any_length.ulysses_settings()
-              if (error := _check(layout, causal, "ulysses_attention")) > any_length.TOLERANCE]
+    failed = [
+        f"{layout} causal={causal}: {error:.2e}"
+        for layout, causal in any_length.ulysses_settings()
+        if (error := _check(layout, causal, "ulysses_attention")) > any_length.TOLERANCE
+    ]
     assert not failed, "\n".join(failed)
 
 

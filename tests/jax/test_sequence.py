@@ -23,8 +23,13 @@ from commlib_jax.training import value_and_grad
 from tests.sequence_cases import IGNORE, B, D, V, data, documents, layouts, model_parameters
 
 MODES = ("shard_map[check_vma=True]", "shard_map[check_vma=False]", "pmap")
-CASES = [(layout, mode) for world_size in (1, 2, 3, 4) for layout in layouts(world_size) for mode in MODES
-         if world_size > 2 or mode == MODES[0]]
+CASES = [
+    (layout, mode)
+    for world_size in (1, 2, 3, 4)
+    for layout in layouts(world_size)
+    for mode in MODES
+    if world_size > 2 or mode == MODES[0]
+]
 
 
 def _per_rank(body, mode: str, world_size: int):
@@ -41,16 +46,25 @@ def _per_rank(body, mode: str, world_size: int):
 
 def _padded(shards, layout: SequenceLayout, rng) -> np.ndarray:
     """Every rank's shard padded to max_size rows with random values (which the helpers must ignore)."""
-    return np.stack([np.concatenate([shard, rng.standard_normal((B, layout.max_size - shard.shape[1],
-                                                                 *shard.shape[2:]))], axis=1) for shard in shards])
+    return np.stack(
+        [
+            np.concatenate(
+                [shard, rng.standard_normal((B, layout.max_size - shard.shape[1], *shard.shape[2:]))], axis=1
+            )
+            for shard in shards
+        ]
+    )
 
 
 def _body(layout: SequenceLayout):
     def body(ids, x, shards_sum, shards_replicated, logits, labels, *cotangents):
         tokens = sequence.shard_tokens(ids, layout, "i", ignore_index=IGNORE)
-        outputs = (sequence.shard_sequence(x, layout, "i"), sequence.gather_sequence(shards_sum, layout, "i"),
-                   sequence.gather_sequence(shards_replicated, layout, "i", convention="replicated"),
-                   sequence.cross_entropy(logits, labels, "i", ignore_index=IGNORE))
+        outputs = (
+            sequence.shard_sequence(x, layout, "i"),
+            sequence.gather_sequence(shards_sum, layout, "i"),
+            sequence.gather_sequence(shards_replicated, layout, "i", convention="replicated"),
+            sequence.cross_entropy(logits, labels, "i", ignore_index=IGNORE),
+        )
         loss = sum(jnp.sum(out * cotangent) for out, cotangent in zip(outputs[:3], cotangents, strict=True))
         return (*tokens, sequence.position_ids(layout, "i"), *outputs), loss + outputs[3]
 
@@ -74,12 +88,26 @@ def _program(layout: SequenceLayout, mode: str):
 def _inputs(layout: SequenceLayout, case: dict, rng):
     W, S = layout.world_size, layout.seq_len
     shards = _padded(layout.shard(case["x"], 1), layout, rng)
-    labels = np.stack([np.pad(shard, ((0, 0), (0, layout.max_size - shard.shape[1])), constant_values=IGNORE)
-                       for shard in layout.shard(case["labels"], 1)])
-    cotangents = (_padded(case["shard_cotangents"], layout, rng), np.stack(case["gather_cotangents"]),
-                  np.stack(case["gather_cotangents"][::-1]))
-    return (np.broadcast_to(case["ids"], (W, B, S)), np.broadcast_to(case["x"], (W, B, S, D)), shards, shards,
-            _padded(layout.shard(case["logits"], 1), layout, rng), labels, cotangents)
+    labels = np.stack(
+        [
+            np.pad(shard, ((0, 0), (0, layout.max_size - shard.shape[1])), constant_values=IGNORE)
+            for shard in layout.shard(case["labels"], 1)
+        ]
+    )
+    cotangents = (
+        _padded(case["shard_cotangents"], layout, rng),
+        np.stack(case["gather_cotangents"]),
+        np.stack(case["gather_cotangents"][::-1]),
+    )
+    return (
+        np.broadcast_to(case["ids"], (W, B, S)),
+        np.broadcast_to(case["x"], (W, B, S, D)),
+        shards,
+        shards,
+        _padded(layout.shard(case["logits"], 1), layout, rng),
+        labels,
+        cotangents,
+    )
 
 
 @pytest.mark.parametrize(("layout", "mode"), CASES, ids=[f"{layout!r}-{mode}" for layout, mode in CASES])
@@ -92,8 +120,9 @@ def test_every_helper_against_the_reference(layout, mode):
     shard_out, shard_grad = spec.shard_sequence_reference(case["x"], list(inputs[6][0]), layout, padded=True)
     own = layout.shard(case["x"], 1, padded=True)
     gather_sum = spec.gather_sequence_reference(own, list(inputs[6][1]), layout, padded=True)
-    gather_replicated = spec.gather_sequence_reference(own, list(inputs[6][2]), layout, convention="replicated",
-                                                       padded=True)
+    gather_replicated = spec.gather_sequence_reference(
+        own, list(inputs[6][2]), layout, convention="replicated", padded=True
+    )
     loss, logits_grad = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     for rank in range(layout.world_size):
         for got, expected in zip(outputs[:3], tokens[rank], strict=True):
@@ -106,12 +135,16 @@ def test_every_helper_against_the_reference(layout, mode):
         np.testing.assert_array_equal(outputs[6][rank], gather_replicated[0][rank])
         np.testing.assert_array_equal(grads[2][rank], gather_replicated[1][rank])
         np.testing.assert_allclose(outputs[7][rank], loss, rtol=1e-13)
-        np.testing.assert_allclose(grads[3][rank], layout.shard(logits_grad, 1, padded=True)[rank], rtol=0,
-                                   atol=1e-15)
+        np.testing.assert_allclose(grads[3][rank], layout.shard(logits_grad, 1, padded=True)[rank], rtol=0, atol=1e-15)
 
 
-PACKED = [(layout, mode) for world_size in (1, 2, 3, 4) for layout in layouts(world_size)
-          for mode in (MODES[0], MODES[2]) if world_size == 4 or mode == MODES[0]]
+PACKED = [
+    (layout, mode)
+    for world_size in (1, 2, 3, 4)
+    for layout in layouts(world_size)
+    for mode in (MODES[0], MODES[2])
+    if world_size == 4 or mode == MODES[0]
+]
 
 
 @pytest.mark.parametrize(("layout", "mode"), PACKED, ids=[f"{layout!r}-{mode}" for layout, mode in PACKED])
@@ -127,15 +160,19 @@ def test_shard_tokens_of_packed_documents_is_the_reference(layout, mode):
             np.testing.assert_array_equal(np.asarray(part[rank]), want)
 
 
-@pytest.mark.parametrize(("segments", "kind", "message"), [
-    (np.zeros((B, 7), np.int32), CommError, "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape"),
-    (np.zeros((B, 8), np.float32), TypeError, "shard_tokens: segment_ids must have an integer dtype, not float32"),
-    ([[0] * 8] * B, TypeError, "shard_tokens: segment_ids must be a jax.Array or numpy.ndarray"),
-])
+@pytest.mark.parametrize(
+    ("segments", "kind", "message"),
+    [
+        (np.zeros((B, 7), np.int32), CommError, "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape"),
+        (np.zeros((B, 8), np.float32), TypeError, "shard_tokens: segment_ids must have an integer dtype, not float32"),
+        ([[0] * 8] * B, TypeError, "shard_tokens: segment_ids must be a jax.Array or numpy.ndarray"),
+    ],
+)
 def test_bad_segment_ids(segments, kind, message):
     with pytest.raises(kind, match=re.escape(message)):
-        _per_rank(lambda ids: sequence.shard_tokens(ids, SequenceLayout(8), "i", segment_ids=segments)[0], MODES[0],
-                  1)(np.zeros((1, B, 8), np.int32))
+        _per_rank(lambda ids: sequence.shard_tokens(ids, SequenceLayout(8), "i", segment_ids=segments)[0], MODES[0], 1)(
+            np.zeros((1, B, 8), np.int32)
+        )
 
 
 def test_shard_sequence_of_a_shared_value():
@@ -144,8 +181,12 @@ def test_shard_sequence_of_a_shared_value():
     layout, rng = SequenceLayout(37, 2, 2, layout="zigzag"), np.random.default_rng(2)
     x, cotangents = rng.standard_normal((B, 37, D)), rng.standard_normal((4, B, layout.max_size, D))
     mesh = Mesh(np.array(jax.devices()[:4]), ("i",))
-    mapped = jax.shard_map(lambda x, c: jnp.sum(sequence.shard_sequence(x, layout, "i") * c[0])[None], mesh=mesh,
-                           in_specs=(P(), P("i")), out_specs=P("i"))
+    mapped = jax.shard_map(
+        lambda x, c: jnp.sum(sequence.shard_sequence(x, layout, "i") * c[0])[None],
+        mesh=mesh,
+        in_specs=(P(), P("i")),
+        out_specs=P("i"),
+    )
     grad = jax.grad(lambda x: mapped(x, cotangents).sum())(x)
     expected = spec.shard_sequence_reference(x, list(cotangents), layout, padded=True)[1][0]
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=0, atol=1e-14)
@@ -178,14 +219,26 @@ def _mapped_step(step, mode: str, world_size: int):
         mapped = jax.pmap(step, axis_name="i", in_axes=(None, 0), devices=jax.devices()[:world_size])
         return lambda params, ids: mapped(params, jnp.broadcast_to(ids, (world_size, *ids.shape)))
     mesh = Mesh(np.array(jax.devices()[:world_size]), ("i",))
-    return jax.shard_map(lambda *args: jax.tree.map(lambda t: t[None], step(*args)), mesh=mesh, in_specs=P(),
-                         out_specs=P("i"), check_vma=mode == MODES[0])
+    return jax.shard_map(
+        lambda *args: jax.tree.map(lambda t: t[None], step(*args)),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P("i"),
+        check_vma=mode == MODES[0],
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", [SequenceLayout(37, ulysses_size=4), SequenceLayout(5, 4),
-                                    SequenceLayout(64, 2, 2, layout="zigzag"), SequenceLayout(3, 4, layout="zigzag")],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        SequenceLayout(37, ulysses_size=4),
+        SequenceLayout(5, 4),
+        SequenceLayout(64, 2, 2, layout="zigzag"),
+        SequenceLayout(3, 4, layout="zigzag"),
+    ],
+    ids=repr,
+)
 def test_value_and_grad_of_cross_entropy_is_the_unsharded_mean(layout, mode):
     params = {name: jnp.asarray(value) for name, value in model_parameters(layout.seq_len).items()}
     ids = jnp.asarray(data(layout)["ids"])
@@ -194,8 +247,13 @@ def test_value_and_grad_of_cross_entropy_is_the_unsharded_mean(layout, mode):
     got_loss, got_grads = jax.jit(_mapped_step(step, mode, 4))(params, ids)
     np.testing.assert_allclose(np.asarray(got_loss), np.full(4, loss), rtol=1e-13)
     for name, grad in grads.items():
-        np.testing.assert_allclose(np.asarray(got_grads[name]), np.broadcast_to(grad, got_grads[name].shape),
-                                   rtol=1e-12, atol=1e-14, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got_grads[name]),
+            np.broadcast_to(grad, got_grads[name].shape),
+            rtol=1e-12,
+            atol=1e-14,
+            err_msg=name,
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -218,8 +276,13 @@ def test_value_and_grad_with_argnums_and_has_aux(mode):
     np.testing.assert_allclose(np.asarray(got_loss), np.full(4, loss), rtol=1e-13)
     np.testing.assert_allclose(np.asarray(got_head), np.broadcast_to(head_grad, got_head.shape), rtol=1e-12)
     for name, grad in grads.items():
-        np.testing.assert_allclose(np.asarray(got_grads[name]), np.broadcast_to(grad, got_grads[name].shape),
-                                   rtol=1e-12, atol=1e-14, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got_grads[name]),
+            np.broadcast_to(grad, got_grads[name].shape),
+            rtol=1e-12,
+            atol=1e-14,
+            err_msg=name,
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -237,26 +300,32 @@ def test_cross_entropy_jitted_outside_value_and_grad_then_called_inside(mode):
     inside = jax.jit(_mapped_step(value_and_grad(loss, "i"), mode, 4))
     np.testing.assert_allclose(np.asarray(outside(params, ids)), np.full(4, want), rtol=1e-13)
     np.testing.assert_allclose(np.asarray(inside(params, ids)[0]), np.full(4, want), rtol=1e-13)
-    np.testing.assert_allclose(np.asarray(jax.jit(_mapped_step(loss, mode, 4))(params, ids)), np.full(4, want),
-                               rtol=1e-13)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(_mapped_step(loss, mode, 4))(params, ids)), np.full(4, want), rtol=1e-13
+    )
 
 
 def test_value_and_grad_of_cross_entropy_over_other_axes_is_refused():
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "sp"))
     step = value_and_grad(lambda w, y: sequence.cross_entropy(w[None], y, "sp"), "dp")
     mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("dp", "sp"))), out_specs=(P(), P()))
-    with pytest.raises(CommError, match=r"cross_entropy: axis_name \(\('sp',\)\) must be among the axes "
-                       r"value_and_grad sums over \(\('dp',\)\)"):
+    with pytest.raises(
+        CommError,
+        match=r"cross_entropy: axis_name \(\('sp',\)\) must be among the axes "
+        r"value_and_grad sums over \(\('dp',\)\)",
+    ):
         jax.jit(mapped)(jnp.zeros(V), jnp.zeros(4, dtype=jnp.int32))
 
 
 def test_bad_input_raises_the_spec_text():
     mesh = Mesh(np.array(jax.devices()[:4]), ("i",))
     calls = {
-        lambda ids: sequence.shard_tokens(ids, SequenceLayout(8, 2), "i")[0]:
-            lambda: spec.check_layout("shard_tokens", SequenceLayout(8, 2), 4),
-        lambda ids: sequence.shard_sequence(ids.astype(jnp.float32)[:, :7], SequenceLayout(8, 4), "i"):
-            lambda: spec.check_sequence("shard_sequence", (2, 7), 1, 8, "layout.seq_len"),
+        lambda ids: sequence.shard_tokens(ids, SequenceLayout(8, 2), "i")[0]: lambda: spec.check_layout(
+            "shard_tokens", SequenceLayout(8, 2), 4
+        ),
+        lambda ids: sequence.shard_sequence(ids.astype(jnp.float32)[:, :7], SequenceLayout(8, 4), "i"): lambda: (
+            spec.check_sequence("shard_sequence", (2, 7), 1, 8, "layout.seq_len")
+        ),
     }
     for call, expected in calls.items():
         with pytest.raises(CommError) as raised:

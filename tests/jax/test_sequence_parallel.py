@@ -34,10 +34,11 @@ def _whole(seq_len: int, seed: int = 0) -> list[np.ndarray]:
 def _mesh(layout: commlib.SequenceLayout, attention: str):
     """The mesh and the shard spec: one axis "x", or USP's ("ring", "ulysses") so shard r * U + u sits at row-major
     position (r, u)."""
-    devices = np.array(jax.devices()[:layout.world_size])
+    devices = np.array(jax.devices()[: layout.world_size])
     if attention == "usp":
-        return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), \
-            P(None, ("ring", "ulysses"))
+        return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), P(
+            None, ("ring", "ulysses")
+        )
     return Mesh(devices, ("x",)), P(None, "x")
 
 
@@ -119,19 +120,24 @@ def _run_segments(layout: commlib.SequenceLayout, attention: str, ids: np.ndarra
     return [layout.unshard(split(x), padded=True) for x in (out, *grads)], whole
 
 
-SEGMENTED = [(commlib.SequenceLayout(37, ulysses_size=4), "ulysses"), (commlib.SequenceLayout(37, ring_size=4), "ring"),
-             (commlib.SequenceLayout(40, ring_size=4, layout="zigzag"), "ring"),
-             (commlib.SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "usp")]
+SEGMENTED = [
+    (commlib.SequenceLayout(37, ulysses_size=4), "ulysses"),
+    (commlib.SequenceLayout(37, ring_size=4), "ring"),
+    (commlib.SequenceLayout(40, ring_size=4, layout="zigzag"), "ring"),
+    (commlib.SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "usp"),
+]
 
 
 @pytest.mark.parametrize(("layout", "attention"), SEGMENTED, ids=[f"{kind}-{case!r}" for case, kind in SEGMENTED])
 def test_segment_ids_are_the_masked_reference(layout, attention):
     """The handed documents (3, 17, 9, 11; 25 then padding), cut to S: every shard equals the unsharded masked
     attention; padding outputs exactly 0 with gradient exactly 0."""
-    ids = mask_cases.handed_ids(40)[:, :layout.seq_len]
+    ids = mask_cases.handed_ids(40)[:, : layout.seq_len]
     got, whole = _run_segments(layout, attention, ids)
-    want = [A.attention(*whole[:3], causal=True, scale=SCALE, q_segments=ids),
-            *A.attention_vjp(*whole, causal=True, scale=SCALE, q_segments=ids)]
+    want = [
+        A.attention(*whole[:3], causal=True, scale=SCALE, q_segments=ids),
+        *A.attention_vjp(*whole, causal=True, scale=SCALE, q_segments=ids),
+    ]
     for name, value, wanted in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(value, wanted, rtol=0, atol=TOLERANCE, err_msg=name)
         assert not value[ids < 0].any(), name
@@ -140,8 +146,9 @@ def test_segment_ids_are_the_masked_reference(layout, attention):
 def test_segment_ids_of_the_wrong_shape_are_refused():
     layout = commlib.SequenceLayout(8, ulysses_size=4)
     body = lambda q: dot_product_attention(q, q, q, segment_ids=jnp.zeros((2, 3), jnp.int32))  # noqa: E731
-    mapped = jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:4]), ("x",)), in_specs=P(None, "x"),
-                           out_specs=P(None, "x"))
+    mapped = jax.shard_map(
+        body, mesh=Mesh(np.array(jax.devices()[:4]), ("x",)), in_specs=P(None, "x"), out_specs=P(None, "x")
+    )
     with parallel(layout, "x"), pytest.raises(CommError, match=r"segment_ids shape \(2, 3\) must be q's"):
         mapped(jnp.zeros((2, 8, 4, 4)))
 
@@ -167,21 +174,25 @@ def _traced(layout, **kwargs):
 
 def test_refusals():
     layout = commlib.SequenceLayout(10, ulysses_size=4)
-    assert _error(lambda: _traced(layout)).startswith("commlib attention: called outside a "
-                                                      "commlib_jax.sequence.parallel(...) context")
+    assert _error(lambda: _traced(layout)).startswith(
+        "commlib attention: called outside a commlib_jax.sequence.parallel(...) context"
+    )
     with parallel(layout, "x"):
         assert "an attention bias is not supported" in _error(lambda: _traced(layout, bias=jnp.zeros((1, 4, 3, 3))))
-        assert "a dense attention mask is not supported" in \
-            _error(lambda: _traced(layout, mask=jnp.ones((1, 4, 3, 3), bool)))
+        assert "a dense attention mask is not supported" in _error(
+            lambda: _traced(layout, mask=jnp.ones((1, 4, 3, 3), bool))
+        )
         assert "query rows (4) must be layout.max_size (3)" in _error(lambda: _traced(layout, rows=4))
     two = commlib.SequenceLayout(10, ulysses_size=2)
     with parallel(two, "x"):  # checked when traced: the axis has 4
         assert "layout.ulysses_size (2) must be 4" in _error(lambda: _traced(two))
     assert "attention='ulysses' needs axis_name" in _error(lambda: _enter(layout))
-    assert "attention='usp' needs both ulysses_axis and ring_axis" in \
-        _error(lambda: _enter(layout, attention="usp", ring_axis="x"))
-    assert "attention ('flash') must be one of ulysses, ring, usp" in _error(lambda: _enter(layout, "x",
-                                                                                           attention="flash"))
+    assert "attention='usp' needs both ulysses_axis and ring_axis" in _error(
+        lambda: _enter(layout, attention="usp", ring_axis="x")
+    )
+    assert "attention ('flash') must be one of ulysses, ring, usp" in _error(
+        lambda: _enter(layout, "x", attention="flash")
+    )
     assert "layout must be a commlib.SequenceLayout, not int" in _error(lambda: _enter(10, "x"))
 
 
@@ -229,11 +240,14 @@ def _tokens_in(context, call, layout):
 def test_helpers_default_to_the_context_layout_and_axes():
     """Inside a context, layout=None and axis_name=None are the context's: the same tokens, positions and labels
     as given explicitly; USP's sequence axes are (ring_axis, ulysses_axis)."""
-    for layout, attention in [(commlib.SequenceLayout(37, ring_size=4, layout="zigzag"), "ring"),
-                              (commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag"), "usp")]:
+    for layout, attention in [
+        (commlib.SequenceLayout(37, ring_size=4, layout="zigzag"), "ring"),
+        (commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag"), "usp"),
+    ]:
         axes = ("ring", "ulysses") if attention == "usp" else "x"
-        explicit = functools.partial(lambda ids, layout, axes: jnp.stack(sequence.shard_tokens(ids, layout, axes)),
-                                     layout=layout, axes=axes)
+        explicit = functools.partial(
+            lambda ids, layout, axes: jnp.stack(sequence.shard_tokens(ids, layout, axes)), layout=layout, axes=axes
+        )
         given = _tokens_in(_context(layout, attention), explicit, layout)
         default = _tokens_in(_context(layout, attention), lambda ids: jnp.stack(sequence.shard_tokens(ids)), layout)
         np.testing.assert_array_equal(np.asarray(default), np.asarray(given))
@@ -254,10 +268,12 @@ def test_a_helper_with_another_layout_than_the_context_is_refused():
     helper, the argument, the context's layout and the given one."""
     contiguous = commlib.SequenceLayout(37, ring_size=4)
     zigzag = commlib.SequenceLayout(37, ring_size=4, layout="zigzag")
-    for helper in (lambda ids: sequence.shard_tokens(ids, zigzag, "x")[0],
-                   lambda ids: sequence.position_ids(zigzag, "x")[None],
-                   lambda ids: sequence.shard_sequence(ids.astype(jnp.float32), zigzag, "x"),
-                   lambda ids: sequence.gather_sequence(ids[:, :10].astype(jnp.float32), zigzag, "x")[:, :10]):
+    for helper in (
+        lambda ids: sequence.shard_tokens(ids, zigzag, "x")[0],
+        lambda ids: sequence.position_ids(zigzag, "x")[None],
+        lambda ids: sequence.shard_sequence(ids.astype(jnp.float32), zigzag, "x"),
+        lambda ids: sequence.gather_sequence(ids[:, :10].astype(jnp.float32), zigzag, "x")[:, :10],
+    ):
         text = _error(lambda helper=helper: _tokens_in(_context(contiguous, "ring"), helper, contiguous))
         assert f"layout ({zigzag!r}) must be the parallel context's layout ({contiguous!r})" in text, text
         assert text.split(":")[0] in ("shard_tokens", "position_ids", "shard_sequence", "gather_sequence")
@@ -267,18 +283,25 @@ def test_usp_axes_in_the_other_order_are_refused():
     """USP with the tokens sharded over (ulysses, ring) while the context's shard r * U + u is (ring, ulysses)
     (74-89% off): refused with both orders."""
     layout = commlib.SequenceLayout(30, ring_size=2, ulysses_size=2, layout="zigzag")
-    text = _error(lambda: _tokens_in(_context(layout, "usp"),
-                                     lambda ids: sequence.shard_tokens(ids, layout, ("ulysses", "ring"))[0], layout))
-    assert text.startswith("shard_tokens: axis_name (('ulysses', 'ring')) must be the parallel context's sequence "
-                           "axes (('ring', 'ulysses')) in that order"), text
+    text = _error(
+        lambda: _tokens_in(
+            _context(layout, "usp"), lambda ids: sequence.shard_tokens(ids, layout, ("ulysses", "ring"))[0], layout
+        )
+    )
+    assert text.startswith(
+        "shard_tokens: axis_name (('ulysses', 'ring')) must be the parallel context's sequence "
+        "axes (('ring', 'ulysses')) in that order"
+    ), text
 
 
 def test_helpers_outside_every_context_need_a_layout():
     layout = commlib.SequenceLayout(8, ring_size=4)
     assert _error(lambda: _tokens_in(None, lambda ids: sequence.shard_tokens(ids)[0], layout)).startswith(
-        "shard_tokens: layout is required outside a parallel(...) context")
+        "shard_tokens: layout is required outside a parallel(...) context"
+    )
     assert _error(lambda: _tokens_in(None, lambda ids: sequence.shard_tokens(ids, layout)[0], layout)).startswith(
-        "shard_tokens: axis_name is required outside a parallel(...) context")
+        "shard_tokens: axis_name is required outside a parallel(...) context"
+    )
 
 
 # --- positions=: the model's positions checked against the layout's ---------------------------------------------
@@ -293,8 +316,13 @@ def _attend(layout, attention, positions_of):
         return dot_product_attention(q, q, q, is_causal=True, positions=positions_of(ids))
 
     with _context(layout, attention):
-        step = jax.jit(jax.grad(lambda q: jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(
-            q, jnp.arange(layout.seq_len)[None]).sum()))
+        step = jax.jit(
+            jax.grad(
+                lambda q: jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(
+                    q, jnp.arange(layout.seq_len)[None]
+                ).sum()
+            )
+        )
         return np.asarray(step(q))
 
 
@@ -321,8 +349,9 @@ def test_local_positions_are_refused_on_every_rank():
     """RoPE fed local positions (97% off): the step raises, with the first shard that differs, its expected and
     received positions (rank 0's local positions are its global ones: the error is still raised)."""
     layout = commlib.SequenceLayout(10, ulysses_size=4)
-    text = _runtime_error(lambda: _attend(layout, "ulysses",
-                                          lambda ids: jnp.broadcast_to(jnp.arange(layout.max_size), (1, 3))))
+    text = _runtime_error(
+        lambda: _attend(layout, "ulysses", lambda ids: jnp.broadcast_to(jnp.arange(layout.max_size), (1, 3)))
+    )
     assert "commlib attention: positions must be the global positions of shard 1 of the layout" in text
     assert "from row 0 of batch row 0, expected [3, 4, 5], received [0, 1, 2]" in text
 
@@ -330,13 +359,21 @@ def test_local_positions_are_refused_on_every_rank():
 def test_tokens_sharded_outside_the_context_by_another_layout_are_refused():
     """shard_tokens called outside every context with a zigzag layout, its positions used inside a contiguous
     ring context: the positions check sees it."""
-    contiguous, zigzag = commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4,
-                                                                                         layout="zigzag")
+    contiguous, zigzag = (
+        commlib.SequenceLayout(16, ring_size=4),
+        commlib.SequenceLayout(16, ring_size=4, layout="zigzag"),
+    )
     mesh, spec = _mesh(zigzag, "ring")
-    positions = jax.jit(jax.shard_map(lambda ids: sequence.shard_tokens(ids, zigzag, "x")[1], mesh=mesh,
-                                      in_specs=P(), out_specs=spec))(jnp.arange(16)[None])
-    text = _runtime_error(lambda: _attend(contiguous, "ring", lambda ids: jax.lax.dynamic_slice_in_dim(
-        jnp.asarray(positions), jax.lax.axis_index("x") * 4, 4, axis=1)))
+    positions = jax.jit(
+        jax.shard_map(lambda ids: sequence.shard_tokens(ids, zigzag, "x")[1], mesh=mesh, in_specs=P(), out_specs=spec)
+    )(jnp.arange(16)[None])
+    text = _runtime_error(
+        lambda: _attend(
+            contiguous,
+            "ring",
+            lambda ids: jax.lax.dynamic_slice_in_dim(jnp.asarray(positions), jax.lax.axis_index("x") * 4, 4, axis=1),
+        )
+    )
     assert "positions must be the global positions of shard 0 of the layout" in text
     assert "from row 2 of batch row 0, expected [2, 3], received [14, 15]" in text  # zigzag: chunks 0 and 7
 
@@ -350,8 +387,10 @@ def test_positions_of_the_wrong_length_are_refused_when_traced():
 def test_a_function_jitted_in_one_context_is_traced_again_in_another():
     """The context is part of jit's cache key: the same jitted function called in a zigzag context after a
     contiguous one gives the zigzag shards (it kept the contiguous trace before), and fails in neither."""
-    contiguous, zigzag = commlib.SequenceLayout(16, ring_size=4), commlib.SequenceLayout(16, ring_size=4,
-                                                                                         layout="zigzag")
+    contiguous, zigzag = (
+        commlib.SequenceLayout(16, ring_size=4),
+        commlib.SequenceLayout(16, ring_size=4, layout="zigzag"),
+    )
     mesh, spec = _mesh(zigzag, "ring")
     step = jax.jit(jax.shard_map(lambda ids: sequence.shard_tokens(ids)[1], mesh=mesh, in_specs=P(), out_specs=spec))
     ids = jnp.arange(16)[None]

@@ -10,8 +10,9 @@ import pytest
 from commlib.tools import sequence_parity as spec
 from commlib_jax.tools import sequence_parity
 
-CASES = [(layout, mode) for world_size in (2, 4) for layout in spec.layouts(world_size)
-         for mode in sequence_parity.MODES]
+CASES = [
+    (layout, mode) for world_size in (2, 4) for layout in spec.layouts(world_size) for mode in sequence_parity.MODES
+]
 
 
 @pytest.mark.parametrize(("layout", "mode"), CASES, ids=[f"{spec.name(layout)}-{mode}" for layout, mode in CASES])

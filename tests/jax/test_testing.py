@@ -19,12 +19,16 @@ from tests import testing_cases
 
 def scaled_collectives(axis):
     """`tests.testing_cases`'s workload over mesh axis (or axes) `axis`."""
+
     def body(x, ids):
         rank = lax.axis_index(axis)
         y = x * (rank + 1)
-        return {"reduced": cj.all_reduce(y, axis), "gathered": cj.all_gather(lax.dynamic_slice_in_dim(y, rank, 1),
-                                                                              axis, dim=0),
-                "square": (y * y).sum(), "ids": ids + rank}
+        return {
+            "reduced": cj.all_reduce(y, axis),
+            "gathered": cj.all_gather(lax.dynamic_slice_in_dim(y, rank, 1), axis, dim=0),
+            "square": (y * y).sum(),
+            "ids": ids + rank,
+        }
 
     return body
 
@@ -39,8 +43,13 @@ def test_outputs_and_gradients_of_every_device_match_the_reference(world_size, c
 
 
 def test_a_two_axis_mesh_ranks_in_row_major_order():
-    got = run(scaled_collectives(("ring", "ulysses")), (2, 2), axis_names=("ring", "ulysses"),
-              inputs=testing_cases.inputs(4), seed=3)
+    got = run(
+        scaled_collectives(("ring", "ulysses")),
+        (2, 2),
+        axis_names=("ring", "ulysses"),
+        inputs=testing_cases.inputs(4),
+        seed=3,
+    )
     assert_parity(got, testing_cases.expected(4, seed=3))
 
 
@@ -63,8 +72,11 @@ def test_positional_inputs_without_gradients():
 
 
 def test_a_mesh_larger_than_the_device_count_says_how_to_set_it():
-    with pytest.raises(ValueError, match=r"mesh_shape \(8,\) needs 8 devices, JAX has 4 \(cpu\)\. .*"
-                                         r"jax\.config\.update\('jax_num_cpu_devices', 8\).*--commlib-jax-devices=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh_shape \(8,\) needs 8 devices, JAX has 4 \(cpu\)\. .*"
+        r"jax\.config\.update\('jax_num_cpu_devices', 8\).*--commlib-jax-devices=8",
+    ):
         run(lambda x: x, 8, inputs={"x": np.ones(2)})
 
 

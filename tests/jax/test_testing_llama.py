@@ -29,6 +29,7 @@ pytest.importorskip("flax", reason="the [flax] extra (CI installs it)")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+
 def _example(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -46,9 +47,15 @@ def _flax_example():
 
 def _llama():
     """examples/transformers_llama.py's model (its config, float64), seeded."""
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
-                                      attention_dropout=0.0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
 
@@ -110,22 +117,27 @@ def test_transformers_llama_to_the_flax_port_and_back():
     torch_logits, torch_loss, torch_gradients = _torch_step(model, input_ids)
     flax_logits, flax_loss, flax_gradients = _flax_step(example, graphdef, state, input_ids)
     names = ("transformers", "flax")
-    assert_parity({"logits": torch_logits, "loss": torch_loss}, {"logits": flax_logits, "loss": flax_loss},
-                  names=names)
+    assert_parity({"logits": torch_logits, "loss": torch_loss}, {"logits": flax_logits, "loss": flax_loss}, names=names)
     mapped_back = LLAMA_TO_FLAX.to_torch(named_arrays(flax_gradients), like=torch_gradients)
     assert list(mapped_back) == list(torch_gradients) and len(mapped_back) == 2 * 9 + 3
     assert_parity(torch_gradients, mapped_back, names=names)
     with pytest.raises(AssertionError, match=r"'model\.layers\.1\.mlp\.down_proj\.weight'"):  # it can fail
-        assert_parity(torch_gradients, {**mapped_back, "model.layers.1.mlp.down_proj.weight":
-                                        mapped_back["model.layers.1.mlp.down_proj.weight"] * (1 + 1e-8)})
+        assert_parity(
+            torch_gradients,
+            {
+                **mapped_back,
+                "model.layers.1.mlp.down_proj.weight": mapped_back["model.layers.1.mlp.down_proj.weight"] * (1 + 1e-8),
+            },
+        )
 
 
 def test_a_rule_left_out_or_a_missing_transpose_is_named():
     example, model = _flax_example(), _llama()
     _, state = example.nnx.split(example.Decoder(example.nnx.Rngs(0)), example.nnx.Param)
     incomplete = ParameterMap([rule for rule in LLAMA_TO_FLAX.rules if "up_proj" not in rule.torch])
-    untransposed = ParameterMap([(rule.torch, rule.jax) if rule.torch == "lm_head.weight" else rule
-                                 for rule in LLAMA_TO_FLAX.rules])
+    untransposed = ParameterMap(
+        [(rule.torch, rule.jax) if rule.torch == "lm_head.weight" else rule for rule in LLAMA_TO_FLAX.rules]
+    )
     with pytest.raises(ParameterMapError) as info:
         incomplete.to_jax(torch_named_arrays(model), like=named_arrays(state))
     assert str(info.value).splitlines()[1:] == [
@@ -134,6 +146,9 @@ def test_a_rule_left_out_or_a_missing_transpose_is_named():
         "  nothing maps to 'layers.0.up.kernel'",
         "  nothing maps to 'layers.1.up.kernel'",
     ]
-    with pytest.raises(ParameterMapError, match=r"shape differs: 'head\.kernel' is \(256, 64\) from 'lm_head\.weight', "
-                                                r"like has \(64, 256\) \(its transpose: check the rule's axes\)"):
+    with pytest.raises(
+        ParameterMapError,
+        match=r"shape differs: 'head\.kernel' is \(256, 64\) from 'lm_head\.weight', "
+        r"like has \(64, 256\) \(its transpose: check the rule's axes\)",
+    ):
         untransposed.to_jax(torch_named_arrays(model), like=named_arrays(state))

@@ -44,8 +44,9 @@ class Tree(nnx.Module):
 def _inputs(world_size: int, seed: int = 3):
     """Every rank's x ``[3, 5]`` and y ``[2 W, 3]`` (float64), stacked along dim 0 as the shard_map takes them."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((3, 5)) for _ in range(world_size)], \
-        [rng.standard_normal((2 * world_size, 3)) for _ in range(world_size)]
+    return [rng.standard_normal((3, 5)) for _ in range(world_size)], [
+        rng.standard_normal((2 * world_size, 3)) for _ in range(world_size)
+    ]
 
 
 def _tree_step(world_size: int, jit: bool):
@@ -57,8 +58,9 @@ def _tree_step(world_size: int, jit: bool):
         return gathered.sum() + jnp.square(scattered).sum(), (gathered, scattered)
 
     body = jax.grad(loss, argnums=(0, 1), has_aux=True)
-    mapped = jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:world_size]), ("x",)), in_specs=P("x"),
-                           out_specs=P("x"))
+    mapped = jax.shard_map(
+        body, mesh=Mesh(np.array(jax.devices()[:world_size]), ("x",)), in_specs=P("x"), out_specs=P("x")
+    )
     return jax.jit(mapped) if jit else mapped
 
 
@@ -69,8 +71,11 @@ def test_every_forward_call_in_order_with_its_module_and_arrays(world_size, jit)
     step = _tree_step(world_size, jit)
     with record() as trace:
         _, (_, scattered) = step(np.concatenate(xs), np.concatenate(ys))
-    assert [(call.op, call.module) for call in trace] == [("all_reduce", "layers.1"), ("all_gather", "layers.1"),
-                                                          ("reduce_scatter", "layers.1.inner")]
+    assert [(call.op, call.module) for call in trace] == [
+        ("all_reduce", "layers.1"),
+        ("all_gather", "layers.1"),
+        ("reduce_scatter", "layers.1.inner"),
+    ]
     summed = reference.all_reduce(xs, "sum")
     want = [(xs, summed), (summed, reference.all_gather(summed, 0)), (ys, reference.reduce_scatter(ys, 0))]
     for call, (inputs, outputs) in zip(trace, want, strict=True):
@@ -78,8 +83,9 @@ def test_every_forward_call_in_order_with_its_module_and_arrays(world_size, jit)
         for rank in range(world_size):
             np.testing.assert_allclose(call.inputs["x"][rank], inputs[rank], rtol=1e-12)
             np.testing.assert_allclose(call.outputs["out"][rank], outputs[rank], rtol=1e-12)
-    np.testing.assert_array_equal(np.concatenate([trace[2].outputs["out"][r] for r in range(world_size)]),
-                                  np.asarray(scattered))
+    np.testing.assert_array_equal(
+        np.concatenate([trace[2].outputs["out"][r] for r in range(world_size)]), np.asarray(scattered)
+    )
 
 
 def test_a_jitted_program_keeps_its_first_run_and_one_traced_before_is_not_recorded():
@@ -120,12 +126,14 @@ def test_an_attention_layer_is_one_call_with_q_k_v(world_size, seq_len):
     with parallel(layout, "x"), record() as trace:
         f(*padded)
     assert [(call.op, call.module, list(call.inputs)) for call in trace] == [
-        ("ulysses_attention", f"layers.{i}", ["q", "k", "v"]) for i in range(2)]
+        ("ulysses_attention", f"layers.{i}", ["q", "k", "v"]) for i in range(2)
+    ]
     want = attention_spec.attention(*whole, causal=True, scale=0.3)
     for call in trace:
         for rank in range(world_size):
             size = layout.sizes[rank]
             for name, x in zip("qkv", whole, strict=True):
                 np.testing.assert_array_equal(call.inputs[name][rank][:, :size], x[:, layout.positions(rank)])
-            np.testing.assert_allclose(call.outputs["out"][rank][:, :size], want[:, layout.positions(rank)],
-                                       rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(
+                call.outputs["out"][rank][:, :size], want[:, layout.positions(rank)], rtol=1e-10, atol=1e-12
+            )

@@ -45,8 +45,9 @@ def no_f_and_g_sum(monkeypatch):
     so pmap's trace cache (keyed by the function) cannot hand back the block with f and g."""
     from commlib_jax.tools import train_block
 
-    ops = types.SimpleNamespace(sum_grad=lambda x, axis_name: x,
-                                all_reduce=lambda x, axis_name, convention: cj.all_reduce(x, axis_name))
+    ops = types.SimpleNamespace(
+        sum_grad=lambda x, axis_name: x, all_reduce=lambda x, axis_name, convention: cj.all_reduce(x, axis_name)
+    )
     monkeypatch.setattr(train_block, "cj", ops)
     return lambda params, x, target: block_loss(params, x, target, CONFIG, AXES)
 
@@ -200,7 +201,8 @@ def test_sum_grad_of_a_shared_value_is_refused_with_what_to_do():
         "already sums a shared value's gradient over them, so sum_grad would sum it again (2 times the gradient). "
         "Take the gradient with commlib_jax.training.value_and_grad, which gives every rank its own copy of the "
         "parameters as torch does, or use lax.pcast(x, ('tp',), to='varying') as f. Received: shape=(2, 3), "
-        "axis_name='tp'")
+        "axis_name='tp'"
+    )
 
 
 SETTINGS = {  # name -> (mesh shape, in_specs = out_specs, check_vma, gradient on every rank)

@@ -43,21 +43,30 @@ def test_handed_case(mode):
     the padded rows, and (1, 2) on that output returns the input's valid rows."""
     rng = np.random.default_rng(9)
     X, C = rng.standard_normal((B, S, H, D)), rng.standard_normal((B, S, H, D))
-    forward = cases.Case("handed", "all_to_all_4d", W, (B, 16, H, D), "float64",
-                         (("scatter_sizes", HEADS), ("gather_sizes", SEQ)))
-    arrays = {"x": [_padded(_rows(X, SEQ, 1, r), 1, 16, rng) for r in range(W)],
-              "cotangent": [_padded(_rows(C, HEADS, 2, r), 2, 2, rng) for r in range(W)]}
+    forward = cases.Case(
+        "handed", "all_to_all_4d", W, (B, 16, H, D), "float64", (("scatter_sizes", HEADS), ("gather_sizes", SEQ))
+    )
+    arrays = {
+        "x": [_padded(_rows(X, SEQ, 1, r), 1, 16, rng) for r in range(W)],
+        "cotangent": [_padded(_rows(C, HEADS, 2, r), 2, 2, rng) for r in range(W)],
+    }
     outputs, gradients = programs.run(forward, arrays, programs.mapped(forward, mode))
-    reverse = cases.Case("handed reverse", "all_to_all_4d", W, (B, S, 2, D), "float64",
-                         (("scatter_dim", 1), ("gather_dim", 2), ("scatter_sizes", SEQ), ("gather_sizes", HEADS)))
+    reverse = cases.Case(
+        "handed reverse",
+        "all_to_all_4d",
+        W,
+        (B, S, 2, D),
+        "float64",
+        (("scatter_dim", 1), ("gather_dim", 2), ("scatter_sizes", SEQ), ("gather_sizes", HEADS)),
+    )
     back, _ = programs.run(reverse, {"x": outputs}, programs.mapped(reverse, mode))
     for r in range(W):
         assert outputs[r].shape == (B, S, 2, D) and back[r].shape == (B, 16, H, D)
-        np.testing.assert_array_equal(outputs[r][:, :, :HEADS[r]], _rows(X, HEADS, 2, r))
-        np.testing.assert_array_equal(gradients["x"][r][:, :SEQ[r]], _rows(C, SEQ, 1, r))
-        np.testing.assert_array_equal(back[r][:, :SEQ[r]], _rows(X, SEQ, 1, r))
-        assert not outputs[r][:, :, HEADS[r]:].any() and not gradients["x"][r][:, SEQ[r]:].any()
-        assert not back[r][:, SEQ[r]:].any()
+        np.testing.assert_array_equal(outputs[r][:, :, : HEADS[r]], _rows(X, HEADS, 2, r))
+        np.testing.assert_array_equal(gradients["x"][r][:, : SEQ[r]], _rows(C, SEQ, 1, r))
+        np.testing.assert_array_equal(back[r][:, : SEQ[r]], _rows(X, SEQ, 1, r))
+        assert not outputs[r][:, :, HEADS[r] :].any() and not gradients["x"][r][:, SEQ[r] :].any()
+        assert not back[r][:, SEQ[r] :].any()
 
 
 @settings(max_examples=min(settings().max_examples, 25))  # each example compiles: the slow profile's 200 cost minutes
@@ -74,21 +83,38 @@ def test_other_sizes_in_the_same_process():
     mesh = Mesh(np.array(jax.devices()[:W]), ("i",))
     whole = np.arange(2 * 12 * 3, dtype=np.float64).reshape(2, 12, 3)
     for sizes in ((3, 3, 3, 3), (4, 4, 2, 2), (4, 0, 4, 4), (4, 4, 2, 2)):
-        blocks = np.stack([_padded(_rows(whole, sizes, 1, r), 1, max(sizes), np.random.default_rng(r))
-                           for r in range(W)])
-        gather = jax.jit(jax.shard_map(lambda x, sizes=sizes: cl.all_gather(x[0], "i", 1, sizes=sizes)[None],
-                                       mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        blocks = np.stack(
+            [_padded(_rows(whole, sizes, 1, r), 1, max(sizes), np.random.default_rng(r)) for r in range(W)]
+        )
+        gather = jax.jit(
+            jax.shard_map(
+                lambda x, sizes=sizes: cl.all_gather(x[0], "i", 1, sizes=sizes)[None],
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+            )
+        )
         assert all(np.array_equal(out, whole) for out in np.asarray(gather(jnp.asarray(blocks)))), sizes
 
 
 def test_a_sharded_dim_that_is_not_the_largest_size_raises_the_spec_text():
     mesh = Mesh(np.array(jax.devices()[:W]), ("i",))
-    call = jax.shard_map(lambda x: cl.all_to_all_4d(x[0], "i", gather_sizes=SEQ, scatter_sizes=HEADS)[None],
-                         mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    call = jax.shard_map(
+        lambda x: cl.all_to_all_4d(x[0], "i", gather_sizes=SEQ, scatter_sizes=HEADS)[None],
+        mesh=mesh,
+        in_specs=P("i"),
+        out_specs=P("i"),
+    )
     with pytest.raises(CommError) as info:
         jax.jit(call)(jnp.zeros((W, B, 15, H, D)))
     with pytest.raises(CommError) as spec:
         plans.all_to_all_4d((B, 15, H, D), W, gather_sizes=SEQ, scatter_sizes=HEADS)
-    assert str(info.value) == str(spec.value) == (
-        "all_to_all_4d: seq (15) must equal max(gather_sizes) (16) in the padded layout. Received: "
-        "shape=(2, 15, 6, 3), scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15)")
+    assert (
+        str(info.value)
+        == str(spec.value)
+        == (
+            "all_to_all_4d: seq (15) must equal max(gather_sizes) (16) in the padded layout. Received: "
+            "shape=(2, 15, 6, 3), scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), "
+            "gather_sizes=(16, 16, 16, 15)"
+        )
+    )

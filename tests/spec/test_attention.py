@@ -55,8 +55,12 @@ def test_head_split_shares_a_kv_head():
 
 
 def _exact_plans(shapes, world_size, seq_sizes, **kwargs):
-    return [A.ulysses_plan(*((shape[0], rows, *shape[2:]) for shape in shapes), world_size, rank=rank,
-                           seq_sizes=seq_sizes, **kwargs) for rank, rows in enumerate(seq_sizes)]
+    return [
+        A.ulysses_plan(
+            *((shape[0], rows, *shape[2:]) for shape in shapes), world_size, rank=rank, seq_sizes=seq_sizes, **kwargs
+        )
+        for rank, rows in enumerate(seq_sizes)
+    ]
 
 
 @given(_heads(), st.booleans())
@@ -72,13 +76,18 @@ def test_send_buffer(setting, same_value_dim):
         for exchange in plan.exchanges:
             offsets = dict(zip(exchange.inputs, np.cumsum((0, *exchange.heads)), strict=False))
             ranges = {"q": split.q_ranges, "k": split.kv_ranges, "v": split.kv_ranges}
-            expected = [offsets[name] + head for j in range(world_size) for name in exchange.inputs
-                        for head in range(*ranges[name][j])]
+            expected = [
+                offsets[name] + head
+                for j in range(world_size)
+                for name in exchange.inputs
+                for head in range(*ranges[name][j])
+            ]
             assert list(exchange.send_index) == expected
             rebuilt = [offsets[name] + head for name, start, stop in exchange.send_runs for head in range(start, stop)]
             assert rebuilt == expected
-            widths = [sum(ranges[name][j][1] - ranges[name][j][0] for name in exchange.inputs)
-                      for j in range(world_size)]
+            widths = [
+                sum(ranges[name][j][1] - ranges[name][j][0] for name in exchange.inputs) for j in range(world_size)
+            ]
             assert (exchange.scatter_sizes or (widths[0],) * world_size) == tuple(widths)
             assert sum(stop - start for _, start, stop in exchange.receive) == widths[plan.rank]
     padded = A.ulysses_plan(*shapes, world_size, layout="padded")
@@ -114,8 +123,10 @@ def _rows(x, seq_sizes):
 
 def _padded(parts, rows):
     """Every rank's rows padded to `rows` with values the walk must never read."""
-    return [np.concatenate([part, np.full((part.shape[0], rows - part.shape[1], *part.shape[2:]), np.nan)], axis=1)
-            for part in parts]
+    return [
+        np.concatenate([part, np.full((part.shape[0], rows - part.shape[1], *part.shape[2:]), np.nan)], axis=1)
+        for part in parts
+    ]
 
 
 @given(_problem(), st.data())
@@ -131,8 +142,14 @@ def test_simulated_ulysses_is_attention(problem, data):
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     rows = max(seq_sizes)
-    padded = A.ulysses_plan(*((x.shape[0], rows, *x.shape[2:]) for x in (q, k, v)), world_size, seq_sizes=seq_sizes,
-                            layout="padded", chunks=chunks, **options)
+    padded = A.ulysses_plan(
+        *((x.shape[0], rows, *x.shape[2:]) for x in (q, k, v)),
+        world_size,
+        seq_sizes=seq_sizes,
+        layout="padded",
+        chunks=chunks,
+        **options,
+    )
     got = simulate_ulysses([padded] * world_size, *(_padded(_rows(x, seq_sizes), rows) for x in (q, k, v)))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
@@ -161,10 +178,12 @@ def test_head_groups(setting, data):
     if chunks == 1:
         assert plan.out_runs is None and plan.groups[0].heads == split
         return
-    owners = [(index, source) for source in range(world_size) for index in range(chunks)
-              if groups[index].q_sizes[source]]
-    assert [(index, stop - start) for index, start, stop in plan.out_runs] == \
-        [(index, groups[index].q_sizes[source]) for index, source in owners]
+    owners = [
+        (index, source) for source in range(world_size) for index in range(chunks) if groups[index].q_sizes[source]
+    ]
+    assert [(index, stop - start) for index, start, stop in plan.out_runs] == [
+        (index, groups[index].q_sizes[source]) for index, source in owners
+    ]
     assert sum(stop - start for _, start, stop in plan.out_runs) == heads
 
 
@@ -181,8 +200,12 @@ def test_chunked_handed_case_plan():
     assert (first.out_gather_sizes, second.out_gather_sizes) == (None, (1, 1, 0, 0))
     assert plan.out_runs == ((0, 0, 1), (1, 0, 1), (0, 1, 2), (1, 1, 2), (0, 2, 3), (0, 3, 4))
     assert plan.kv_wire_heads() == 4 + 2  # each group's kv heads: kv 0 goes to rank 0 in both groups
-    assert A.ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, seq_sizes=(3, 3, 2, 2), layout="padded",
-                          chunks=2).kv_wire_heads() == 4 + 4
+    assert (
+        A.ulysses_plan(
+            (1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, seq_sizes=(3, 3, 2, 2), layout="padded", chunks=2
+        ).kv_wire_heads()
+        == 4 + 4
+    )
 
 
 def _naive_attention(q, k, v, causal, scale, q_positions, k_positions):
@@ -197,8 +220,9 @@ def _naive_attention(q, k, v, causal, scale, q_positions, k_positions):
                     continue
                 scores = np.array([q[b, i, head] @ k[b, j, head // group] * scale for j in seen])
                 weights = np.exp(scores - scores.max())
-                out[b, i, head] = sum(w * v[b, j, head // group] for w, j in zip(weights / weights.sum(), seen,
-                                                                                   strict=True))
+                out[b, i, head] = sum(
+                    w * v[b, j, head // group] for w, j in zip(weights / weights.sum(), seen, strict=True)
+                )
     return out
 
 
@@ -207,16 +231,20 @@ def _naive_attention(q, k, v, causal, scale, q_positions, k_positions):
 def test_attention_reference(heads, kv_heads, causal):
     """GQA attention against loops, with positions that are not in order and a query that sees no key."""
     rng = np.random.default_rng(3)
-    q, k, v = rng.standard_normal((2, 5, heads, 3)), rng.standard_normal((2, 4, kv_heads, 3)), rng.standard_normal(
-        (2, 4, kv_heads, 2))
+    q, k, v = (
+        rng.standard_normal((2, 5, heads, 3)),
+        rng.standard_normal((2, 4, kv_heads, 3)),
+        rng.standard_normal((2, 4, kv_heads, 2)),
+    )
     q_positions, k_positions = [4, 0, 7, 2, -1], [3, 0, 6, 1]
     got = A.attention(q, k, v, causal=causal, scale=0.6, q_positions=q_positions, k_positions=k_positions)
     np.testing.assert_allclose(got, _naive_attention(q, k, v, causal, 0.6, q_positions, k_positions), atol=1e-14)
     if causal:
         np.testing.assert_array_equal(got[:, 4], 0.0)  # position -1 sees no key: zeros, not NaN
     default = A.attention(q[:, :4], k, v, causal=causal)
-    np.testing.assert_allclose(default, _naive_attention(q[:, :4], k, v, causal, 1 / math.sqrt(3), range(4), range(4)),
-                               atol=1e-14)
+    np.testing.assert_allclose(
+        default, _naive_attention(q[:, :4], k, v, causal, 1 / math.sqrt(3), range(4), range(4)), atol=1e-14
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -224,8 +252,11 @@ def test_attention_reference(heads, kv_heads, causal):
 def test_attention_vjp_finite_differences(heads, kv_heads, causal):
     """dq, dk, dv against central differences of ``sum(attention * cotangent)`` (float64)."""
     rng = np.random.default_rng(4)
-    q, k, v = rng.standard_normal((1, 4, heads, 3)), rng.standard_normal((1, 4, kv_heads, 3)), rng.standard_normal(
-        (1, 4, kv_heads, 2))
+    q, k, v = (
+        rng.standard_normal((1, 4, heads, 3)),
+        rng.standard_normal((1, 4, kv_heads, 3)),
+        rng.standard_normal((1, 4, kv_heads, 2)),
+    )
     cotangent = rng.standard_normal((1, 4, heads, 2))
     grads = A.attention_vjp(q, k, v, cotangent, causal=causal, scale=0.8)
     inputs = [q, k, v]
@@ -266,34 +297,55 @@ def test_handed_case_plan():
     assert A.ulysses_plan((1, 3, 8, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, layout="padded").groups[0].kv_index is None
 
 
-@pytest.mark.parametrize(("shapes", "kwargs", "error", "message"), [
-    (((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4)), {}, CommError, "heads (6) must be divisible by kv heads (4)"),
-    (((1, 3, 6), (1, 3, 2, 4), (1, 3, 2, 4)), {}, CommError, "q ndim (3) must be 4 ([batch, seq, heads, head_dim])"),
-    (((1, 3, 6, 4), (2, 3, 2, 4), (2, 3, 2, 4)), {}, CommError, "k batch (2) must equal q batch (1)"),
-    (((1, 3, 6, 4), (1, 3, 2, 4), (1, 2, 2, 4)), {}, CommError, "v seq (2) must equal q seq (3)"),
-    (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 3, 4)), {}, CommError, "v heads (3) must equal k heads (2)"),
-    (((1, 3, 6, 4), (1, 3, 2, 5), (1, 3, 2, 4)), {}, CommError, "k head_dim (5) must equal q head_dim (4)"),
-    (((1, 3, 6, 4), (1, 3, 0, 4), (1, 3, 0, 4)), {}, CommError, "heads (6) and kv heads (0) must be >= 1"),
-    (None, dict(seq_sizes=(3, 3, 2)), CommError, "len(seq_sizes) (3) must equal world_size (4)"),
-    (None, dict(seq_sizes=(3, 3, -1, 2)), CommError, "seq_sizes[2] (-1) must be >= 0"),
-    (None, dict(seq_sizes=(2, 3, 3, 2)), CommError, "seq (3) must equal seq_sizes[0] (2) on rank 0"),
-    (None, dict(seq_sizes=(3, 3, 2.0, 2)), TypeError, "seq_sizes must be a sequence of ints"),
-    (None, dict(seq_sizes=(3, 3, True, 2)), TypeError, "seq_sizes must be a sequence of ints"),
-    (None, dict(seq_sizes=3), TypeError, "seq_sizes must be a sequence of ints"),
-    (None, dict(dtypes=("float32", "float32", "bfloat16")), CommError,
-     "q, k, v dtypes (float32, float32, bfloat16) must be equal"),
-    (None, dict(dtypes=("int32",) * 3), CommError,
-     "q, k, v dtype (int32) must be floating (bfloat16, float16, float32, float64)"),
-    (None, dict(causal=1), TypeError, "causal must be a bool, not int"),
-    (None, dict(scale="0.5"), TypeError, "scale must be a number, not str"),
-    (None, dict(scale=float("inf")), CommError, "scale (inf) must be finite"),
-    (None, dict(chunks="2"), TypeError, "chunks must be an int, not str"),
-    (None, dict(chunks=2.0), TypeError, "chunks must be an int, not float"),
-    (None, dict(chunks=True), TypeError, "chunks must be an int, not bool"),
-    (None, dict(chunks=0), CommError, "chunks (0) must be >= 1"),
-    (None, dict(chunks=3), CommError, "chunks (3) must be <= the most q heads a rank attends with (2: "
-     "split_sizes(heads=6, world_size=4) = (2, 2, 1, 1))"),
-])
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "error", "message"),
+    [
+        (((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4)), {}, CommError, "heads (6) must be divisible by kv heads (4)"),
+        (
+            ((1, 3, 6), (1, 3, 2, 4), (1, 3, 2, 4)),
+            {},
+            CommError,
+            "q ndim (3) must be 4 ([batch, seq, heads, head_dim])",
+        ),
+        (((1, 3, 6, 4), (2, 3, 2, 4), (2, 3, 2, 4)), {}, CommError, "k batch (2) must equal q batch (1)"),
+        (((1, 3, 6, 4), (1, 3, 2, 4), (1, 2, 2, 4)), {}, CommError, "v seq (2) must equal q seq (3)"),
+        (((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 3, 4)), {}, CommError, "v heads (3) must equal k heads (2)"),
+        (((1, 3, 6, 4), (1, 3, 2, 5), (1, 3, 2, 4)), {}, CommError, "k head_dim (5) must equal q head_dim (4)"),
+        (((1, 3, 6, 4), (1, 3, 0, 4), (1, 3, 0, 4)), {}, CommError, "heads (6) and kv heads (0) must be >= 1"),
+        (None, dict(seq_sizes=(3, 3, 2)), CommError, "len(seq_sizes) (3) must equal world_size (4)"),
+        (None, dict(seq_sizes=(3, 3, -1, 2)), CommError, "seq_sizes[2] (-1) must be >= 0"),
+        (None, dict(seq_sizes=(2, 3, 3, 2)), CommError, "seq (3) must equal seq_sizes[0] (2) on rank 0"),
+        (None, dict(seq_sizes=(3, 3, 2.0, 2)), TypeError, "seq_sizes must be a sequence of ints"),
+        (None, dict(seq_sizes=(3, 3, True, 2)), TypeError, "seq_sizes must be a sequence of ints"),
+        (None, dict(seq_sizes=3), TypeError, "seq_sizes must be a sequence of ints"),
+        (
+            None,
+            dict(dtypes=("float32", "float32", "bfloat16")),
+            CommError,
+            "q, k, v dtypes (float32, float32, bfloat16) must be equal",
+        ),
+        (
+            None,
+            dict(dtypes=("int32",) * 3),
+            CommError,
+            "q, k, v dtype (int32) must be floating (bfloat16, float16, float32, float64)",
+        ),
+        (None, dict(causal=1), TypeError, "causal must be a bool, not int"),
+        (None, dict(scale="0.5"), TypeError, "scale must be a number, not str"),
+        (None, dict(scale=float("inf")), CommError, "scale (inf) must be finite"),
+        (None, dict(chunks="2"), TypeError, "chunks must be an int, not str"),
+        (None, dict(chunks=2.0), TypeError, "chunks must be an int, not float"),
+        (None, dict(chunks=True), TypeError, "chunks must be an int, not bool"),
+        (None, dict(chunks=0), CommError, "chunks (0) must be >= 1"),
+        (
+            None,
+            dict(chunks=3),
+            CommError,
+            "chunks (3) must be <= the most q heads a rank attends with (2: "
+            "split_sizes(heads=6, world_size=4) = (2, 2, 1, 1))",
+        ),
+    ],
+)
 def test_errors(shapes, kwargs, error, message):
     """Each bad call raises before anything else, in the house format (op, quantity, numbers, Received)."""
     shapes = shapes or ((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4))
@@ -311,7 +363,8 @@ def test_a_q_in_sdpa_order_gets_a_layout_hint(kv_shape):
         A.ulysses_plan(q, kv_shape, kv_shape, 4, rank=0)
     assert str(raised.value).startswith(
         f"ulysses_attention: k seq ({kv_shape[1]}) must equal q seq (8) (q, k and v are [batch, seq, heads, "
-        f"head_dim]: SDPA's [batch, heads, seq, head_dim] needs .transpose(1, 2)). Received: q_shape={q!r}")
+        f"head_dim]: SDPA's [batch, heads, seq, head_dim] needs .transpose(1, 2)). Received: q_shape={q!r}"
+    )
 
 
 def test_padded_errors():

@@ -14,10 +14,16 @@ from commlib.tools import bench, cli
 
 
 def _record(framework="torch", case="all_reduce", subject=(2.0, 3.0, 4.0), baseline=(1.0, 2.0, 100.0), size=16):
-    return {"framework": framework, "case": case, "world_size": 4, "size_mib": size, "subject": "commlib",
-            "baselines": ["torch.distributed"],
-            "seconds": {"commlib": list(subject), "torch.distributed": list(baseline)},
-            "cpu_seconds": {"commlib": [1.0, 1.0, 1.0], "torch.distributed": [2.0, 2.0, 2.0]}}
+    return {
+        "framework": framework,
+        "case": case,
+        "world_size": 4,
+        "size_mib": size,
+        "subject": "commlib",
+        "baselines": ["torch.distributed"],
+        "seconds": {"commlib": list(subject), "torch.distributed": list(baseline)},
+        "cpu_seconds": {"commlib": [1.0, 1.0, 1.0], "torch.distributed": [2.0, 2.0, 2.0]},
+    }
 
 
 def test_rows_take_medians_and_ratios():
@@ -61,16 +67,36 @@ def test_driver_imports_no_framework():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.skipif(not (importlib.util.find_spec("torch") and importlib.util.find_spec("jax")),
-                    reason="needs torch and jax")
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("torch") and importlib.util.find_spec("jax")), reason="needs torch and jax"
+)
 def test_end_to_end_tiny_run(tmp_path):
     """Both runners through the CLI, one tiny case each: rows for every baseline, JSON and markdown written."""
     out = tmp_path / "bench.json"
-    argv = ["bench", "--world-sizes", "2", "--sizes-mib", "0.0625", "--repeats", "1", "--warmup", "0",
-            "--cases", "all_reduce", "--json", str(out), "--markdown", str(tmp_path / "bench.md")]
+    argv = [
+        "bench",
+        "--world-sizes",
+        "2",
+        "--sizes-mib",
+        "0.0625",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--cases",
+        "all_reduce",
+        "--json",
+        str(out),
+        "--markdown",
+        str(tmp_path / "bench.md"),
+    ]
     assert cli.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     pairs = {(row["framework"], row["baseline"]) for row in rows}
-    assert pairs == {("torch", "torch.distributed"), ("torch", "clone + torch.distributed"), ("torch", "funcol"),
-                     ("jax", "jax.lax")}
+    assert pairs == {
+        ("torch", "torch.distributed"),
+        ("torch", "clone + torch.distributed"),
+        ("torch", "funcol"),
+        ("jax", "jax.lax"),
+    }
     assert all(row["ratio"] > 0 for row in rows)

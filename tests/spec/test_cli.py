@@ -9,11 +9,24 @@ from commlib.tools import bench, cli, mask_parity, parity, sequence_parity, trai
 
 LONG = "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3,scatter_sizes=(3, 3, 2, 2),gather_sizes=(1, 1)]"
 ROWS = [
-    parity.Row("all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3]", "jax", "shard_map[check_vma=False]",
-               1e-3, 2e-3, True),
+    parity.Row(
+        "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3]",
+        "jax",
+        "shard_map[check_vma=False]",
+        1e-3,
+        2e-3,
+        True,
+    ),
     parity.Row(LONG, "torch", "gloo", 1e-3, 2e-3, True),
-    parity.Row("permute!repeat[3,float32]", "torch vs jax", "shard_map[2x2 mesh]", None, None, False,
-               "expected " + "'CommError: permute: a long message' " * 8),
+    parity.Row(
+        "permute!repeat[3,float32]",
+        "torch vs jax",
+        "shard_map[2x2 mesh]",
+        None,
+        None,
+        False,
+        "expected " + "'CommError: permute: a long message' " * 8,
+    ),
 ]
 
 
@@ -28,12 +41,20 @@ def test_table_is_at_most_120_columns_with_failures_below(capsys):
     assert lines[5].split()[-1] == "FAIL"
     assert max(map(len, lines[:6])) <= cli.WIDTH == 120
     assert lines[6:] == [  # after the table: each failed row's detail on one line
-        "permute!repeat[3,float32] / torch vs jax / shard_map[2x2 mesh]: " + ROWS[2].detail]
+        "permute!repeat[3,float32] / torch vs jax / shard_map[2x2 mesh]: " + ROWS[2].detail
+    ]
 
 
-@pytest.mark.parametrize(("workload", "expected"), [
-    ("ops", ["ops"]), ("train", ["train"]), ("sequence", ["sequence"]), ("masks", ["masks"]),
-    ("all", ["ops", "train", "sequence", "masks"])])
+@pytest.mark.parametrize(
+    ("workload", "expected"),
+    [
+        ("ops", ["ops"]),
+        ("train", ["train"]),
+        ("sequence", ["sequence"]),
+        ("masks", ["masks"]),
+        ("all", ["ops", "train", "sequence", "masks"]),
+    ],
+)
 def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected):
     ran = []
 
@@ -41,6 +62,7 @@ def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected
         def run(world_size, **options):
             ran.append(name)
             return [parity.Row(f"{name}-case", "torch", "gloo", 0.0, 0.0, passed)]
+
         return run
 
     monkeypatch.setattr(parity, "run", fake("ops", True))
@@ -81,9 +103,14 @@ def test_parity_help_has_a_description_every_default_and_the_frameworks(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
     assert "Run the seeded case table through the numpy reference" in out
     assert "examples: commlib parity --world-size 4" in out
-    for shown in ["ranks (torch processes, JAX CPU devices) (default: 4)",
-                  "seed of the case table's inputs (default: 0)",
-                  "which frontends to compare", "(default: torch jax)", "(default: ops)", "(default: 600.0)"]:
+    for shown in [
+        "ranks (torch processes, JAX CPU devices) (default: 4)",
+        "seed of the case table's inputs (default: 0)",
+        "which frontends to compare",
+        "(default: torch jax)",
+        "(default: ops)",
+        "(default: 600.0)",
+    ]:
         assert shown in out
 
 
@@ -99,12 +126,17 @@ def test_bench_list_cases_prints_each_frameworks_names(monkeypatch, capsys):
     assert cli.main(["bench", "--host", "--list-cases"]) == 0
     assert asked == [("jax", "bench_runner"), ("torch", "host_runner")]
     assert capsys.readouterr().out.splitlines()[:3] == [
-        "jax (bench): 2 cases (quote a name with spaces)", "  all_reduce", "  all_to_all_4d (2, 1) B=1"]
+        "jax (bench): 2 cases (quote a name with spaces)",
+        "  all_reduce",
+        "  all_to_all_4d (2, 1) B=1",
+    ]
 
 
 def test_the_spec_needs_no_tabulate_and_the_command_says_how_to_get_it():
-    probe = ("import sys; sys.modules['tabulate'] = None; import commlib, commlib.tools.cli as cli; "
-             "sys.exit(cli.main(['parity', '--world-size', '2']))")
+    probe = (
+        "import sys; sys.modules['tabulate'] = None; import commlib, commlib.tools.cli as cli; "
+        "sys.exit(cli.main(['parity', '--world-size', '2']))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2
     assert "pip install 'commlib[cli]'" in done.stderr

@@ -11,8 +11,22 @@ from commlib import CommError, check, dtypes, frontend_errors, gradients, plans,
 from commlib.reduce_op import ReduceOp
 
 NAN = np.nan
-GLOO = frozenset({"bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-                  "complex32", "complex64", "complex128"})
+GLOO = frozenset(
+    {
+        "bool",
+        "int8",
+        "uint8",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+    }
+)
 
 
 @pytest.mark.parametrize("op", ["max", "min"])
@@ -75,9 +89,25 @@ def test_complex_extrema_and_product_stay_refused(op):
 
 # --- carriers -----------------------------------------------------------------------------------------------
 
-TORCH_DTYPES_GLOO_LACKS = ["int16", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                           "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8",
-                           "bits2x4", "bits4x2", *(f"int{n}" for n in range(1, 8)), *(f"uint{n}" for n in range(1, 8))]
+TORCH_DTYPES_GLOO_LACKS = [
+    "int16",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+]
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES_GLOO_LACKS)
@@ -88,33 +118,51 @@ def test_every_dtype_gloo_lacks_moves_as_a_same_size_view(dtype):
     assert plan.wire_view == view and plan.dtype == dtype
 
 
-@pytest.mark.parametrize(("dtype", "op", "expected"), [
-    ("int16", "sum", (None, "int32")),
-    ("int16", "product", (None, "int32")),
-    ("int16", "max", (None, "int32")),
-    ("uint16", "min", (None, "int32")),
-    ("uint32", "sum", ("int32", None)),  # two's complement: the same bits modulo 2**32
-    ("uint32", "max", (None, "int64")),  # order needs the wider signed integer
-    ("uint64", "sum", ("int64", None)),
-    ("uint64", "product", ("int64", None)),
-    ("float8_e4m3fn", "max", (None, "float32")),
-    ("float8_e5m2", "min", (None, "float32")),
-])
+@pytest.mark.parametrize(
+    ("dtype", "op", "expected"),
+    [
+        ("int16", "sum", (None, "int32")),
+        ("int16", "product", (None, "int32")),
+        ("int16", "max", (None, "int32")),
+        ("uint16", "min", (None, "int32")),
+        ("uint32", "sum", ("int32", None)),  # two's complement: the same bits modulo 2**32
+        ("uint32", "max", (None, "int64")),  # order needs the wider signed integer
+        ("uint64", "sum", ("int64", None)),
+        ("uint64", "product", ("int64", None)),
+        ("float8_e4m3fn", "max", (None, "float32")),
+        ("float8_e5m2", "min", (None, "float32")),
+    ],
+)
 def test_reduction_carriers(dtype, op, expected):
     assert dtypes.wire_dtypes("all_reduce", dtype, ReduceOp(op), GLOO) == expected
 
 
-@pytest.mark.parametrize(("dtype", "op", "message"), [
-    ("uint64", "max", "all_reduce: op ('max') on uint64 has no exact carrier: the backend lacks uint64 and any "
-                      "wider integer that holds every uint64 value; cast x to a dtype it carries first. "
-                      "Received: shape=(3,), op='max', dtype='uint64'"),
-    ("float8_e4m3fn", "sum", "all_reduce: op ('sum') on float8_e4m3fn is not supported: its rounding differs "
-                             "between backends; cast x to float32 or bfloat16 first. Received: shape=(3,), op='sum', "
-                             "dtype='float8_e4m3fn'"),
-    ("float8_e5m2", "avg", "all_reduce: op ('avg') on float8_e5m2 is not supported"),
-    ("bits16", "sum", "all_reduce: op ('sum') on bits16 is not supported: the backend lacks bits16, and no other "
-                      "dtype computes it exactly"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "op", "message"),
+    [
+        (
+            "uint64",
+            "max",
+            "all_reduce: op ('max') on uint64 has no exact carrier: the backend lacks uint64 and any "
+            "wider integer that holds every uint64 value; cast x to a dtype it carries first. "
+            "Received: shape=(3,), op='max', dtype='uint64'",
+        ),
+        (
+            "float8_e4m3fn",
+            "sum",
+            "all_reduce: op ('sum') on float8_e4m3fn is not supported: its rounding differs "
+            "between backends; cast x to float32 or bfloat16 first. Received: shape=(3,), op='sum', "
+            "dtype='float8_e4m3fn'",
+        ),
+        ("float8_e5m2", "avg", "all_reduce: op ('avg') on float8_e5m2 is not supported"),
+        (
+            "bits16",
+            "sum",
+            "all_reduce: op ('sum') on bits16 is not supported: the backend lacks bits16, and no other "
+            "dtype computes it exactly",
+        ),
+    ],
+)
 def test_inexact_reductions_are_refused(dtype, op, message):
     with pytest.raises(CommError) as raised:
         plans.all_reduce((3,), 2, op, dtype=dtype, backend_dtypes=GLOO)
@@ -136,8 +184,11 @@ def test_carried_dtypes_need_no_carrier():
 
 
 def test_movement_without_a_same_size_dtype_is_refused():
-    with pytest.raises(CommError, match=r"all_gather: data movement of int16 has no carrier: the backend lacks "
-                                        r"int16 and every dtype of its size"):
+    with pytest.raises(
+        CommError,
+        match=r"all_gather: data movement of int16 has no carrier: the backend lacks "
+        r"int16 and every dtype of its size",
+    ):
         plans.all_gather((3,), 2, dtype="int16", backend_dtypes=frozenset({"float32"}))
 
 
@@ -147,12 +198,15 @@ def test_movement_without_a_same_size_dtype_is_refused():
 def test_messages():
     assert str(frontend_errors.not_a_member("all_reduce", 1, [0])) == (
         "all_reduce: this rank (global rank 1) is not a member of the group (global ranks [0]): only its members "
-        "may call its collectives. Received: rank=1, group_ranks=[0]")
+        "may call its collectives. Received: rank=1, group_ranks=[0]"
+    )
     assert str(frontend_errors.wrong_type("all_gather", "x", np.ones(2), "torch.Tensor")) == (
-        "all_gather: x must be a torch.Tensor, not numpy.ndarray. Received: type='numpy.ndarray'")
+        "all_gather: x must be a torch.Tensor, not numpy.ndarray. Received: type='numpy.ndarray'"
+    )
     assert str(frontend_errors.unbound_axis("permute", ("x", "y"))) == (
         "permute: axis_name (('x', 'y')) is not bound here: commlib_jax ops run inside jax.shard_map (over a mesh "
-        "with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name=('x', 'y')")
+        "with that axis) or jax.pmap (axis_name=...), not outside them. Received: axis_name=('x', 'y')"
+    )
 
 
 def test_point_to_point_plans_of_both_ends_agree():
@@ -172,5 +226,6 @@ def test_checked_pair_names_the_two_ranks_of_the_transfer():
     for rank in (1, 3):
         with pytest.raises(CommError) as raised:
             check.compare(rows, rank, ranks=(1, 3))
-        assert str(raised.value).startswith("send/recv: ranks disagree on shape: rank 1 has (3,), rank 3 has (4,). "
-                                            f"Received: rank={rank}")
+        assert str(raised.value).startswith(
+            f"send/recv: ranks disagree on shape: rank 1 has (3,), rank 3 has (4,). Received: rank={rank}"
+        )

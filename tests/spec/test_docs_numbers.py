@@ -22,16 +22,25 @@ def test_a_number_that_drifted_is_named_and_write_puts_the_results_back(monkeypa
     (tmp_path / "README.md").write_text("no quotes\n")
     monkeypatch.setattr(quotes, "ROOT", tmp_path)
     monkeypatch.setattr(quotes, "QUOTES", {"run": lambda: "64 s", "unused": lambda: "0"})
-    assert quotes.check() == ["docs/page.md: quote 'run' says '12 s', its result gives '64 s'",
-                              "docs/page.md: unknown quote 'gone'", "no document quotes 'unused'"]
+    assert quotes.check() == [
+        "docs/page.md: quote 'run' says '12 s', its result gives '64 s'",
+        "docs/page.md: unknown quote 'gone'",
+        "no document quotes 'unused'",
+    ]
     monkeypatch.setattr(quotes, "QUOTES", {"run": lambda: "64 s"})
     assert quotes.write() == [page]
     assert page.read_text() == "took <!-- quote run -->64 s<!-- /quote --> and <!-- quote gone -->1<!-- /quote -->.\n"
 
 
 def test_the_figures_script_draws_the_pictures(tmp_path):
-    done = subprocess.run([sys.executable, "docs/figures.py", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=120, check=False, cwd=quotes.ROOT)
+    done = subprocess.run(
+        [sys.executable, "docs/figures.py", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=quotes.ROOT,
+    )
     assert done.returncode == 0, done.stderr
     drawn = sorted(path.name for path in tmp_path.iterdir())
     assert drawn == ["benchmarks-cpu.png", "layouts.png", "sequence-layouts.png", "ulysses.png"]

@@ -241,8 +241,10 @@ def test_duck_typed_known_op_is_accepted():
 @pytest.mark.parametrize("op", [3, None, 1.5, types.SimpleNamespace(name=7)])
 def test_op_of_the_wrong_kind_is_a_type_error(op):
     message = _raises(TypeError, lambda: plans.all_reduce((4,), 2, op))
-    assert message == f"all_reduce: op must be a string or a ReduceOp, not {type(op).__name__}. " \
-                      f"Received: shape=(4,), op={op!r}"
+    assert (
+        message == f"all_reduce: op must be a string or a ReduceOp, not {type(op).__name__}. "
+        f"Received: shape=(4,), op={op!r}"
+    )
 
 
 def test_type_errors_are_not_value_errors():
@@ -344,23 +346,36 @@ def test_sum_of_bools_is_refused():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: plans.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
-         "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
-         "(float64: 11, 52). Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'"),
-        (lambda: plans.all_reduce((2,), 2, dtype="bfloat16", accum_dtype="float16"),  # 40000 would overflow
-         "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
-         "(bfloat16: 8, 7). Received: shape=(2,), op='sum', dtype='bfloat16', accum_dtype='float16'"),
-        (lambda: plans.reduce_scatter((4,), 2, 0, dtype="float16", accum_dtype="bfloat16"),  # 1 + 2**-10 rounds
-         "reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every value of the input "
-         "dtype (float16: 5, 10). Received: shape=(4,), dim=0, op='sum', dtype='float16', accum_dtype='bfloat16'"),
-        (lambda: plans.all_reduce((2,), 2, "max", dtype="complex64"),
-         "all_reduce: op ('max') needs a real dtype, not complex64. Received: shape=(2,), op='max', dtype='complex64'"),
-        (lambda: plans.all_reduce((2,), 2, convention="mean"),
-         "all_reduce: convention ('mean') must be one of sum, replicated. "
-         "Received: shape=(2,), op='sum', convention='mean'"),
-        (lambda: plans.reduce_scatter((4,), 2, dtype="float32", accum_dtype="int8"),
-         "reduce_scatter: accum_dtype (int8) and the input dtype (float32) must be floating. "
-         "Received: shape=(4,), dim=0, op='sum', dtype='float32', accum_dtype='int8'"),
+        (
+            lambda: plans.all_reduce((2,), 2, dtype="float64", accum_dtype="float16"),
+            "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
+            "(float64: 11, 52). Received: shape=(2,), op='sum', dtype='float64', accum_dtype='float16'",
+        ),
+        (
+            lambda: plans.all_reduce((2,), 2, dtype="bfloat16", accum_dtype="float16"),  # 40000 would overflow
+            "all_reduce: accum_dtype (float16: 5 exponent, 10 mantissa bits) must hold every value of the input dtype "
+            "(bfloat16: 8, 7). Received: shape=(2,), op='sum', dtype='bfloat16', accum_dtype='float16'",
+        ),
+        (
+            lambda: plans.reduce_scatter((4,), 2, 0, dtype="float16", accum_dtype="bfloat16"),  # 1 + 2**-10 rounds
+            "reduce_scatter: accum_dtype (bfloat16: 8 exponent, 7 mantissa bits) must hold every value of the input "
+            "dtype (float16: 5, 10). Received: shape=(4,), dim=0, op='sum', dtype='float16', accum_dtype='bfloat16'",
+        ),
+        (
+            lambda: plans.all_reduce((2,), 2, "max", dtype="complex64"),
+            "all_reduce: op ('max') needs a real dtype, not complex64. Received: shape=(2,), "
+            "op='max', dtype='complex64'",
+        ),
+        (
+            lambda: plans.all_reduce((2,), 2, convention="mean"),
+            "all_reduce: convention ('mean') must be one of sum, replicated. "
+            "Received: shape=(2,), op='sum', convention='mean'",
+        ),
+        (
+            lambda: plans.reduce_scatter((4,), 2, dtype="float32", accum_dtype="int8"),
+            "reduce_scatter: accum_dtype (int8) and the input dtype (float32) must be floating. "
+            "Received: shape=(4,), dim=0, op='sum', dtype='float32', accum_dtype='int8'",
+        ),
     ],
 )
 def test_dtype_and_convention_messages(call, message):
@@ -393,24 +408,49 @@ def test_mesh_dim(mesh, dim, expected):
 @pytest.mark.parametrize(
     ("mesh", "dim", "exception", "message"),
     [
-        (_MESH, None, CommError,
-         "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name one of "
-         "('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')"),
-        (dict(mesh_shape=(2, 2), dim_names=None), None, CommError,
-         "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, index) with index in "
-         "[0, 2) (the mesh has no dim names). Received: mesh_shape=(2, 2), mesh_dim_names=None"),
-        (_MESH, "dp", CommError,
-         "all_gather: mesh dim ('dp') must be one of the mesh's dim names ('sp', 'tp'). "
-         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim='dp'"),
-        (dict(mesh_shape=(2, 2), dim_names=None), "sp", CommError,
-         "all_gather: mesh dim ('sp') must be an index in [0, 2): the mesh has no dim names. "
-         "Received: mesh_shape=(2, 2), mesh_dim_names=None, dim='sp'"),
-        (_MESH, 2, CommError,
-         "all_gather: mesh dim (2) must be in [-2, 2) for ndim 2. "
-         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=2"),
-        (_MESH, True, TypeError,
-         "all_gather: mesh dim must be a dim name (str) or an index (int), not bool. "
-         "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=True"),
+        (
+            _MESH,
+            None,
+            CommError,
+            "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, "
+            "name) with name one of "
+            "('sp', 'tp'). Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')",
+        ),
+        (
+            dict(mesh_shape=(2, 2), dim_names=None),
+            None,
+            CommError,
+            "all_gather: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, index) with index in "
+            "[0, 2) (the mesh has no dim names). Received: mesh_shape=(2, 2), mesh_dim_names=None",
+        ),
+        (
+            _MESH,
+            "dp",
+            CommError,
+            "all_gather: mesh dim ('dp') must be one of the mesh's dim names ('sp', 'tp'). "
+            "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim='dp'",
+        ),
+        (
+            dict(mesh_shape=(2, 2), dim_names=None),
+            "sp",
+            CommError,
+            "all_gather: mesh dim ('sp') must be an index in [0, 2): the mesh has no dim names. "
+            "Received: mesh_shape=(2, 2), mesh_dim_names=None, dim='sp'",
+        ),
+        (
+            _MESH,
+            2,
+            CommError,
+            "all_gather: mesh dim (2) must be in [-2, 2) for ndim 2. "
+            "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=2",
+        ),
+        (
+            _MESH,
+            True,
+            TypeError,
+            "all_gather: mesh dim must be a dim name (str) or an index (int), not bool. "
+            "Received: mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp'), dim=True",
+        ),
     ],
 )
 def test_mesh_dim_messages(mesh, dim, exception, message):

@@ -39,8 +39,12 @@ def test_cases_cover_the_issue():
         assert len(names) == len(set(names)) == (10 if world_size == 4 else 6)
     found = spec.cases(W)
     assert {(case.op, case.layout.layout) for case in found} == {
-        ("ulysses_attention", "contiguous"), ("ring_attention", "contiguous"), ("ring_attention", "zigzag"),
-        ("usp_attention", "contiguous"), ("usp_attention", "zigzag")}
+        ("ulysses_attention", "contiguous"),
+        ("ring_attention", "contiguous"),
+        ("ring_attention", "zigzag"),
+        ("usp_attention", "contiguous"),
+        ("usp_attention", "zigzag"),
+    }
     assert {case.causal for case in found} == {True, False}
     assert {case.layout.is_even for case in found} == {True, False}
     assert SequenceLayout(40, 2, 2, layout="zigzag") in {case.layout for case in found}
@@ -121,4 +125,5 @@ def test_cross_compares_torch_with_every_jax_mode(tmp_path):
     rows = spec.cross(torch_dir, _save(tmp_path, "jax", modes, spoil), W, 0)
     assert len(rows) == 2 * (len(spec.cases(W)) - 1)
     assert [(row.case, row.mode) for row in rows if not row.passed] == [
-        ("usp_attention[handed,S=40,ring=2,ulysses=2,zigzag,causal]", modes[1])]
+        ("usp_attention[handed,S=40,ring=2,ulysses=2,zigzag,causal]", modes[1])
+    ]

@@ -28,15 +28,23 @@ def test_segment_ids():
     assert commlib.segment_ids([4], 4).dtype == np.int32
 
 
-@pytest.mark.parametrize(("lengths", "seq_len", "error", "message"), [
-    ([3, 2], 4, CommError, "segment_ids: sum(lengths) (5) must be <= seq_len (4). Received: lengths=[3, 2], seq_len=4"),
-    ([3, -1], 4, CommError, "segment_ids: lengths[1] (-1) must be >= 0. Received: lengths=[3, -1], seq_len=4"),
-    ([1.5], 4, TypeError, "segment_ids: lengths[] must be an int, not float. Received: lengths=[1.5], seq_len=4"),
-    ([True], 4, TypeError, "segment_ids: lengths[] must be an int, not bool. Received: lengths=[True], seq_len=4"),
-    ([1], 4.0, TypeError, "segment_ids: seq_len must be an int, not float. Received: lengths=[1], seq_len=4.0"),
-    (3, 4, TypeError, "segment_ids: lengths must be a sequence of ints, not int. Received: lengths=3, seq_len=4"),
-    ([1], -1, CommError, "segment_ids: seq_len (-1) must be >= 0. Received: lengths=[1], seq_len=-1"),
-])
+@pytest.mark.parametrize(
+    ("lengths", "seq_len", "error", "message"),
+    [
+        (
+            [3, 2],
+            4,
+            CommError,
+            "segment_ids: sum(lengths) (5) must be <= seq_len (4). Received: lengths=[3, 2], seq_len=4",
+        ),
+        ([3, -1], 4, CommError, "segment_ids: lengths[1] (-1) must be >= 0. Received: lengths=[3, -1], seq_len=4"),
+        ([1.5], 4, TypeError, "segment_ids: lengths[] must be an int, not float. Received: lengths=[1.5], seq_len=4"),
+        ([True], 4, TypeError, "segment_ids: lengths[] must be an int, not bool. Received: lengths=[True], seq_len=4"),
+        ([1], 4.0, TypeError, "segment_ids: seq_len must be an int, not float. Received: lengths=[1], seq_len=4.0"),
+        (3, 4, TypeError, "segment_ids: lengths must be a sequence of ints, not int. Received: lengths=3, seq_len=4"),
+        ([1], -1, CommError, "segment_ids: seq_len (-1) must be >= 0. Received: lengths=[1], seq_len=-1"),
+    ],
+)
 def test_segment_ids_errors(lengths, seq_len, error, message):
     with pytest.raises(error) as raised:
         commlib.segment_ids(lengths, seq_len)
@@ -50,7 +58,7 @@ def _per_document(whole, ids, causal):
     for b in range(q.shape[0]):
         for document in np.unique(ids[b][ids[b] >= 0]):
             rows = np.flatnonzero(ids[b] == document)
-            parts = [x[b:b + 1, rows] for x in whole]
+            parts = [x[b : b + 1, rows] for x in whole]
             values = [attention(*parts[:3], causal=causal), *attention_vjp(*parts, causal=causal)]
             for result, value in zip(results, values, strict=True):
                 result[b, rows] = value[0]
@@ -97,7 +105,7 @@ def _problem(draw):
     layout_name = draw(st.sampled_from(SEQUENCE_LAYOUTS))
     seq = draw(st.integers(1, 33))
     lengths = [draw(st.lists(st.integers(0, 9), max_size=6)) for _ in range(2)]
-    ids = np.stack([commlib.segment_ids(row[:_fit(row, seq)], seq) for row in lengths])
+    ids = np.stack([commlib.segment_ids(row[: _fit(row, seq)], seq) for row in lengths])
     return SequenceLayout(seq, ring_size=ring_size, layout=layout_name), ids, draw(st.booleans())
 
 
@@ -113,8 +121,17 @@ def test_ring_walk_with_segments_is_the_reference(problem):
     layout, ids, causal = problem
     whole = masks.whole_inputs(2, layout.seq_len, 4, 2, 3)
     shape = (2, layout.sizes[0])
-    plan = ring_plan((*shape, 4, 3), (*shape, 2, 3), (*shape, 2, 3), layout.ring_size, causal=causal, layout=layout,
-                     dtypes=("float64",) * 3, shard=0, segment_ids=(shape, "int32"))
+    plan = ring_plan(
+        (*shape, 4, 3),
+        (*shape, 2, 3),
+        (*shape, 2, 3),
+        layout.ring_size,
+        causal=causal,
+        layout=layout,
+        dtypes=("float64",) * 3,
+        shard=0,
+        segment_ids=(shape, "int32"),
+    )
     assert plan.segmented
     id_shards = masks.shards(ids, layout)
     got = simulate_ring(plan, *(masks.shards(x, layout) for x in whole), segment_ids=id_shards)
@@ -142,13 +159,16 @@ def test_documents_of_an_eighth_skip_pieces():
 
 
 @pytest.mark.parametrize("build", ["ring", "ulysses"])
-@pytest.mark.parametrize(("shape", "dtype", "error", "text"), [
-    ((2, 5), "float32", TypeError, "segment_ids dtype (float32) must be an integer dtype"),
-    ((2, 5), "bool", TypeError, "segment_ids dtype (bool) must be an integer dtype"),
-    ((2, 4), "int32", CommError, "segment_ids shape (2, 4) must be q's [batch, seq] (2, 5)"),
-    ((1, 5), "int64", CommError, "segment_ids shape (1, 5) must be q's [batch, seq] (2, 5)"),
-    ((2, 5, 1), "int64", CommError, "segment_ids shape (2, 5, 1) must be q's [batch, seq] (2, 5)"),
-])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "error", "text"),
+    [
+        ((2, 5), "float32", TypeError, "segment_ids dtype (float32) must be an integer dtype"),
+        ((2, 5), "bool", TypeError, "segment_ids dtype (bool) must be an integer dtype"),
+        ((2, 4), "int32", CommError, "segment_ids shape (2, 4) must be q's [batch, seq] (2, 5)"),
+        ((1, 5), "int64", CommError, "segment_ids shape (1, 5) must be q's [batch, seq] (2, 5)"),
+        ((2, 5, 1), "int64", CommError, "segment_ids shape (2, 5, 1) must be q's [batch, seq] (2, 5)"),
+    ],
+)
 def test_segment_ids_are_validated(build, shape, dtype, error, text):
     """Wrong shape / non-integer dtype: the layer's name, the argument, what was expected and received."""
     shapes = ((2, 5, 4, 3), (2, 5, 2, 3), (2, 5, 2, 3))
@@ -164,7 +184,12 @@ def test_segment_mask():
     """Equal ids see each other; padding (negative) sees and is seen by nothing."""
     ids = np.array([0, 0, 1, -1, -1])
     assert segment_mask(ids, ids).astype(int).tolist() == [
-        [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+        [1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0],
+    ]
 
 
 def test_piece_nan_and_all_minus_inf_rows():

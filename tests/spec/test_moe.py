@@ -25,8 +25,15 @@ def _indices(rng: np.random.Generator, tokens: int, top_k: int, num_experts: int
     return out
 
 
-def _case(seed: int, world: int, num_experts: int, top_k: int, tokens: list[int], features: tuple[int, ...],
-          unrouted: float = 0.15) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def _case(
+    seed: int,
+    world: int,
+    num_experts: int,
+    top_k: int,
+    tokens: list[int],
+    features: tuple[int, ...],
+    unrouted: float = 0.15,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((t, *features)) for t in tokens]
     indices = [_indices(rng, t, top_k, num_experts, unrouted) for t in tokens]
@@ -34,8 +41,9 @@ def _case(seed: int, world: int, num_experts: int, top_k: int, tokens: list[int]
     return xs, indices, weights
 
 
-def _brute(indices: list[np.ndarray], num_experts: int, placement: tuple[int, ...],
-           capacity: int | None) -> list[list[tuple[int, int, int, int]]]:
+def _brute(
+    indices: list[np.ndarray], num_experts: int, placement: tuple[int, ...], capacity: int | None
+) -> list[list[tuple[int, int, int, int]]]:
     """Per destination rank, its rows as (expert, source, t, k), from the rules alone."""
     offsets = np.concatenate([[0], np.cumsum(placement)])
     out = []
@@ -43,8 +51,12 @@ def _brute(indices: list[np.ndarray], num_experts: int, placement: tuple[int, ..
         rows = []
         for expert in range(offsets[rank], offsets[rank + 1]):
             for source, routes in enumerate(indices):
-                kept = [(expert, source, t, k) for t in range(routes.shape[0]) for k in range(routes.shape[1])
-                        if routes[t, k] == expert]
+                kept = [
+                    (expert, source, t, k)
+                    for t in range(routes.shape[0])
+                    for k in range(routes.shape[1])
+                    if routes[t, k] == expert
+                ]
                 rows += kept if capacity is None else kept[:capacity]
         out.append(rows)
     return out
@@ -64,8 +76,9 @@ def _row_experts(sim_tables: moe.RankTables, length: int) -> np.ndarray:
     return np.concatenate([experts, np.full(length - experts.size, -1)])
 
 
-def _walk(xs: list[np.ndarray], weights: list[np.ndarray], indices: list[np.ndarray], num_experts: int,
-          **options: object) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+def _walk(
+    xs: list[np.ndarray], weights: list[np.ndarray], indices: list[np.ndarray], num_experts: int, **options: object
+) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
     """loss = sum over ranks of <o_r, combine(f(dispatch(x)), w)>, and its gradients in x and w by the VJP rules."""
     sim = simulate_moe(xs, indices, num_experts, weights=weights, **options)  # type: ignore[arg-type]
     backend, tables = SimulatedMoeRanks(indices[0].shape[1]), _stack(sim.tables)
@@ -89,11 +102,18 @@ def _walk(xs: list[np.ndarray], weights: list[np.ndarray], indices: list[np.ndar
     return float(loss), x_bar, w_bar
 
 
-OPTIONS = st.fixed_dictionaries({
-    "world": st.integers(1, 3), "per_rank": st.integers(1, 3), "top_k": st.integers(1, 3),
-    "capacity": st.sampled_from([None, 0, 1, 2, 99]), "layout": st.sampled_from(moe.LAYOUTS),
-    "features": st.sampled_from([(3,), (2, 3)]), "seed": st.integers(0, 2**16), "tokens": st.integers(0, 4),
-})
+OPTIONS = st.fixed_dictionaries(
+    {
+        "world": st.integers(1, 3),
+        "per_rank": st.integers(1, 3),
+        "top_k": st.integers(1, 3),
+        "capacity": st.sampled_from([None, 0, 1, 2, 99]),
+        "layout": st.sampled_from(moe.LAYOUTS),
+        "features": st.sampled_from([(3,), (2, 3)]),
+        "seed": st.integers(0, 2**16),
+        "tokens": st.integers(0, 4),
+    }
+)
 
 
 def _from(options: dict[str, object]) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], int]:
@@ -117,9 +137,9 @@ def test_dispatch_and_combine_match_the_brute_force_routing(options: dict[str, o
         expected = np.stack([xs[s][t] for _, s, t, _ in rows]) if rows else np.zeros((0, *xs[0].shape[1:]))
         got = sim.dispatched[rank]
         assert sim.tables[rank].rows == len(rows)
-        np.testing.assert_array_equal(got[:len(rows)], expected)
+        np.testing.assert_array_equal(got[: len(rows)], expected)
         assert got.shape[0] == (len(rows) if layout == "exact" else sim.plans[rank].padded_rows)
-        assert not got[len(rows):].any()
+        assert not got[len(rows) :].any()
     for source, x in enumerate(xs):  # dispatched rows come back unchanged: combine(dispatch(x)) = sum_k w x
         kept = sim.tables[source].token_slot >= 0
         scale = (weights[source] * kept).sum(axis=1).reshape(-1, *[1] * (x.ndim - 1))
@@ -130,8 +150,14 @@ def test_dispatch_and_combine_match_the_brute_force_routing(options: dict[str, o
 @given(OPTIONS)
 def test_adjoint_identities_summed_over_ranks(options: dict[str, object]) -> None:
     xs, indices, weights, num_experts = _from(options)
-    sim = simulate_moe(xs, indices, num_experts, weights=weights, capacity=options["capacity"],  # type: ignore[arg-type]
-                       layout=options["layout"])  # type: ignore[arg-type]
+    sim = simulate_moe(
+        xs,
+        indices,
+        num_experts,
+        weights=weights,
+        capacity=options["capacity"],  # type: ignore[arg-type]
+        layout=options["layout"],
+    )  # type: ignore[arg-type]
     rng = np.random.default_rng(1)
     backend, tables = SimulatedMoeRanks(indices[0].shape[1]), _stack(sim.tables)
     ys = [rng.standard_normal(d.shape) for d in sim.dispatched]
@@ -146,15 +172,19 @@ def test_adjoint_identities_summed_over_ranks(options: dict[str, object]) -> Non
     left = sum(np.sum(o * b) for o, b in zip(out, bars, strict=True))
     assert math.isclose(left, sum(np.sum(y * g) for y, g in zip(ys, y_bar, strict=True)), rel_tol=1e-10, abs_tol=1e-10)
     assert w_bar is not None
-    assert math.isclose(left, sum(np.sum(w * g) for w, g in zip(weights, w_bar, strict=True)), rel_tol=1e-10,
-                        abs_tol=1e-10)
+    assert math.isclose(
+        left, sum(np.sum(w * g) for w, g in zip(weights, w_bar, strict=True)), rel_tol=1e-10, abs_tol=1e-10
+    )
 
 
 @pytest.mark.parametrize("layout", moe.LAYOUTS)
-@pytest.mark.parametrize(("num_experts", "placement", "top_k", "capacity"), [
-    (8, split_sizes(8, 3), 2, None), (6, None, 1, 1), (6, None, 6, None), (6, None, 2, 2), (6, None, 3, 0)])
-def test_finite_differences_of_weights_and_x(layout: str, num_experts: int, placement: tuple[int, ...] | None,
-                                             top_k: int, capacity: int | None) -> None:
+@pytest.mark.parametrize(
+    ("num_experts", "placement", "top_k", "capacity"),
+    [(8, split_sizes(8, 3), 2, None), (6, None, 1, 1), (6, None, 6, None), (6, None, 2, 2), (6, None, 3, 0)],
+)
+def test_finite_differences_of_weights_and_x(
+    layout: str, num_experts: int, placement: tuple[int, ...] | None, top_k: int, capacity: int | None
+) -> None:
     xs, indices, weights = _case(3, 3, num_experts, top_k, [4, 0, 3] if layout == "exact" else [3] * 3, (2, 3))
     options = dict(experts_per_rank=placement, capacity=capacity, layout=layout)
     _, x_bar, w_bar = _walk(xs, weights, indices, num_experts, **options)
@@ -176,7 +206,7 @@ def test_exact_equals_padded_on_valid_rows_and_padding_reads_nothing() -> None:
     exact = simulate_moe(xs, indices, 4, weights=weights, capacity=2)
     ys = [np.full((p.padded_rows, 3), np.nan) for p in exact.plans]
     for y, d in zip(ys, exact.dispatched, strict=True):
-        y[:d.shape[0]] = 2 * d
+        y[: d.shape[0]] = 2 * d
     padded = simulate_moe(xs, indices, 4, weights=weights, capacity=2, layout="padded", ys=ys)
     exact2 = simulate_moe(xs, indices, 4, weights=weights, capacity=2, ys=[2 * d for d in exact.dispatched])
     for rank in range(2):
@@ -235,44 +265,64 @@ def _raises(kind: type[BaseException], text: str) -> Any:
 
 def test_validation_messages() -> None:
     plan = moe.route_plan
-    with _raises(TypeError, "route: indices must be an integer array, not float32. Received: shape=(2, 2), "
-                 "dtype='float32'"):
+    with _raises(
+        TypeError, "route: indices must be an integer array, not float32. Received: shape=(2, 2), dtype='float32'"
+    ):
         plan((2, 2), "float32", 4, 2)
     with _raises(CommError, "route: indices must be [T, K] (ndim 2), not ndim 1. Received: shape=(4,)"):
         plan((4,), "int64", 4, 2)
-    with _raises(CommError, "route: K (5) must be <= num_experts (4): an expert at most once per token. "
-                 "Received: shape=(2, 5), num_experts=4"):
+    with _raises(
+        CommError,
+        "route: K (5) must be <= num_experts (4): an expert at most once per token. "
+        "Received: shape=(2, 5), num_experts=4",
+    ):
         plan((2, 5), "int64", 4, 2)
-    with _raises(CommError, "route: num_experts (8) must be divisible by world_size (3) when experts_per_rank is "
-                 "None; pass experts_per_rank=split_sizes(8, 3) for an uneven placement. Received: num_experts=8, "
-                 "world_size=3"):
+    with _raises(
+        CommError,
+        "route: num_experts (8) must be divisible by world_size (3) when experts_per_rank is "
+        "None; pass experts_per_rank=split_sizes(8, 3) for an uneven placement. Received: num_experts=8, "
+        "world_size=3",
+    ):
         plan((2, 2), "int64", 8, 3)
-    with _raises(CommError, "route: experts_per_rank has 2 entries, not world_size (3). Received: num_experts=8, "
-                 "world_size=3, experts_per_rank=(4, 4)"):
+    with _raises(
+        CommError,
+        "route: experts_per_rank has 2 entries, not world_size (3). Received: num_experts=8, "
+        "world_size=3, experts_per_rank=(4, 4)",
+    ):
         plan((2, 2), "int64", 8, 3, experts_per_rank=(4, 4))
-    with _raises(CommError, "route: experts_per_rank must be >= 0 and sum (7) to num_experts (8). Received: "
-                 "num_experts=8, world_size=3, experts_per_rank=(3, 3, 1)"):
+    with _raises(
+        CommError,
+        "route: experts_per_rank must be >= 0 and sum (7) to num_experts (8). Received: "
+        "num_experts=8, world_size=3, experts_per_rank=(3, 3, 1)",
+    ):
         plan((2, 2), "int64", 8, 3, experts_per_rank=(3, 3, 1))
-    with _raises(CommError, "route: capacity and capacity_factor are exclusive: pass one (or neither: dropless). "
-                 "Received: capacity=2, capacity_factor=1.0"):
+    with _raises(
+        CommError,
+        "route: capacity and capacity_factor are exclusive: pass one (or neither: dropless). "
+        "Received: capacity=2, capacity_factor=1.0",
+    ):
         plan((2, 2), "int64", 4, 2, capacity=2, capacity_factor=1.0)
     with _raises(CommError, "route: capacity (-1) must be >= 0. Received: capacity=-1, capacity_factor=None"):
         plan((2, 2), "int64", 4, 2, capacity=-1)
-    with _raises(CommError, "route: capacity_factor (0.0) must be finite and > 0. Received: capacity=None, "
-                 "capacity_factor=0.0"):
+    with _raises(
+        CommError, "route: capacity_factor (0.0) must be finite and > 0. Received: capacity=None, capacity_factor=0.0"
+    ):
         plan((2, 2), "int64", 4, 2, capacity_factor=0.0)
-    with _raises(CommError, "route: layout must be one of ('exact', 'padded'), not 'ragged'. Received: "
-                 "layout='ragged'"):
+    with _raises(
+        CommError, "route: layout must be one of ('exact', 'padded'), not 'ragged'. Received: layout='ragged'"
+    ):
         plan((2, 2), "int64", 4, 2, layout="ragged")
-    with _raises(TypeError, "route: experts_per_rank must hold ints. Received: num_experts=4, world_size=2, "
-                 "experts_per_rank=(2.0, 2)"):
+    with _raises(
+        TypeError,
+        "route: experts_per_rank must hold ints. Received: num_experts=4, world_size=2, experts_per_rank=(2.0, 2)",
+    ):
         plan((2, 2), "int64", 4, 2, experts_per_rank=(2.0, 2))
-    with _raises(TypeError, "route: capacity must be an int, not float. Received: capacity=2.0, "
-                 "capacity_factor=None"):
+    with _raises(TypeError, "route: capacity must be an int, not float. Received: capacity=2.0, capacity_factor=None"):
         plan((2, 2), "int64", 4, 2, capacity=2.0)  # type: ignore[arg-type]
     routed = plan((2, 2), "int64", 4, 2)
-    with _raises(CommError, "combine: weights shape (2, 3) must be the indices' [T, K] (2, 2). Received: "
-                 "weights_shape=(2, 3)"):
+    with _raises(
+        CommError, "combine: weights shape (2, 3) must be the indices' [T, K] (2, 2). Received: weights_shape=(2, 3)"
+    ):
         moe.check_weights((2, 3), routed)
     with _raises(CommError, "combine: y has 5 rows, not the routing's rows (4). Received: shape=(5, 3)"):
         moe.check_rows(moe.COMBINE_OP, "y", (5, 3), 4, "rows")
@@ -280,23 +330,27 @@ def test_validation_messages() -> None:
 
 def test_bad_indices_are_data_and_every_rank_raises_the_first() -> None:
     xs = [np.zeros((2, 1)), np.zeros((3, 1))]
-    with _raises(CommError, "route: indices[2] on rank 1 holds expert 4, outside [-1, 4). Received: rank=1, "
-                 "token=2, value=4"):
+    with _raises(
+        CommError, "route: indices[2] on rank 1 holds expert 4, outside [-1, 4). Received: rank=1, token=2, value=4"
+    ):
         simulate_moe(xs, [np.array([[0], [1]]), np.array([[0], [1], [4]])], 4)
-    with _raises(CommError, "route: indices[0] on rank 0 holds expert -2, outside [-1, 4). Received: rank=0, "
-                 "token=0, value=-2"):
+    with _raises(
+        CommError, "route: indices[0] on rank 0 holds expert -2, outside [-1, 4). Received: rank=0, token=0, value=-2"
+    ):
         simulate_moe(xs, [np.array([[-2], [1]]), np.array([[0], [1], [9]])], 4)
-    with _raises(CommError, "route: indices[1] on rank 0 routes to expert 3 twice. Received: rank=0, token=1, "
-                 "value=3"):
+    with _raises(CommError, "route: indices[1] on rank 0 routes to expert 3 twice. Received: rank=0, token=1, value=3"):
         simulate_moe(xs, [np.array([[0, 1], [3, 3]]), np.array([[-1, -1], [0, -1], [1, 2]])], 4)
     assert moe.bad_route(np.array([[-1, -1], [2, 1]]), 4) is None
 
 
 def test_padded_needs_the_same_tokens_on_every_rank() -> None:
     xs, indices, _ = _case(2, 2, 4, 1, [4, 3], (2,))
-    with _raises(CommError, "route: layout='padded' needs the same T on every rank (its static rows are "
-                 "max(experts_per_rank) * W * (capacity or T)); ranks have T = (4, 3); use layout='exact'. "
-                 "Received: tokens=(4, 3)"):
+    with _raises(
+        CommError,
+        "route: layout='padded' needs the same T on every rank (its static rows are "
+        "max(experts_per_rank) * W * (capacity or T)); ranks have T = (4, 3); use layout='exact'. "
+        "Received: tokens=(4, 3)",
+    ):
         simulate_moe(xs, indices, 4, layout="padded")
 
 
@@ -310,12 +364,15 @@ def test_simulation_refuses_a_y_of_another_routing() -> None:
 
 def test_checked_mode_fingerprint_names_what_differs() -> None:
     plan = moe.route_plan((4, 2), "int64", 4, 2, capacity=2)
-    calls = [check.moe_call("dispatch", plan, (4, 8), "float32"),
-             check.moe_call("dispatch", moe.route_plan((4, 2), "int64", 4, 2, capacity=3), (4, 8), "float32")]
+    calls = [
+        check.moe_call("dispatch", plan, (4, 8), "float32"),
+        check.moe_call("dispatch", moe.route_plan((4, 2), "int64", 4, 2, capacity=3), (4, 8), "float32"),
+    ]
     rows = np.stack([call.fingerprint() for call in calls])
     assert check.layers_differ(rows)
-    with _raises(CommError, "dispatch: ranks disagree on capacity: rank 0 has 2, rank 1 has 3. Received: rank=1, "
-                 "capacity=3"):
+    with _raises(
+        CommError, "dispatch: ranks disagree on capacity: rank 0 has 2, rank 1 has 3. Received: rank=1, capacity=3"
+    ):
         check.compare_layers(calls, rank=1)
     same = check.moe_call("dispatch", plan, (7, 8), "float32")  # T may differ by rank, features may not
     assert not check.layers_differ(np.stack([calls[0].fingerprint(), same.fingerprint()]))

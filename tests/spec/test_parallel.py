@@ -44,13 +44,27 @@ def _given(group=None, ulysses=None, ring=None):
 NAMES = ("group", "ulysses_group", "ring_group")
 
 
-@pytest.mark.parametrize(("attention", "given", "message"), [
-    ("flash", _given(), "parallel: attention ('flash') must be one of ulysses, ring, usp. Received: attention='flash'"),
-    ("usp", _given(ulysses="ProcessGroup"), "parallel: attention='usp' needs both ulysses_group and ring_group. "
-     "Received: attention='usp', group=None, ulysses_group='ProcessGroup', ring_group=None"),
-    ("ring", _given(ring="ProcessGroup"), "parallel: ulysses_group and ring_group are for attention='usp'; "
-     "attention='ring' runs over group"),
-])
+@pytest.mark.parametrize(
+    ("attention", "given", "message"),
+    [
+        (
+            "flash",
+            _given(),
+            "parallel: attention ('flash') must be one of ulysses, ring, usp. Received: attention='flash'",
+        ),
+        (
+            "usp",
+            _given(ulysses="ProcessGroup"),
+            "parallel: attention='usp' needs both ulysses_group and ring_group. "
+            "Received: attention='usp', group=None, ulysses_group='ProcessGroup', ring_group=None",
+        ),
+        (
+            "ring",
+            _given(ring="ProcessGroup"),
+            "parallel: ulysses_group and ring_group are for attention='usp'; attention='ring' runs over group",
+        ),
+    ],
+)
 def test_group_errors(attention, given, message):
     with pytest.raises(CommError) as raised:
         P.check_groups(attention, given, NAMES)
@@ -63,8 +77,9 @@ def test_group_required():
         P.check_groups("ring", dict.fromkeys(names), names, group_required=True)
     with pytest.raises(CommError) as raised:  # JAX USP without ring_axis: the axis names shown, not 'given'
         P.check_groups("usp", {"axis_name": None, "ulysses_axis": ("u", "v"), "ring_axis": None}, names)
-    assert str(raised.value).endswith("Received: attention='usp', axis_name=None, ulysses_axis=('u', 'v'), "
-                                      "ring_axis=None")
+    assert str(raised.value).endswith(
+        "Received: attention='usp', axis_name=None, ulysses_axis=('u', 'v'), ring_axis=None"
+    )
     with pytest.raises(TypeError, match=r"parallel: attention must be a str, not int"):
         P.check_groups(1, _given(), NAMES)
 
@@ -74,8 +89,11 @@ def test_size_errors():
         P.parallel_plan(SequenceLayout(8, ulysses_size=2), "ulysses", ulysses_size=4, ring_size=1)
     with pytest.raises(CommError, match=r"layout.ulysses_size \(1\) must be 2"):
         P.parallel_plan(SequenceLayout(8, ring_size=2), "ulysses", ulysses_size=2, ring_size=1)
-    with pytest.raises(CommError, match=r"layout.ring_size \(2\) must be 1 \(attention='ulysses' runs no ring: a "
-                       r"ring layout needs attention='ring' or 'usp'\)"):
+    with pytest.raises(
+        CommError,
+        match=r"layout.ring_size \(2\) must be 1 \(attention='ulysses' runs no ring: a "
+        r"ring layout needs attention='ring' or 'usp'\)",
+    ):
         P.parallel_plan(SequenceLayout(8, ring_size=2), "ulysses", ulysses_size=1, ring_size=1)
     with pytest.raises(CommError, match=r"layout.ulysses_size \(2\) must be 1 \(attention='ring' runs no Ulysses"):
         P.parallel_plan(SequenceLayout(8, ulysses_size=2), "ring", ulysses_size=1, ring_size=1)
@@ -93,13 +111,15 @@ def test_call_checks():
     P.check_call(plan, shard=0, rows=2)
     P.check_call(plan, shard=3, rows=1)
     P.check_call(plan, shard=None, rows=2)  # JAX: padded to max_size
-    for keywords, message in [(dict(mask=True), r"a dense attention mask is not supported"),
-                              (dict(bias=True), "an attention bias is not supported"),
-                              (dict(dropout=0.5), r"dropout \(0.5\) must be 0"),
-                              (dict(sliding_window=128), r"sliding_window \(128\) is not supported"),
-                              (dict(softcap=50.0), r"softcap \(50.0\) is not supported"),
-                              (dict(rows=2, shard=3), r"query rows \(2\) must be layout.sizes\[3\] \(1\)"),
-                              (dict(rows=1, shard=None), r"query rows \(1\) must be layout.max_size \(2\)")]:
+    for keywords, message in [
+        (dict(mask=True), r"a dense attention mask is not supported"),
+        (dict(bias=True), "an attention bias is not supported"),
+        (dict(dropout=0.5), r"dropout \(0.5\) must be 0"),
+        (dict(sliding_window=128), r"sliding_window \(128\) is not supported"),
+        (dict(softcap=50.0), r"softcap \(50.0\) is not supported"),
+        (dict(rows=2, shard=3), r"query rows \(2\) must be layout.sizes\[3\] \(1\)"),
+        (dict(rows=1, shard=None), r"query rows \(1\) must be layout.max_size \(2\)"),
+    ]:
         arguments = dict(shard=0, rows=2) | keywords
         with pytest.raises(CommError, match=f"^commlib attention: {message}"):
             P.check_call(plan, **arguments)
@@ -112,18 +132,25 @@ def test_positions_error_shows_the_first_differing_positions():
     plan = P.parallel_plan(SequenceLayout(40, ring_size=2, layout="zigzag"), "ring", ulysses_size=1, ring_size=2)
     received = np.stack([plan.layout.positions(1), np.arange(20)])  # batch row 1: local positions
     text = str(P.positions_error(plan, 1, received))
-    assert text.startswith("commlib attention: position_ids must be the global positions of shard 1 of the layout "
-                           "(layout.positions(1); sequence.shard_tokens and sequence.position_ids give them): from "
-                           "row 0 of batch row 1, expected [10, 11, 12, 13, 14, 15, 16, 17, ...], received [0, 1, 2, "
-                           "3, 4, 5, 6, 7, ...]. Received: position_ids_shape=(2, 20), layout="), text
+    assert text.startswith(
+        "commlib attention: position_ids must be the global positions of shard 1 of the layout "
+        "(layout.positions(1); sequence.shard_tokens and sequence.position_ids give them): from "
+        "row 0 of batch row 1, expected [10, 11, 12, 13, 14, 15, 16, 17, ...], received [0, 1, 2, "
+        "3, 4, 5, 6, 7, ...]. Received: position_ids_shape=(2, 20), layout="
+    ), text
     local = np.arange(20)
     local[:3] = plan.layout.positions(1)[:3]  # the same start, then local
-    assert "from row 3 of batch row 0, expected [13, 14, 15, 16, 17, 18, 19, 20, ...], received [3, 4," in \
-        str(P.positions_error(plan, 1, local[None]))
-    assert "positions.shape[-1] (3) must be the shard's rows (20)" in \
-        str(P.positions_error(plan, 0, np.arange(3)[None], name="positions"))
-    with pytest.raises(CommError, match=r"^commlib attention: positions.shape\[-1\] \(40\) must be layout.max_size "
-                       r"\(20\)"):
+    assert "from row 3 of batch row 0, expected [13, 14, 15, 16, 17, 18, 19, 20, ...], received [3, 4," in str(
+        P.positions_error(plan, 1, local[None])
+    )
+    assert "positions.shape[-1] (3) must be the shard's rows (20)" in str(
+        P.positions_error(plan, 0, np.arange(3)[None], name="positions")
+    )
+    with pytest.raises(
+        CommError,
+        match=r"^commlib attention: positions.shape\[-1\] \(40\) must be layout.max_size "
+        r"\(20\)",
+    ):
         P.check_positions_shape(plan, (1, 40))
     P.check_positions_shape(plan, (1, 20))
 
@@ -140,15 +167,19 @@ def test_helpers_agree_with_the_context():
     assert P.helper_layout("shard_tokens", plan, 12) == 12  # not a layout: the helper's own TypeError follows
     with pytest.raises(CommError) as raised:
         P.helper_layout("position_ids", plan, zigzag)
-    assert str(raised.value).startswith(f"position_ids: layout ({zigzag!r}) must be the parallel context's layout "
-                                        f"({contiguous!r})")
+    assert str(raised.value).startswith(
+        f"position_ids: layout ({zigzag!r}) must be the parallel context's layout ({contiguous!r})"
+    )
     with pytest.raises(CommError, match=r"^shard_sequence: layout is required outside a parallel"):
         P.helper_layout("shard_sequence", None, None)
     assert P.helper_axes("shard_tokens", ("ring", "ulysses"), ()) == ("ring", "ulysses")
     assert P.helper_axes("shard_tokens", None, ("x",)) == ("x",)
     assert P.helper_axes("shard_tokens", ("x",), ("x",)) == ("x",)
-    with pytest.raises(CommError, match=r"^gather_sequence: axis_name \(\('y',\)\) must be the parallel context's "
-                       r"sequence axes \(\('x',\)\)"):
+    with pytest.raises(
+        CommError,
+        match=r"^gather_sequence: axis_name \(\('y',\)\) must be the parallel context's "
+        r"sequence axes \(\('x',\)\)",
+    ):
         P.helper_axes("gather_sequence", ("x",), ("y",))
     with pytest.raises(CommError, match=r"^shard_tokens: axis_name is required outside a parallel"):
         P.helper_axes("shard_tokens", None, ())

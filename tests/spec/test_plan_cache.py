@@ -14,9 +14,12 @@ from commlib.tools.cases import ATTENTION, case_table
 
 
 def _builders():
-    return {name: getattr(plans, name) for name in plans.__all__
-            if inspect.isfunction(getattr(plans, name)) and inspect.signature(getattr(plans, name)).return_annotation
-            in ("Plan", "'Plan'")}
+    return {
+        name: getattr(plans, name)
+        for name in plans.__all__
+        if inspect.isfunction(getattr(plans, name))
+        and inspect.signature(getattr(plans, name)).return_annotation in ("Plan", "'Plan'")
+    }
 
 
 def test_every_builder_is_cached():
@@ -105,8 +108,18 @@ def test_pairs_of_exact_ints_key_the_fast_cache(trusted_shape):
     assert plans.permute(Shape((3,)), 4, plan_cache.pairs(((0, 1), (1, 0)))) is plan
     assert fast.cache_info().hits == 2 and not general and plan_cache.builds("permute") == 1
     assert plans.permute((3,), 4, [(0, 1), (1, 0)]) == plan  # the general cache still keys a list
-    for other in ([(True, 1)], [(0.0, 1)], [(np.int64(0), 1)], [(0, 1, 2)], [0, 1], "01", iter([(0, 1)]), None,
-                  [iter((0, 1))], [np.array([0, 1])]):
+    for other in (
+        [(True, 1)],
+        [(0.0, 1)],
+        [(np.int64(0), 1)],
+        [(0, 1, 2)],
+        [0, 1],
+        "01",
+        iter([(0, 1)]),
+        None,
+        [iter((0, 1))],
+        [np.array([0, 1])],
+    ):
         assert plan_cache.pairs(other) is other
     with pytest.raises(TypeError, match="src must be an int, not bool"):
         plans.permute((3,), 4, plan_cache.pairs([(True, 1)]))

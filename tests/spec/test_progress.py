@@ -46,8 +46,7 @@ def test_a_bar_on_a_terminal():
 
 def test_a_failed_and_a_slow_runner():
     stream = io.StringIO()
-    done = progress.run([sys.executable, "-c", "import sys; sys.exit('broken')"], phase="x", timeout=60,
-                        stream=stream)
+    done = progress.run([sys.executable, "-c", "import sys; sys.exit('broken')"], phase="x", timeout=60, stream=stream)
     assert (done.returncode, done.stderr) == (1, "broken\n")
     assert stream.getvalue().splitlines()[-1].startswith("x: failed (exit 1), 0 done in 0:0")
     with pytest.raises(subprocess.TimeoutExpired):

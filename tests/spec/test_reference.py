@@ -68,8 +68,10 @@ def naive_reduce_scatter(xs, dim, op):
 def naive_all_to_all(xs, scatter_dim, gather_dim):
     world_size = len(xs)
     blocks = [np.split(x, world_size, axis=scatter_dim) for x in xs]  # blocks[source][destination]
-    return [np.concatenate([blocks[source][rank] for source in range(world_size)], axis=gather_dim)
-            for rank in range(world_size)]
+    return [
+        np.concatenate([blocks[source][rank] for source in range(world_size)], axis=gather_dim)
+        for rank in range(world_size)
+    ]
 
 
 def naive_ulysses(xs, scatter_dim, gather_dim):
@@ -316,27 +318,39 @@ def _linear_plans():
     for world_size in (1, 2, 3):
         for op in ("sum", "avg"):
             cases.append((f"all_reduce-{op}-W{world_size}", plans.all_reduce((2, 3), world_size, op, dtype="float64")))
-            cases.append((
-                f"reduce_scatter-{op}-W{world_size}",
-                plans.reduce_scatter((2, 3 * world_size), world_size, -1, op, dtype="float64"),
-            ))
+            cases.append(
+                (
+                    f"reduce_scatter-{op}-W{world_size}",
+                    plans.reduce_scatter((2, 3 * world_size), world_size, -1, op, dtype="float64"),
+                )
+            )
         for dim in (0, 1, -1):
             cases.append((f"all_gather-d{dim}-W{world_size}", plans.all_gather((2, 3), world_size, dim)))
         cases.append((f"all_to_all-W{world_size}", plans.all_to_all((2, 3, 2 * world_size), world_size, 2, 0)))
         for dim in (0, 2):
-            cases.append((f"all_to_all-same-d{dim}-W{world_size}",
-                          plans.all_to_all((2 * world_size, 3, 2 * world_size), world_size, dim, dim)))
+            cases.append(
+                (
+                    f"all_to_all-same-d{dim}-W{world_size}",
+                    plans.all_to_all((2 * world_size, 3, 2 * world_size), world_size, dim, dim),
+                )
+            )
         for op in ("sum", "avg"):
-            cases.append((f"reduce-{op}-W{world_size}",
-                          plans.reduce((2, 3), world_size, world_size - 1, op, dtype="float64")))
+            cases.append(
+                (f"reduce-{op}-W{world_size}", plans.reduce((2, 3), world_size, world_size - 1, op, dtype="float64"))
+            )
         for batch in (1, 2):
-            cases.append((
-                f"ulysses-B{batch}-W{world_size}", plans.all_to_all_4d((batch, 2, 2 * world_size, 3), world_size, 2, 1)
-            ))
-            cases.append((
-                f"ulysses-rev-B{batch}-W{world_size}",
-                plans.all_to_all_4d((batch, 2 * world_size, 2, 3), world_size, 1, 2),
-            ))
+            cases.append(
+                (
+                    f"ulysses-B{batch}-W{world_size}",
+                    plans.all_to_all_4d((batch, 2, 2 * world_size, 3), world_size, 2, 1),
+                )
+            )
+            cases.append(
+                (
+                    f"ulysses-rev-B{batch}-W{world_size}",
+                    plans.all_to_all_4d((batch, 2 * world_size, 2, 3), world_size, 1, 2),
+                )
+            )
     return cases
 
 
@@ -464,8 +478,9 @@ def test_vjp_of_shard_is_the_gradient_of_the_replicated_input(world_size, dim, s
         return _inner(reference.run(plan, [inputs[0]] * world_size), cotangents)
 
     (want,) = _finite_difference(loss, [x])
-    _assert_grads_close(reference.vjp(plan, [x] * world_size, cotangents), [want / (world_size if scale_grad else 1)]
-                        * world_size)
+    _assert_grads_close(
+        reference.vjp(plan, [x] * world_size, cotangents), [want / (world_size if scale_grad else 1)] * world_size
+    )
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -526,7 +541,10 @@ def test_transpose_twice_gives_the_forward_back(plan):
     """Double backward: the transpose of the VJP plan computes the forward again."""
     twice = gradients.vjp_plan(gradients.vjp_plan(plan))
     assert (twice.in_shape, twice.out_shape, steps.dims(twice.step)) == (
-        plan.in_shape, plan.out_shape, steps.dims(plan.step))
+        plan.in_shape,
+        plan.out_shape,
+        steps.dims(plan.step),
+    )
     xs = _normal([plan.in_shape] * plan.world_size, seed=9)
     for out, want in zip(reference.run(twice, xs), reference.run(plan, xs), strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-14, atol=1e-14)

@@ -57,7 +57,11 @@ def test_shard_positions(setting):
 
 def test_handed_positions():
     assert commlib.shard_positions(16, 4, "zigzag").tolist() == [
-        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+        [0, 1, 14, 15],
+        [2, 3, 12, 13],
+        [4, 5, 10, 11],
+        [6, 7, 8, 9],
+    ]
     assert commlib.shard_positions(8, 2).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
@@ -111,19 +115,33 @@ def _rings(draw):
     layout = draw(st.sampled_from(SEQUENCE_LAYOUTS))
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     rows = draw(st.integers(1, 3)) * (2 if layout == "zigzag" else 1)
-    return dict(ring_size=ring_size, layout=layout, causal=draw(st.booleans()), heads=kv_heads * group,
-                kv_heads=kv_heads, batch=draw(st.integers(1, 2)), seq=rows * ring_size,
-                head_dim=draw(st.integers(1, 3)), value_dim=draw(st.integers(1, 3)))
+    return dict(
+        ring_size=ring_size,
+        layout=layout,
+        causal=draw(st.booleans()),
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        batch=draw(st.integers(1, 2)),
+        seq=rows * ring_size,
+        head_dim=draw(st.integers(1, 3)),
+        value_dim=draw(st.integers(1, 3)),
+    )
 
 
 def _draw_inputs(rng, batch, seq, heads, kv_heads, head_dim, value_dim):
-    return (rng.standard_normal((batch, seq, heads, head_dim)), rng.standard_normal((batch, seq, kv_heads, head_dim)),
-            rng.standard_normal((batch, seq, kv_heads, value_dim)), rng.standard_normal((batch, seq, heads, value_dim)))
+    return (
+        rng.standard_normal((batch, seq, heads, head_dim)),
+        rng.standard_normal((batch, seq, kv_heads, head_dim)),
+        rng.standard_normal((batch, seq, kv_heads, value_dim)),
+        rng.standard_normal((batch, seq, heads, value_dim)),
+    )
 
 
 def _errors(got, want):
-    return [max(float(np.max(np.abs(g - w), initial=0.0)) for g, w in zip(gs, ws, strict=True))
-            for gs, ws in zip(got, want, strict=True)]
+    return [
+        max(float(np.max(np.abs(g - w), initial=0.0)) for g, w in zip(gs, ws, strict=True))
+        for gs, ws in zip(got, want, strict=True)
+    ]
 
 
 @given(_rings(), st.integers(0, 2**16))
@@ -131,8 +149,15 @@ def test_simulated_ring_equals_attention(call, seed):
     """The schedule walked on W numpy ranks (online softmax, LSE merge, blockwise backward with dk/dv around
     the ring) equals unsharded attention at the shards' global positions: outputs and dq/dk/dv."""
     W, layout, causal = call["ring_size"], call["layout"], call["causal"]
-    whole = _draw_inputs(np.random.default_rng(seed), call["batch"], call["seq"], call["heads"], call["kv_heads"],
-                         call["head_dim"], call["value_dim"])
+    whole = _draw_inputs(
+        np.random.default_rng(seed),
+        call["batch"],
+        call["seq"],
+        call["heads"],
+        call["kv_heads"],
+        call["head_dim"],
+        call["value_dim"],
+    )
     shards = [commlib.shard_sequence(x, 1, W, layout) for x in whole]
     plan = ring_plan(*(s[0].shape for s in shards[:3]), W, causal=causal, layout=layout, dtypes=("float64",) * 3)
     got = simulate_ring(plan, *shards)
@@ -149,8 +174,15 @@ def test_handed_case():
     """W=4, B=2, S=16, H=4, H_kv=2, D=3, float64, causal, zigzag (rank 0 holds positions 0, 1, 14, 15)."""
     whole = _draw_inputs(np.random.default_rng(12), 2, 16, 4, 2, 3, 3)
     shards = [commlib.shard_sequence(x, 1, 4, "zigzag") for x in whole]
-    plan = ring_plan(shards[0][0].shape, shards[1][0].shape, shards[2][0].shape, 4, causal=True, layout="zigzag",
-                       dtypes=("float64",) * 3)
+    plan = ring_plan(
+        shards[0][0].shape,
+        shards[1][0].shape,
+        shards[2][0].shape,
+        4,
+        causal=True,
+        layout="zigzag",
+        dtypes=("float64",) * 3,
+    )
     assert plan.case_names == ("diagonal", "first-half", "second-half")
     assert plan.wire_elements() == 2 * 4 * 2 * (3 + 3)  # k and v unrepeated: B * S/W * H_kv * (D + D_v)
     errors = _errors(simulate_ring(plan, *shards), reference(*shards, 4, causal=True, layout="zigzag"))
@@ -158,8 +190,7 @@ def test_handed_case():
     assert max(errors) <= TOLERANCE
 
 
-@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from(SEQUENCE_LAYOUTS), st.booleans(),
-       st.integers(0, 2**16))
+@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from(SEQUENCE_LAYOUTS), st.booleans(), st.integers(0, 2**16))
 def test_simulated_usp_equals_attention(ring_size, ulysses_size, layout, causal, seed):
     """USP on W * U numpy ranks: the Ulysses all-to-all over the U shards of ring index r gathers ring block r
     (heads split U ways), the ring runs per head slice, the inverse all-to-all cuts it back."""
@@ -167,15 +198,40 @@ def test_simulated_usp_equals_attention(ring_size, ulysses_size, layout, causal,
     rows = 2 * ulysses_size
     whole = _draw_inputs(np.random.default_rng(seed), 2, rows * ring_size, heads, kv_heads, 2, 2)
     shards = [commlib.shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in whole]
-    plan = ring_plan(*(s[0].shape for s in shards[:3]), ring_size, causal=causal, layout=layout,
-                       ulysses_size=ulysses_size, op_name=USP_OP, dtypes=("float64",) * 3)
+    plan = ring_plan(
+        *(s[0].shape for s in shards[:3]),
+        ring_size,
+        causal=causal,
+        layout=layout,
+        ulysses_size=ulysses_size,
+        op_name=USP_OP,
+        dtypes=("float64",) * 3,
+    )
     assert (plan.rows, plan.heads, plan.kv_heads) == (rows, 2, 1)
-    gathered = [[[np.concatenate([np.array_split(x[r * ulysses_size + u], ulysses_size, axis=2)[h]
-                                  for u in range(ulysses_size)], axis=1) for r in range(ring_size)]
-                 for h in range(ulysses_size)] for x in shards]
+    gathered = [
+        [
+            [
+                np.concatenate(
+                    [np.array_split(x[r * ulysses_size + u], ulysses_size, axis=2)[h] for u in range(ulysses_size)],
+                    axis=1,
+                )
+                for r in range(ring_size)
+            ]
+            for h in range(ulysses_size)
+        ]
+        for x in shards
+    ]
     results = [simulate_ring(plan, *(gathered[i][h] for i in range(4))) for h in range(ulysses_size)]
-    got = [[np.concatenate([np.array_split(results[h][i][r], ulysses_size, axis=1)[u] for h in range(ulysses_size)],
-                           axis=2) for r in range(ring_size) for u in range(ulysses_size)] for i in range(4)]
+    got = [
+        [
+            np.concatenate(
+                [np.array_split(results[h][i][r], ulysses_size, axis=1)[u] for h in range(ulysses_size)], axis=2
+            )
+            for r in range(ring_size)
+            for u in range(ulysses_size)
+        ]
+        for i in range(4)
+    ]
     want = reference(*shards, ring_size, causal=causal, layout=layout, ulysses_size=ulysses_size)
     assert max(_errors(got, want)) <= TOLERANCE
 
@@ -190,8 +246,7 @@ def test_step_rules_on_one_piece():
     grads = attend_vjp(NUMPY, q, k, v, d_out, lse, delta(NUMPY, out, d_out), 0.5, "causal-diagonal")
     for got, want in zip(grads, A.attention_vjp(q, k, v, d_out, causal=True, scale=0.5), strict=True):
         np.testing.assert_allclose(got, want, atol=TOLERANCE)
-    first, second = attend(NUMPY, q, k[:, :2], v[:, :2], 0.5, "full"), attend(NUMPY, q, k[:, 2:], v[:, 2:],
-                                                                                    0.5, "full")
+    first, second = attend(NUMPY, q, k[:, :2], v[:, :2], 0.5, "full"), attend(NUMPY, q, k[:, 2:], v[:, 2:], 0.5, "full")
     merged, _ = merge(NUMPY, *first, *second)
     np.testing.assert_allclose(merged, A.attention(q, k, v, scale=0.5), atol=TOLERANCE)
 
@@ -205,31 +260,54 @@ def test_compute_dtype():
 _Q, _KV = (1, 4, 4, 2), (1, 4, 2, 2)
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: ring_plan((1, 3, 2, 2), (1, 3, 2, 2), (1, 3, 2, 2), 2, layout="zigzag"),
-     "ring_attention: seq (6) must be divisible by 2 * ring_size * ulysses_size (4) for layout 'zigzag'"),
-    (lambda: ring_plan(_Q, _KV, _KV, 2, layout="ring"),
-     "ring_attention: layout ('ring') must be one of contiguous, zigzag"),
-    (lambda: ring_plan(_Q, (1, 4, 3, 2), (1, 4, 3, 2), 2),
-     "ring_attention: heads (4) must be divisible by kv heads (3)"),
-    (lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=8, op_name=USP_OP),
-     "usp_attention: ulysses_size (8) must be <= heads (4)"),
-    (lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=4, op_name=USP_OP),
-     "usp_attention: kv heads (2) must be divisible by ulysses_size (4)"),
-    (lambda: ring_plan((1, 4, 6, 2), (1, 4, 6, 2), (1, 4, 6, 2), 2, ulysses_size=4, op_name=USP_OP),
-     "usp_attention: heads (6) must be divisible by ulysses_size (4)"),
-    (lambda: ring_plan(_Q, _KV, _KV, 0), "ring_attention: ring_size (0) must be >= 1"),
-    (lambda: ring_plan((1, 0, 4, 2), (1, 0, 2, 2), (1, 0, 2, 2), 2), "ring_attention: seq (0) must be >= 1"),
-    (lambda: ring_plan(_Q, (1, 3, 2, 2), _KV, 2), "ring_attention: k seq (3) must equal q seq (4)"),
-    (lambda: ring_plan(_Q, _KV, _KV, 2, dtypes=("float32", "float64", "float32")),
-     "ring_attention: q, k, v dtypes (float32, float64, float32) must be equal"),
-    (lambda: commlib.shard_positions(10, 4),
-     "shard_positions: seq (10) must be divisible by ring_size * ulysses_size (4)"),
-    (lambda: commlib.shard_positions(12, 4, "zigzag"),
-     "shard_positions: seq (12) must be divisible by 2 * ring_size * ulysses_size (8) for layout 'zigzag'"),
-    (lambda: commlib.shard_sequence(np.zeros((2, 6)), 1, 2, "zigzag", 2),
-     "shard_positions: seq (6) must be divisible by 2 * ring_size * ulysses_size (8)"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: ring_plan((1, 3, 2, 2), (1, 3, 2, 2), (1, 3, 2, 2), 2, layout="zigzag"),
+            "ring_attention: seq (6) must be divisible by 2 * ring_size * ulysses_size (4) for layout 'zigzag'",
+        ),
+        (
+            lambda: ring_plan(_Q, _KV, _KV, 2, layout="ring"),
+            "ring_attention: layout ('ring') must be one of contiguous, zigzag",
+        ),
+        (
+            lambda: ring_plan(_Q, (1, 4, 3, 2), (1, 4, 3, 2), 2),
+            "ring_attention: heads (4) must be divisible by kv heads (3)",
+        ),
+        (
+            lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=8, op_name=USP_OP),
+            "usp_attention: ulysses_size (8) must be <= heads (4)",
+        ),
+        (
+            lambda: ring_plan(_Q, _KV, _KV, 2, ulysses_size=4, op_name=USP_OP),
+            "usp_attention: kv heads (2) must be divisible by ulysses_size (4)",
+        ),
+        (
+            lambda: ring_plan((1, 4, 6, 2), (1, 4, 6, 2), (1, 4, 6, 2), 2, ulysses_size=4, op_name=USP_OP),
+            "usp_attention: heads (6) must be divisible by ulysses_size (4)",
+        ),
+        (lambda: ring_plan(_Q, _KV, _KV, 0), "ring_attention: ring_size (0) must be >= 1"),
+        (lambda: ring_plan((1, 0, 4, 2), (1, 0, 2, 2), (1, 0, 2, 2), 2), "ring_attention: seq (0) must be >= 1"),
+        (lambda: ring_plan(_Q, (1, 3, 2, 2), _KV, 2), "ring_attention: k seq (3) must equal q seq (4)"),
+        (
+            lambda: ring_plan(_Q, _KV, _KV, 2, dtypes=("float32", "float64", "float32")),
+            "ring_attention: q, k, v dtypes (float32, float64, float32) must be equal",
+        ),
+        (
+            lambda: commlib.shard_positions(10, 4),
+            "shard_positions: seq (10) must be divisible by ring_size * ulysses_size (4)",
+        ),
+        (
+            lambda: commlib.shard_positions(12, 4, "zigzag"),
+            "shard_positions: seq (12) must be divisible by 2 * ring_size * ulysses_size (8) for layout 'zigzag'",
+        ),
+        (
+            lambda: commlib.shard_sequence(np.zeros((2, 6)), 1, 2, "zigzag", 2),
+            "shard_positions: seq (6) must be divisible by 2 * ring_size * ulysses_size (8)",
+        ),
+    ],
+)
 def test_errors(call, message):
     with pytest.raises(CommError) as raised:
         call()

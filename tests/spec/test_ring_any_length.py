@@ -22,16 +22,29 @@ TOLERANCE = 1e-10
 def _layouts(draw):
     """A SequenceLayout of any length (1-40) over R 1-4 ring and U 1-2 Ulysses ranks."""
     ring_size, ulysses_size = draw(st.integers(1, 4)), draw(st.integers(1, 2))
-    return SequenceLayout(draw(st.integers(1, 40)), ring_size=ring_size, ulysses_size=ulysses_size,
-                          layout=draw(st.sampled_from(SEQUENCE_LAYOUTS)))
+    return SequenceLayout(
+        draw(st.integers(1, 40)),
+        ring_size=ring_size,
+        ulysses_size=ulysses_size,
+        layout=draw(st.sampled_from(SEQUENCE_LAYOUTS)),
+    )
 
 
 def _plan(layout, causal, heads=4, kv_heads=2, shard=None):
     shape = (2, layout.max_size if shard is None else layout.sizes[shard])
     op_name = USP_OP if layout.ulysses_size > 1 else "ring_attention"
-    return ring_plan((*shape, heads, 3), (*shape, kv_heads, 3), (*shape, kv_heads, 2), layout.ring_size,
-                     causal=causal, layout=layout, dtypes=("float64",) * 3, ulysses_size=layout.ulysses_size,
-                     op_name=op_name, shard=shard)
+    return ring_plan(
+        (*shape, heads, 3),
+        (*shape, kv_heads, 3),
+        (*shape, kv_heads, 2),
+        layout.ring_size,
+        causal=causal,
+        layout=layout,
+        dtypes=("float64",) * 3,
+        ulysses_size=layout.ulysses_size,
+        op_name=op_name,
+        shard=shard,
+    )
 
 
 @given(_layouts(), st.booleans())
@@ -41,9 +54,15 @@ def test_even_lengths_keep_the_string_plan(layout, causal):
     unit = layout.world_size * (2 if layout.layout == "zigzag" else 1)
     assert plan.masked == bool(layout.seq_len % unit)
     if not plan.masked:
-        string = ring_plan(*((2, layout.max_size, n, d) for n, d in ((4, 3), (2, 3), (2, 2))), layout.ring_size,
-                           causal=causal, layout=layout.layout, dtypes=("float64",) * 3,
-                           ulysses_size=layout.ulysses_size, op_name=plan.op_name)
+        string = ring_plan(
+            *((2, layout.max_size, n, d) for n, d in ((4, 3), (2, 3), (2, 2))),
+            layout.ring_size,
+            causal=causal,
+            layout=layout.layout,
+            dtypes=("float64",) * 3,
+            ulysses_size=layout.ulysses_size,
+            op_name=plan.op_name,
+        )
         assert plan == string
     else:
         assert plan.rows == layout.ulysses_size * layout.max_size and plan.shared_case == (0,) * layout.ring_size
@@ -75,11 +94,17 @@ def test_simulated_ring_equals_attention(layout, causal, heads, seed):
     attention: outputs and dq/dk/dv of every shard, padding inputs ignored."""
     rng = np.random.default_rng(seed)
     heads, kv_heads = heads
-    shapes = dict(q=(2, layout.seq_len, heads, 3), k=(2, layout.seq_len, kv_heads, 3),
-                  v=(2, layout.seq_len, kv_heads, 2), cotangent=(2, layout.seq_len, heads, 2))
+    shapes = dict(
+        q=(2, layout.seq_len, heads, 3),
+        k=(2, layout.seq_len, kv_heads, 3),
+        v=(2, layout.seq_len, kv_heads, 2),
+        cotangent=(2, layout.seq_len, heads, 2),
+    )
     shards = [layout.shard(rng.standard_normal(shape), 1) for shape in shapes.values()]
-    padded = [[np.concatenate([x, np.full((2, layout.max_size - x.shape[1], *x.shape[2:]), np.nan)], axis=1)
-               for x in xs] for xs in shards]
+    padded = [
+        [np.concatenate([x, np.full((2, layout.max_size - x.shape[1], *x.shape[2:]), np.nan)], axis=1) for x in xs]
+        for xs in shards
+    ]
     plan = _plan(layout, causal, heads * layout.ulysses_size, kv_heads * layout.ulysses_size)
     if not plan.masked and layout.ulysses_size > 1:
         return  # an even USP plan walks ring blocks, not shards (tests/spec/test_ring.py)
@@ -102,8 +127,11 @@ def test_a_row_that_sees_no_key_is_zero():
 
 def test_bad_layouts_are_refused_by_name():
     shape = (1, 3, 2, 3)
-    with pytest.raises(CommError, match=r"^ring_attention: layout.ring_size \(2\) must be the ring group's world "
-                                        r"size \(4\)\. Received: "):
+    with pytest.raises(
+        CommError,
+        match=r"^ring_attention: layout.ring_size \(2\) must be the ring group's world "
+        r"size \(4\)\. Received: ",
+    ):
         ring_plan(shape, shape, shape, 4, layout=SequenceLayout(9, ring_size=2))
     with pytest.raises(CommError, match=r"^usp_attention: layout.ulysses_size \(1\) must be the Ulysses group's"):
         ring_plan(shape, shape, shape, 2, layout=SequenceLayout(9, ring_size=2), ulysses_size=2, op_name=USP_OP)

@@ -39,8 +39,12 @@ class _Recording(SimulatedRanks):
 def _inputs(plan, seed: int = 0):
     rng = np.random.default_rng(seed)
     rows = plan.batch * plan.ring_size
-    shapes = [(rows, plan.rows, plan.heads, plan.head_dim), (rows, plan.rows, plan.kv_heads, plan.head_dim),
-              (rows, plan.rows, plan.kv_heads, plan.value_dim), (rows, plan.rows, plan.heads, plan.value_dim)]
+    shapes = [
+        (rows, plan.rows, plan.heads, plan.head_dim),
+        (rows, plan.rows, plan.kv_heads, plan.head_dim),
+        (rows, plan.rows, plan.kv_heads, plan.value_dim),
+        (rows, plan.rows, plan.heads, plan.value_dim),
+    ]
     return [rng.standard_normal(shape) for shape in shapes]
 
 
@@ -61,7 +65,7 @@ def test_the_send_is_begun_before_the_step_and_waited_after_it(layout):
         start = kinds.index("start")
         wait = kinds.index("wait")
         assert start == 0 and wait > start + 1 and set(kinds[1:wait]) == {"attend"}, (step, kinds)
-        kinds = kinds[wait + 1:]
+        kinds = kinds[wait + 1 :]
     assert set(kinds) == {"attend"}, kinds
     kinds = shape(ranks.events)
     for step in range(plan.ring_size):
@@ -72,8 +76,8 @@ def test_the_send_is_begun_before_the_step_and_waited_after_it(layout):
         end = kinds.index("start")
         assert end > 0 and set(kinds[:end]) == {"attend_vjp"}, (step, kinds)
         tail = 2 if step == plan.ring_size - 1 else 3
-        assert kinds[end:end + tail] == ["start", "wait", "wait"][:tail], (step, kinds)
-        kinds = kinds[end + tail:]
+        assert kinds[end : end + tail] == ["start", "wait", "wait"][:tail], (step, kinds)
+        kinds = kinds[end + tail :]
     assert kinds == []
 
 
@@ -93,17 +97,31 @@ def test_overlapped_equals_sequential(ring_size, layout, causal, segmented):
     if layout == "uneven":
         sequence = SequenceLayout(4 * ring_size + 3, ring_size=ring_size)
         shard = (2, sequence.max_size)
-        plan = ring.ring_plan((*shard, 2, 3), (*shard, 1, 3), (*shard, 1, 5), ring_size, causal=causal,
-                              layout=sequence, segment_ids=(shard, "int32") if segmented else None)
+        plan = ring.ring_plan(
+            (*shard, 2, 3),
+            (*shard, 1, 3),
+            (*shard, 1, 5),
+            ring_size,
+            causal=causal,
+            layout=sequence,
+            segment_ids=(shard, "int32") if segmented else None,
+        )
     else:
         shard = (2, 4)
-        plan = ring.ring_plan((*shard, 2, 3), (*shard, 1, 3), (*shard, 1, 5), ring_size, causal=causal,
-                              layout=layout, segment_ids=(shard, "int32") if segmented else None)
+        plan = ring.ring_plan(
+            (*shard, 2, 3),
+            (*shard, 1, 3),
+            (*shard, 1, 5),
+            ring_size,
+            causal=causal,
+            layout=layout,
+            segment_ids=(shard, "int32") if segmented else None,
+        )
     ids = None
     if segmented:
         seq = plan.rows * ring_size
         whole = [segment_ids([seq // 2, 1], seq), segment_ids([1, seq - 2], seq)]  # padding: -1
-        ids = _ring_ids(plan, [np.stack(whole)[:, r * plan.rows:(r + 1) * plan.rows] for r in range(ring_size)])
+        ids = _ring_ids(plan, [np.stack(whole)[:, r * plan.rows : (r + 1) * plan.rows] for r in range(ring_size)])
     overlapped, sequential = _walk(plan, True, ids), _walk(plan, False, ids)
     for got, want in zip(overlapped, sequential, strict=True):
         assert np.array_equal(got, want, equal_nan=True)

@@ -43,17 +43,22 @@ def test_shard_orders_and_their_inverse(layout):
 def test_references(layout):
     case = data(layout)
     tokens = spec.shard_tokens_reference(case["ids"], layout, IGNORE)
-    assert np.concatenate([labels for _, _, labels in tokens], 1)[:, np.argsort(
-        np.concatenate([layout.positions(i) for i in range(layout.world_size)]))].tolist() == \
-        spec.next_token_labels(case["ids"], IGNORE).tolist()
+    assert (
+        np.concatenate([labels for _, _, labels in tokens], 1)[
+            :, np.argsort(np.concatenate([layout.positions(i) for i in range(layout.world_size)]))
+        ].tolist()
+        == spec.next_token_labels(case["ids"], IGNORE).tolist()
+    )
     outputs, _ = spec.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
     whole, _ = spec.gather_sequence_reference(outputs, case["gather_cotangents"], layout)
     assert all(np.array_equal(out, case["x"]) for out in whole)
     loss, _ = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     count = (case["labels"] != IGNORE).sum()
-    shares = [spec.cross_entropy_reference(logits, labels, IGNORE)[0] * (labels != IGNORE).sum() / count
-              for logits, labels in zip(layout.shard(case["logits"], 1), layout.shard(case["labels"], 1),
-                                        strict=True) if (labels != IGNORE).any()]
+    shares = [
+        spec.cross_entropy_reference(logits, labels, IGNORE)[0] * (labels != IGNORE).sum() / count
+        for logits, labels in zip(layout.shard(case["logits"], 1), layout.shard(case["labels"], 1), strict=True)
+        if (labels != IGNORE).any()
+    ]
     np.testing.assert_allclose(sum(shares), loss, rtol=1e-13)
 
 
@@ -104,43 +109,84 @@ def test_cross_entropy_gradient_is_the_finite_difference():
         bumped = [logits.copy(), logits.copy()]
         bumped[0][index] += step
         bumped[1][index] -= step
-        numeric[index] = (spec.cross_entropy_reference(bumped[0], labels, IGNORE)[0]
-                          - spec.cross_entropy_reference(bumped[1], labels, IGNORE)[0]) / (2 * step)
+        numeric[index] = (
+            spec.cross_entropy_reference(bumped[0], labels, IGNORE)[0]
+            - spec.cross_entropy_reference(bumped[1], labels, IGNORE)[0]
+        ) / (2 * step)
     np.testing.assert_allclose(grad, numeric, atol=1e-8)
     assert not grad[0, 1].any() and not grad[1, 2].any()
 
 
-@pytest.mark.parametrize(("call", "kind", "message"), [
-    (lambda: spec.check_layout("shard_tokens", "contiguous", 2), TypeError,
-     "shard_tokens: layout must be a commlib.SequenceLayout, not str. Received: type='str'"),
-    (lambda: spec.check_layout("cross_entropy", SequenceLayout(8, 2, 2), 2), CommError,
-     "cross_entropy: layout.world_size (4) must be the group's world_size (2). Received: layout=SequenceLayout("
-     "seq_len=8, ring_size=2, ulysses_size=2, layout='contiguous'), world_size=2"),
-    (lambda: spec.check_tokens("shard_tokens", (2, 8), "float32", SequenceLayout(8), -100), TypeError,
-     "shard_tokens: input_ids must have an integer dtype, not float32. Received: shape=(2, 8), dtype='float32', "
-     "seq_len=8"),
-    (lambda: spec.check_tokens("shard_tokens", (8,), "int64", SequenceLayout(8), -100), CommError,
-     "shard_tokens: input_ids ndim (1) must be 2 ([batch, seq]). Received: shape=(8,), dtype='int64', seq_len=8"),
-    (lambda: spec.check_tokens("shard_tokens", (2, 8), "int64", SequenceLayout(8), 1.5), TypeError,
-     "shard_tokens: ignore_index must be an int, not float. Received: shape=(2, 8), dtype='int64', seq_len=8, "
-     "ignore_index=1.5"),
-    (lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8)), TypeError,
-     "shard_tokens: segment_ids must have an integer dtype, not float32. Received: segment_ids_shape=(2, 8), "
-     "segment_ids_dtype='float32', input_ids_shape=(2, 8)"),
-    (lambda: spec.check_token_segments("shard_tokens", (2, 7), "int32", (2, 8)), CommError,
-     "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape ((2, 8)). Received: segment_ids_shape=(2, 7), "
-     "segment_ids_dtype='int32', input_ids_shape=(2, 8)"),
-    (lambda: spec.check_sequence("shard_sequence", (2, 8), 2, 8, "layout.seq_len"), CommError,
-     "shard_sequence: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=2"),
-    (lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "int64", "int64", -100), TypeError,
-     "cross_entropy: logits must have a floating dtype, not int64. Received: shape=(2, 3, 5), labels_shape=(2, 3), "
-     "dtype='int64', labels_dtype='int64'"),
-    (lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "float32", "float32", -100), TypeError,
-     "cross_entropy: labels must have an integer dtype, not float32. Received: shape=(2, 3, 5), labels_shape=(2, 3), "
-     "dtype='float32', labels_dtype='float32'"),
-    (lambda: spec.check_sync_op("product"), CommError,
-     "sync_gradients: op ('product') must be one of sum, avg. Received: op='product'"),
-])
+@pytest.mark.parametrize(
+    ("call", "kind", "message"),
+    [
+        (
+            lambda: spec.check_layout("shard_tokens", "contiguous", 2),
+            TypeError,
+            "shard_tokens: layout must be a commlib.SequenceLayout, not str. Received: type='str'",
+        ),
+        (
+            lambda: spec.check_layout("cross_entropy", SequenceLayout(8, 2, 2), 2),
+            CommError,
+            "cross_entropy: layout.world_size (4) must be the group's world_size (2). Received: layout=SequenceLayout("
+            "seq_len=8, ring_size=2, ulysses_size=2, layout='contiguous'), world_size=2",
+        ),
+        (
+            lambda: spec.check_tokens("shard_tokens", (2, 8), "float32", SequenceLayout(8), -100),
+            TypeError,
+            "shard_tokens: input_ids must have an integer dtype, not float32. Received: shape=(2, 8), dtype='float32', "
+            "seq_len=8",
+        ),
+        (
+            lambda: spec.check_tokens("shard_tokens", (8,), "int64", SequenceLayout(8), -100),
+            CommError,
+            "shard_tokens: input_ids ndim (1) must be 2 ([batch, seq]). Received: shape=(8,), dtype='int64', seq_len=8",
+        ),
+        (
+            lambda: spec.check_tokens("shard_tokens", (2, 8), "int64", SequenceLayout(8), 1.5),
+            TypeError,
+            "shard_tokens: ignore_index must be an int, not float. Received: shape=(2, 8), dtype='int64', seq_len=8, "
+            "ignore_index=1.5",
+        ),
+        (
+            lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8)),
+            TypeError,
+            "shard_tokens: segment_ids must have an integer dtype, not float32. Received: segment_ids_shape=(2, 8), "
+            "segment_ids_dtype='float32', input_ids_shape=(2, 8)",
+        ),
+        (
+            lambda: spec.check_token_segments("shard_tokens", (2, 7), "int32", (2, 8)),
+            CommError,
+            "shard_tokens: segment_ids.shape ((2, 7)) must be input_ids.shape ((2, 8)). Received: "
+            "segment_ids_shape=(2, 7), "
+            "segment_ids_dtype='int32', input_ids_shape=(2, 8)",
+        ),
+        (
+            lambda: spec.check_sequence("shard_sequence", (2, 8), 2, 8, "layout.seq_len"),
+            CommError,
+            "shard_sequence: dim (2) must be in [-2, 2) for ndim 2. Received: shape=(2, 8), dim=2",
+        ),
+        (
+            lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "int64", "int64", -100),
+            TypeError,
+            "cross_entropy: logits must have a floating dtype, not int64. Received: shape=(2, 3, "
+            "5), labels_shape=(2, 3), "
+            "dtype='int64', labels_dtype='int64'",
+        ),
+        (
+            lambda: spec.check_cross_entropy((2, 3, 5), (2, 3), "float32", "float32", -100),
+            TypeError,
+            "cross_entropy: labels must have an integer dtype, not float32. Received: shape=(2, 3, "
+            "5), labels_shape=(2, 3), "
+            "dtype='float32', labels_dtype='float32'",
+        ),
+        (
+            lambda: spec.check_sync_op("product"),
+            CommError,
+            "sync_gradients: op ('product') must be one of sum, avg. Received: op='product'",
+        ),
+    ],
+)
 def test_errors(call, kind, message):
     with pytest.raises(kind) as raised:
         call()

@@ -20,8 +20,12 @@ def _definition(seq_len, ring_size, ulysses_size, layout):
     return [piece.tolist() for block in blocks for piece in np.array_split(block, ulysses_size)]
 
 
-_SIZES = dict(seq_len=st.integers(1, 70), ring_size=st.integers(1, 5), ulysses_size=st.integers(1, 4),
-              layout=st.sampled_from(SEQUENCE_LAYOUTS))
+_SIZES = dict(
+    seq_len=st.integers(1, 70),
+    ring_size=st.integers(1, 5),
+    ulysses_size=st.integers(1, 4),
+    layout=st.sampled_from(SEQUENCE_LAYOUTS),
+)
 
 
 @given(**_SIZES)
@@ -35,8 +39,12 @@ def test_positions_follow_the_definition_and_tile_the_sequence(seq_len, ring_siz
     assert sequence.is_even == (len(set(sequence.sizes)) == 1)
 
 
-@given(ring_size=st.integers(1, 4), ulysses_size=st.integers(1, 3), layout=st.sampled_from(SEQUENCE_LAYOUTS),
-       multiple=st.integers(1, 3))
+@given(
+    ring_size=st.integers(1, 4),
+    ulysses_size=st.integers(1, 3),
+    layout=st.sampled_from(SEQUENCE_LAYOUTS),
+    multiple=st.integers(1, 3),
+)
 def test_an_even_length_is_shard_positions(ring_size, ulysses_size, layout, multiple):
     seq_len = ring_size * ulysses_size * (2 if layout == "zigzag" else 1) * multiple
     sequence = SequenceLayout(seq_len, ring_size, ulysses_size, layout)
@@ -74,15 +82,22 @@ def test_equal_layouts_are_equal_and_hash_alike():
     assert SequenceLayout(9, 2) != SequenceLayout(9, 2, layout="zigzag")
 
 
-@pytest.mark.parametrize(("arguments", "error", "text"), [
-    ((0,), CommError, "SequenceLayout: seq_len (0) must be >= 1. Received: seq_len=0, ring_size=1, ulysses_size=1, "
-                      "layout='contiguous'"),
-    ((4, 0), CommError, "SequenceLayout: ring_size (0) must be >= 1."),
-    ((4, 1, 1, "ring"), CommError, "SequenceLayout: layout ('ring') must be one of contiguous, zigzag."),
-    ((4.0,), TypeError, "SequenceLayout: seq_len must be an int, not float."),
-    ((True,), TypeError, "SequenceLayout: seq_len must be an int, not bool."),
-    ((4, 1, 1, None), TypeError, "SequenceLayout: layout must be a str, not NoneType."),
-])
+@pytest.mark.parametrize(
+    ("arguments", "error", "text"),
+    [
+        (
+            (0,),
+            CommError,
+            "SequenceLayout: seq_len (0) must be >= 1. Received: seq_len=0, ring_size=1, ulysses_size=1, "
+            "layout='contiguous'",
+        ),
+        ((4, 0), CommError, "SequenceLayout: ring_size (0) must be >= 1."),
+        ((4, 1, 1, "ring"), CommError, "SequenceLayout: layout ('ring') must be one of contiguous, zigzag."),
+        ((4.0,), TypeError, "SequenceLayout: seq_len must be an int, not float."),
+        ((True,), TypeError, "SequenceLayout: seq_len must be an int, not bool."),
+        ((4, 1, 1, None), TypeError, "SequenceLayout: layout must be a str, not NoneType."),
+    ],
+)
 def test_bad_layouts_are_refused(arguments, error, text):
     with pytest.raises(error) as raised:
         SequenceLayout(*arguments)

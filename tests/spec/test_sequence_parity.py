@@ -63,15 +63,23 @@ def test_compare_passes_the_reference_and_fails_what_is_wrong(tmp_path):
         if case == "S=5,ulysses=4":
             ranks[0]["loss_grad"][0, 0, 0] += 1e-6
 
-    models = {"model[transformers,ulysses,S=37]": {"loss": 1e-16, "logits": 2e-16, "gradients": 3e-16},
-              "model[transformers,ring,S=37]": {"loss": 1e-16, "logits": 2e-16, "gradients": 1e-8}}
-    folder = _save(tmp_path, "torch", "gloo", spoil, skip=("S=32,ring=4,zigzag",), models=models,
-                   errors=("S=3,ring=4,zigzag",))
+    models = {
+        "model[transformers,ulysses,S=37]": {"loss": 1e-16, "logits": 2e-16, "gradients": 3e-16},
+        "model[transformers,ring,S=37]": {"loss": 1e-16, "logits": 2e-16, "gradients": 1e-8},
+    }
+    folder = _save(
+        tmp_path, "torch", "gloo", spoil, skip=("S=32,ring=4,zigzag",), models=models, errors=("S=3,ring=4,zigzag",)
+    )
     rows = {(row.case, row.mode): row for row in spec.compare("torch", folder, W, 0)}
     failed = {case for (case, _), row in rows.items() if not row.passed}
-    assert failed == {"shard_tokens[S=37,ring=4,zigzag]", "cross_entropy[S=5,ulysses=4]",
-                      "sequence helpers[S=3,ring=4,zigzag]", "S=32,ring=4,zigzag", "model[transformers,ring,S=37]",
-                      "model[transformers,usp,S=37]"}
+    assert failed == {
+        "shard_tokens[S=37,ring=4,zigzag]",
+        "cross_entropy[S=5,ulysses=4]",
+        "sequence helpers[S=3,ring=4,zigzag]",
+        "S=32,ring=4,zigzag",
+        "model[transformers,ring,S=37]",
+        "model[transformers,usp,S=37]",
+    }
     assert rows["S=32,ring=4,zigzag", "-"].detail == "not run"
     assert rows["sequence helpers[S=3,ring=4,zigzag]", "gloo"].detail == "CommError: shard_tokens: a message"
     assert rows["cross_entropy[S=5,ulysses=4]", "gloo"].grad_error == pytest.approx(1e-6)
@@ -98,4 +106,5 @@ def test_cross_compares_torch_with_every_jax_mode(tmp_path):
     rows = spec.cross(torch_dir, tmp_path / "jax", W)
     assert len(rows) == 2 * HELPERS * len(spec.layouts(W))
     assert [(row.case, row.mode) for row in rows if not row.passed] == [
-        ("gather_sequence,convention=replicated[S=37,ring=4,contiguous]", "shard_map[check_vma=False]")]
+        ("gather_sequence,convention=replicated[S=37,ring=4,contiguous]", "shard_map[check_vma=False]")
+    ]

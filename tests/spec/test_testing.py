@@ -115,8 +115,9 @@ def test_per_rank_lists_name_the_rank_and_path():
     b[2]["grads"]["w"] = np.array([1.0, 1.0, 1.5, 1.0])
     message = _message(a, b, names=("torch", "jax"))
     header, columns, row = message.splitlines()
-    assert header == ("assert_parity: 1 of 6 arrays differ between torch and jax (tolerance per dtype as commlib "
-                      "parity's)")
+    assert header == (
+        "assert_parity: 1 of 6 arrays differ between torch and jax (tolerance per dtype as commlib parity's)"
+    )
     assert columns.split() == ["path", "rank", "max", "abs", "max", "rel", "first", "index", "torch", "jax"]
     assert re.fullmatch(r"'grads\.w'\s+2\s+5\.0e-01\s+3\.3e-01\s+\(2,\)\s+1\.0\s+1\.5", row), row
 
@@ -249,12 +250,17 @@ def test_names_and_transposes_both_ways():
 
 
 def test_stacked_layers_both_ways():
-    mapping = ParameterMap([("model.layers.{layer}.proj.weight", "layers.proj.kernel", LINEAR),
-                            ("model.layers.{layer}.norm.weight", "layers.norm.scale"),
-                            Rule("model.embed.weight", "embed.embedding")])
+    mapping = ParameterMap(
+        [
+            ("model.layers.{layer}.proj.weight", "layers.proj.kernel", LINEAR),
+            ("model.layers.{layer}.norm.weight", "layers.norm.scale"),
+            Rule("model.embed.weight", "embed.embedding"),
+        ]
+    )
     named = _torch_named(layers=3)
-    flat = mapping.to_jax(named, like={"layers.proj.kernel": (3, 4, 5), "layers.norm.scale": (3, 4),
-                                       "embed.embedding": (7, 4)})
+    flat = mapping.to_jax(
+        named, like={"layers.proj.kernel": (3, 4, 5), "layers.norm.scale": (3, 4), "embed.embedding": (7, 4)}
+    )
     assert list(flat) == ["layers.proj.kernel", "layers.norm.scale", "embed.embedding"]
     np.testing.assert_array_equal(flat["layers.proj.kernel"][1], named["model.layers.1.proj.weight"].T)
     back = mapping.to_torch(flat)
@@ -309,15 +315,21 @@ def test_the_reverse_direction_names_missing_and_extra_names():
     ]
     del like["model.embed.weight"]
     assert "not in like: 'model.embed.weight' (from 'embed.embedding')" in _mapping_error(
-        lambda: mapping.to_torch({"embed.embedding": np.zeros((7, 4))}, like=like))
+        lambda: mapping.to_torch({"embed.embedding": np.zeros((7, 4))}, like=like)
+    )
 
 
 def test_stacking_refuses_a_missing_layer_and_two_names_for_one_path():
     mapping = ParameterMap([("layers.{i}.w", "layers.w"), ("alias.w", "embed"), ("embed.w", "embed")])
-    problems = _mapping_error(lambda: mapping.to_jax({"layers.0.w": np.zeros(2), "layers.2.w": np.zeros(2),
-                                                      "alias.w": np.zeros(1), "embed.w": np.zeros(1)}))
-    assert problems == ["two torch names map to 'embed': 'alias.w' and 'embed.w'",
-                        "cannot stack 'layers.w': indices [(1,)] of ('i',) missing"]
+    problems = _mapping_error(
+        lambda: mapping.to_jax(
+            {"layers.0.w": np.zeros(2), "layers.2.w": np.zeros(2), "alias.w": np.zeros(1), "embed.w": np.zeros(1)}
+        )
+    )
+    assert problems == [
+        "two torch names map to 'embed': 'alias.w' and 'embed.w'",
+        "cannot stack 'layers.w': indices [(1,)] of ('i',) missing",
+    ]
     problems = _mapping_error(lambda: mapping.to_jax({"layers.0.w": np.zeros(2), "layers.1.w": np.zeros(3)}))
     assert problems == ["cannot stack 'layers.w': pieces of shapes [(2,), (3,)]"]
 
@@ -329,13 +341,16 @@ def test_a_rule_whose_jax_pattern_has_an_unknown_placeholder_is_refused():
 
 def test_two_rules_matching_one_name_are_refused_naming_both_and_the_name():
     """The first matching rule was taken silently: a general rule before a specific one hid the second."""
-    mapping = ParameterMap([("layers.{i}.weight", "layers.{i}.kernel", LINEAR),
-                            ("layers.0.weight", "first.kernel")])
-    problems = _mapping_error(lambda: mapping.to_jax({"layers.0.weight": np.zeros((2, 3)),
-                                                      "layers.1.weight": np.zeros((2, 3))}))
-    assert problems == ["torch name 'layers.0.weight' matches 2 rules: 'layers.{i}.weight' -> 'layers.{i}.kernel' "
-                        "and 'layers.0.weight' -> 'first.kernel'"]
+    mapping = ParameterMap([("layers.{i}.weight", "layers.{i}.kernel", LINEAR), ("layers.0.weight", "first.kernel")])
+    problems = _mapping_error(
+        lambda: mapping.to_jax({"layers.0.weight": np.zeros((2, 3)), "layers.1.weight": np.zeros((2, 3))})
+    )
+    assert problems == [
+        "torch name 'layers.0.weight' matches 2 rules: 'layers.{i}.weight' -> 'layers.{i}.kernel' "
+        "and 'layers.0.weight' -> 'first.kernel'"
+    ]
     mapping = ParameterMap([("a.weight", "shared.kernel"), ("b.weight", "shared.kernel")])
     problems = _mapping_error(lambda: mapping.to_torch({"shared.kernel": np.zeros(2)}))
-    assert problems == ["JAX path 'shared.kernel' matches 2 rules: 'a.weight' -> 'shared.kernel' and "
-                        "'b.weight' -> 'shared.kernel'"]
+    assert problems == [
+        "JAX path 'shared.kernel' matches 2 rules: 'a.weight' -> 'shared.kernel' and 'b.weight' -> 'shared.kernel'"
+    ]

@@ -41,7 +41,7 @@ def test_the_first_differing_input_is_named_with_its_rank_and_element(index, ran
     a = _trace(4)
     x = a[index].inputs["x"][rank].copy()
     x[1, 2] += 1e-6
-    b = Trace([*a[:index], _with(a[index], "inputs", "x", rank, x), *a[index + 1:]])
+    b = Trace([*a[:index], _with(a[index], "inputs", "x", rank, x), *a[index + 1 :]])
     b.calls[3] = _with(a[3], "inputs", "x", 0, a[3].inputs["x"][0] + 1)  # a later difference: not the first
     found = first_divergence(a, b, names=("torch", "jax"))
     assert (found.index, found.reason, len(found.differences)) == (index, "inputs", 1)
@@ -72,11 +72,14 @@ def test_equal_inputs_with_differing_outputs_blame_the_call_itself():
     assert "outputs (its inputs agree) beyond tolerance" in found.report()
 
 
-@pytest.mark.parametrize(("change", "words"), [
-    (dict(op="all_gather"), "different ops: all_reduce and all_gather"),
-    (dict(shape=(2, 4)), "x on rank 0: shape (2, 3) float64 and (2, 4) float64"),
-    (dict(dtype="float32"), "x on rank 0: shape (2, 3) float64 and (2, 3) float32"),
-])
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (dict(op="all_gather"), "different ops: all_reduce and all_gather"),
+        (dict(shape=(2, 4)), "x on rank 0: shape (2, 3) float64 and (2, 4) float64"),
+        (dict(dtype="float32"), "x on rank 0: shape (2, 3) float64 and (2, 3) float32"),
+    ],
+)
 def test_a_different_call_is_a_signature_divergence(change, words):
     a = _trace()
     b = Trace([a[0], _call(1, seed=1, **change), a[2]])
@@ -134,12 +137,15 @@ def test_integers_are_exact_and_nans_must_match():
     assert first_divergence(b, Trace([_call(x={0: np.array([0.0, 1.0])}, out={0: nan})])) is not None
 
 
-@pytest.mark.parametrize(("x", "moved"), [
-    (np.array([np.inf, 1.0]), np.array([np.inf, -1e6])),
-    (np.array([np.inf]), np.array([-np.inf])),
-    (np.array([np.nan, 2.0]), np.array([3.0, 2.0])),
-    (np.array([np.inf, 2.0]), np.array([np.nan, 2.0])),
-])
+@pytest.mark.parametrize(
+    ("x", "moved"),
+    [
+        (np.array([np.inf, 1.0]), np.array([np.inf, -1e6])),
+        (np.array([np.inf]), np.array([-np.inf])),
+        (np.array([np.nan, 2.0]), np.array([3.0, 2.0])),
+        (np.array([np.inf, 2.0]), np.array([np.nan, 2.0])),
+    ],
+)
 @pytest.mark.parametrize("tolerances", [{}, {"rtol": 1e-3}, {"atol": 1e-3}])
 def test_non_finite_values_compare_by_equality(x, moved, tolerances):
     """One inf made the tolerance infinite, so these traces had no divergence."""
@@ -155,16 +161,19 @@ def test_hints_name_rope_and_local_positions():
     rng = np.random.default_rng(0)
     inputs = {name: {rank: rng.standard_normal((1, 4, 2, 8)) for rank in range(RANKS)} for name in "qkv"}
     call = Call(0, "ulysses_attention", "model.layers.0.self_attn", {}, inputs, {})
-    moved = {name: {rank: x + (name != "v" and rank > 0) for rank, x in ranks.items()}
-             for name, ranks in inputs.items()}
+    moved = {
+        name: {rank: x + (name != "v" and rank > 0) for rank, x in ranks.items()} for name, ranks in inputs.items()
+    }
     found = first_divergence([call], [call.replace(inputs=moved, module="layers.0.attention")])
     assert {(d.name, d.rank) for d in found.differences} == {(n, r) for n in "qk" for r in (1, 2, 3)}
     assert found.agreeing == ("q on rank 0", "k on rank 0", "v on ranks 0-3")
     hints = found.hints()
     assert len(hints) == 2 and "rotary embedding (RoPE)" in hints[0] and "rank 0 agrees and ranks 1-3 not" in hints[1]
     assert all(f"hint: {hint}" in found.report() for hint in hints)
-    assert found.report().splitlines()[1:3] == ["  a: ulysses_attention at model.layers.0.self_attn",
-                                                "  b: ulysses_attention at layers.0.attention"]
+    assert found.report().splitlines()[1:3] == [
+        "  a: ulysses_attention at model.layers.0.self_attn",
+        "  b: ulysses_attention at layers.0.attention",
+    ]
 
 
 @given(st.integers(1, 4), st.integers(0, 3))
@@ -173,16 +182,21 @@ def test_save_load_and_merge_round_trip(ranks, empty_calls):
     per_rank = []
     for rank in range(ranks):
         calls = [_call(i, seed=rank) for i in range(2)] + [_call(2 + i, shape=(0,)) for i in range(empty_calls)]
-        per_rank.append(Trace(c.replace(inputs={"x": {rank: c.inputs["x"][rank]}},
-                                        outputs={"out": {rank: c.outputs["out"][rank]}}) for c in calls))
+        per_rank.append(
+            Trace(
+                c.replace(inputs={"x": {rank: c.inputs["x"][rank]}}, outputs={"out": {rank: c.outputs["out"][rank]}})
+                for c in calls
+            )
+        )
     loaded = []
     for rank, trace in enumerate(per_rank):
         path = f"/tmp/commlib_trace_test_{rank}.npz"
         trace.save(path)
         loaded.append(Trace.load(path))
     merged = Trace.merge(loaded)
-    assert [(c.index, c.op, c.module, c.plan) for c in merged] == [(c.index, c.op, c.module, c.plan)
-                                                                   for c in per_rank[0]]
+    assert [(c.index, c.op, c.module, c.plan) for c in merged] == [
+        (c.index, c.op, c.module, c.plan) for c in per_rank[0]
+    ]
     for call in merged:
         assert call.ranks == tuple(range(ranks))
         for rank in range(ranks):

@@ -49,11 +49,14 @@ def test_meshes_and_shards():
     np.testing.assert_array_equal(np.concatenate([train_block.sequence_block(X, 4, s) for s in range(4)], axis=1), X)
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    ((4, 3, None), "training: sp (3) must divide the world size (4). Received: sp=3, tp=None"),
-    ((4, 2, 1), "training: sp * tp (2) must equal the world size (4). Received: sp=2, tp=1"),
-    ((4, None, 0), "training: tp (0) must divide the world size (4). Received: sp=None, tp=0"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ((4, 3, None), "training: sp (3) must divide the world size (4). Received: sp=3, tp=None"),
+        ((4, 2, 1), "training: sp * tp (2) must equal the world size (4). Received: sp=2, tp=1"),
+        ((4, None, 0), "training: tp (0) must divide the world size (4). Received: sp=None, tp=0"),
+    ],
+)
 def test_mesh_shape_errors(arguments, message):
     with pytest.raises(CommError) as raised:
         train_block.mesh_shape(*arguments)
@@ -105,8 +108,12 @@ def _history(mesh, scale_grad=None, scale_loss=1.0):
 
 
 def test_compare_passes_the_reference_and_fails_a_wrong_rank(tmp_path):
-    runs = {("gloo", (2, 2)): _history((2, 2)), ("gloo", (4, 1)): _history((4, 1), ("wq", 3, 0, 2.0)),
-            ("gloo", (1, 4)): _history((1, 4), scale_loss=1 + 1e-9), ("gloo", None): "WorkerError: rank 1 died"}
+    runs = {
+        ("gloo", (2, 2)): _history((2, 2)),
+        ("gloo", (4, 1)): _history((4, 1), ("wq", 3, 0, 2.0)),
+        ("gloo", (1, 4)): _history((1, 4), scale_loss=1 + 1e-9),
+        ("gloo", None): "WorkerError: rank 1 died",
+    }
     rows = train_parity.compare("torch", _results(tmp_path, "torch", runs), TRAJECTORY)
     by_case = {row.case: row for row in rows}
     assert by_case["train[sp=2,tp=2]"].passed and by_case["train[sp=2,tp=2]"].grad_error < 1e-15
@@ -119,12 +126,21 @@ def test_compare_passes_the_reference_and_fails_a_wrong_rank(tmp_path):
 
 def test_cross_compares_torch_with_every_jax_mode(tmp_path):
     torch_dir = _results(tmp_path, "torch", {("gloo", (2, 2)): _history((2, 2)), ("unsharded", None): _history(None)})
-    jax_dir = _results(tmp_path, "jax", {("pmap", (2, 2)): _history((2, 2), ("w_out", 1, 1, 1 + 1e-6)),
-                                         ("shard_map[check_vma=True]", (2, 2)): _history((2, 2)),
-                                         ("unsharded", None): _history(None)})
+    jax_dir = _results(
+        tmp_path,
+        "jax",
+        {
+            ("pmap", (2, 2)): _history((2, 2), ("w_out", 1, 1, 1 + 1e-6)),
+            ("shard_map[check_vma=True]", (2, 2)): _history((2, 2)),
+            ("unsharded", None): _history(None),
+        },
+    )
     rows = {(row.case, row.mode): row for row in train_parity.cross(torch_dir, jax_dir)}
-    assert set(rows) == {("train[sp=2,tp=2]", "pmap"), ("train[sp=2,tp=2]", "shard_map[check_vma=True]"),
-                         ("train[unsharded]", "unsharded")}
+    assert set(rows) == {
+        ("train[sp=2,tp=2]", "pmap"),
+        ("train[sp=2,tp=2]", "shard_map[check_vma=True]"),
+        ("train[unsharded]", "unsharded"),
+    }
     assert rows["train[sp=2,tp=2]", "shard_map[check_vma=True]"].passed
     assert rows["train[unsharded]", "unsharded"].passed
     assert not rows["train[sp=2,tp=2]", "pmap"].passed

@@ -117,7 +117,10 @@ def test_duals_are_uneven_and_involutive(call):
             continue
         dual = gradients.vjp_plan(plan)
         assert (dual.uneven.scatter_sizes, dual.uneven.gather_sizes, getattr(dual.uneven, "rank", None)) == (
-            plan.uneven.gather_sizes, plan.uneven.scatter_sizes, getattr(plan.uneven, "rank", None))
+            plan.uneven.gather_sizes,
+            plan.uneven.scatter_sizes,
+            getattr(plan.uneven, "rank", None),
+        )
         assert dual.in_shape == plan.out_shape and dual.out_shape == plan.in_shape
         # avg's comes back as sum times 1/W
         if plan.convention.value == "sum" and getattr(plan.step, "op", None) != "avg":
@@ -151,16 +154,17 @@ def test_handed_case_in_both_layouts():
     padded = reference.all_to_all_4d(padded_xs, 2, 1, **forward, padded=True)
     for rank, out in enumerate(padded):
         assert out.shape == (B, S, 2, D)
-        np.testing.assert_array_equal(out[:, :, :heads[rank]], _split(X, heads, 2)[rank])
-        assert not out[:, :, heads[rank]:].any()
+        np.testing.assert_array_equal(out[:, :, : heads[rank]], _split(X, heads, 2)[rank])
+        assert not out[:, :, heads[rank] :].any()
 
 
 # ---------------------------------------------------------------- plans: passes, views, splits, even sizes
 
 
 def test_exact_ulysses_plan_makes_one_pass_each_side_and_a_view_at_batch_1():
-    plan = plans.all_to_all_4d((1, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15),
-                               rank=3)
+    plan = plans.all_to_all_4d(
+        (1, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15), rank=3
+    )
     assert plan.is_exact and plan.step.name == "all_to_all"
     # the seq gather is a view
     assert not plan.layout.pack.is_identity and plan.layout.unpack.is_identity and plan.copies == 1
@@ -169,8 +173,9 @@ def test_exact_ulysses_plan_makes_one_pass_each_side_and_a_view_at_batch_1():
     reverse = gradients.vjp_plan(plan)
     # batch 1: the seq scatter is a view
     assert reverse.layout.pack.is_identity and not reverse.layout.unpack.is_identity
-    batch_2 = plans.all_to_all_4d((2, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15),
-                                  rank=3)
+    batch_2 = plans.all_to_all_4d(
+        (2, 15, 6, 4), 4, 2, 1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15), rank=3
+    )
     assert batch_2.copies == 2
 
 
@@ -191,8 +196,9 @@ def test_exact_gather_scatter_and_reduce_scatter_blocks():
 def test_equal_sizes_are_the_even_plan():
     assert plans.all_gather((3, 2), 4, 0, sizes=(3, 3, 3, 3), rank=1) == plans.all_gather((3, 2), 4, 0)
     assert plans.reduce_scatter((8, 2), 4, sizes=[2] * 4) == plans.reduce_scatter((8, 2), 4)
-    assert (plans.all_to_all_4d((2, 4, 8, 3), 4, scatter_sizes=(2,) * 4, gather_sizes=(4,) * 4)
-            == plans.all_to_all_4d((2, 4, 8, 3), 4))
+    assert plans.all_to_all_4d((2, 4, 8, 3), 4, scatter_sizes=(2,) * 4, gather_sizes=(4,) * 4) == plans.all_to_all_4d(
+        (2, 4, 8, 3), 4
+    )
 
 
 def test_one_side_uneven_all_to_all_makes_the_other_side_explicit():
@@ -222,8 +228,9 @@ def test_take_maps_and_blocks():
 def test_take_runs_are_the_index_map(sizes, kind):
     """The runs (static slices and zeros, what JAX concatenates) spell out the same map as the index."""
     take = Take(0, kind, tuple(sizes))
-    spelled = [source + row if source is not None else take.source_size for source, rows in take.runs()
-               for row in range(rows)]
+    spelled = [
+        source + row if source is not None else take.source_size for source, rows in take.runs() for row in range(rows)
+    ]
     assert spelled == take.index().tolist()
 
 
@@ -235,12 +242,15 @@ def test_split_sizes_is_array_split():
         split_sizes(-1, 2)
 
 
-@pytest.mark.parametrize(("n", "world_size", "message"), [
-    (True, 2, "n must be an int, not bool. Received: n=True, world_size=2"),
-    (4, False, "world_size must be an int, not bool. Received: n=4, world_size=False"),
-    (4.0, 2, "n must be an int, not float. Received: n=4.0, world_size=2"),
-    (4, "2", "world_size must be an int, not str. Received: n=4, world_size='2'"),
-])
+@pytest.mark.parametrize(
+    ("n", "world_size", "message"),
+    [
+        (True, 2, "n must be an int, not bool. Received: n=True, world_size=2"),
+        (4, False, "world_size must be an int, not bool. Received: n=4, world_size=False"),
+        (4.0, 2, "n must be an int, not float. Received: n=4.0, world_size=2"),
+        (4, "2", "world_size must be an int, not str. Received: n=4, world_size='2'"),
+    ],
+)
 def test_split_sizes_kind_errors(n, world_size, message):
     """Issue 23 item 8: bools are no counts, and a float or str gets the house format."""
     with pytest.raises(TypeError) as raised:
@@ -261,31 +271,52 @@ def test_sent_elements():
 
 HANDED = dict(scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15))
 EXACT_ERRORS = [
-    (lambda: plans.all_gather((3, 2), 4, 0, sizes=(3, 3, 3)),
-     "all_gather: len(sizes) (3) must equal world_size (4). Received: dim=0, sizes=(3, 3, 3)"),
-    (lambda: plans.all_gather((3, 2), 4, 0, sizes=(3, -1, 3, 3), rank=0),
-     "all_gather: sizes[1] (-1) must be >= 0. Received: dim=0, sizes=(3, -1, 3, 3)"),
-    (lambda: plans.reduce_scatter((8, 2), 4, sizes=(2, 2, 2, 1)),
-     "reduce_scatter: sum(sizes) (7) must equal the size of dim 0 (8). Received: dim=0, op='sum', sizes=(2, 2, 2, 1)"),
-    (lambda: plans.all_to_all_4d((2, 16, 6, 3), 4, scatter_sizes=(2, 2, 1, 0), gather_sizes=HANDED["gather_sizes"]),
-     "all_to_all_4d: sum(scatter_sizes) (5) must equal heads (6). Received: scatter_dim=2, gather_dim=1, "
-     "scatter_sizes=(2, 2, 1, 0), gather_sizes=(16, 16, 16, 15)"),
-    (lambda: plans.all_to_all_4d((2, 16, 6, 3), 4, **HANDED, rank=3),
-     "all_to_all_4d: seq (16) must equal gather_sizes[3] (15) on rank 3. Received: shape=(2, 16, 6, 3), "
-     "scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15)"),
-    (lambda: plans.all_to_all_4d((2, 15, 6, 3), 4, **HANDED),
-     "all_to_all_4d: seq (15) must equal max(gather_sizes) (16) in the padded layout. Received: "
-     "shape=(2, 15, 6, 3), scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15)"),
-    (lambda: plans.all_to_all((5, 2), 2, 0, 1, gather_sizes=(2, 1)),
-     "all_to_all: size of scatter_dim 0 (5) must be divisible by world_size (2). Received: shape=(5, 2), "
-     "scatter_dim=0, gather_dim=1"),  # the even side keeps today's error exactly
-    (lambda: plans.gather((2, 3), 2, 0, 0, sizes=(2, 1), rank=2),
-     "gather: rank (2) must be in [0, 2) for world_size 2. Received: dst=0, dim=0, sizes=(2, 1), rank=2"),
-    (lambda: plans.all_to_all((4, 2), 2, 0, -2, scatter_sizes=(3, 1)),
-     "all_to_all: scatter_dim (0) must differ from gather_dim (0) with uneven sizes. Received: shape=(4, 2), "
-     "scatter_dim=0, gather_dim=-2"),
-    (lambda: plans.scatter((3,), 2, 1, sizes=(1, 1)),
-     "scatter: sum(sizes) (2) must equal the size of dim 0 (3). Received: src=1, dim=0, sizes=(1, 1)"),
+    (
+        lambda: plans.all_gather((3, 2), 4, 0, sizes=(3, 3, 3)),
+        "all_gather: len(sizes) (3) must equal world_size (4). Received: dim=0, sizes=(3, 3, 3)",
+    ),
+    (
+        lambda: plans.all_gather((3, 2), 4, 0, sizes=(3, -1, 3, 3), rank=0),
+        "all_gather: sizes[1] (-1) must be >= 0. Received: dim=0, sizes=(3, -1, 3, 3)",
+    ),
+    (
+        lambda: plans.reduce_scatter((8, 2), 4, sizes=(2, 2, 2, 1)),
+        "reduce_scatter: sum(sizes) (7) must equal the size of dim 0 (8). Received: dim=0, "
+        "op='sum', sizes=(2, 2, 2, 1)",
+    ),
+    (
+        lambda: plans.all_to_all_4d((2, 16, 6, 3), 4, scatter_sizes=(2, 2, 1, 0), gather_sizes=HANDED["gather_sizes"]),
+        "all_to_all_4d: sum(scatter_sizes) (5) must equal heads (6). Received: scatter_dim=2, gather_dim=1, "
+        "scatter_sizes=(2, 2, 1, 0), gather_sizes=(16, 16, 16, 15)",
+    ),
+    (
+        lambda: plans.all_to_all_4d((2, 16, 6, 3), 4, **HANDED, rank=3),
+        "all_to_all_4d: seq (16) must equal gather_sizes[3] (15) on rank 3. Received: shape=(2, 16, 6, 3), "
+        "scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15)",
+    ),
+    (
+        lambda: plans.all_to_all_4d((2, 15, 6, 3), 4, **HANDED),
+        "all_to_all_4d: seq (15) must equal max(gather_sizes) (16) in the padded layout. Received: "
+        "shape=(2, 15, 6, 3), scatter_dim=2, gather_dim=1, scatter_sizes=(2, 2, 1, 1), gather_sizes=(16, 16, 16, 15)",
+    ),
+    (
+        lambda: plans.all_to_all((5, 2), 2, 0, 1, gather_sizes=(2, 1)),
+        "all_to_all: size of scatter_dim 0 (5) must be divisible by world_size (2). Received: shape=(5, 2), "
+        "scatter_dim=0, gather_dim=1",
+    ),  # the even side keeps today's error exactly
+    (
+        lambda: plans.gather((2, 3), 2, 0, 0, sizes=(2, 1), rank=2),
+        "gather: rank (2) must be in [0, 2) for world_size 2. Received: dst=0, dim=0, sizes=(2, 1), rank=2",
+    ),
+    (
+        lambda: plans.all_to_all((4, 2), 2, 0, -2, scatter_sizes=(3, 1)),
+        "all_to_all: scatter_dim (0) must differ from gather_dim (0) with uneven sizes. Received: shape=(4, 2), "
+        "scatter_dim=0, gather_dim=-2",
+    ),
+    (
+        lambda: plans.scatter((3,), 2, 1, sizes=(1, 1)),
+        "scatter: sum(sizes) (2) must equal the size of dim 0 (3). Received: src=1, dim=0, sizes=(1, 1)",
+    ),
 ]
 
 
@@ -308,8 +339,10 @@ def test_sizes_of_the_wrong_kind_are_a_type_error(sizes):
 def test_none_keeps_the_even_rule_and_its_error():
     with pytest.raises(CommError) as info:
         plans.all_to_all_4d((2, 8, 6, 64), 4, scatter_sizes=None, gather_sizes=None, rank=1)
-    assert str(info.value) == ("all_to_all_4d: heads (6) must be divisible by world_size (4). Received: "
-                               "shape=(2, 8, 6, 64), scatter_dim=2, gather_dim=1")
+    assert str(info.value) == (
+        "all_to_all_4d: heads (6) must be divisible by world_size (4). Received: "
+        "shape=(2, 8, 6, 64), scatter_dim=2, gather_dim=1"
+    )
     assert plans.reduce_scatter((8, 2), 4, sizes=None, rank=3) == plans.reduce_scatter((8, 2), 4)
 
 
@@ -339,8 +372,9 @@ def test_ranks_that_disagree_on_sizes_all_raise():
         with pytest.raises(CommError) as info:
             check.compare(rows, rank)
         messages.add(str(info.value).split(". Received")[0])
-    assert messages == {"all_gather: ranks disagree on gather_sizes: ranks 0, 1, 3 have (3, 3, 2, 1), rank 2 has "
-                        "(3, 2, 3, 1)"}
+    assert messages == {
+        "all_gather: ranks disagree on gather_sizes: ranks 0, 1, 3 have (3, 3, 2, 1), rank 2 has (3, 2, 3, 1)"
+    }
     even = plans.all_gather((3, 2), 4, 0)  # one rank forgot the sizes
     with pytest.raises(CommError, match="on gather_sizes: rank 0 has None, ranks 1, 2, 3 have"):
         check.compare(_rows([even, *(uneven.for_rank(agreed, rank) for rank in (1, 2, 3))]), 0)

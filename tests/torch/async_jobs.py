@@ -154,7 +154,7 @@ def handle_facts(context) -> dict:
     for asynchronous_op in (True, False):
         y = x.detach().requires_grad_()
         out = commlib_torch.all_reduce(y, async_op=True).wait() if asynchronous_op else commlib_torch.all_reduce(y)
-        (grad,) = torch.autograd.grad((out ** 3).sum(), y, create_graph=True)
+        (grad,) = torch.autograd.grad((out**3).sum(), y, create_graph=True)
         (second,) = torch.autograd.grad(grad.sum(), y)
         facts[f"second derivative {'async' if asynchronous_op else 'sync'}"] = second.numpy()
     return facts
@@ -236,8 +236,11 @@ def numpy_equal(a, b) -> bool:
         return a[1] == b[1]
     _, out_a, grads_a = a
     _, out_b, grads_b = b
-    return (np.array_equal(out_a, out_b, equal_nan=True) and grads_a.keys() == grads_b.keys()
-            and all(np.array_equal(grads_a[name], grads_b[name], equal_nan=True) for name in grads_a))
+    return (
+        np.array_equal(out_a, out_b, equal_nan=True)
+        and grads_a.keys() == grads_b.keys()
+        and all(np.array_equal(grads_a[name], grads_b[name], equal_nan=True) for name in grads_a)
+    )
 
 
 def checked_disagreement(context) -> list:
@@ -267,8 +270,11 @@ def recorded(context) -> tuple[list, bool, bool]:
         out = commlib_torch.all_to_all(x, 0, 1, async_op=True).wait()
     calls = [(call.op, call.plan["in_shape"]) for call in trace]
     rank = dist.get_rank()
-    return (calls, bool(np.array_equal(trace[0].inputs["x"][rank], x.detach().numpy())),
-            bool(np.array_equal(trace[0].outputs["out"][rank], out.detach().numpy())))
+    return (
+        calls,
+        bool(np.array_equal(trace[0].inputs["x"][rank], x.detach().numpy())),
+        bool(np.array_equal(trace[0].outputs["out"][rank], out.detach().numpy())),
+    )
 
 
 def skip_async(context, skipper: int, op: str, phase: str) -> str:
@@ -303,14 +309,18 @@ def misuse(context) -> dict:
                 facts[f"async_op={value!r}"] = str(error)
     facts["begun"] = len(begun)
     x = torch.arange(2.0 * world_size * 3).reshape(2 * world_size, 3) + context.rank
-    for op, call in (("reduce_scatter", lambda a: commlib_torch.reduce_scatter(x, 0, async_op=a)),
-                     ("all_gather", lambda a: commlib_torch.all_gather(x, 0, async_op=a)),
-                     ("all_to_all", lambda a: commlib_torch.all_to_all(x, 0, 1, async_op=a))):
+    for op, call in (
+        ("reduce_scatter", lambda a: commlib_torch.reduce_scatter(x, 0, async_op=a)),
+        ("all_gather", lambda a: commlib_torch.all_gather(x, 0, async_op=a)),
+        ("all_to_all", lambda a: commlib_torch.all_to_all(x, 0, 1, async_op=a)),
+    ):
         with torch.inference_mode():
             handle, synchronous = call(True), call(False)
         facts[f"inference_mode {op}"] = torch.equal(handle.wait(), synchronous)
-    for op, call in (("all_gather", lambda y: commlib_torch.all_gather(y, 0, async_op=True)),
-                     ("all_reduce", lambda y: commlib_torch.all_reduce(y, async_op=True))):
+    for op, call in (
+        ("all_gather", lambda y: commlib_torch.all_gather(y, 0, async_op=True)),
+        ("all_reduce", lambda y: commlib_torch.all_reduce(y, async_op=True)),
+    ):
         y = x.clone()
         handle = call(y)
         if context.rank == 0:

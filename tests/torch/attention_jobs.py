@@ -14,8 +14,17 @@ from commlib_torch import _c10d
 from commlib_torch.attention import ulysses_attention
 
 #: The c10d calls a commlib collective can make (torch.distributed's and the names _c10d bound at import).
-_COLLECTIVES = ("all_to_all_single", "all_reduce", "broadcast", "reduce", "gather", "scatter", "send", "recv",
-                "batch_isend_irecv")
+_COLLECTIVES = (
+    "all_to_all_single",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+)
 _BOUND = ("all_gather_single", "reduce_scatter_single")
 
 
@@ -125,8 +134,12 @@ def forward_only(ctx, case: cases.Case, arrays, mode: str):
 
 def rejected(ctx, shapes: dict, kwargs: dict, dtype: str = "float64"):
     """The error text of a bad call on this rank (shapes by rank or shared) and the collectives it made."""
-    tensors = [torch.zeros(shapes[name][ctx.rank] if isinstance(shapes[name], list) else shapes[name],
-                           dtype=getattr(torch, dtype)) for name in "qkv"]
+    tensors = [
+        torch.zeros(
+            shapes[name][ctx.rank] if isinstance(shapes[name], list) else shapes[name], dtype=getattr(torch, dtype)
+        )
+        for name in "qkv"
+    ]
     calls: list = []
     try:
         with _counting(calls):

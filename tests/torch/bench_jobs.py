@@ -26,6 +26,6 @@ def train_step_variants(ctx, nbytes: int):
     grads, offset = {}, 1
     for name, shape in config.shapes().items():  # the order of the case's parameters
         local = train_block.shard_parameter(name, np.zeros(shape), tp, 0).shape
-        grads[name] = summed[offset:offset + int(np.prod(local))].reshape(local).double().numpy()
+        grads[name] = summed[offset : offset + int(np.prod(local))].reshape(local).double().numpy()
         offset += int(np.prod(local))
     return difference, float(summed[0]), grads

@@ -91,5 +91,8 @@ def compiled(ctx, chunks: int) -> tuple[int, float, float]:
     breaks = sum(counters["graph_break"].values())
     want = value_and_grads(call)
     torch._dynamo.reset()
-    return breaks, float((got[0] - want[0]).abs().max()), max(float((a - b).abs().max()) for a, b in
-                                                                zip(got[1:], want[1:], strict=True))
+    return (
+        breaks,
+        float((got[0] - want[0]).abs().max()),
+        max(float((a - b).abs().max()) for a, b in zip(got[1:], want[1:], strict=True)),
+    )

@@ -25,8 +25,9 @@ OPS = {
     "all_to_all_single": lambda x: cl.all_to_all(x, 2, 2),
     "shard": lambda x: cl.shard(x, 2, scale_grad=True),
     # uneven sizes (exact layout): heads 8 -> 5 and 3; all_gather's all_to_all_single form (eager: pairwise)
-    "uneven": lambda x: cl.reduce_scatter(cl.all_gather(cl.all_to_all_4d(x, 2, 1, scatter_sizes=(5, 3)), 2,
-                                                        sizes=(5, 3)), 1, sizes=(3, 5)),
+    "uneven": lambda x: cl.reduce_scatter(
+        cl.all_gather(cl.all_to_all_4d(x, 2, 1, scatter_sizes=(5, 3)), 2, sizes=(5, 3)), 1, sizes=(3, 5)
+    ),
     "broadcast": lambda x: cl.broadcast(x, 1),
     "gather": lambda x: cl.gather(x, 0, 2),
     "scatter": lambda x: cl.scatter(x, 1, 2),
@@ -132,8 +133,10 @@ def block_eager_vs_compiled(context, backend: str, group_kind: str, steps: int =
     x, target = (torch.from_numpy(train_block.sequence_block(a, 2, s).copy()) for a in (x, target))
 
     def parameters():
-        return {name: torch.from_numpy(train_block.shard_parameter(name, value, 2, t).copy()).requires_grad_()
-                for name, value in params.items()}
+        return {
+            name: torch.from_numpy(train_block.shard_parameter(name, value, 2, t).copy()).requires_grad_()
+            for name, value in params.items()
+        }
 
     def train(loss_fn, tensors):
         history = []
@@ -154,6 +157,9 @@ def block_eager_vs_compiled(context, backend: str, group_kind: str, steps: int =
     torch._dynamo.reset()
     relative = lambda got, want: float((got - want).abs().max() / want.abs().max())  # noqa: E731
     loss_error = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(compiled, eager, strict=True))
-    grad_error = max(relative(got, want) for (_, gots), (_, wants) in zip(compiled, eager, strict=True)
-                     for got, want in zip(gots, wants, strict=True))
+    grad_error = max(
+        relative(got, want)
+        for (_, gots), (_, wants) in zip(compiled, eager, strict=True)
+        for got, want in zip(gots, wants, strict=True)
+    )
     return breaks, graphs, loss_error, grad_error

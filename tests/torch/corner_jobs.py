@@ -88,12 +88,17 @@ def moved(ctx, dtype: str):
 def reduced(ctx, dtype: str, op: str, values):
     """all_reduce(x, op) and reduce_scatter (sum) of rank r's `values[r]` in `dtype`: (all_reduce, reduce_scatter)
     outputs as numpy arrays of `dtype`, or the error text."""
-    x = torch.from_numpy(np.array(values[ctx.rank], dtype=dtype)) if "int" in dtype else \
-        torch.tensor(values[ctx.rank]).to(getattr(torch, dtype))
+    x = (
+        torch.from_numpy(np.array(values[ctx.rank], dtype=dtype))
+        if "int" in dtype
+        else torch.tensor(values[ctx.rank]).to(getattr(torch, dtype))
+    )
     numpy = (lambda t: t.numpy()) if "int" in dtype else (lambda t: t.float().numpy())
     results = []
-    for call in (lambda: commlib_torch.all_reduce(x, op),
-                 lambda: commlib_torch.reduce_scatter(x.repeat(ctx.world_size), 0, "sum")):
+    for call in (
+        lambda: commlib_torch.all_reduce(x, op),
+        lambda: commlib_torch.reduce_scatter(x.repeat(ctx.world_size), 0, "sum"),
+    ):
         result = _text(call)
         results.append(result if isinstance(result, str) else numpy(result))
     return results
@@ -107,19 +112,46 @@ def outside_the_group(ctx):
         return None
     x = torch.ones(2, 2)
     comm = DeviceCommunicator(group)
-    calls = {**_every_op(lambda op: lambda: getattr(commlib_torch, op[0])(x, *op[1], group=group)),
-             **{f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(x, *args))
-                for name, args in _METHODS.items()},
-             "comm.send": lambda: comm.send(x, 0), "comm.recv": lambda: comm.recv((2,), torch.float32, 0)}
+    calls = {
+        **_every_op(lambda op: lambda: getattr(commlib_torch, op[0])(x, *op[1], group=group)),
+        **{
+            f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(x, *args))
+            for name, args in _METHODS.items()
+        },
+        "comm.send": lambda: comm.send(x, 0),
+        "comm.recv": lambda: comm.recv((2,), torch.float32, 0),
+    }
     return {name: _text(call) for name, call in calls.items()}
 
 
-_OPS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4d": (),
-        "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "shard": (0,),
-        "reduce": (0,)}
-_METHODS = {"all_reduce": (), "all_gather": (0,), "reduce_scatter": (0,), "all_to_all": (0, 1), "all_to_all_4D": (),
-            "broadcast": (0,), "gather": (0,), "scatter": (0,), "permute": ([(0, 1)],), "sum_grad": (), "slice": (0,),
-            "reduce": (0,)}
+_OPS = {
+    "all_reduce": (),
+    "all_gather": (0,),
+    "reduce_scatter": (0,),
+    "all_to_all": (0, 1),
+    "all_to_all_4d": (),
+    "broadcast": (0,),
+    "gather": (0,),
+    "scatter": (0,),
+    "permute": ([(0, 1)],),
+    "sum_grad": (),
+    "shard": (0,),
+    "reduce": (0,),
+}
+_METHODS = {
+    "all_reduce": (),
+    "all_gather": (0,),
+    "reduce_scatter": (0,),
+    "all_to_all": (0, 1),
+    "all_to_all_4D": (),
+    "broadcast": (0,),
+    "gather": (0,),
+    "scatter": (0,),
+    "permute": ([(0, 1)],),
+    "sum_grad": (),
+    "slice": (0,),
+    "reduce": (0,),
+}
 
 
 def _every_op(make):
@@ -130,10 +162,15 @@ def not_a_tensor(ctx, kind: str):
     """Every op and DeviceCommunicator method given a numpy array or a list: the error texts."""
     value = np.ones((2, 2)) if kind == "numpy" else [[1.0, 1.0], [1.0, 1.0]]
     comm = DeviceCommunicator(dist.group.WORLD)
-    calls = {**{op: (lambda op=op, args=args: getattr(commlib_torch, op)(value, *args)) for op, args in _OPS.items()},
-             **{f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(value, *args))
-                for name, args in _METHODS.items()},
-             "comm.send": lambda: comm.send(value, 0), "comm.recv": lambda: comm.recv((2,), np.dtype("float32"), 0)}
+    calls = {
+        **{op: (lambda op=op, args=args: getattr(commlib_torch, op)(value, *args)) for op, args in _OPS.items()},
+        **{
+            f"comm.{name}": (lambda name=name, args=args: getattr(comm, name)(value, *args))
+            for name, args in _METHODS.items()
+        },
+        "comm.send": lambda: comm.send(value, 0),
+        "comm.recv": lambda: comm.recv((2,), np.dtype("float32"), 0),
+    }
     return {name: _text(call) for name, call in calls.items()}
 
 
@@ -208,7 +245,8 @@ def direct_against_wrappers(ctx, dtype: str) -> dict[str, object]:
     """{op: whether output and input gradient are the same through the process group's methods (the walks'
     eager calls, `commlib_torch._c10d`) and through torch.distributed's functions (forced), or the error}."""
     x = ((torch.arange(8.0).reshape(4, 2) + 10 * ctx.rank) * (1 + 2j if "complex" in dtype else 1)).to(
-        getattr(torch, dtype))
+        getattr(torch, dtype)
+    )
     found: dict[str, object] = {}
     direct = _c10d._direct
     for name, call in LAZY_VIEW_CALLS.items():
@@ -265,8 +303,10 @@ def dead_transform_wrapper(ctx) -> list[tuple[bool, bool, bool]]:
     plan = plans.all_reduce(dead.shape, ctx.world_size, "sum")
     expected = sum(torch.arange(3.0) + rank for rank in range(ctx.world_size))
     outs = commlib_torch.all_reduce(dead), PlanFunction.apply(dead, (plan, None, None))
-    return [(torch.equal(out, expected), out.requires_grad, torch._C._functorch.is_functorch_wrapped_tensor(out))
-            for out in outs]
+    return [
+        (torch.equal(out, expected), out.requires_grad, torch._C._functorch.is_functorch_wrapped_tensor(out))
+        for out in outs
+    ]
 
 
 def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
@@ -284,8 +324,12 @@ def strides_that_undo_the_pack(ctx) -> tuple[bool, bool, bool, bool]:
     (out * cotangent).sum().backward()
     (expected * cotangent).sum().backward()
     doubled = commlib_torch.all_to_all(x.detach(), 1, 0).mul_(2)
-    return (packed.data_ptr() == x.data_ptr(), torch.equal(out, expected), torch.equal(x.grad, dense.grad),
-            torch.equal(doubled, 2 * expected.detach()))
+    return (
+        packed.data_ptr() == x.data_ptr(),
+        torch.equal(out, expected),
+        torch.equal(x.grad, dense.grad),
+        torch.equal(doubled, 2 * expected.detach()),
+    )
 
 
 def local_gradient_doubled_in_place(ctx) -> tuple[bool, bool]:
@@ -297,7 +341,7 @@ def local_gradient_doubled_in_place(ctx) -> tuple[bool, bool]:
     out = commlib_torch.all_gather(x, 1, sizes=(1, 3), convention="replicated")
     cotangent = torch.randn(out.shape)
     (grad,) = torch.autograd.grad(out, x, cotangent * out, create_graph=True)  # d/dx <c * out, out> / 2
-    block = cotangent[:, ctx.rank: ctx.rank + rows] if ctx.rank == 0 else cotangent[:, 1:]
+    block = cotangent[:, ctx.rank : ctx.rank + rows] if ctx.rank == 0 else cotangent[:, 1:]
     grad.mul_(2)
     (second,) = torch.autograd.grad(grad.sum(), x)
     return torch.allclose(grad, 2 * block * x), torch.allclose(second, 2 * block)

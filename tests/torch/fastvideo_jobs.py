@@ -70,7 +70,7 @@ class CpuStyleCommunicator(DeviceCommunicator):
         output = torch.empty((input_.shape[0] * self.world_size, *input_.shape[1:]), dtype=input_.dtype)
         self.dist_module.all_gather_into_tensor(output, input_.contiguous(), group=self.device_group)
         output = output.reshape(self.world_size, *input_.shape).movedim(0, dim)
-        return output.reshape(*input_.shape[:dim], self.world_size * input_.shape[dim], *input_.shape[dim + 1:])
+        return output.reshape(*input_.shape[:dim], self.world_size * input_.shape[dim], *input_.shape[dim + 1 :])
 
 
 class CudaStyleCommunicator(DeviceCommunicator):

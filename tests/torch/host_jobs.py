@@ -15,9 +15,26 @@ from commlib_torch.tools.parity_jobs import run_case
 
 #: aten ops that wait for the device or give a result whose size depends on values: none may run in a
 #: walk meant to be captured in a CUDA graph (``.item()`` / ``bool(tensor)`` dispatch _local_scalar_dense).
-HOST_SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static",
-                        "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
-                        "repeat_interleave", "bincount", "histc", "_assert_async"})
+HOST_SYNCS = frozenset(
+    {
+        "_local_scalar_dense",
+        "item",
+        "is_nonzero",
+        "equal",
+        "nonzero",
+        "nonzero_static",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "repeat_interleave",
+        "bincount",
+        "histc",
+        "_assert_async",
+    }
+)
 
 
 def _cases(world_size: int) -> list[cases.Case]:

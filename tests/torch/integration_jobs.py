@@ -28,8 +28,9 @@ def attention_call(ctx, layout: commlib.SequenceLayout, attention: str, whole: l
     module.is_causal = causal
     position_ids = torch.as_tensor(layout.positions(ctx.rank))[None]
     with context(ctx, layout, attention):
-        out, weights = integration.attention_forward(module, *(x.transpose(1, 2) for x in leaves), None, scaling=0.3,
-                                                     position_ids=position_ids)
+        out, weights = integration.attention_forward(
+            module, *(x.transpose(1, 2) for x in leaves), None, scaling=0.3, position_ids=position_ids
+        )
     assert weights is None
     (out * shard[3]).sum().backward()
     return out.detach().numpy(), [leaf.grad.numpy() for leaf in leaves]
@@ -103,8 +104,14 @@ def llama(ctx, seq_len: int, padding: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     integration.register()
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     torch.manual_seed(0)
     reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
     sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
@@ -139,14 +146,23 @@ def llama_masked(ctx, seq_len: int, attention: str, what: str) -> float:
     from tests.sequence_cases import documents
 
     integration.register()
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     torch.manual_seed(0)
     reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
     sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
     sharded.load_state_dict(reference.state_dict())
-    layout = commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag") if attention == "ring" else \
-        commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    layout = (
+        commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag")
+        if attention == "ring"
+        else commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    )
     ids = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
     mine = torch.as_tensor(layout.positions(ctx.rank))
     if what == "packed":  # documents of random lengths crossing shards, no padding
@@ -159,13 +175,17 @@ def llama_masked(ctx, seq_len: int, attention: str, what: str) -> float:
             got = sharded(input_ids=ids[:, mine], position_ids=positions[:, mine], use_cache=False).logits
     else:
         mask = torch.ones(2, seq_len, dtype=torch.long)
-        mask[0, seq_len - 3:], mask[1, :2] = 0, 0
+        mask[0, seq_len - 3 :], mask[1, :2] = 0, 0
         kept = mask.bool()
         global_positions = torch.arange(seq_len)[None].expand(2, -1)
         want = reference(input_ids=ids, attention_mask=mask, position_ids=global_positions, use_cache=False).logits
         with parallel(layout, attention=attention):
-            got = sharded(input_ids=ids[:, mine], attention_mask=mask[:, mine], position_ids=global_positions[:, mine],
-                          use_cache=False).logits
+            got = sharded(
+                input_ids=ids[:, mine],
+                attention_mask=mask[:, mine],
+                position_ids=global_positions[:, mine],
+                use_cache=False,
+            ).logits
     rows = kept[:, mine]
     return float((got - want[:, mine])[rows].abs().max() / want[:, mine][rows].abs().max())
 
@@ -177,8 +197,11 @@ def not_a_packing(ctx) -> list[str]:
     layout = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
     q, k = torch.ones(1, 4, 4, 8, dtype=torch.float64), torch.ones(1, 2, 4, 8, dtype=torch.float64)
     start = 4 * ctx.rank
-    calls = [torch.tensor([[0, 1, 3, 4]]), torch.tensor([[start + 1] * 4]) + torch.arange(4),
-             torch.arange(4)[None] if ctx.rank else torch.tensor([[0, 1, 2, -1]])]
+    calls = [
+        torch.tensor([[0, 1, 3, 4]]),
+        torch.tensor([[start + 1] * 4]) + torch.arange(4),
+        torch.arange(4)[None] if ctx.rank else torch.tensor([[0, 1, 2, -1]]),
+    ]
     texts = []
     for positions in calls:
         with parallel(layout, packed=True):
@@ -211,8 +234,14 @@ def llama_default_positions(ctx) -> str:
     from commlib_torch import checked
 
     integration.register()
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     model = LlamaForCausalLM._from_config(config, attn_implementation="commlib", dtype=torch.float64)
     layout = commlib.SequenceLayout(9, ulysses_size=ctx.world_size)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -232,9 +261,12 @@ def helpers_in_context(ctx) -> dict:
     with parallel(contiguous, attention="ring"):
         defaults = [t.tolist() for t in (*sequence.shard_tokens(ids), sequence.position_ids())]
         explicit = [t.tolist() for t in (*sequence.shard_tokens(ids, contiguous), sequence.position_ids(contiguous))]
-        errors = [_error(lambda: sequence.shard_tokens(ids, zigzag)), _error(lambda: sequence.position_ids(zigzag)),
-                  _error(lambda: sequence.shard_sequence(x, zigzag)),
-                  _error(lambda: sequence.gather_sequence(x[:, :zigzag.sizes[ctx.rank]], zigzag))]
+        errors = [
+            _error(lambda: sequence.shard_tokens(ids, zigzag)),
+            _error(lambda: sequence.position_ids(zigzag)),
+            _error(lambda: sequence.shard_sequence(x, zigzag)),
+            _error(lambda: sequence.gather_sequence(x[:, : zigzag.sizes[ctx.rank]], zigzag)),
+        ]
     outside = _error(lambda: sequence.position_ids())
     return {"defaults": defaults, "explicit": explicit, "errors": errors, "outside": outside}
 
@@ -249,13 +281,22 @@ def llama_all_ones(ctx, attention: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     integration.register()
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     torch.manual_seed(0)
     plain = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
     masked = copy.deepcopy(plain)
-    layout = commlib.SequenceLayout(12, ring_size=ctx.world_size, layout="zigzag") if attention == "ring" else \
-        commlib.SequenceLayout(12, ulysses_size=ctx.world_size)
+    layout = (
+        commlib.SequenceLayout(12, ring_size=ctx.world_size, layout="zigzag")
+        if attention == "ring"
+        else commlib.SequenceLayout(12, ulysses_size=ctx.world_size)
+    )
     positions = torch.as_tensor(layout.positions(ctx.rank))[None].expand(2, -1)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))[:, positions[0]]
     reduce, reduces = torch.distributed.all_reduce, []
@@ -278,6 +319,7 @@ def llama_all_ones(ctx, attention: str) -> dict:
             reduces.clear()
         found["masked" if mask is not None else "plain"] = logits.detach()
     found["logits"] = float((found.pop("masked") - found.pop("plain")).abs().max())
-    found["gradients"] = max(float((p.grad - q.grad).abs().max()) for p, q in zip(plain.parameters(),
-                                                                                  masked.parameters(), strict=True))
+    found["gradients"] = max(
+        float((p.grad - q.grad).abs().max()) for p, q in zip(plain.parameters(), masked.parameters(), strict=True)
+    )
     return found

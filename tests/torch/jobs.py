@@ -97,9 +97,15 @@ def communicator_attributes(ctx: WorkerContext, members, unique_name: str):
     if comm is None:
         return None
     return dict(
-        rank=comm.rank, world_size=comm.world_size, ranks=list(comm.ranks), global_rank=comm.global_rank,
-        global_world_size=comm.global_world_size, rank_in_group=comm.rank_in_group, device=str(comm.device),
-        device_group_is_cpu_group=comm.device_group is comm.cpu_group, unique_name=comm.unique_name,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        ranks=list(comm.ranks),
+        global_rank=comm.global_rank,
+        global_world_size=comm.global_world_size,
+        rank_in_group=comm.rank_in_group,
+        device=str(comm.device),
+        device_group_is_cpu_group=comm.device_group is comm.cpu_group,
+        unique_name=comm.unique_name,
         destroyed=comm.destroy(),
     )
 

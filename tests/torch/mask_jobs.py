@@ -39,8 +39,17 @@ def _call(op: str, layout: SequenceLayout, name, q, k, v, **kwargs) -> torch.Ten
     return ring_attention(q, k, v, layout=name, **kwargs)
 
 
-def masked_call(ctx, op: str, layout: SequenceLayout, name, whole: list, ids, causal: bool,
-                dtype: str = "float64", segments: bool = True):
+def masked_call(
+    ctx,
+    op: str,
+    layout: SequenceLayout,
+    name,
+    whole: list,
+    ids,
+    causal: bool,
+    dtype: str = "float64",
+    segments: bool = True,
+):
     """This rank's output, dq, dk, dv (float64 numpy) of `op` with segment ids on its exact shard, and the pieces
     the ring attended (forward and backward)."""
     shard = [masks.shards(x, layout)[ctx.rank] for x in whole]

@@ -63,8 +63,12 @@ def _error(call) -> str:
 def rejected(ctx: WorkerContext, op: str, group_spec: str) -> str:
     """The error `op` raises on this rank for a bad ``group=``: "2-D" (the whole mesh, no dim), "unknown" (a dim
     name the mesh lacks), "index" (an index out of range) or "list" (a list of ranks: not a group kind)."""
-    group = {"2-D": lambda: mesh(), "unknown": lambda: (mesh(), "dp"), "index": lambda: (mesh(), 2),
-             "list": lambda: [0, 1]}[group_spec]()
+    group = {
+        "2-D": lambda: mesh(),
+        "unknown": lambda: (mesh(), "dp"),
+        "index": lambda: (mesh(), 2),
+        "list": lambda: [0, 1],
+    }[group_spec]()
     x = torch.ones(2, 4)
     if op == "DeviceCommunicator":
         return _error(lambda: commlib_torch.DeviceCommunicator(group))
@@ -94,5 +98,8 @@ def attention_on_mesh(ctx: WorkerContext, form: str):
         out.pow(2).sum().backward()
         results.append((out.detach(), q.grad))
     (out, grad), (out_pg, grad_pg) = results
-    return float((out - out_pg).abs().max()), float((grad - grad_pg).abs().max()), dist.get_world_size(
-        mesh().get_group("sp"))
+    return (
+        float((out - out_pg).abs().max()),
+        float((grad - grad_pg).abs().max()),
+        dist.get_world_size(mesh().get_group("sp")),
+    )

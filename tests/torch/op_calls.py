@@ -11,8 +11,10 @@ import commlib_torch
 
 def every_op(W: int, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """{name: a call of no arguments} for `x` of shape [2W, 3] on a group of W ranks."""
-    ops = {f"all_reduce_{op}": (lambda op=op: commlib_torch.all_reduce(x, op))
-           for op in ("sum", "avg", "max", "min", "product")}
+    ops = {
+        f"all_reduce_{op}": (lambda op=op: commlib_torch.all_reduce(x, op))
+        for op in ("sum", "avg", "max", "min", "product")
+    }
     return ops | {
         "all_reduce_replicated": lambda: commlib_torch.all_reduce(x, convention="replicated"),
         "all_gather": lambda: commlib_torch.all_gather(x, 0),

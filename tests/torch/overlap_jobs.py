@@ -32,8 +32,9 @@ def _once(op: str, layout: SequenceLayout, name, shard: list, ids, causal: bool,
     return [out.detach(), *(leaf.grad for leaf in leaves)]
 
 
-def overlapped_and_sequential(ctx, op: str, layout: SequenceLayout, name, whole: list, ids, causal: bool,
-                              dtype: str) -> tuple[list, list, int]:
+def overlapped_and_sequential(
+    ctx, op: str, layout: SequenceLayout, name, whole: list, ids, causal: bool, dtype: str
+) -> tuple[list, list, int]:
     """This rank's ``[out, dq, dk, dv]`` overlapped and sequential (float64 numpy of the tensors, bit for bit),
     and how many ring steps the overlapped call began asynchronously (``batch_isend_irecv`` calls)."""
     shard = [masks.shards(x, layout)[ctx.rank] for x in whole]

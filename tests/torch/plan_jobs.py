@@ -20,11 +20,26 @@ import commlib_torch
 _DISTRIBUTED = (os.path.join("torch", "distributed", ""), os.path.join("commlib_torch", "_c10d.py"))
 
 #: aten ops that read a tensor into new memory (one local pass each).
-COPIES = frozenset({"copy_", "clone", "_to_copy", "cat", "stack", "contiguous", "index_select", "gather",
-                    "permute_copy", "transpose_copy", "narrow_copy", "_unsafe_view_copy"})
+COPIES = frozenset(
+    {
+        "copy_",
+        "clone",
+        "_to_copy",
+        "cat",
+        "stack",
+        "contiguous",
+        "index_select",
+        "gather",
+        "permute_copy",
+        "transpose_copy",
+        "narrow_copy",
+        "_unsafe_view_copy",
+    }
+)
 #: aten ops that allocate without reading (the buffers of a pass or of a collective).
-ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
-                         "zeros_like", "new_zeros"})
+ALLOCATIONS = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros"}
+)
 
 
 @dataclasses.dataclass
@@ -47,9 +62,30 @@ class Trace:
         return sum(name in ALLOCATIONS or name in COPIES - {"copy_"} for name in getattr(self, part))
 
 
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "split", "chunk",
-                    "unbind", "select", "slice", "narrow", "squeeze", "unsqueeze", "alias", "detach", "as_strided",
-                    "_reshape_alias", "lift_fresh"})
+_VIEWS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "permute",
+        "transpose",
+        "t",
+        "expand",
+        "split",
+        "chunk",
+        "unbind",
+        "select",
+        "slice",
+        "narrow",
+        "squeeze",
+        "unsqueeze",
+        "alias",
+        "detach",
+        "as_strided",
+        "_reshape_alias",
+        "lift_fresh",
+    }
+)
 
 
 def _inside_torch_distributed() -> bool:
@@ -103,17 +139,25 @@ def record(ctx, op: str, shape: tuple[int, ...], kwargs: dict, *, grad: bool = T
     torch.manual_seed(ctx.rank)
     x = torch.randn(shape, requires_grad=grad)
     forward, backward, saved = Trace(), Trace(), []
-    with _Recorder(forward) as forward_recorder, torch.autograd.graph.saved_tensors_hooks(  # noqa: F841
-            lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+    with (
+        _Recorder(forward) as forward_recorder,  # noqa: F841
+        torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor),
+    ):
         out = getattr(commlib_torch, op)(x, **kwargs)
-    result = {"forward": forward, "out_is_input": _storage(out) == _storage(x),
-              "autograd_state": (out.grad_fn is not None, out.requires_grad, len(saved)),
-              "out_in_collective": _storage(out) in forward.collective_storages,
-              "input_in_collective": _storage(x) in forward.collective_storages}
+    result = {
+        "forward": forward,
+        "out_is_input": _storage(out) == _storage(x),
+        "autograd_state": (out.grad_fn is not None, out.requires_grad, len(saved)),
+        "out_in_collective": _storage(out) in forward.collective_storages,
+        "input_in_collective": _storage(x) in forward.collective_storages,
+    }
     if grad:
         cotangent = torch.randn(out.shape)
         with _Recorder(backward) as backward_recorder:  # noqa: F841
             (gradient,) = torch.autograd.grad(out, x, cotangent)
-        result.update(backward=backward, grad_in_collective=_storage(gradient) in backward.collective_storages,
-                      cotangent_in_collective=_storage(cotangent) in backward.collective_storages)
+        result.update(
+            backward=backward,
+            grad_in_collective=_storage(gradient) in backward.collective_storages,
+            cotangent_in_collective=_storage(cotangent) in backward.collective_storages,
+        )
     return result

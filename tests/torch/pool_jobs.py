@@ -71,4 +71,3 @@ def process_id(ctx):
 
 def return_unpicklable(ctx):
     return lambda: ctx.rank
-

@@ -18,8 +18,11 @@ def _leaves(ctx, case: cases.Case, arrays, transposed: bool = False) -> list[tor
     leaves = []
     for name in case.inputs:
         array = arrays[name][ctx.rank]
-        leaf = torch.tensor(np.swapaxes(array, 1, 2), dtype=dtype).transpose(1, 2) if transposed else \
-            torch.tensor(array, dtype=dtype)
+        leaf = (
+            torch.tensor(np.swapaxes(array, 1, 2), dtype=dtype).transpose(1, 2)
+            if transposed
+            else torch.tensor(array, dtype=dtype)
+        )
         leaves.append(leaf.requires_grad_())
     return leaves
 
@@ -99,14 +102,16 @@ def usp_on_mesh(ctx, case: cases.Case, arrays):
 
     ring_size, ulysses_size, _ = cases.context_layout(case)
     if (ring_size, ulysses_size) not in _MESHES:
-        _MESHES[ring_size, ulysses_size] = init_device_mesh("cpu", (ring_size, ulysses_size),
-                                                            mesh_dim_names=("ring", "ulysses"))
+        _MESHES[ring_size, ulysses_size] = init_device_mesh(
+            "cpu", (ring_size, ulysses_size), mesh_dim_names=("ring", "ulysses")
+        )
     mesh = _MESHES[ring_size, ulysses_size]
     q, k, v = _leaves(ctx, case, arrays)
     out = usp_attention(q, k, v, (mesh, "ulysses"), (mesh, "ring"), **cases.context_kwargs(case))
     (out * torch.tensor(arrays["cotangent"][ctx.rank], dtype=out.dtype)).sum().backward()
-    return out.detach().double().numpy(), {name: x.grad.double().numpy() for name, x in zip("qkv", (q, k, v),
-                                                                                              strict=True)}
+    return out.detach().double().numpy(), {
+        name: x.grad.double().numpy() for name, x in zip("qkv", (q, k, v), strict=True)
+    }
 
 
 def second_order(ctx, case: cases.Case, arrays, how: str) -> str:
@@ -172,7 +177,7 @@ def _segmented_inputs(ctx, seq: int = 8) -> tuple[list[torch.Tensor], torch.Tens
     shapes = [(2, seq, 4, 8), (2, seq, 2, 8), (2, seq, 2, 8), (2, seq, 4, 8)]
     *inputs, cotangent = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
     whole = torch.tensor([[0] * 3 + [1] * (seq * ctx.world_size - 4) + [-1], [2] * (seq * ctx.world_size)])
-    return inputs, cotangent, whole[:, ctx.rank * seq:(ctx.rank + 1) * seq]
+    return inputs, cotangent, whole[:, ctx.rank * seq : (ctx.rank + 1) * seq]
 
 
 def _segmented_call(op: str, world_size: int):
@@ -219,6 +224,7 @@ def host_reads(ctx, op: str) -> tuple[int, int]:
         def read(self, *args, **kwargs):
             count[0] += 1
             return saved[name](self, *args, **kwargs)
+
         return read
 
     for name in saved:

@@ -24,7 +24,8 @@ def _tokens(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
     got = sequence.shard_tokens(torch.from_numpy(case["ids"]), layout, ignore_index=IGNORE)
     expected = spec.shard_tokens_reference(case["ids"], layout, IGNORE)[rank]
     return [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
-        _error(sequence.position_ids(layout), layout.positions(rank))]
+        _error(sequence.position_ids(layout), layout.positions(rank))
+    ]
 
 
 def packed_tokens(ctx, seed: int = 0) -> dict[str, list[float]]:
@@ -33,12 +34,14 @@ def packed_tokens(ctx, seed: int = 0) -> dict[str, list[float]]:
     results = {}
     for layout in layouts(ctx.world_size):
         ids, segments = data(layout, seed)["ids"], documents(layout, seed).astype(np.int32)
-        got = sequence.shard_tokens(torch.from_numpy(ids), layout, ignore_index=IGNORE,
-                                    segment_ids=torch.from_numpy(segments))
+        got = sequence.shard_tokens(
+            torch.from_numpy(ids), layout, ignore_index=IGNORE, segment_ids=torch.from_numpy(segments)
+        )
         expected = spec.shard_tokens_reference(ids, layout, IGNORE, segment_ids=segments)[ctx.rank]
         dtypes = [str(part.dtype) for part in got]
         results[repr(layout)] = [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
-            float(dtypes != ["torch.int64", "torch.int64", "torch.int64", "torch.int32"])]
+            float(dtypes != ["torch.int64", "torch.int64", "torch.int64", "torch.int32"])
+        ]
     return results
 
 
@@ -107,9 +110,13 @@ def model(ctx, seed: int = 0) -> dict[str, float]:
         ids = data(layout, seed)["ids"]
         initial = model_parameters(layout.seq_len)
         full = {name: torch.from_numpy(value).requires_grad_() for name, value in initial.items()}
-        logits, labels = _model_loss(full, torch.from_numpy(ids), torch.arange(layout.seq_len),
-                                     torch.from_numpy(spec.next_token_labels(ids, IGNORE)),
-                                     lambda h: torch.cumsum(h, 1))
+        logits, labels = _model_loss(
+            full,
+            torch.from_numpy(ids),
+            torch.arange(layout.seq_len),
+            torch.from_numpy(spec.next_token_labels(ids, IGNORE)),
+            lambda h: torch.cumsum(h, 1),
+        )
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         expected.backward()
 
@@ -125,16 +132,21 @@ def model(ctx, seed: int = 0) -> dict[str, float]:
         loss.backward()
         sequence.sync_gradients(params.values())
         errors = [abs(loss.item() - expected.item()) / abs(expected.item())]
-        errors += [float((params[name].grad - full[name].grad).abs().max() / full[name].grad.abs().max())
-                   for name in params]
+        errors += [
+            float((params[name].grad - full[name].grad).abs().max() / full[name].grad.abs().max()) for name in params
+        ]
         results[repr(layout)] = max(errors)
     return results
 
 
 def sync_average(ctx) -> list[float]:
     """sync_gradients over two dtypes, op="avg", a parameter without a gradient: rank r's gradients are r + 1."""
-    weights = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.float32, requires_grad=True),
-               torch.zeros(4, dtype=torch.float64, requires_grad=True), torch.zeros(1, requires_grad=True)]
+    weights = [
+        torch.zeros(3, requires_grad=True),
+        torch.zeros(2, 2, dtype=torch.float32, requires_grad=True),
+        torch.zeros(4, dtype=torch.float64, requires_grad=True),
+        torch.zeros(1, requires_grad=True),
+    ]
     for weight in weights[:3]:
         weight.grad = torch.full_like(weight, ctx.rank + 1.0)
     sequence.sync_gradients(weights, op="avg")
@@ -145,9 +157,11 @@ def sync_average(ctx) -> list[float]:
 def wrong_layout(ctx) -> list[str]:
     """A layout whose world size is not the group's, and a sequence of the wrong length: the spec's texts."""
     messages = []
-    calls = [lambda: sequence.shard_tokens(torch.zeros(2, 8, dtype=torch.int64), SequenceLayout(8, ctx.world_size + 1)),
-             lambda: sequence.shard_sequence(torch.zeros(2, 7, 3), SequenceLayout(8, ctx.world_size)),
-             lambda: sequence.cross_entropy(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.int64))]
+    calls = [
+        lambda: sequence.shard_tokens(torch.zeros(2, 8, dtype=torch.int64), SequenceLayout(8, ctx.world_size + 1)),
+        lambda: sequence.shard_sequence(torch.zeros(2, 7, 3), SequenceLayout(8, ctx.world_size)),
+        lambda: sequence.cross_entropy(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.int64)),
+    ]
     for call in calls:
         try:
             call()

@@ -21,8 +21,11 @@ WORLD_SIZES = (1, 2, 3, 4)
 def _rows(world_size: int) -> list:
     """The case table's rows of the async ops, and each valid float32 row again in float64."""
     rows = [case for case in cases.case_table(world_size) if case.op in jobs.ASYNC_OPS]
-    wide = [dataclasses.replace(case, dtype="float64") for case in rows
-            if case.dtype == "float32" and cases.error_text(case) is None]
+    wide = [
+        dataclasses.replace(case, dtype="float64")
+        for case in rows
+        if case.dtype == "float32" and cases.error_text(case) is None
+    ]
     assert len(wide) >= 20, len(wide)
     return rows + wide
 
@@ -45,8 +48,10 @@ def test_async_equals_sync_on_the_case_table(pool, world_size):
             failed.append(f"{case.name}: {row.out_error} {row.grad_error} {row.detail}")
             continue
         begun = [reply[2] for reply in replies]
-        rejected, linear = cases.error_text(case) is not None, "op" not in case.params or case.params["op"] in (
-            "sum", "avg")
+        rejected, linear = (
+            cases.error_text(case) is not None,
+            "op" not in case.params or case.params["op"] in ("sum", "avg"),
+        )
         if rejected or world_size == 1 or not linear:  # nothing begun: refused, W = 1, or run synchronously
             assert all(calls == [] for calls in begun), (case.name, begun)
         else:  # the forward's collective, and (differentiable) the backward's dual, begun asynchronously
@@ -128,20 +133,23 @@ def test_misuse_is_refused_or_right(pool, world_size):
     and waited outside: the synchronous values; x modified in place before wait(): a CommError on that rank."""
     for rank, facts in enumerate(pool(world_size).run(jobs.misuse)):
         for value, kind in (("'yes'", "str"), ("None", "NoneType"), ("1", "int")):
-            assert facts[f"async_op={value}"] == (f"reduce_scatter: async_op must be a bool, not {kind}. "
-                                                   f"Received: type='{kind}'"), facts
+            assert facts[f"async_op={value}"] == (
+                f"reduce_scatter: async_op must be a bool, not {kind}. Received: type='{kind}'"
+            ), facts
         assert facts["begun"] == 0
         assert all(facts[f"inference_mode {op}"] for op in ("reduce_scatter", "all_gather", "all_to_all")), facts
         for op in ("all_gather", "all_reduce"):
             if rank == 0 and world_size > 1:
-                assert facts[f"modified {op}"].startswith(f"{op}: x was modified in place between the call with "
-                                                          "async_op=True and wait()"), facts
+                assert facts[f"modified {op}"].startswith(
+                    f"{op}: x was modified in place between the call with async_op=True and wait()"
+                ), facts
                 assert facts[f"modified {op}"].endswith("Received: version_at_call=0, version_at_wait=1"), facts
             else:
                 assert facts[f"modified {op}"] == "no error", facts
         if world_size > 1:  # (W = 1: no communication, the result is made at the call, with its gradient)
-            assert facts["no_grad wait"].startswith("all_gather: wait() ran with gradients disabled for an x that "
-                                                    "requires grad"), facts
+            assert facts["no_grad wait"].startswith(
+                "all_gather: wait() ran with gradients disabled for an x that requires grad"
+            ), facts
             assert facts["no_grad wait"].endswith("Received: requires_grad=True, grad_enabled=False"), facts
         else:
             assert facts["no_grad wait"] == "no error", facts

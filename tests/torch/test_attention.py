@@ -105,16 +105,28 @@ Q, KV = (1, 3, 6, 4), (1, 3, 2, 4)
 ROWS = (3, 3, 2, 2)  # what each rank holds in the last row, against seq_sizes (2, 2, 3, 3)
 
 
-@pytest.mark.parametrize(("shapes", "kwargs", "message"), [
-    (dict(q=Q, k=(1, 3, 4, 4), v=(1, 3, 4, 4)), {}, "CommError: ulysses_attention: heads (6) must be divisible by "
-     "kv heads (4). Received: q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None"),
-    (dict(q=Q, k=KV, v=KV), dict(seq_sizes=(3, 3, 3)), "CommError: ulysses_attention: len(seq_sizes) (3) must equal "
-     "world_size (4)"),
-    (dict(q=Q, k=KV, v=KV), dict(causal="yes"), "TypeError: ulysses_attention: causal must be a bool, not str"),
-    ({name: [(1, rows, heads, 4) for rows in ROWS] for name, heads in (("q", 6), ("k", 2), ("v", 2))},
-     dict(seq_sizes=(2, 2, 3, 3)), "CommError: ulysses_attention: seq ({rows}) must equal seq_sizes[{rank}] "
-     "({size}) on rank {rank}"),
-])
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "message"),
+    [
+        (
+            dict(q=Q, k=(1, 3, 4, 4), v=(1, 3, 4, 4)),
+            {},
+            "CommError: ulysses_attention: heads (6) must be divisible by "
+            "kv heads (4). Received: q_shape=(1, 3, 6, 4), k_shape=(1, 3, 4, 4), v_shape=(1, 3, 4, 4), seq_sizes=None",
+        ),
+        (
+            dict(q=Q, k=KV, v=KV),
+            dict(seq_sizes=(3, 3, 3)),
+            "CommError: ulysses_attention: len(seq_sizes) (3) must equal world_size (4)",
+        ),
+        (dict(q=Q, k=KV, v=KV), dict(causal="yes"), "TypeError: ulysses_attention: causal must be a bool, not str"),
+        (
+            {name: [(1, rows, heads, 4) for rows in ROWS] for name, heads in (("q", 6), ("k", 2), ("v", 2))},
+            dict(seq_sizes=(2, 2, 3, 3)),
+            "CommError: ulysses_attention: seq ({rows}) must equal seq_sizes[{rank}] ({size}) on rank {rank}",
+        ),
+    ],
+)
 def test_bad_input(pool, shapes, kwargs, message):
     """Every rank raises the spec's text before any collective."""
     replies = pool(4).run(jobs.rejected, shapes, kwargs)
@@ -124,11 +136,12 @@ def test_bad_input(pool, shapes, kwargs, message):
         assert calls == []
 
 
-
 @pytest.mark.parametrize("dtype", ["int32", "bool"])
 def test_integer_inputs_are_refused(pool, dtype):
     """The softmax of integer scores truncates: refused by the spec before the all-to-all."""
     for text, calls in pool(4).run(jobs.rejected, dict(q=Q, k=KV, v=KV), {}, dtype):
-        assert text.startswith(f"CommError: ulysses_attention: q, k, v dtype ({dtype}) must be floating (bfloat16, "
-                               "float16, float32, float64). Received: ")
+        assert text.startswith(
+            f"CommError: ulysses_attention: q, k, v dtype ({dtype}) must be floating (bfloat16, "
+            "float16, float32, float64). Received: "
+        )
         assert calls == []

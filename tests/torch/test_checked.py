@@ -36,9 +36,11 @@ def test_shape_disagreement_names_the_op_the_ranks_and_the_shapes(pool):
     calls = [_call("all_to_all_4d", (2, 8, 8, 4))] * 4
     calls[2] = _call("all_to_all_4d", (2, 8, 12, 4))
     messages = _errors(pool(4).run(failure_jobs.call_checked, calls))
-    assert messages[0] == ("all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has "
-                           "(2, 8, 12, 4). Received: rank=0, phase='forward', shape=(2, 8, 8, 4), dtype='float32', "
-                           "dims=(2, 1)")
+    assert messages[0] == (
+        "all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has "
+        "(2, 8, 12, 4). Received: rank=0, phase='forward', shape=(2, 8, 8, 4), dtype='float32', "
+        "dims=(2, 1)"
+    )
     assert messages[2].endswith("Received: rank=2, phase='forward', shape=(2, 8, 12, 4), dtype='float32', dims=(2, 1)")
     _same_body(messages)
 
@@ -46,35 +48,73 @@ def test_shape_disagreement_names_the_op_the_ranks_and_the_shapes(pool):
 @pytest.mark.parametrize(
     ("calls", "expected"),
     [
-        ([_call("all_reduce", (3,)), _call("all_reduce", (4,))],
-         "ranks disagree on shape: rank 0 has (3,), rank 1 has (4,)"),
-        ([_call("all_gather", (2, 3), dim=0), _call("all_gather", (2, 3), "float64", dim=0)],
-         "ranks disagree on dtype: rank 0 has float32, rank 1 has float64"),
-        ([_call("all_reduce", (2, 2)), _call("all_gather", (2, 2))],
-         "ranks disagree on the collective: rank 0 runs all_reduce, rank 1 runs all_gather"),
-        ([_call("all_reduce", (3,), op="sum"), _call("all_reduce", (3,), op="max")],
-         "ranks disagree on reduce op: rank 0 has sum, rank 1 has max"),
-        ([_call("all_reduce", (3,)), _call("all_reduce", (3,), convention="replicated")],
-         "ranks disagree on convention: rank 0 has sum, rank 1 has replicated"),
-        ([_call("broadcast", (3,), src=0), _call("broadcast", (3,), src=1)],
-         "ranks disagree on src: rank 0 has 0, rank 1 has 1"),
-        ([_call("gather", (3,), dst=1), _call("gather", (3,), dst=0)],
-         "ranks disagree on dst: rank 0 has 1, rank 1 has 0"),
-        ([_call("permute", (3,), perm=[[0, 1], [1, 0]]), _call("permute", (3,), perm=[[0, 1]])],
-         "ranks disagree on perm: rank 0 has ((0, 1), (1, 0)), rank 1 has ((0, 1),)"),
-        ([_call("all_gather", (2, 2), dim=0), _call("all_gather", (2, 2), dim=-1)],
-         "ranks disagree on dims: rank 0 has (0,), rank 1 has (1,)"),
-        ([_call("all_to_all", (2, 2), scatter_dim=0, gather_dim=1), _call("all_to_all", (2, 2), scatter_dim=1,
-                                                                          gather_dim=0)],
-         "ranks disagree on dims: rank 0 has (0, 1), rank 1 has (1, 0)"),
-        ([_call("all_reduce", (3,), "bfloat16", accum_dtype="float32"), _call("all_reduce", (3,), "bfloat16")],
-         "ranks disagree on accum_dtype: rank 0 has float32, rank 1 has None"),
-        ([_call("reduce_scatter", (4, 3)), _call("reduce_scatter", (4, 5), "float16")],
-         "ranks disagree on shape: rank 0 has (4, 3), rank 1 has (4, 5); on dtype: rank 0 has float32, rank 1 has "
-         "float16"),
+        (
+            [_call("all_reduce", (3,)), _call("all_reduce", (4,))],
+            "ranks disagree on shape: rank 0 has (3,), rank 1 has (4,)",
+        ),
+        (
+            [_call("all_gather", (2, 3), dim=0), _call("all_gather", (2, 3), "float64", dim=0)],
+            "ranks disagree on dtype: rank 0 has float32, rank 1 has float64",
+        ),
+        (
+            [_call("all_reduce", (2, 2)), _call("all_gather", (2, 2))],
+            "ranks disagree on the collective: rank 0 runs all_reduce, rank 1 runs all_gather",
+        ),
+        (
+            [_call("all_reduce", (3,), op="sum"), _call("all_reduce", (3,), op="max")],
+            "ranks disagree on reduce op: rank 0 has sum, rank 1 has max",
+        ),
+        (
+            [_call("all_reduce", (3,)), _call("all_reduce", (3,), convention="replicated")],
+            "ranks disagree on convention: rank 0 has sum, rank 1 has replicated",
+        ),
+        (
+            [_call("broadcast", (3,), src=0), _call("broadcast", (3,), src=1)],
+            "ranks disagree on src: rank 0 has 0, rank 1 has 1",
+        ),
+        (
+            [_call("gather", (3,), dst=1), _call("gather", (3,), dst=0)],
+            "ranks disagree on dst: rank 0 has 1, rank 1 has 0",
+        ),
+        (
+            [_call("permute", (3,), perm=[[0, 1], [1, 0]]), _call("permute", (3,), perm=[[0, 1]])],
+            "ranks disagree on perm: rank 0 has ((0, 1), (1, 0)), rank 1 has ((0, 1),)",
+        ),
+        (
+            [_call("all_gather", (2, 2), dim=0), _call("all_gather", (2, 2), dim=-1)],
+            "ranks disagree on dims: rank 0 has (0,), rank 1 has (1,)",
+        ),
+        (
+            [
+                _call("all_to_all", (2, 2), scatter_dim=0, gather_dim=1),
+                _call("all_to_all", (2, 2), scatter_dim=1, gather_dim=0),
+            ],
+            "ranks disagree on dims: rank 0 has (0, 1), rank 1 has (1, 0)",
+        ),
+        (
+            [_call("all_reduce", (3,), "bfloat16", accum_dtype="float32"), _call("all_reduce", (3,), "bfloat16")],
+            "ranks disagree on accum_dtype: rank 0 has float32, rank 1 has None",
+        ),
+        (
+            [_call("reduce_scatter", (4, 3)), _call("reduce_scatter", (4, 5), "float16")],
+            "ranks disagree on shape: rank 0 has (4, 3), rank 1 has (4, 5); on dtype: rank 0 has float32, rank 1 has "
+            "float16",
+        ),
     ],
-    ids=["shape", "dtype", "op", "reduce_op", "convention", "src", "dst", "perm", "dim", "dims", "accum_dtype",
-         "shape+dtype"],
+    ids=[
+        "shape",
+        "dtype",
+        "op",
+        "reduce_op",
+        "convention",
+        "src",
+        "dst",
+        "perm",
+        "dim",
+        "dims",
+        "accum_dtype",
+        "shape+dtype",
+    ],
 )
 def test_every_rank_raises_the_same_error_before_the_collective(pool, calls, expected):
     messages = _errors(pool(2).run(failure_jobs.call_checked, calls, backward=True))
@@ -112,9 +152,17 @@ def test_each_switch_turns_checking_on(pool, enable):
 def test_switches_restore_the_previous_state(pool):
     (states, _) = pool(2).run(failure_jobs.checked_state)
     default = states["default"]  # False unless the test run itself sets COMMLIB_CHECK
-    assert states == {"default": default, "context": True, "after context": default, "set_checked": True,
-                      "after set_checked": default, "env": True, "after env": default,
-                      "checked(False) inside checked()": False, "restored": True}
+    assert states == {
+        "default": default,
+        "context": True,
+        "after context": default,
+        "set_checked": True,
+        "after set_checked": default,
+        "env": True,
+        "after env": default,
+        "checked(False) inside checked()": False,
+        "restored": True,
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -187,8 +235,10 @@ def test_double_backward_collectives_are_checked(pool):
     assert _same_body(messages) == "ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have (4,)"
     for rank, message in enumerate(messages):
         shape = (3,) if rank == 0 else (4,)
-        assert message.startswith(f"all_reduce backward: ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have "
-                                  f"(4,). Received: rank={rank}, phase='backward', shape={shape}")
+        assert message.startswith(
+            f"all_reduce backward: ranks disagree on shape: rank 0 has (3,), ranks 1, 2 have "
+            f"(4,). Received: rank={rank}, phase='backward', shape={shape}"
+        )
 
 
 # --- The attention layers: the options the user passed -------------------------------------------------------
@@ -218,45 +268,85 @@ def _with(calls, rank, rows=None, **options):
 @pytest.mark.parametrize(
     ("calls", "expected"),
     [
-        (_with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 10)), 3, seq_sizes=None),
-         "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 10), rank 3 has None"),
-        (_with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 9)), 3, 9, seq_sizes=None),  # rows follow: not named
-         "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 9), rank 3 has None"),
+        (
+            _with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 10)), 3, seq_sizes=None),
+            "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 10), rank 3 has None",
+        ),
+        (
+            _with(_ranks(4, ULYSSES, 10, seq_sizes=(10, 10, 10, 9)), 3, 9, seq_sizes=None),  # rows follow: not named
+            "seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 9), rank 3 has None",
+        ),
         (_with(_ranks(2, ULYSSES, 4), 1, 5), "rows: rank 0 has 4, rank 1 has 5"),
         (_with(_ranks(2, ULYSSES), 1, causal=True), "causal: rank 0 has False, rank 1 has True"),
         (_with(_ranks(3, ULYSSES, scale=0.5), 2, scale=None), "scale: ranks 0, 1 have 0.5, rank 2 has None"),
-        (_with(_ranks(2, ULYSSES, layout=(8, 1, 2)), 0, layout="contiguous"),
-         "layout: rank 0 has 'contiguous', rank 1 has SequenceLayout(seq_len=8, ring_size=1, ulysses_size=2, "
-         "layout='contiguous')"),
-        (_with(_ranks(2, ULYSSES), 1, attn_fn=attention), "attn_fn: rank 0 has None, rank 1 has "
-                                                          "commlib_torch.attention.attention"),
+        (
+            _with(_ranks(2, ULYSSES, layout=(8, 1, 2)), 0, layout="contiguous"),
+            "layout: rank 0 has 'contiguous', rank 1 has SequenceLayout(seq_len=8, ring_size=1, ulysses_size=2, "
+            "layout='contiguous')",
+        ),
+        (
+            _with(_ranks(2, ULYSSES), 1, attn_fn=attention),
+            "attn_fn: rank 0 has None, rank 1 has commlib_torch.attention.attention",
+        ),
         (_with(_ranks(2, ULYSSES), 0, dtype="float64"), "dtype: rank 0 has float64, rank 1 has float32"),
         (_with(_ranks(2, ULYSSES), 1, heads=6), "q shape: rank 0 has (1, S_r, 4, 8), rank 1 has (1, S_r, 6, 8)"),
-        (_with(_ranks(2, RING, layout="zigzag"), 1, layout="contiguous"),
-         "layout: rank 0 has 'zigzag', rank 1 has 'contiguous'"),
+        (
+            _with(_ranks(2, RING, layout="zigzag"), 1, layout="contiguous"),
+            "layout: rank 0 has 'zigzag', rank 1 has 'contiguous'",
+        ),
         (_with(_ranks(3, RING, causal=True), 0, causal=False), "causal: rank 0 has False, ranks 1, 2 have True"),
-        (_with(_with(_ranks(4, RING, scale=1), 2, scale=0.25), 3, scale=1.0),  # 1 and 1.0 agree
-         "scale: ranks 0, 1, 3 have 1, rank 2 has 0.25"),
-        (_with(_ranks(3, RING, 3, layout=(9, 3, 1, "zigzag")), 1, layout=(9, 3, 1, "contiguous")),
-         "layout: ranks 0, 2 have SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, layout='zigzag'), rank 1 has "
-         "SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, layout='contiguous')"),
-        (_with(_ranks(4, USP, causal=True, ulysses_size=2), 3, causal=False),
-         "causal: ranks 0, 1, 2 have True, rank 3 has False"),
-        (_with(_ranks(4, USP, layout="zigzag", ulysses_size=2), 0, layout="contiguous"),
-         "layout: rank 0 has 'contiguous', ranks 1, 2, 3 have 'zigzag'"),
+        (
+            _with(_with(_ranks(4, RING, scale=1), 2, scale=0.25), 3, scale=1.0),  # 1 and 1.0 agree
+            "scale: ranks 0, 1, 3 have 1, rank 2 has 0.25",
+        ),
+        (
+            _with(_ranks(3, RING, 3, layout=(9, 3, 1, "zigzag")), 1, layout=(9, 3, 1, "contiguous")),
+            "layout: ranks 0, 2 have SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, "
+            "layout='zigzag'), rank 1 has "
+            "SequenceLayout(seq_len=9, ring_size=3, ulysses_size=1, layout='contiguous')",
+        ),
+        (
+            _with(_ranks(4, USP, causal=True, ulysses_size=2), 3, causal=False),
+            "causal: ranks 0, 1, 2 have True, rank 3 has False",
+        ),
+        (
+            _with(_ranks(4, USP, layout="zigzag", ulysses_size=2), 0, layout="contiguous"),
+            "layout: rank 0 has 'contiguous', ranks 1, 2, 3 have 'zigzag'",
+        ),
         (_with(_ranks(4, USP, ulysses_size=2), 1, scale=0.5), "scale: ranks 0, 2, 3 have None, rank 1 has 0.5"),
-        (_with(_ranks(2, ULYSSES), 1, segment_ids="one document"),
-         "segment_ids: rank 0 has None, rank 1 has a Tensor"),
-        (_with(_ranks(3, RING, causal=True, segment_ids="one document"), 0, segment_ids=None),
-         "segment_ids: rank 0 has None, ranks 1, 2 have a Tensor"),
-        (_with(_ranks(4, USP, ulysses_size=2), 2, segment_ids="one document"),
-         "segment_ids: ranks 0, 1, 3 have None, rank 2 has a Tensor"),
+        (_with(_ranks(2, ULYSSES), 1, segment_ids="one document"), "segment_ids: rank 0 has None, rank 1 has a Tensor"),
+        (
+            _with(_ranks(3, RING, causal=True, segment_ids="one document"), 0, segment_ids=None),
+            "segment_ids: rank 0 has None, ranks 1, 2 have a Tensor",
+        ),
+        (
+            _with(_ranks(4, USP, ulysses_size=2), 2, segment_ids="one document"),
+            "segment_ids: ranks 0, 1, 3 have None, rank 2 has a Tensor",
+        ),
         (_with(_ranks(2, ULYSSES), 1, chunks=2), "chunks: rank 0 has 1, rank 1 has 2"),
     ],
-    ids=["ulysses-forgotten-seq_sizes", "ulysses-forgotten-uneven", "ulysses-rows", "ulysses-causal",
-         "ulysses-scale", "ulysses-layout", "ulysses-attn_fn", "ulysses-dtype", "ulysses-heads", "ring-layout",
-         "ring-causal", "ring-scale", "ring-SequenceLayout", "usp-causal", "usp-layout", "usp-scale",
-         "ulysses-segment_ids", "ring-segment_ids", "usp-segment_ids", "ulysses-chunks"],
+    ids=[
+        "ulysses-forgotten-seq_sizes",
+        "ulysses-forgotten-uneven",
+        "ulysses-rows",
+        "ulysses-causal",
+        "ulysses-scale",
+        "ulysses-layout",
+        "ulysses-attn_fn",
+        "ulysses-dtype",
+        "ulysses-heads",
+        "ring-layout",
+        "ring-causal",
+        "ring-scale",
+        "ring-SequenceLayout",
+        "usp-causal",
+        "usp-layout",
+        "usp-scale",
+        "ulysses-segment_ids",
+        "ring-segment_ids",
+        "usp-segment_ids",
+        "ulysses-chunks",
+    ],
 )
 def test_layers_that_disagree_raise_on_every_rank_before_any_collective(pool, calls, expected):
     messages = _layer_errors(pool(len(calls)).run(checked_jobs.layer_call, calls))
@@ -278,15 +368,30 @@ def test_a_layer_where_another_rank_runs_a_collective(pool):
 
 @pytest.mark.parametrize(
     "calls",
-    [_ranks(2, ULYSSES, causal=True), [(ULYSSES, rows, {"seq_sizes": (3, 3, 2), "scale": 0.5}) for rows in (3, 3, 2)],
-     _ranks(4, ULYSSES, 2, layout=(8, 1, 4)), _ranks(2, RING, causal=True, layout="zigzag"),
-     [(RING, rows, {"layout": (7, 3, 1, "zigzag"), "causal": True}) for rows in (3, 2, 2)],
-     _ranks(4, RING), _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2),
-     _ranks(2, ULYSSES, causal=True, segment_ids="one document"),
-     _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2, segment_ids="one document"),
-     _ranks(2, ULYSSES, causal=True, chunks=2)],
-    ids=["ulysses-2", "ulysses-3-uneven", "ulysses-4-layout", "ring-2-zigzag", "ring-3-any-length", "ring-4",
-         "usp-2x2", "ulysses-2-segment_ids", "usp-2x2-segment_ids", "ulysses-2-chunks"],
+    [
+        _ranks(2, ULYSSES, causal=True),
+        [(ULYSSES, rows, {"seq_sizes": (3, 3, 2), "scale": 0.5}) for rows in (3, 3, 2)],
+        _ranks(4, ULYSSES, 2, layout=(8, 1, 4)),
+        _ranks(2, RING, causal=True, layout="zigzag"),
+        [(RING, rows, {"layout": (7, 3, 1, "zigzag"), "causal": True}) for rows in (3, 2, 2)],
+        _ranks(4, RING),
+        _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2),
+        _ranks(2, ULYSSES, causal=True, segment_ids="one document"),
+        _ranks(4, USP, causal=True, layout="zigzag", ulysses_size=2, segment_ids="one document"),
+        _ranks(2, ULYSSES, causal=True, chunks=2),
+    ],
+    ids=[
+        "ulysses-2",
+        "ulysses-3-uneven",
+        "ulysses-4-layout",
+        "ring-2-zigzag",
+        "ring-3-any-length",
+        "ring-4",
+        "usp-2x2",
+        "ulysses-2-segment_ids",
+        "usp-2x2-segment_ids",
+        "ulysses-2-chunks",
+    ],
 )
 def test_layers_that_agree_give_the_unchecked_values(pool, calls):
     """Checked mode changes nothing when the ranks agree: the same outputs as unchecked, every rank, forward and
@@ -302,14 +407,20 @@ def test_layers_that_agree_give_the_unchecked_values(pool, calls):
 @pytest.mark.parametrize(
     ("calls", "expected"),
     [
-        ([("gather_sequence", {"layout": (7, 2, 1, "zigzag")}), ("gather_sequence", {"layout": (7, 2)})],
-         "layout: rank 0 has SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='zigzag'), rank 1 has "
-         "SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='contiguous')"),
-        ([("gather_sequence", {"layout": (6, 3), "convention": "replicated"})] * 2 + [("gather_sequence",
-                                                                                       {"layout": (6, 3)})],
-         "convention: ranks 0, 1 have 'replicated', rank 2 has 'sum'"),
-        ([("cross_entropy", {})] * 3 + [("cross_entropy", {"ignore_index": 2})],
-         "ignore_index: ranks 0, 1, 2 have -100, rank 3 has 2"),
+        (
+            [("gather_sequence", {"layout": (7, 2, 1, "zigzag")}), ("gather_sequence", {"layout": (7, 2)})],
+            "layout: rank 0 has SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='zigzag'), rank 1 has "
+            "SequenceLayout(seq_len=7, ring_size=2, ulysses_size=1, layout='contiguous')",
+        ),
+        (
+            [("gather_sequence", {"layout": (6, 3), "convention": "replicated"})] * 2
+            + [("gather_sequence", {"layout": (6, 3)})],
+            "convention: ranks 0, 1 have 'replicated', rank 2 has 'sum'",
+        ),
+        (
+            [("cross_entropy", {})] * 3 + [("cross_entropy", {"ignore_index": 2})],
+            "ignore_index: ranks 0, 1, 2 have -100, rank 3 has 2",
+        ),
     ],
     ids=["gather_sequence-layout", "gather_sequence-convention", "cross_entropy-ignore_index"],
 )

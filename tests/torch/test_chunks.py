@@ -58,11 +58,16 @@ def test_pipeline_order(pool):
     them begun asynchronously (a `commlib_torch.Handle`: the forward's four, and the backward's four duals begun
     when their cotangents arrive), so they overlap the attentions between."""
     case, _ = chunk_cases(3)[0]  # H = 7 at W = 3: rank 0 has 3 q heads, in groups of 2 and 1
-    forward, backward, begun, begun_backward = pool(3).run(jobs.pipeline_order, case, cases.make_arrays(case, 0),
-                                                           2)[0]
+    forward, backward, begun, begun_backward = pool(3).run(jobs.pipeline_order, case, cases.make_arrays(case, 0), 2)[0]
     kinds = [name for name, _ in forward]
-    assert kinds == ["all_to_all_single", "all_to_all_single", "attention", "all_to_all_single", "attention",
-                     "all_to_all_single"], forward
+    assert kinds == [
+        "all_to_all_single",
+        "all_to_all_single",
+        "attention",
+        "all_to_all_single",
+        "attention",
+        "all_to_all_single",
+    ], forward
     assert [heads for name, heads in forward if name == "attention"] == [2, 1]
     assert [name for name, _ in backward] == ["all_to_all_single"] * 4, backward
     assert len(begun) == 4 and len(begun_backward) == 4, (begun, begun_backward)
@@ -71,8 +76,7 @@ def test_pipeline_order(pool):
 def test_one_group_stays_synchronous(pool):
     """chunks=1 has nothing to overlap with: no collective is begun asynchronously, forward or backward."""
     case, _ = chunk_cases(3)[0]
-    forward, backward, begun, begun_backward = pool(3).run(jobs.pipeline_order, case, cases.make_arrays(case, 0),
-                                                           1)[0]
+    forward, backward, begun, begun_backward = pool(3).run(jobs.pipeline_order, case, cases.make_arrays(case, 0), 1)[0]
     assert [name for name, _ in forward] == ["all_to_all_single", "attention", "all_to_all_single"], forward
     assert [name for name, _ in backward] == ["all_to_all_single"] * 2, backward
     assert begun == [] and begun_backward == [], (begun, begun_backward)

@@ -35,9 +35,18 @@ def test_constructor_attributes_follow_the_seed(pool, members):
             assert reply is None
             continue
         local = inside.index(rank)
-        assert reply == dict(rank=local, world_size=len(inside), ranks=inside, global_rank=rank, global_world_size=4,
-                             rank_in_group=local, device="cpu", device_group_is_cpu_group=True, unique_name="tp",
-                             destroyed=None)
+        assert reply == dict(
+            rank=local,
+            world_size=len(inside),
+            ranks=inside,
+            global_rank=rank,
+            global_world_size=4,
+            rank_in_group=local,
+            device="cpu",
+            device_group_is_cpu_group=True,
+            unique_name="tp",
+            destroyed=None,
+        )
 
 
 def test_device_group_is_the_one_used_when_given(pool):
@@ -92,8 +101,10 @@ def _all_reduce_reference(W: int, op: str):
 
 
 @pytest.mark.parametrize("members", [None, (0, 2)], ids=["world", "02"])
-@pytest.mark.parametrize(("op", "torch_op"), [(name, True) for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT")]
-                         + [("product", False), (None, False)])
+@pytest.mark.parametrize(
+    ("op", "torch_op"),
+    [(name, True) for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT")] + [("product", False), (None, False)],
+)
 def test_all_reduce_takes_torch_reduce_ops_and_none(pool, members, op, torch_op):
     """`all_reduce(input_, op)` with a torch.distributed.ReduceOp, a string, or None (= sum, as in the seed);
     exact gradients where the seed all-reduced the cotangent with the same op."""
@@ -129,8 +140,11 @@ def test_gather_returns_the_concatenation_on_dst_and_none_elsewhere(pool, member
 
 
 @pytest.mark.parametrize("members", GROUPS.values(), ids=GROUPS.keys())
-@pytest.mark.parametrize(("explicit", "reverse"), [(False, False), (True, False), (True, True)],
-                         ids=["default", "explicit", "explicit-reverse"])
+@pytest.mark.parametrize(
+    ("explicit", "reverse"),
+    [(False, False), (True, False), (True, True)],
+    ids=["default", "explicit", "explicit-reverse"],
+)
 @pytest.mark.parametrize("dtype", ["float32", "int32"])
 def test_send_and_recv(pool, members, explicit, reverse, dtype):
     """Default dst / src = next / previous group-local rank; explicit ranks are group-local too."""
@@ -162,8 +176,10 @@ def test_bad_rank_raises_before_any_communication(pool, members, method, name, k
     inside = _members(members)
     W = len(inside)
     fill = lambda value: W if value == "W" else value  # noqa: E731
-    kwargs = {key: [tuple(map(fill, pair)) for pair in value] if key == "perm" else fill(value)
-              for key, value in kwargs.items()}
+    kwargs = {
+        key: [tuple(map(fill, pair)) for pair in value] if key == "perm" else fill(value)
+        for key, value in kwargs.items()
+    }
     replies = pool(4).run(jobs.bad_rank_alone, members, method, kwargs, timeout=30.0)
     bad = kwargs["perm"][0][1] if method == "permute" else kwargs[name]
     assert replies[inside[0]].startswith(f"CommError: {method}: {name} ({bad}) must be in [0, {W}) for world_size {W}")

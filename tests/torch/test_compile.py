@@ -40,13 +40,18 @@ def test_rooted_ops_compile_on_three_ranks(pool, backend):
 
 # torch 2.11's Inductor fails in its own CPU flash-attention backward on float64 ("expected scalar type Double but
 # found Float", pytorch/pytorch#185539; aot_eager gives the eager values there)
-_INDUCTOR_SDPA_FLOAT64 = pytest.mark.xfail(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13),
-                                           reason="pytorch/pytorch#185539", raises=WorkerError, strict=False)
+_INDUCTOR_SDPA_FLOAT64 = pytest.mark.xfail(
+    tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13),
+    reason="pytorch/pytorch#185539",
+    raises=WorkerError,
+    strict=False,
+)
 
 
-@pytest.mark.parametrize(("backend", "group_kind"), [("aot_eager", "mesh dims"),
-                                                     pytest.param("inductor", "process groups",
-                                                                  marks=_INDUCTOR_SDPA_FLOAT64)])
+@pytest.mark.parametrize(
+    ("backend", "group_kind"),
+    [("aot_eager", "mesh dims"), pytest.param("inductor", "process groups", marks=_INDUCTOR_SDPA_FLOAT64)],
+)
 def test_training_block_compiles_whole(pool, backend, group_kind):
     """The training block's forward and backward (RMSNorm, Ulysses attention over SP, Megatron f/g over TP) on a
     2 x 2 mesh: one graph, no break, the eager losses and gradients over three SGD steps (float64)."""

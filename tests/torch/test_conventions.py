@@ -12,17 +12,22 @@ from tests.gradient_examples import EXAMPLES
 from tests.torch import convention_jobs as jobs
 
 
-@pytest.mark.parametrize(("op", "kwargs", "xs", "cotangents", "expected"), [e[1:] for e in EXAMPLES],
-                         ids=[e[0] for e in EXAMPLES])
+@pytest.mark.parametrize(
+    ("op", "kwargs", "xs", "cotangents", "expected"), [e[1:] for e in EXAMPLES], ids=[e[0] for e in EXAMPLES]
+)
 def test_example(pool, op, kwargs, xs, cotangents, expected):
     gradients = pool(len(xs)).run(jobs.example_gradient, op, kwargs, xs, cotangents)
     np.testing.assert_array_equal(np.stack(gradients), np.asarray(expected))
 
 
-@pytest.mark.parametrize(("op", "xs", "expected"), [
-    (dist.ReduceOp.SUM, [[1.0], [2.0]], [[2.0], [2.0]]),
-    (dist.ReduceOp.MAX, [[1.0], [5.0], [2.0], [3.0]], [[1.0], [1.0], [1.0], [1.0]]),
-], ids=["sum", "max"])
+@pytest.mark.parametrize(
+    ("op", "xs", "expected"),
+    [
+        (dist.ReduceOp.SUM, [[1.0], [2.0]], [[2.0], [2.0]]),
+        (dist.ReduceOp.MAX, [[1.0], [5.0], [2.0], [3.0]], [[1.0], [1.0], [1.0], [1.0]]),
+    ],
+    ids=["sum", "max"],
+)
 def test_torch_distributed_nn(pool, op, xs, expected):
     """torch.distributed.nn.functional.all_reduce's backward is all_reduce of the gradient with the same op:
     convention="sum" for sum, the max of the gradients (not the VJP [0, 4, 0, 0]) for max."""

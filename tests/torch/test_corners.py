@@ -57,8 +57,9 @@ def test_every_dtype_gloo_lacks_moves_exactly(pool, dtype):
         "permute": reference.permute(inputs, [(r, (r + 1) % W) for r in range(W)]),
         "all_to_all_single": reference.all_to_all(inputs, 0, 0),
         "shard": reference.shard(inputs, -1),  # block r of the elements is block r of their bytes
-        "transposed": reference.all_gather([x.reshape(2 * W, 2 * W, -1).transpose(1, 0, 2).reshape(2 * W, -1)
-                                            for x in inputs], 0),
+        "transposed": reference.all_gather(
+            [x.reshape(2 * W, 2 * W, -1).transpose(1, 0, 2).reshape(2 * W, -1) for x in inputs], 0
+        ),
         "seed_gather": [reference.gather(inputs, 0, 0)[0], None],
         "send_recv": [inputs[1], inputs[0]],
     }
@@ -89,13 +90,19 @@ def test_integer_reductions_gloo_lacks_are_exact(pool, dtype, op):
     (no exact carrier) refused with the spec's message on every rank."""
     values = INTEGER_VALUES[dtype]
     stacked = np.array(values, dtype=dtype)
-    want = {"sum": stacked.sum(0, dtype=dtype), "product": stacked.prod(0, dtype=dtype), "max": stacked.max(0),
-            "min": stacked.min(0)}[op]
+    want = {
+        "sum": stacked.sum(0, dtype=dtype),
+        "product": stacked.prod(0, dtype=dtype),
+        "max": stacked.max(0),
+        "min": stacked.min(0),
+    }[op]
     for out, scattered in pool(2).run(corner_jobs.reduced, dtype, op, values):
         if dtype == "uint64" and op in ("max", "min"):
-            assert out == (f"CommError: all_reduce: op ('{op}') on uint64 has no exact carrier: the backend lacks "
-                           f"uint64 and any wider integer that holds every uint64 value; cast x to a dtype it "
-                           f"carries first. Received: shape=(3,), op='{op}', dtype='uint64'")
+            assert out == (
+                f"CommError: all_reduce: op ('{op}') on uint64 has no exact carrier: the backend lacks "
+                f"uint64 and any wider integer that holds every uint64 value; cast x to a dtype it "
+                f"carries first. Received: shape=(3,), op='{op}', dtype='uint64'"
+            )
         else:
             assert out.dtype == np.dtype(dtype)
             np.testing.assert_array_equal(out, want)
@@ -118,8 +125,10 @@ def test_a_rank_outside_the_group(pool):
     assert len(errors) == 26
     for name, text in errors.items():
         op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d").replace("slice", "shard")
-        assert text == (f"CommError: {op}: this rank (global rank 1) is not a member of the group (global ranks "
-                        f"[0, 2]): only its members may call its collectives. Received: rank=1, group_ranks=[0, 2]")
+        assert text == (
+            f"CommError: {op}: this rank (global rank 1) is not a member of the group (global ranks "
+            f"[0, 2]): only its members may call its collectives. Received: rank=1, group_ranks=[0, 2]"
+        )
 
 
 @pytest.mark.parametrize(("kind", "type_name"), [("numpy", "numpy.ndarray"), ("list", "list")])
@@ -129,12 +138,15 @@ def test_not_a_tensor(pool, kind, type_name):
         for name, text in errors.items():
             op = name.removeprefix("comm.").replace("all_to_all_4D", "all_to_all_4d").replace("slice", "shard")
             if name == "comm.recv":
-                assert text == ("TypeError: recv: dtype must be a torch.dtype, not numpy.Float32DType. "
-                                "Received: type='numpy.Float32DType'")
+                assert text == (
+                    "TypeError: recv: dtype must be a torch.dtype, not numpy.Float32DType. "
+                    "Received: type='numpy.Float32DType'"
+                )
                 continue
             argument = "tensor" if name == "comm.send" else "x"
-            assert text == (f"TypeError: {op}: {argument} must be a torch.Tensor, not {type_name}. "
-                            f"Received: type='{type_name}'")
+            assert text == (
+                f"TypeError: {op}: {argument} must be a torch.Tensor, not {type_name}. Received: type='{type_name}'"
+            )
 
 
 @pytest.mark.parametrize("dtype", ["complex64", "complex128"])
@@ -169,7 +181,7 @@ def test_complex_gather_and_scatter(pool, dtype):
     for rank, (gathered, grad_gather, scattered, grad_scatter) in enumerate(replies):
         np.testing.assert_array_equal(gathered, np.concatenate(xs) if rank == 1 else np.zeros((4, 2)))
         np.testing.assert_array_equal(grad_gather, np.ones((2, 2)))  # scatter of the root's ones
-        np.testing.assert_array_equal(scattered, xs[1][rank:rank + 1])
+        np.testing.assert_array_equal(scattered, xs[1][rank : rank + 1])
         np.testing.assert_array_equal(grad_scatter, np.ones((2, 2)) if rank == 1 else np.zeros((2, 2)))
 
 

@@ -179,8 +179,15 @@ def test_second_derivatives_of_reductions(pool, op, xs, convention, cotangent_re
     cotangents = [np.array([1.0, -2.0]), np.array([0.5, 1.0]), np.array([-1.0, 3.0])]
     vs = [np.array([0.7, 1.1]), np.array([-0.3, 2.0]), np.array([1.3, -0.6])]
     plan = plans.all_reduce((2,), 3, op, dtype="float64", convention=convention)
-    replies = pool(3).run(jobs.second_order, op, [x.tolist() for x in xs], [c.tolist() for c in cotangents],
-                          [v.tolist() for v in vs], convention, cotangent_requires_grad)
+    replies = pool(3).run(
+        jobs.second_order,
+        op,
+        [x.tolist() for x in xs],
+        [c.tolist() for c in cotangents],
+        [v.tolist() for v in vs],
+        convention,
+        cotangent_requires_grad,
+    )
     want_x = _finite_difference(lambda shifted: _penalty(plan, shifted, cotangents, vs), xs)
     want_cotangent = _finite_difference(lambda shifted: _penalty(plan, xs, shifted, vs), cotangents)
     for rank, (gx, grad_x, grad_cotangent) in enumerate(replies):

@@ -70,23 +70,27 @@ def _rank_errors(error: WorkerError) -> dict[int, str]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
-@pytest.mark.parametrize(("op", "phase"), [("all_reduce", "forward"), ("all_gather", "backward"),
-                                           ("all_to_all_4d", "forward")])
+@pytest.mark.parametrize(
+    ("op", "phase"), [("all_reduce", "forward"), ("all_gather", "backward"), ("all_to_all_4d", "forward")]
+)
 def test_rank_skipping_a_collective_makes_the_others_raise_comm_timeout(pool_5s, op, phase, check):
     error, elapsed = _run_failing(pool_5s, failure_jobs.skip_collective, 2, op, phase, check)
     assert elapsed < PG_TIMEOUT + 5.0
     assert error.ranks == (0, 1) and isinstance(error.cause, CommTimeout)
     name = op if phase == "forward" else f"{op} backward"
     for rank, text in _rank_errors(error).items():
-        assert text.startswith(f"raised CommTimeout: {name}: timed out on group rank {rank} {GROUP} waiting for "
-                               f"the other ranks: a rank skipped this collective, or is stuck or dead. Received: "
-                               f"shape="), text
+        assert text.startswith(
+            f"raised CommTimeout: {name}: timed out on group rank {rank} {GROUP} waiting for "
+            f"the other ranks: a rank skipped this collective, or is stuck or dead. Received: "
+            f"shape="
+        ), text
         assert re.search(BACKEND_TIMEOUT, text), text
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("op", "phase"), [("all_reduce", "forward"), ("all_to_all_4d", "forward"),
-                                           ("all_gather", "backward")])
+@pytest.mark.parametrize(
+    ("op", "phase"), [("all_reduce", "forward"), ("all_to_all_4d", "forward"), ("all_gather", "backward")]
+)
 def test_rank_killed_mid_collective_makes_the_survivors_raise(pool_5s, op, phase):
     error, elapsed = _run_failing(pool_5s, failure_jobs.die_in_collective, 1, op, phase)
     assert elapsed < 0.5 + 10.0
@@ -131,7 +135,9 @@ def test_rank_that_raised_and_lived_is_not_called_dead(pool_5s):
     replies = pool_5s.run(failure_jobs.raise_and_go_on, 1)
     assert replies[1].startswith("CommTimeout: all_gather: timed out on group rank 1"), replies[1]
     for rank in (0, 2):
-        assert replies[rank].startswith(f"CommFailure: all_to_all: group rank {rank} {GROUP} lost its "
-                                        "connection to another rank, which closed it: its own collective failed "
-                                        "or timed out (e.g. it raised and went on to another collective), or it "
-                                        "died or left the group. Received: "), replies[rank]
+        assert replies[rank].startswith(
+            f"CommFailure: all_to_all: group rank {rank} {GROUP} lost its "
+            "connection to another rank, which closed it: its own collective failed "
+            "or timed out (e.g. it raised and went on to another collective), or it "
+            "died or left the group. Received: "
+        ), replies[rank]

@@ -21,8 +21,11 @@ def _members(members):
 def _inherited_cases(style: str, world_size: int) -> list[cases.Case]:
     """The parity table's valid cases of every method the subclass inherits (the seed's gather aside)."""
     overridden = fastvideo_jobs.SUBCLASSES[style].OVERRIDDEN
-    return [case for case in cases.case_table(world_size)
-            if case.op not in (cases.ATTENTION, "gather", *overridden) and cases.error_text(case) is None]
+    return [
+        case
+        for case in cases.case_table(world_size)
+        if case.op not in (cases.ATTENTION, "gather", *overridden) and cases.error_text(case) is None
+    ]
 
 
 @pytest.mark.parametrize("members", GROUPS.values(), ids=GROUPS.keys())
@@ -57,8 +60,14 @@ def test_overrides_run_their_own_path(pool, style, members):
             assert (results["gather"] is None) == (want is None)
             if want is not None:
                 np.testing.assert_array_equal(results["gather"], want)
-            assert calls == ["all_reduce", "dist_module.all_reduce", "all_gather",
-                             "dist_module.all_gather_into_tensor", "gather", "dist_module.gather"]
+            assert calls == [
+                "all_reduce",
+                "dist_module.all_reduce",
+                "all_gather",
+                "dist_module.all_gather_into_tensor",
+                "gather",
+                "dist_module.gather",
+            ]
         else:
             np.testing.assert_array_equal(results["recv"], xs[(rank - 1) % W])
             assert results["released"]

@@ -21,8 +21,9 @@ FUZZ = strategies.Space(max_size=3, dtypes=("float64", "bfloat16"), transposed=T
 pytestmark = pytest.mark.timeout(300)
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(case=strategies.fuzz_cases(FUZZ), strided=st.booleans(), seed=strategies.SEEDS)
 def test_fuzz(pool, case, strided, seed):
     arrays = cases.make_arrays(case, seed)

@@ -35,8 +35,11 @@ def group_cases(W: int) -> list[cases.Case]:
         _case("gather", W, (2, 3), dst=last, dim=0),
         _case("scatter", W, (2 * W, 3), src=last, dim=0),
         _case("sum_grad", W, (3,)),
-        *(_case("all_reduce", W, (2, 3), op=op, convention=convention, draw="small")
-          for op in ("sum", "avg", "max", "min", "product") for convention in ("sum", "replicated")),
+        *(
+            _case("all_reduce", W, (2, 3), op=op, convention=convention, draw="small")
+            for op in ("sum", "avg", "max", "min", "product")
+            for convention in ("sum", "replicated")
+        ),
         _case("all_reduce", W, (2, 2), op="product", dtype="int64"),
         _case("all_gather", W, (2, 3), dim=-1, convention="replicated", transposed=True),
         _case("reduce_scatter", W, (2, 3 * W), dim=-1, op="avg"),
@@ -50,8 +53,9 @@ def _run(pool, partition, case):
     replies = pool(4).run(jobs.run_case_in_groups, partition, case, arrays)
     members = {rank for group in partition for rank in group}
     outside = [replies[rank] for rank in range(4) if rank not in members]
-    results = [(arrays[index], *merge(case, [replies[rank] for rank in group]))
-               for index, group in enumerate(partition)]
+    results = [
+        (arrays[index], *merge(case, [replies[rank] for rank in group])) for index, group in enumerate(partition)
+    ]
     return results, outside
 
 

@@ -36,8 +36,9 @@ def test_walk_reads_no_tensor_on_the_host(module):
     """By inspection, for what a dispatch mode cannot see on CPU tensors (``.cpu()``, ``.numpy()`` and
     ``.tolist()`` dispatch nothing there): the walk's modules call none of these."""
     tree = ast.parse(inspect.getsource(module))
-    called = {node.func.attr for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    called = {
+        node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
     assert called & _FORBIDDEN_CALLS == set()
 
 

@@ -63,20 +63,25 @@ def test_refusals(pool):
     for reply in replies[1:]:
         assert set(reply) == set(replies[0])
     first = replies[0]
-    assert first["outside"].startswith("CommError: commlib attention: called outside a "
-                                       "commlib_torch.sequence.parallel(...) context")
+    assert first["outside"].startswith(
+        "CommError: commlib attention: called outside a commlib_torch.sequence.parallel(...) context"
+    )
     assert "a dense attention mask is not supported" in first["mask"]
     assert "a padding attention_mask (1, 3) must be [batch, this rank's rows] (1, 2)" in first["padding shape"]
     assert "dropout (0.1) must be 0" in first["dropout"]
     assert "sliding_window (4) is not supported" in first["sliding_window"]
     assert "softcap (30.0) is not supported" in first["softcap"]
     assert "an attention bias is not supported" in first["sinks"]
-    assert "position_ids must be the global positions of shard 0 of the layout (layout.positions(0); " \
-        "sequence.shard_tokens and sequence.position_ids give them): from row 0 of batch row 0, expected [0, 1], " \
+    assert (
+        "position_ids must be the global positions of shard 0 of the layout (layout.positions(0); "
+        "sequence.shard_tokens and sequence.position_ids give them): from row 0 of batch row 0, expected [0, 1], "
         "received [1, 2]" in first["local positions"]
+    )
     assert "query rows (3) must be layout.sizes[0] (2)" in first["rows"]
-    assert "parallel: layout.ulysses_size (5) must be 4 (the group's size for attention='ulysses')" in \
-        first["layout world size"]
+    assert (
+        "parallel: layout.ulysses_size (5) must be 4 (the group's size for attention='ulysses')"
+        in first["layout world size"]
+    )
     assert "parallel: layout.ulysses_size (1) must be 4" in first["ring layout for ulysses"]
     assert "parallel: attention ('flash') must be one of ulysses, ring, usp" in first["unknown attention"]
     assert "attention='usp' needs both ulysses_group and ring_group" in first["usp without groups"]
@@ -95,12 +100,17 @@ def test_checked_mode_refusal_reaches_every_rank(pool, what):
     refusing = range(1, 4) if what == "positions" else [3]
     for rank, text in enumerate(replies):
         if rank in refusing:
-            wanted = f"position_ids must be the global positions of shard {rank}" if what == "positions" else \
-                "a dense attention mask is not supported"
+            wanted = (
+                f"position_ids must be the global positions of shard {rank}"
+                if what == "positions"
+                else "a dense attention mask is not supported"
+            )
             assert wanted in text, (rank, text)
         else:
-            assert text.startswith("CommError: commlib attention: another rank of the layer refused this call"), \
-                (rank, text)
+            assert text.startswith("CommError: commlib attention: another rank of the layer refused this call"), (
+                rank,
+                text,
+            )
 
 
 def test_llama_without_position_ids_is_refused_on_every_rank(pool):
@@ -121,12 +131,15 @@ def test_helpers_take_and_must_match_the_context_layout(pool):
     for rank, reply in enumerate(pool(3).run(jobs.helpers_in_context)):
         assert reply["defaults"] == reply["explicit"]
         assert reply["defaults"][1] == [contiguous.positions(rank).tolist()]
-        for name, text in zip(("shard_tokens", "position_ids", "shard_sequence", "gather_sequence"),
-                              reply["errors"], strict=True):
-            assert text.startswith(f"CommError: {name}: layout ({zigzag!r}) must be the parallel context's layout "
-                                   f"({contiguous!r})"), text
-        assert reply["outside"].startswith("CommError: position_ids: layout is required outside a parallel(...) "
-                                           "context")
+        for name, text in zip(
+            ("shard_tokens", "position_ids", "shard_sequence", "gather_sequence"), reply["errors"], strict=True
+        ):
+            assert text.startswith(
+                f"CommError: {name}: layout ({zigzag!r}) must be the parallel context's layout ({contiguous!r})"
+            ), text
+        assert reply["outside"].startswith(
+            "CommError: position_ids: layout is required outside a parallel(...) context"
+        )
 
 
 def test_nesting(pool):
@@ -143,8 +156,10 @@ def test_llama_through_the_registry(pool):
         assert error <= TOLERANCE
 
 
-@pytest.mark.parametrize(("world_size", "seq_len", "attention", "what"), [
-    (2, 9, "ulysses", "padding"), (3, 13, "ring", "padding"), (2, 9, "ulysses", "packed"), (3, 37, "ring", "packed")])
+@pytest.mark.parametrize(
+    ("world_size", "seq_len", "attention", "what"),
+    [(2, 9, "ulysses", "padding"), (3, 13, "ring", "padding"), (2, 9, "ulysses", "packed"), (3, 37, "ring", "packed")],
+)
 def test_llama_with_masks_is_the_unsharded_model(pool, world_size, seq_len, attention, what):
     """A padding attention_mask (padding at the end of one row, the start of the other) and packed documents
     (position_ids that restart, documents crossing shards) become segment ids: the logits of every rank's

@@ -21,8 +21,9 @@ TIMEOUT = 20.0
 pytestmark = pytest.mark.timeout(300)
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(case=layer_cases(), seed=strategies.SEEDS)
 def test_layer_fuzz(pool, case, seed):
     arrays = cases.make_arrays(case, seed)

@@ -52,17 +52,19 @@ def test_ring_skips_pieces(pool):
     plan = ring_plan((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8), 4, causal=True, segment_ids=((2, 16), "int64"))
     assert attended == pieces_computed(plan, np.stack(masks.shards(ids, layout)))[0] == 4
     assert masks.worst_error(got, masks.expected(whole, ids, True), layout) < masks.TOLERANCE
-    replies = pool(4).run(jobs.masked_call, "ring_attention", layout, "contiguous", whole, ids, True, "float64",
-                          False)
+    replies = pool(4).run(jobs.masked_call, "ring_attention", layout, "contiguous", whole, ids, True, "float64", False)
     assert sum(reply[1] for reply in replies) == 10
 
 
 @pytest.mark.parametrize("op", ["ulysses_attention", "ring_attention", "usp_attention"])
-@pytest.mark.parametrize(("ids_shape", "ids_dtype", "text"), [
-    ((1, 3), "float32", "TypeError: {op}: segment_ids dtype (float32) must be an integer dtype"),
-    ((1, 4), "int64", "CommError: {op}: segment_ids shape (1, 4) must be q's [batch, seq] (1, 3)"),
-    ((3,), "int32", "CommError: {op}: segment_ids shape (3,) must be q's [batch, seq] (1, 3)"),
-])
+@pytest.mark.parametrize(
+    ("ids_shape", "ids_dtype", "text"),
+    [
+        ((1, 3), "float32", "TypeError: {op}: segment_ids dtype (float32) must be an integer dtype"),
+        ((1, 4), "int64", "CommError: {op}: segment_ids shape (1, 4) must be q's [batch, seq] (1, 3)"),
+        ((3,), "int32", "CommError: {op}: segment_ids shape (3,) must be q's [batch, seq] (1, 3)"),
+    ],
+)
 def test_bad_segment_ids(pool, op, ids_shape, ids_dtype, text):
     """The same text on every rank, naming the layer and the argument, raised before communicating (a rank
     that communicated would wait for the others: the pool would time out)."""

@@ -70,12 +70,12 @@ def test_the_mesh_groups_are_the_mesh_dims(pool):
 _MESH = "mesh_shape=(2, 2), mesh_dim_names=('sp', 'tp')"
 _REJECTED = {
     "2-D": "CommError: {op}: mesh ndim (2) must be 1 when group is a mesh without a dim: pass (mesh, name) with name "
-           f"one of ('sp', 'tp'). Received: {_MESH}",
+    f"one of ('sp', 'tp'). Received: {_MESH}",
     "unknown": f"CommError: {{op}}: mesh dim ('dp') must be one of the mesh's dim names ('sp', 'tp'). Received: {_MESH}"
-               ", dim='dp'",
+    ", dim='dp'",
     "index": f"CommError: {{op}}: mesh dim (2) must be in [-2, 2) for ndim 2. Received: {_MESH}, dim=2",
     "list": "TypeError: {op}: group must be a ProcessGroup, DeviceMesh, (DeviceMesh, dim) or None, not list. "
-            "Received: type='list'",
+    "Received: type='list'",
 }
 
 

@@ -48,9 +48,11 @@ def test_case_table_through_torch_func(pool, world_size):
 
 def test_torch_func_vmap_is_refused_by_name(pool):
     (message,) = set(pool(2).run(transform_jobs.vmap_all_reduce))
-    assert message == ("TypeError: all_reduce: torch.func.vmap is not supported: each rank runs the collective "
-                       "once, not once per batch element; put the batch in the tensor (a leading dim) or loop over "
-                       "it. torch.func.grad, vjp and functional_call work. Received: transform='vmap'")
+    assert message == (
+        "TypeError: all_reduce: torch.func.vmap is not supported: each rank runs the collective "
+        "once, not once per batch element; put the batch in the tensor (a leading dim) or loop over "
+        "it. torch.func.grad, vjp and functional_call work. Received: transform='vmap'"
+    )
 
 
 def test_check_detects_a_wrong_gradient():

@@ -19,8 +19,14 @@ CASES = [
     ("ring_attention", SequenceLayout(32, ring_size=4, layout="zigzag"), "zigzag", True, False, "float64"),
     ("ring_attention", SequenceLayout(23, ring_size=4), None, True, True, "float32"),  # uneven: 6, 6, 6, 5
     ("ring_attention", SequenceLayout(21, ring_size=3, layout="zigzag"), None, False, False, "float32"),
-    ("usp_attention", SequenceLayout(32, ring_size=2, ulysses_size=2, layout="zigzag"), "zigzag", True, True,
-     "float32"),
+    (
+        "usp_attention",
+        SequenceLayout(32, ring_size=2, ulysses_size=2, layout="zigzag"),
+        "zigzag",
+        True,
+        True,
+        "float32",
+    ),
     ("usp_attention", SequenceLayout(22, ring_size=2, ulysses_size=2), None, True, False, "float32"),
 ]
 
@@ -28,18 +34,26 @@ CASES = [
 def _name(case) -> str:
     op, layout, name, causal, segmented, dtype = case
     shape = "x".join(map(str, (layout.ring_size, layout.ulysses_size)))
-    return f"{op}-{shape}-S{layout.seq_len}-{name or 'uneven'}-{'causal' if causal else 'full'}" \
-           f"{'-segments' if segmented else ''}-{dtype}"
+    return (
+        f"{op}-{shape}-S{layout.seq_len}-{name or 'uneven'}-{'causal' if causal else 'full'}"
+        f"{'-segments' if segmented else ''}-{dtype}"
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_overlapped_equals_sequential_bit_for_bit(pool, case):
     op, layout, name, causal, segmented, dtype = case
     whole = masks.whole_inputs(2, layout.seq_len, 4, 2, 8, seed=layout.seq_len, value_dim=5)
-    ids = np.stack([segment_ids([5, 2, layout.seq_len - 9], layout.seq_len),
-                    segment_ids([layout.seq_len - 4], layout.seq_len)]) if segmented else None
-    replies = pool(layout.world_size).run(jobs.overlapped_and_sequential, op, layout, name or layout, whole, ids,
-                                          causal, dtype)
+    ids = (
+        np.stack(
+            [segment_ids([5, 2, layout.seq_len - 9], layout.seq_len), segment_ids([layout.seq_len - 4], layout.seq_len)]
+        )
+        if segmented
+        else None
+    )
+    replies = pool(layout.world_size).run(
+        jobs.overlapped_and_sequential, op, layout, name or layout, whole, ids, causal, dtype
+    )
     # forward W - 1 steps, backward W - 1 of k/v and W of dk/dv; the ids go in the same steps as k/v
     ring_steps = 3 * (layout.ring_size - 1) + 1
     for rank, (overlapped, walked, started) in enumerate(replies):

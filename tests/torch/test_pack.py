@@ -24,8 +24,9 @@ except ImportError:
 CUDA = torch.cuda.is_available()
 INTERPRETED = HAVE_TRITON and not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(not (HAVE_TRITON and (CUDA or INTERPRETED)),
-                                  reason="needs Triton and CUDA (or TRITON_INTERPRET=1 on the CPU)")
+needs_kernel = pytest.mark.skipif(
+    not (HAVE_TRITON and (CUDA or INTERPRETED)), reason="needs Triton and CUDA (or TRITON_INTERPRET=1 on the CPU)"
+)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.bool, torch.float16)
@@ -48,11 +49,16 @@ def _steps():
     (step, output shape, source shape)."""
     chosen = [plans.all_to_all_4d((batch, 8, 8, 6), 4, 2, 1) for batch in (1, 3)]
     chosen += [plans.all_to_all_4d((batch, 8, 2, 6), 4, 1, 2) for batch in (1, 3)]
-    chosen += [plans.all_to_all((4, 3, 8), 4, 2, 0), plans.all_gather((3, 5, 2), 4, 1),
-               plans.reduce_scatter((3, 8), 4, 1)]
+    chosen += [
+        plans.all_to_all((4, 3, 8), 4, 2, 0),
+        plans.all_gather((3, 5, 2), 4, 1),
+        plans.reduce_scatter((3, 8), 4, 1),
+    ]
     for plan in chosen:
-        for step, shape, source in ((plan.layout.pack, plan.layout.send_shape, plan.in_shape),
-                                    (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape)):
+        for step, shape, source in (
+            (plan.layout.pack, plan.layout.send_shape, plan.in_shape),
+            (plan.layout.unpack, plan.out_shape, plan.layout.recv_shape),
+        ):
             if not step.is_identity:
                 yield step, shape, source
 

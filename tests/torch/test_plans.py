@@ -84,8 +84,9 @@ def test_ulysses_copies(pool, world_size, batch, dims):
             assert result["out_in_collective"] == (dims == (2, 1))
 
 
-@pytest.mark.parametrize(("op", "shape", "kwargs"), [("all_gather", (3, 5), {"dim": 0}),
-                                              ("reduce_scatter", (4, 5), {"dim": 0})])
+@pytest.mark.parametrize(
+    ("op", "shape", "kwargs"), [("all_gather", (3, 5), {"dim": 0}), ("reduce_scatter", (4, 5), {"dim": 0})]
+)
 def test_dim0_gather_scatter_copy_nothing(pool, op, shape, kwargs):
     """all_gather / reduce_scatter on dim 0: no pass before or after the collective, forward or backward."""
     for result in pool(2).run(plan_jobs.record, op, shape, kwargs):

@@ -57,9 +57,11 @@ def test_second_derivative_is_refused_by_name(pool, how):
     torch.func.grad) raises the spec's error on every rank, not a gradient that comes out silently zero."""
     case = _handed_case()
     messages = set(pool(4).run(jobs.second_order, case, cases.make_arrays(case, 0), how))
-    assert messages == {"TypeError: ring_attention: a second derivative is not supported: the backward is "
-                        "hand-written (first order); take one gradient, or use ulysses_attention, whose backward is "
-                        "autograd's own. Received: order=2"}
+    assert messages == {
+        "TypeError: ring_attention: a second derivative is not supported: the backward is "
+        "hand-written (first order); take one gradient, or use ulysses_attention, whose backward is "
+        "autograd's own. Received: order=2"
+    }
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -68,8 +70,9 @@ def test_torch_func_grad_causal(pool, layout):
     ``loss.backward()``'s gradients."""
     case = cases.context_case(4, (2, 16, 4, 3), kv_heads=2, causal=True, layout=layout)
     arrays = cases.make_arrays(case, 0)
-    for by_func, (_, by_backward, _, _) in zip(pool(4).run(jobs.func_grad, case, arrays),
-                                                pool(4).run(jobs.counted_call, case, arrays), strict=True):
+    for by_func, (_, by_backward, _, _) in zip(
+        pool(4).run(jobs.func_grad, case, arrays), pool(4).run(jobs.counted_call, case, arrays), strict=True
+    ):
         for name in case.inputs:
             np.testing.assert_allclose(by_func[name], by_backward[name], rtol=0, atol=1e-13)
 
@@ -90,9 +93,15 @@ def test_handed_case(pool):
         assert backward == [("batch_isend_irecv", kv)] * 7, backward
 
 
-@pytest.mark.parametrize("case", [_handed_case(), _handed_case(dtype="bfloat16"),
-                                  cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True,
-                                                     layout="zigzag")], ids=lambda case: case.name)
+@pytest.mark.parametrize(
+    "case",
+    [
+        _handed_case(),
+        _handed_case(dtype="bfloat16"),
+        cases.context_case(2, (2, 16, 4, 3), kv_heads=2, ulysses_size=2, causal=True, layout="zigzag"),
+    ],
+    ids=lambda case: case.name,
+)
 def test_spec_rules(pool, case):
     """The pieces on the spec's einsum rules (`commlib.blockwise.attend` / `attend_vjp`: CUDA's path, and CPU's
     where ``D_v != D``) instead of torch's CPU flash kernels: the same results."""
@@ -101,8 +110,11 @@ def test_spec_rules(pool, case):
     assert row.passed, row
 
 
-@pytest.mark.parametrize("case", [_handed_case(), cases.context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2)],
-                         ids=lambda case: case.name)
+@pytest.mark.parametrize(
+    "case",
+    [_handed_case(), cases.context_case(2, (2, 8, 4, 3), kv_heads=2, ulysses_size=2)],
+    ids=lambda case: case.name,
+)
 def test_saved_for_backward(pool, case):
     """What a rank saves for backward is exactly q, k, v, the output and the LSE ``[B, S/W, H]`` (ring), or
     those of the ring over the gathered ring block (USP: the all-to-alls save nothing): O(S/W), no per-step k/v
@@ -114,9 +126,13 @@ def test_saved_for_backward(pool, case):
         if case.op == "ring_attention":
             assert saved == expected, (saved, expected)
         else:  # the ring's q, k, v: [B, U * S_r, H / U, D] and [B, U * S_r, H_kv / U, D]; out and the LSE
-            assert [shape for shape, _, _ in saved] == [(2, 4, 2, 3), (2, 4, 1, 3), (2, 4, 1, 3), (2, 4, 2, 3),
-                                                        (2, 4, 2)], saved
-
+            assert [shape for shape, _, _ in saved] == [
+                (2, 4, 2, 3),
+                (2, 4, 1, 3),
+                (2, 4, 1, 3),
+                (2, 4, 2, 3),
+                (2, 4, 2),
+            ], saved
 
 
 def test_usp_collectives(pool):

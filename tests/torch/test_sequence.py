@@ -33,8 +33,10 @@ def test_shard_tokens_of_packed_documents_is_the_reference(pool, world_size):
 
 def test_bad_segment_ids_raise_the_spec_text_on_every_rank(pool):
     expected = []
-    for call in (lambda: spec.check_token_segments("shard_tokens", (2, 7), "int64", (2, 8)),
-                 lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8))):
+    for call in (
+        lambda: spec.check_token_segments("shard_tokens", (2, 7), "int64", (2, 8)),
+        lambda: spec.check_token_segments("shard_tokens", (2, 8), "float32", (2, 8)),
+    ):
         with pytest.raises((CommError, TypeError)) as info:
             call()
         expected.append(f"{info.type.__name__}: {info.value}")
@@ -53,9 +55,11 @@ def test_sync_gradients_averages_per_dtype(pool):
 
 def test_bad_input_raises_the_spec_text_on_every_rank(pool):
     expected = []
-    for call in (lambda: spec.check_layout("shard_tokens", SequenceLayout(8, 3), 2),
-                 lambda: spec.check_sequence("shard_sequence", (2, 7, 3), 1, 8, "layout.seq_len"),
-                 lambda: spec.check_cross_entropy((2, 4, 5), (2, 3), "float32", "int64", -100)):
+    for call in (
+        lambda: spec.check_layout("shard_tokens", SequenceLayout(8, 3), 2),
+        lambda: spec.check_sequence("shard_sequence", (2, 7, 3), 1, 8, "layout.seq_len"),
+        lambda: spec.check_cross_entropy((2, 4, 5), (2, 3), "float32", "int64", -100),
+    ):
         with pytest.raises(CommError) as info:
             call()
         expected.append(str(info.value))

@@ -20,8 +20,9 @@ def test_helpers_job_stores_the_reference(pool, world_size):
         for rank, (mine, theirs) in enumerate(zip(got, want, strict=True)):
             assert set(mine) == set(spec.OUTPUTS)
             for key in spec.OUTPUTS:
-                np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-13, atol=1e-14,
-                                           err_msg=f"{spec.name(layout)} rank {rank} {key}")
+                np.testing.assert_allclose(
+                    mine[key], theirs[key], rtol=1e-13, atol=1e-14, err_msg=f"{spec.name(layout)} rank {rank} {key}"
+                )
 
 
 def test_model_job_measures_the_transformers_example(pool):
@@ -55,8 +56,9 @@ def handwritten(ctx) -> list[float]:
         mine = glue.my_shard_tokens(ids, glue.my_positions(37, ring, ulysses, zigzag, ctx.rank))
         theirs = sequence.shard_tokens(ids, layout)
         errors += [float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True)]
-        logits = torch.randn(2, layout.sizes[ctx.rank], 11, dtype=torch.float64, generator=torch.Generator()
-                             .manual_seed(ctx.rank)).requires_grad_()
+        logits = torch.randn(
+            2, layout.sizes[ctx.rank], 11, dtype=torch.float64, generator=torch.Generator().manual_seed(ctx.rank)
+        ).requires_grad_()
         share, loss = glue.my_loss(logits, mine[2])
         share.backward()
         mine_grad, logits.grad = logits.grad, None

@@ -24,8 +24,12 @@ def scaled_collectives(x, ids):
     """`tests.testing_cases`'s workload."""
     rank = dist.get_rank()
     y = x * (rank + 1)
-    return {"reduced": cl.all_reduce(y), "gathered": cl.all_gather(y[rank:rank + 1], dim=0),
-            "square": (y * y).sum(), "ids": ids + rank}
+    return {
+        "reduced": cl.all_reduce(y),
+        "gathered": cl.all_gather(y[rank : rank + 1], dim=0),
+        "square": (y * y).sum(),
+        "ids": ids + rank,
+    }
 
 
 def difference(a, b):

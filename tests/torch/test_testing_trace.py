@@ -15,8 +15,12 @@ from tests.torch import trace_jobs
 def test_every_forward_call_in_order_with_its_module_and_arrays(pool, world_size):
     replies = pool(world_size).run(trace_jobs.tree, 5)
     trace = Trace.merge([reply[0] for reply in replies])
-    assert [(call.op, call.module) for call in trace] == [("all_reduce", "layers.1"), ("all_gather", "layers.1"),
-                                                          ("reduce_scatter", "layers.1.inner"), ("all_reduce", "")]
+    assert [(call.op, call.module) for call in trace] == [
+        ("all_reduce", "layers.1"),
+        ("all_gather", "layers.1"),
+        ("reduce_scatter", "layers.1.inner"),
+        ("all_reduce", ""),
+    ]
     assert trace[0].plan["convention"] == "replicated" and trace[3].plan["in_shape"] == "(3, 5)"
     xs, ys = zip(*(trace_jobs.inputs(rank, world_size, 5) for rank in range(world_size)), strict=True)
     summed = reference.all_reduce(list(xs), "sum")
@@ -50,7 +54,8 @@ def test_an_attention_layer_is_one_call_with_q_k_v(pool, world_size, seq_len):
     replies = pool(world_size).run(trace_jobs.attention, seq_len)
     trace = Trace.merge([trace for trace, _ in replies])
     assert [(call.op, call.module, list(call.inputs)) for call in trace] == [
-        ("ulysses_attention", f"layers.{i}.self_attn", ["q", "k", "v"]) for i in range(2)]
+        ("ulysses_attention", f"layers.{i}.self_attn", ["q", "k", "v"]) for i in range(2)
+    ]
     whole = trace_jobs.attention_inputs(seq_len)
     want = attention_spec.attention(*whole, causal=True, scale=0.25)
     rows = np.array_split(np.arange(seq_len), world_size)

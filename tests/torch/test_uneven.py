@@ -43,21 +43,26 @@ def test_a_sharded_dim_that_is_not_the_ranks_size_raises_the_spec_text_on_that_r
         with pytest.raises(CommError) as info:
             plans.all_to_all_4d((1, 2, 4, 2), 4, 2, 1, gather_sizes=(3, 3, 1, 1), rank=rank)
         assert reply == str(info.value), reply
-    assert replies[2] == ("all_to_all_4d: seq (2) must equal gather_sizes[2] (1) on rank 2. Received: "
-                          "shape=(1, 2, 4, 2), scatter_dim=2, gather_dim=1, gather_sizes=(3, 3, 1, 1)")
+    assert replies[2] == (
+        "all_to_all_4d: seq (2) must equal gather_sizes[2] (1) on rank 2. Received: "
+        "shape=(1, 2, 4, 2), scatter_dim=2, gather_dim=1, gather_sizes=(3, 3, 1, 1)"
+    )
 
 
 def test_checked_mode_ranks_that_disagree_on_sizes_all_raise(pool):
     """Each rank's tensor matches its own sizes (no local error), but rank 2's sizes differ from the others':
     every rank raises the same CommError before the all-to-all runs."""
     agreed, other = (2, 2, 1, 1), (2, 1, 2, 1)
-    calls = [("all_to_all_4d", (1, sizes[rank], 4, 2), "float32", dict(gather_sizes=sizes))
-             for rank, sizes in enumerate([agreed, agreed, other, agreed])]
+    calls = [
+        ("all_to_all_4d", (1, sizes[rank], 4, 2), "float32", dict(gather_sizes=sizes))
+        for rank, sizes in enumerate([agreed, agreed, other, agreed])
+    ]
     replies = pool(4).run(failure_jobs.call_checked, calls)
     assert all(reply[:2] == ("error", "CommError") for reply in replies), replies
     bodies = {reply[2].split(". Received: ")[0] for reply in replies}
-    assert bodies == {"all_to_all_4d: ranks disagree on gather_sizes: ranks 0, 1, 3 have (2, 2, 1, 1), rank 2 has "
-                      "(2, 1, 2, 1)"}
+    assert bodies == {
+        "all_to_all_4d: ranks disagree on gather_sizes: ranks 0, 1, 3 have (2, 2, 1, 1), rank 2 has (2, 1, 2, 1)"
+    }
     agreeing = [("all_to_all_4d", (1, agreed[rank], 4, 2), "float32", dict(gather_sizes=agreed)) for rank in range(4)]
     assert all(reply[0] == "ok" for reply in pool(4).run(failure_jobs.call_checked, agreeing, backward=True))
 

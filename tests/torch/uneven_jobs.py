@@ -28,8 +28,11 @@ def handed_case(ctx, seed: int = 9):
     out = cl.all_to_all_4d(x, 2, 1, scatter_sizes=heads, gather_sizes=seq)
     back = cl.all_to_all_4d(out, 1, 2, scatter_sizes=seq, gather_sizes=heads)
     (out * _rows(C, heads, 2, ctx.rank)).sum().backward()
-    errors = [(out - _rows(X, heads, 2, ctx.rank)).abs().max(), (back - x).abs().max(),
-              (x.grad - _rows(C, seq, 1, ctx.rank)).abs().max()]
+    errors = [
+        (out - _rows(X, heads, 2, ctx.rank)).abs().max(),
+        (back - x).abs().max(),
+        (x.grad - _rows(C, seq, 1, ctx.rank)).abs().max(),
+    ]
     return [float(error) for error in errors], tuple(out.shape)
 
 
@@ -76,11 +79,14 @@ def strided_views(ctx, views: tuple[int, ...], seed: int = 23):
     gathered = cl.all_gather(x, 0, sizes=sizes)
     gathered.backward(cotangents[rank])
     start = sum(sizes[:rank])
-    expected_grad = sum(c[start:start + sizes[rank]] for c in cotangents)
+    expected_grad = sum(c[start : start + sizes[rank]] for c in cotangents)
     whole = wholes[rank].clone().requires_grad_()
     scattered = cl.reduce_scatter(whole, 0, sizes=sizes)
     scattered.backward(small[rank])
-    errors = [(gathered - torch.cat(inputs)).abs().max(), (x.grad - expected_grad).abs().max(),
-              (scattered - sum(wholes)[start:start + sizes[rank]]).abs().max(),
-              (whole.grad - torch.cat(small)).abs().max()]
+    errors = [
+        (gathered - torch.cat(inputs)).abs().max(),
+        (x.grad - expected_grad).abs().max(),
+        (scattered - sum(wholes)[start : start + sizes[rank]]).abs().max(),
+        (whole.grad - torch.cat(small)).abs().max(),
+    ]
     return [float(error) for error in errors]
