@@ -335,6 +335,18 @@ def padded_tokens_error(tokens: Sequence[int]) -> CommError:
     )
 
 
+def ranks_differ_error(what: str, values: Sequence[object]) -> CommError:
+    """A quantity every rank's call must share (K, the feature shape, the number of ranks given) differs: the
+    routing of one rank would be walked with another's.
+
+    >>> print(ranks_differ_error("top_k K", [2, 1]))  # doctest: +ELLIPSIS
+    route: every rank must have the same top_k K; ranks have (2, 1). Received: values=(2, 1)
+    """
+    return comm_error(
+        ROUTE_OP, f"every rank must have the same {what}; ranks have {tuple(values)}", values=tuple(values)
+    )
+
+
 def check_weights(weights_shape: Sequence[int] | None, plan: RoutePlan) -> None:
     """`combine`'s `weights` must be ``[T, K]`` as the routing's indices."""
     if weights_shape is not None and tuple(weights_shape) != (plan.tokens, plan.top_k):

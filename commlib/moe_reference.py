@@ -110,6 +110,8 @@ def simulate_moe(
     ([[1.0, 2.0], [1.0]], [[1.0, 1.0], [2.0]])
     """
     world = len(xs)
+    if len(indices) != world:
+        raise moe.ranks_differ_error("number of ranks in xs and indices", [world, len(indices)])
     plans, found = [], []
     for rank, rank_indices in enumerate(indices):
         rank_indices = np.asarray(rank_indices)
@@ -127,6 +129,10 @@ def simulate_moe(
         moe.check_weights(None if weights is None else np.shape(weights[rank]), plan)
         plans.append(plan)
         found.append(moe.bad_route(rank_indices, num_experts))
+    if len({plan.top_k for plan in plans}) > 1:
+        raise moe.ranks_differ_error("top_k K", [plan.top_k for plan in plans])
+    if len({np.shape(x)[1:] for x in xs}) > 1:
+        raise moe.ranks_differ_error("feature shape", [np.shape(x)[1:] for x in xs])
     if layout == "padded" and len({plan.tokens for plan in plans}) > 1:
         raise moe.padded_tokens_error([plan.tokens for plan in plans])
     for rank, bad in enumerate(found):  # every rank raises the first bad rank's error

@@ -379,3 +379,15 @@ def test_checked_mode_fingerprint_names_what_differs() -> None:
     other = check.moe_call("dispatch", plan, (4, 9), "float32")
     with pytest.raises(CommError, match="ranks disagree on feature shape"):
         check.compare_layers([calls[0], other], rank=0)
+
+
+def test_ranks_that_differ_in_k_features_or_count_are_refused():
+    """Every rank's call shares K and the feature shape (rank 1 walked with rank 0's K gave combined [10, 10]
+    where the rules give [10, 20])."""
+    two = [np.array([[0, 1], [2, 3]]), np.array([[1], [3]])]
+    with pytest.raises(CommError, match=r"same top_k K; ranks have \(2, 1\)"):
+        simulate_moe([np.ones((2, 1)), np.ones((2, 1))], two, 4)
+    with pytest.raises(CommError, match=r"same feature shape; ranks have \(\(1,\), \(2,\)\)"):
+        simulate_moe([np.ones((2, 1)), np.ones((2, 2))], [np.array([[0], [1]]), np.array([[2], [3]])], 4)
+    with pytest.raises(CommError, match=r"number of ranks in xs and indices; ranks have \(2, 1\)"):
+        simulate_moe([np.ones((2, 1)), np.ones((2, 1))], [np.array([[0], [1]])], 4)
