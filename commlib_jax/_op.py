@@ -9,7 +9,6 @@ what only JAX can see (an array, a bound axis name) before the plan builder runs
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +19,10 @@ from jax.typing import DTypeLike
 from commlib import frontend_errors, gradients
 from commlib.layout import Plan
 from commlib_jax._compat import bound_axis_names
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array
 from commlib_jax._vma import axis_arg, to_varying
 from commlib_jax._walk import dtype_name, rank, run
 from commlib_jax.testing_trace import ACTIVE, recorded_op
-
-if TYPE_CHECKING:
-    from commlib_jax._types import Array
 
 __all__ = ["collective", "apply", "axis_size", "world_size", "accum"]
 
@@ -109,8 +106,8 @@ def axis_size(op_name: str, axes: tuple[str, ...]) -> int:
 
 def world_size(op_name: str, x: object, axes: tuple[str, ...]) -> int:
     """`axis_size`, after checking that `x` is an array."""
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        raise frontend_errors.wrong_type(op_name, "x", x, "jax.Array or numpy.ndarray")
+    if not isinstance(x, (*ARRAY_TYPES, np.generic)):
+        raise frontend_errors.wrong_type(op_name, "x", x, ARRAY_NAME)
     return axis_size(op_name, axes)
 
 

@@ -25,10 +25,11 @@ from commlib.masks import segment_mask
 from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._vma import axes_of
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d
-from commlib_jax.ring import ARRAY_NAME, ARRAY_TYPES, ring_attention, usp_attention
+from commlib_jax.ring import ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 

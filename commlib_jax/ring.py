@@ -31,6 +31,7 @@ from commlib.check import attention_call
 from commlib.sequence import SequenceLayout
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import Array, AxisName, all_gather, all_to_all_4d, permute
@@ -38,9 +39,6 @@ from commlib_jax.functional import Array, AxisName, all_gather, all_to_all_4d, p
 __all__ = ["ring_attention", "usp_attention"]
 
 MATH = blockwise.ArrayMath(jnp)
-#: What a layer takes as q, k, v and segment ids (`commlib.attention.check_layer_inputs`): JAX or numpy arrays.
-ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray)
-ARRAY_NAME = "jax.Array or numpy.ndarray"
 
 
 def _ring_on_axes(

@@ -33,6 +33,7 @@ from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
 from commlib_jax import _parallel
 from commlib_jax._op import axis_size
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._vma import axes_of, shared_axes
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
@@ -69,8 +70,8 @@ def _rows(table: np.ndarray, layout: SequenceLayout, axes: tuple) -> jax.Array:
 
 def _check_array(op_name: str, x, name: str = "x"):
     """`x` itself if it is an array; else the spec's TypeError naming the argument and the type received."""
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        raise frontend_errors.wrong_type(op_name, name, x, "jax.Array or numpy.ndarray")
+    if not isinstance(x, (*ARRAY_TYPES, np.generic)):
+        raise frontend_errors.wrong_type(op_name, name, x, ARRAY_NAME)
     return x
 
 
