@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from commlib.testing.parity import TOLERANCES, beyond_tolerance, tolerance
+from commlib.testing.parity import TOLERANCES, beyond_tolerance, check_tolerances, tolerance
 from commlib.testing.trace import Arrays, Call
 
 __all__ = ["Difference", "Divergence", "TOLERANCES", "first_divergence"]
@@ -140,6 +140,7 @@ def first_divergence(
         >>> first_divergence([call], [call]) is None
         True
     """
+    check_tolerances("first_divergence", rtol, atol)
     lengths = (len(trace_a), len(trace_b))
     for index in range(max(lengths)):
         call_a = trace_a[index] if index < lengths[0] else None

@@ -11,14 +11,17 @@ the scale, so one inf cannot make the tolerance infinite (`beyond_tolerance`, al
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from commlib.errors import comm_error, kind_error
 from commlib.testing.trees import children, join, shown
 
-__all__ = ["TOLERANCES", "assert_parity", "beyond_tolerance", "tolerance"]
+__all__ = ["TOLERANCES", "assert_parity", "beyond_tolerance", "check_tolerances", "tolerance"]
 
 #: Max abs error allowed relative to max(1, max |value|), by dtype (`commlib parity`'s table; other dtypes:
 #: exact). Complex dtypes use their component's entry.
@@ -39,6 +42,36 @@ def tolerance(*dtypes: Any) -> float:
     """
     names = [np.dtype(dtype).name if not isinstance(dtype, str) else dtype for dtype in dtypes]
     return max((TOLERANCES.get(_COMPONENT.get(name, name), 0.0) for name in names), default=0.0)
+
+
+def check_tolerances(caller: str, rtol: object, atol: object) -> None:
+    """Refuse an `rtol` / `atol` that is not None or a finite number >= 0, before anything is compared: a NaN
+    tolerance would pass every element (``d > nan`` is False), an infinite one would pass a NaN against a
+    number, a negative one would fail equal arrays.
+
+    Raises TypeError (not a number; a bool) or `commlib.CommError` (a ``ValueError``: NaN, inf, negative),
+    naming `caller` and the argument.
+
+    >>> check_tolerances("assert_parity", 1e-6, None)
+    >>> check_tolerances("assert_parity", "1e-3", None)
+    Traceback (most recent call last):
+    ...
+    TypeError: assert_parity: rtol must be a number or None, not str. Received: rtol='1e-3'
+    """
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise kind_error(caller, f"{name} must be a number or None, not {type(value).__name__}", **{name: value})
+        if not math.isfinite(value) or value < 0:
+            why = (
+                "nan would pass any values"
+                if math.isnan(value)
+                else "inf would pass a NaN against a number"
+                if math.isinf(value)
+                else "a negative tolerance fails equal values"
+            )
+            raise comm_error(caller, f"{name} must be a finite number >= 0 ({why})", **{name: value})
 
 
 def beyond_tolerance(
@@ -129,6 +162,7 @@ def assert_parity(
     ...
     AssertionError: assert_parity: structures differ at (root): keys only in a: ['out']; keys only in b: ['output']
     """
+    check_tolerances("assert_parity", rtol, atol)
     differences: list[_Difference] = []
     count = 0
     for rank, tree_a, tree_b in _ranks(a, b, names):

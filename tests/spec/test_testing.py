@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from commlib.errors import CommError
 from commlib.testing import (
     LINEAR,
     TOLERANCES,
@@ -23,6 +24,7 @@ from commlib.testing import (
     tolerance,
     unflatten,
 )
+from commlib.testing.divergence import first_divergence
 from commlib.tools import cases
 
 # --- assert_parity -------------------------------------------------------------------------------------------
@@ -90,6 +92,31 @@ def test_non_finite_values_compare_by_equality(a, b, tolerances):
     message = _message(a, b, **tolerances)
     assert "1 of 1 arrays differ" in message
     _message(b, a, **tolerances)
+
+
+BAD_TOLERANCES = [  # (keywords, error, words): a NaN tolerance passed any values, inf a NaN against a number
+    ({"rtol": float("nan")}, CommError, "rtol must be a finite number >= 0 (nan would pass any values)"),
+    ({"atol": float("nan")}, CommError, "atol must be a finite number >= 0 (nan would pass any values)"),
+    ({"atol": float("inf")}, CommError, "(inf would pass a NaN against a number). Received: atol=inf"),
+    ({"rtol": -1e-3}, CommError, "(a negative tolerance fails equal values). Received: rtol=-0.001"),
+    ({"atol": "1e-3"}, TypeError, "atol must be a number or None, not str. Received: atol='1e-3'"),
+    ({"rtol": True}, TypeError, "rtol must be a number or None, not bool"),
+]
+
+
+@pytest.mark.parametrize(("tolerances", "error", "words"), BAD_TOLERANCES)
+def test_a_tolerance_that_cannot_compare_is_refused_before_comparing(tolerances, error, words):
+    for tool, call in (
+        ("assert_parity", lambda: assert_parity(np.zeros(2), np.array([np.nan, 5.0]), **tolerances)),
+        ("first_divergence", lambda: first_divergence([], [], **tolerances)),
+    ):
+        with pytest.raises(error) as raised:
+            call()
+        assert str(raised.value).startswith(f"{tool}: ") and words in str(raised.value)
+
+
+def test_numpy_scalar_tolerances_are_numbers():
+    assert_parity(np.ones(2), np.ones(2) + 1e-4, rtol=np.float32(1e-3), atol=np.int64(0))
 
 
 def test_equal_non_finite_values_pass_and_the_finite_ones_keep_their_scale():
