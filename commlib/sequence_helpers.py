@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 
-from commlib.errors import comm_error, kind_error
+from commlib.errors import CommError, comm_error, kind_error
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
 
@@ -42,6 +43,7 @@ __all__ = [
     "check_token_segments",
     "position_table",
     "label_table",
+    "labels_out_of_range_error",
     "shard_order",
     "gather_order",
     "gather_sizes",
@@ -181,6 +183,25 @@ def check_cross_entropy(
     if label_dims != dims[:-1]:
         raise comm_error(op_name, f"labels.shape ({label_dims}) must be logits.shape[:-1] ({dims[:-1]})", **received)
     return ignore
+
+
+def labels_out_of_range_error(counts: Sequence[int], vocab: int, ignore_index: int) -> CommError:
+    """The error every rank of `cross_entropy` raises when some rank's labels hold values outside ``[0, vocab)``
+    other than `ignore_index`; `counts` is every rank's number of them (all_reduced with the loss, so the
+    message is the same on every rank).
+
+    >>> labels_out_of_range_error([0, 2], 5, -100)
+    CommError('cross_entropy: labels must be in [0, 5) or ignore_index (-100); 2 are not, on rank 1. Received: ...')
+    """
+    ranks = [rank for rank, count in enumerate(counts) if count]
+    where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return comm_error(
+        "cross_entropy",
+        f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); {sum(counts)} are not, on {where}",
+        counts_per_rank=tuple(counts),
+        vocab=vocab,
+        ignore_index=ignore_index,
+    )
 
 
 def check_share_axes(axes: tuple, summed: tuple | None) -> bool:

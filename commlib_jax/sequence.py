@@ -257,6 +257,9 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     share (its tokens' loss sum / global count) instead: that helper sums the ranks' losses, so its loss is the
     global mean (not W times it) and its gradients the unsharded ones, in every mode.
 
+    Labels outside ``[0, V)`` other than `ignore_index` on any rank (a traced program cannot raise): the loss
+    and every gradient are NaN on every rank (torch's `cross_entropy` raises a CommError instead).
+
     Raises:
         CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d, `axis_name` not within value_and_grad's
             axes (inside it). TypeError: logits not floating, labels not integer, `ignore_index` not an int.
@@ -278,15 +281,23 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     )
     share = spec.check_share_axes(axes, summed_axes())
     accumulate = jnp.promote_types(logits.dtype, jnp.float32)
-    valid = labels != ignore
+    bad = (labels != ignore) & ((labels < 0) | (labels >= logits.shape[-1]))  # counted, never indexed
+    valid = (labels != ignore) & ~bad
     log_probs = jax.nn.log_softmax(logits.astype(accumulate), axis=-1)
     picked = jnp.take_along_axis(log_probs, jnp.where(valid, labels, 0)[..., None].astype(jnp.int32), axis=-1)
     local = -jnp.sum(jnp.where(valid, picked[..., 0], 0))
-    count = jnp.sum(valid).astype(accumulate)
+    counts = jnp.stack([jnp.sum(valid), jnp.sum(bad)]).astype(accumulate)
     if share:  # value_and_grad sums the ranks' losses: each rank contributes its share
-        return local / jax.lax.stop_gradient(all_reduce(count, axis_name))
-    total = all_reduce(jnp.stack([local, count]), axis_name, convention="replicated")
-    return total[0] / jax.lax.stop_gradient(total[1])
+        total_counts = jax.lax.stop_gradient(all_reduce(counts, axis_name))
+        return local / total_counts[0] * _poisoned(total_counts[1])
+    total = all_reduce(jnp.concatenate([local[None], counts]), axis_name, convention="replicated")
+    return total[0] / jax.lax.stop_gradient(total[1]) * _poisoned(jax.lax.stop_gradient(total[2]))
+
+
+def _poisoned(bad_count: jax.Array) -> jax.Array:
+    """NaN where any rank had a label outside ``[0, V)`` (a traced program cannot raise): the loss and, through
+    the product, every gradient NaN on every rank; else 1."""
+    return jnp.where(bad_count > 0, jnp.nan, 1.0).astype(bad_count.dtype)
 
 
 # ---- the parallel context and the attention drop-in ------------------------------------------------------------

@@ -47,15 +47,19 @@ __all__ = [
 ]
 
 
+def _context_group(group: GroupArgument) -> GroupArgument:
+    """`group`, or inside a `parallel` context where it is None the context's group (None: WORLD)."""
+    state = _parallel.CONTEXTS.innermost()
+    return state.group if group is None and state is not None else group
+
+
 def _rank_layout(op_name: str, layout: object, group: GroupArgument) -> tuple[SequenceLayout, ResolvedGroup, int]:
     """The layout checked against the group, the resolved group and this rank in it. Inside a `parallel` context
     a layout None is the context's (another one is refused by the spec) and a group None the context's
     (Ulysses' or ring's group; USP's whole group, WORLD where none was given)."""
     state = _parallel.CONTEXTS.innermost()
     layout = parallel_spec.helper_layout(op_name, None if state is None else state.plan, layout)
-    if group is None and state is not None:
-        group = state.group
-    resolved = resolve_group(op_name, group)
+    resolved = resolve_group(op_name, _context_group(group))
     layout = spec.check_layout(op_name, layout, world_size(op_name, resolved))
     return layout, resolved, dist.get_rank(resolved)
 
@@ -247,11 +251,17 @@ def cross_entropy(
     for uneven shards and padding). Gradient (``all_reduce(..., convention="replicated")``): each rank's logits
     get their tokens' share of the global mean, ``(softmax - one_hot) / global count`` (0 on ignored rows), so
     the replicated parameters' gradients summed over the group (`sync_gradients`) are the unsharded ones. No
-    non-ignored token anywhere: NaN, as torch's mean.
+    non-ignored token anywhere: NaN, as torch's mean. `group` None inside a `parallel` context: the context's
+    group (the sequence group `shard_tokens` shards over), else WORLD.
+
+    Labels outside ``[0, V)`` other than `ignore_index` on any rank: every rank raises the same CommError (their
+    count per rank rides the loss's all_reduce; one host read of it per call, skipped under ``torch.compile``,
+    where they count as ignored).
 
     Raises:
-        CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d. TypeError: logits not floating, labels not
-            integer, `ignore_index` not an int.
+        CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d, labels outside ``[0, V)`` other than
+            `ignore_index` (on every rank). TypeError: logits not floating, labels not integer, `ignore_index`
+            not an int.
 
     Example:
         >>> logits, labels = torch.zeros(1, 3, 4, requires_grad=True), torch.tensor([[1, 2, -100]])
@@ -260,7 +270,7 @@ def cross_entropy(
         1.386294
     """
     logits, labels = check_tensor("cross_entropy", logits, "logits"), check_tensor("cross_entropy", labels, "labels")
-    resolved = resolve_group("cross_entropy", group)
+    resolved = resolve_group("cross_entropy", _context_group(group))
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         world_size("cross_entropy", resolved)  # (a rank outside the group: the spec's error, not an exchange)
         exchange_layer(
@@ -279,10 +289,19 @@ def cross_entropy(
         tuple(logits.shape), tuple(labels.shape), dtype_name(logits.dtype), dtype_name(labels.dtype), ignore_index
     )
     accumulate = torch.promote_types(logits.dtype, torch.float32)
+    vocab, size = logits.shape[-1], world_size("cross_entropy", resolved)
+    flat_labels = labels.reshape(-1).long()
+    bad = (flat_labels != ignore) & ((flat_labels < 0) | (flat_labels >= vocab))
+    flat_labels = torch.where(bad, ignore, flat_labels)  # counted below, never indexed
     flat = logits.reshape(-1, logits.shape[-1]).to(accumulate)
-    local = torch.nn.functional.cross_entropy(flat, labels.reshape(-1).long(), ignore_index=ignore, reduction="sum")
-    count = (labels != ignore).sum().to(accumulate)
-    total = all_reduce(torch.stack([local, count]), group=resolved, convention="replicated")
+    local = torch.nn.functional.cross_entropy(flat, flat_labels, ignore_index=ignore, reduction="sum")
+    count = (flat_labels != ignore).sum().to(accumulate)
+    bad_by_rank = (torch.arange(size, device=logits.device) == dist.get_rank(resolved)) * bad.sum().to(accumulate)
+    total = all_reduce(torch.cat([torch.stack([local, count]), bad_by_rank]), group=resolved, convention="replicated")
+    if not torch.compiler.is_compiling():  # one host read: every rank raises the same error, none waits
+        counts = [int(value) for value in total[2:].tolist()]
+        if any(counts):
+            raise spec.labels_out_of_range_error(counts, vocab, ignore)
     return total[0] / total[1].detach()
 
 
@@ -292,7 +311,9 @@ def sync_gradients(
     """Sum (``op="sum"``) or average (``"avg"``) the gradients of replicated parameters over `group`, in place:
     one all_reduce per dtype and device (the gradients flattened into one buffer each). Parameters without a
     gradient are skipped (every rank must skip the same ones). With `cross_entropy` (each rank's share of the
-    global mean) "sum" gives every rank the unsharded gradients; DDP's average would give 1/W of them.
+    global mean) "sum" gives every rank the unsharded gradients; DDP's average would give 1/W of them. `group`
+    None inside a `parallel` context: the context's group (the sequence group; on a DP x SP mesh the data-
+    parallel average stays DDP's or yours), else WORLD.
 
     Raises:
         CommError: op not sum/avg. TypeError: a parameter that is not a tensor, a sparse gradient.
@@ -305,7 +326,7 @@ def sync_gradients(
         tensor([3., 3.])
     """
     reduce_op = spec.check_sync_op(op)
-    resolved = resolve_group("sync_gradients", group)
+    resolved = resolve_group("sync_gradients", _context_group(group))
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for parameter in parameters:
         check_tensor("sync_gradients", parameter, "parameter")

@@ -333,3 +333,28 @@ def test_bad_input_raises_the_spec_text():
         with pytest.raises(CommError) as spec_raised:
             expected()
         assert str(raised.value) == str(spec_raised.value)
+
+
+@pytest.mark.parametrize("bad", [5, -5, 9])
+@pytest.mark.parametrize("inside", [False, True], ids=["grad", "value_and_grad"])
+def test_a_label_outside_the_vocabulary_makes_the_loss_and_every_gradient_nan_on_every_rank(bad, inside):
+    """Before: -5 was taken as label 0 silently and 5, 9 gave a NaN loss with finite gradients. The gradient is
+    taken of a weight replicated over the axis (the logits are ``w`` on every row)."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+    labels = jnp.array([[0, 1, IGNORE, 4], [bad, 2, 3, IGNORE]])  # rank 1 holds the bad label
+
+    def loss(weight, labels):
+        return sequence.cross_entropy(jnp.broadcast_to(weight, (4, 5)), labels, "i", ignore_index=IGNORE)
+
+    step = value_and_grad(loss, "i") if inside else jax.value_and_grad(loss)
+    mapped = jax.shard_map(
+        lambda w, y: jax.tree.map(lambda t: t[None], step(w, y[0])),
+        mesh=mesh,
+        in_specs=(P(), P("i")),
+        out_specs=P("i"),
+        check_vma=False,
+    )
+    for rows, finite in ((labels, False), (labels.at[1, 0].set(1), True)):  # then in range: finite
+        values, grads = jax.jit(mapped)(jnp.arange(5.0), rows)
+        assert np.isfinite(np.asarray(values)).all() == finite and np.isfinite(np.asarray(grads)).all() == finite
+        assert np.isnan(np.asarray(values)).all() != finite and np.isnan(np.asarray(grads)).all() != finite

@@ -168,3 +168,46 @@ def wrong_layout(ctx) -> list[str]:
         except CommError as error:
             messages.append(str(error))
     return messages
+
+
+def bad_labels(ctx, values: tuple[int, ...]) -> str:
+    """cross_entropy where rank 1's labels hold `values` (outside [0, 5), not ignore_index): every rank's error
+    text (before, rank 1 raised a raw IndexError or averaged label -5 as label 0 and the others timed out)."""
+    labels = torch.tensor([[0, 1, IGNORE, 4]])
+    if ctx.rank == 1:
+        labels[0, : len(values)] = torch.tensor(values)
+    logits = torch.zeros(1, 4, 5, requires_grad=True)
+    try:
+        sequence.cross_entropy(logits, labels, ignore_index=IGNORE)
+    except CommError as error:
+        return str(error)
+    return "no error"
+
+
+def context_group_loss(ctx) -> dict[str, float]:
+    """On a DP 2 x SP 2 mesh (rank 2 * d + s), cross_entropy and sync_gradients inside ``parallel(layout,
+    (mesh, "sp"))`` with group None: this replica's loss against the unsharded replica's, and the weight's
+    gradient error (the context's group, where WORLD averaged both replicas: 3.998690 for 3.977933 and
+    4.019447)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    replica = ctx.rank // 2
+    generator = np.random.default_rng(replica)
+    ids = generator.integers(0, 7, size=(1, 6))
+    labels = torch.from_numpy(spec.next_token_labels(ids, IGNORE))
+    weight0 = generator.standard_normal((7, 7))
+    full = torch.tensor(weight0, requires_grad=True)
+    expected = torch.nn.functional.cross_entropy(full[torch.from_numpy(ids)].reshape(-1, 7), labels.reshape(-1))
+    expected.backward()
+    layout = SequenceLayout(6, ulysses_size=2)
+    weight = torch.tensor(weight0, requires_grad=True)
+    with sequence.parallel(layout, (mesh, "sp")):
+        tokens, _, shard_labels = sequence.shard_tokens(torch.from_numpy(ids))
+        loss = sequence.cross_entropy(weight[tokens], shard_labels)
+        loss.backward()
+        sequence.sync_gradients([weight])
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": float((weight.grad - full.grad).abs().max()),
+    }

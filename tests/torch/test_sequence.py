@@ -64,3 +64,17 @@ def test_bad_input_raises_the_spec_text_on_every_rank(pool):
             call()
         expected.append(str(info.value))
     assert pool(2).run(sequence_jobs.wrong_layout) == [expected] * 2
+
+
+@pytest.mark.parametrize("values", [(5,), (-5,), (9, 7)], ids=["V", "negative", "two"])
+def test_labels_outside_the_vocabulary_raise_the_same_error_on_every_rank(pool, values):
+    expected = (
+        f"cross_entropy: labels must be in [0, 5) or ignore_index (-100); {len(values)} are not, on rank 1. "
+        f"Received: counts_per_rank=(0, {len(values)}), vocab=5, ignore_index=-100"
+    )
+    assert pool(2).run(sequence_jobs.bad_labels, values) == [expected] * 2
+
+
+def test_cross_entropy_and_sync_gradients_take_the_parallel_contexts_group(pool):
+    for result in pool(4).run(sequence_jobs.context_group_loss):
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
