@@ -1,11 +1,10 @@
 """Sequence-parallel attention over `jax.lax` (inside ``shard_map`` / ``pmap``): Ulysses, ring and USP.
 
-Ulysses (any sequence length, any head count, GQA/MQA): the spec (`commlib.attention.ulysses_plan`, padded
-layout) validates the call and decides the heads each rank attends with, the kv heads it receives and the sizes
-of the collectives; this module walks that plan: one all-to-all for q, k and v together, the attention over the
-full sequence, one all-to-all back (per head group with ``chunks > 1``: each group's all-to-alls read nothing of
-another group's attention, so XLA may overlap them). Every rank runs the same program, so rank-dependent head
-counts are padded to the largest rank's.
+Ulysses (any sequence length, any head count, GQA/MQA): the spec checks and plans the call
+(`commlib.layer_call.ulysses_call`, the padded layout: every rank runs the same program, so rank-dependent head
+counts are padded to the largest rank's) and walks its head groups (`commlib.ulysses.walk`); this module is the
+walk's backend (`_Backend`): one gather for the send buffer, `jax.lax` all-to-alls traced where the walk starts
+them (no group's all-to-all reads another group's attention, so XLA may overlap them), the attention in XLA.
 
 Ring and USP: `commlib_jax.ring` (the spec's walk of `commlib.ring`: k/v around the ring with `permute`, a
 hand-written backward).
@@ -13,16 +12,18 @@ hand-written backward).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
-from commlib.check import attention_call
+from commlib.check import LayerCall
+from commlib.layer_call import ulysses_call
 from commlib.masks import segment_mask
-from commlib.sequence import SequenceLayout, ulysses_seq_sizes
+from commlib.sequence import SequenceLayout
+from commlib.ulysses import Finished, walk
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
@@ -92,58 +93,54 @@ def _sizes(scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] 
     return {key: value for key, value in sizes.items() if value is not None}
 
 
-def _exchange(exchange: spec.Exchange, inputs: dict, axis_name: AxisName) -> dict:
-    """One all-to-all of the exchange's inputs: ``{name: [n, B, S, D]}`` (heads first, padded to the largest
-    rank's count) on this rank. The send buffer is one gather (zeros where a destination has fewer heads)."""
-    stacked = jnp.concatenate([jnp.moveaxis(inputs[name], 2, 0) for name in exchange.inputs], axis=0)
-    send = jnp.take(stacked, np.asarray(exchange.send_index, dtype=np.int32), axis=0, mode="fill", fill_value=0)
-    recv = all_to_all(send, axis_name, 0, 2, **_sizes(exchange.scatter_sizes, exchange.gather_sizes))
-    return {name: recv[start:stop] for name, start, stop in exchange.receive}
+class _Backend:
+    """`commlib.ulysses.UlyssesBackend` and `commlib.layer_call.LayerFrontend` over mesh axes: every collective
+    is traced where the walk starts it (`Finished`) and XLA schedules."""
 
+    array_types: tuple[type, ...] = ARRAY_TYPES
+    array_name = ARRAY_NAME
 
-def _attend(
-    group: spec.HeadGroup, local: dict, plan: spec.UlyssesPlan, axes: tuple, attn_fn: AttentionFn | None, masks: dict
-) -> jax.Array:
-    """One head group's attention on this rank: ``[B, S, h, D_v]`` (h padded to the largest rank's)."""
-    keys, values = local["k"], local["v"]
-    if group.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
-        index = jnp.asarray(np.asarray(group.kv_index, dtype=np.int32))[rank(axes)]
-        keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
-    bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
-    return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+    def __init__(self, axis_name: AxisName, attn_fn: AttentionFn | None) -> None:
+        self.axis_name, self.axes, self.attn_fn = axis_name, axes_of(axis_name), attn_fn
 
+    def dtype_name(self, x: Array) -> str:
+        return dtype_name(x.dtype)
 
-def _walk(
-    plan: spec.UlyssesPlan,
-    inputs: dict,
-    axis_name: AxisName,
-    attn_fn: AttentionFn | None,
-    segment_ids: jax.Array | None,
-) -> jax.Array:
-    """The plan's head groups, traced in the torch walk's order (group c + 1's exchanges before group c's
-    attention); no group's all-to-all reads another group's attention. Segment ids: all-gathered once."""
-    axes = axes_of(axis_name)
-    received = [_exchanges(plan.groups[0], inputs, axis_name)]
-    masks = {}
-    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
-        masks["segment_ids"] = all_gather(segment_ids, axis_name, 1, sizes=plan.out_scatter_sizes)
-    outputs = []
-    for index, group in enumerate(plan.groups):
-        if index + 1 < plan.chunks:
-            received.append(_exchanges(plan.groups[index + 1], inputs, axis_name))
-        out = _attend(group, received[index], plan, axes, attn_fn, masks)
-        outputs.append(all_to_all_4d(out, axis_name, 1, 2, **_sizes(plan.out_scatter_sizes, group.out_gather_sizes)))
-    if plan.out_runs is None:
-        return outputs[0]
-    return jnp.concatenate([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], axis=2)
+    def checked(self) -> bool:
+        return is_checked()  # several processes: they compare the options first (commlib_jax._checked)
 
+    def exchange_layer(self, call: LayerCall) -> None:
+        exchange_layer(call)
 
-def _exchanges(group: spec.HeadGroup, inputs: dict, axis_name: AxisName) -> dict:
-    """A head group's exchanges in: ``{name: [n, B, S, D]}``."""
-    local: dict = {}
-    for exchange in group.exchanges:
-        local.update(_exchange(exchange, inputs, axis_name))
-    return local
+    def start_exchange(self, exchange: spec.Exchange, inputs: Mapping[str, Array], overlap: bool) -> Finished:
+        """One all-to-all of the exchange's inputs, heads first, padded to the largest rank's count; the send
+        buffer is one gather (zeros where a destination has fewer heads)."""
+        stacked = jnp.concatenate([jnp.moveaxis(inputs[name], 2, 0) for name in exchange.inputs], axis=0)
+        send = jnp.take(stacked, np.asarray(exchange.send_index, dtype=np.int32), axis=0, mode="fill", fill_value=0)
+        sizes = _sizes(exchange.scatter_sizes, exchange.gather_sizes)
+        return Finished(all_to_all(send, self.axis_name, 0, 2, **sizes))
+
+    def gather_segments(self, segment_ids: jax.Array, sizes: tuple[int, ...] | None) -> jax.Array:
+        return all_gather(segment_ids, self.axis_name, 1, sizes=sizes)
+
+    def attend(
+        self, plan: spec.UlyssesPlan, group: spec.HeadGroup, local: Mapping[str, jax.Array], masks: Mapping
+    ) -> jax.Array:
+        """``[B, S, h, D_v]``, h padded to the largest rank's."""
+        keys, values = local["k"], local["v"]
+        if group.kv_index is not None:  # some rank's q heads do not group evenly over its kv heads
+            index = jnp.asarray(np.asarray(group.kv_index, dtype=np.int32))[rank(self.axes)]
+            keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
+        bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
+        return (self.attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+
+    def start_output(
+        self, out: jax.Array, scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None, overlap: bool
+    ) -> Finished:
+        return Finished(all_to_all_4d(out, self.axis_name, 1, 2, **_sizes(scatter_sizes, gather_sizes)))
+
+    def concat_heads(self, outputs: list[jax.Array]) -> jax.Array:
+        return jnp.concatenate(outputs, axis=2)
 
 
 def ulysses_attention(
@@ -223,39 +220,21 @@ def ulysses_attention(
         >>> bool(jnp.array_equal(chunked(2)(q, k, v), chunked(1)(q, k, v)))  # heads 0 and 2, then 1 and 3
         True
     """
-    axes = axes_of(axis_name)
-    size = axis_size(spec.OP_NAME, axes)
-    spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
-    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(
-            attention_call(
-                spec.OP_NAME,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                world_size=size,
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                seq_sizes=seq_sizes,
-                attn_fn=attn_fn,
-                segment_ids=segment_ids,
-                chunks=chunks,
-            )
-        )
-    sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
-    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    segment_type = None if segment_ids is None else (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        size,
-        seq_sizes=sizes,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
+    backend = _Backend(axis_name, attn_fn)
+    plan = ulysses_call(
+        backend,
+        q,
+        k,
+        v,
+        segment_ids,
+        world_size=axis_size(spec.OP_NAME, backend.axes),
+        rank=None,
         causal=causal,
         scale=scale,
-        layout="padded",
-        segment_ids=segment_type,
+        seq_sizes=seq_sizes,
+        attn_fn=attn_fn,
+        layout=layout,
         chunks=chunks,
     )
-    return _walk(plan, {"q": q, "k": k, "v": v}, axis_name, attn_fn, segment_ids)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    return walk(backend, plan, {"q": q, "k": k, "v": v}, segment_ids)

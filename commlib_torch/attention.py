@@ -1,17 +1,16 @@
 """Ulysses sequence-parallel attention over `torch.distributed`: any sequence length, any head count, GQA/MQA;
 ring attention and USP (`commlib_torch.ring`) past the head count.
 
-The spec (`commlib.attention.ulysses_plan`) validates the call and decides the heads each rank attends with,
-the kv heads it receives and the sizes of the collectives; this module walks that plan: one all-to-all for
-q, k and v together, the attention over the full sequence, one all-to-all back -- per head group with
-``chunks > 1``, in pipeline order (group c + 1's exchange started before group c's attention, group c's
-output all-to-all started before group c + 1's attention), through one seam, `_start_exchange`: with
-``async_op=True`` (a `commlib_torch.Handle`; its backward is asynchronous too), so they overlap.
+The spec decides everything: `commlib.layer_call.ulysses_call` checks the call and plans it (the heads each
+rank attends with, the kv heads it receives, the sizes of the collectives), `commlib.ulysses.walk` walks the
+head groups in pipeline order. This module is the walk's backend (`_Backend`): a send buffer in one local
+pass, the all-to-alls begun with ``async_op=True`` where the walk overlaps (``chunks > 1``: a
+`commlib_torch.Handle`, whose backward is asynchronous too), SDPA for the attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,15 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
-from commlib.check import attention_call
+from commlib.check import LayerCall
+from commlib.layer_call import ulysses_call
 from commlib.masks import segment_mask
-from commlib.sequence import SequenceLayout, ulysses_seq_sizes
+from commlib.sequence import SequenceLayout
+from commlib.ulysses import Finished, Pending, walk
 from commlib_torch._checked import exchange_layer, is_checked
 from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
-from commlib_torch.handle import Handle
 from commlib_torch.ring import nan_rows, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
@@ -118,123 +118,72 @@ def _sizes(scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] 
     return {key: value for key, value in sizes.items() if value is not None}
 
 
-class _Finished:
-    """A collective already done: ``wait()`` returns its result (the seam's synchronous form)."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self.result = result
-
-    def wait(self) -> torch.Tensor:
-        return self.result
-
-
-def _start_exchange(
-    collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap: bool, **kwargs: Any
-) -> _Finished | Handle:
-    """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all); ``wait()`` gives its result.
-
-    The seam of the pipeline: with `overlap` (``chunks > 1``) the collective is begun with ``async_op=True``
-    (a `commlib_torch.Handle`, whose backward begins the dual all-to-all when the cotangent arrives and waits
-    for it where the input's gradient is needed); without it (``chunks == 1``: nothing to overlap with) it
-    runs here, the synchronous path unchanged."""
+def _start(collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap: bool, **kwargs: Any) -> Pending:
+    """Start ``collective(x, *args, **kwargs)`` (a differentiable all-to-all): with `overlap` begun with
+    ``async_op=True`` (a `commlib_torch.Handle`, whose backward begins the dual all-to-all when the cotangent
+    arrives and waits for it where the input's gradient is needed); without it run here."""
     if overlap:
         return collective(x, *args, async_op=True, **kwargs)
-    return _Finished(collective(x, *args, **kwargs))
+    return Finished(collective(x, *args, **kwargs))
 
 
-class _Exchanges:
-    """A head group's exchanges in, started: ``wait()`` gives ``{name: [n_r, B, S, D]}`` (heads first)."""
+class _Backend:
+    """`commlib.ulysses.UlyssesBackend` and `commlib.layer_call.LayerFrontend` over a process group."""
 
-    def __init__(
-        self, exchanges: tuple[spec.Exchange, ...], inputs: dict[str, torch.Tensor], group: ResolvedGroup, overlap: bool
-    ) -> None:
-        self.pending = [
-            (
-                exchange,
-                _start_exchange(
-                    all_to_all,
-                    _send_buffer(exchange, inputs),
-                    0,
-                    2,
-                    group,
-                    overlap=overlap,
-                    **_sizes(exchange.scatter_sizes, exchange.gather_sizes),
-                ),
-            )
-            for exchange in exchanges
-        ]
+    array_types: tuple[type, ...] = (torch.Tensor,)
+    array_name = "torch.Tensor"
 
-    def wait(self) -> dict[str, torch.Tensor]:
-        local = {}
-        for exchange, pending in self.pending:
-            recv = pending.wait()
-            local.update({name: recv[start:stop] for name, start, stop in exchange.receive})
-        return local
+    def __init__(self, group: ResolvedGroup, q: object, attn_fn: AttentionFn | None) -> None:
+        self.group, self.q, self.attn_fn = group, q, attn_fn
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return dtype_name(x.dtype)
+
+    def checked(self) -> bool:
+        return is_checked() and not torch.compiler.is_compiling()
+
+    def exchange_layer(self, call: LayerCall) -> None:
+        exchange_layer(call, (self.group,), self.q.device)  # type: ignore[attr-defined]  # q: a tensor by now
+
+    def start_exchange(self, exchange: spec.Exchange, inputs: Mapping[str, torch.Tensor], overlap: bool) -> Pending:
+        sizes = _sizes(exchange.scatter_sizes, exchange.gather_sizes)
+        return _start(all_to_all, _send_buffer(exchange, inputs), 0, 2, self.group, overlap=overlap, **sizes)
+
+    def gather_segments(self, segment_ids: torch.Tensor, sizes: tuple[int, ...] | None) -> torch.Tensor:
+        return all_gather(segment_ids, 1, self.group, sizes=sizes)
+
+    def attend(
+        self, plan: spec.UlyssesPlan, group: spec.HeadGroup, local: Mapping[str, torch.Tensor], masks: Mapping
+    ) -> torch.Tensor:
+        if group.local_heads == 0:  # no heads here: an empty output that reads every received block (`HeadGroup`)
+            empty = [x.permute(1, 2, 0, 3) for x in (local["q"], local["k"], local["v"])]
+            return empty[2] + empty[0].sum(-1, keepdim=True) + empty[1].sum(-1, keepdim=True)
+        keys, values = local["k"], local["v"]
+        if group.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
+            index = torch.tensor(group.kv_index[0], device=keys.device)
+            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
+        return (self.attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+
+    def start_output(
+        self,
+        out: torch.Tensor,
+        scatter_sizes: tuple[int, ...] | None,
+        gather_sizes: tuple[int, ...] | None,
+        overlap: bool,
+    ) -> Pending:
+        return _start(all_to_all_4d, out, 1, 2, self.group, overlap=overlap, **_sizes(scatter_sizes, gather_sizes))
+
+    def concat_heads(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(outputs, dim=2)
 
 
-def _send_buffer(exchange: spec.Exchange, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _send_buffer(exchange: spec.Exchange, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The exchange's send buffer ``[C, B, S_r, D]``: the heads-first inputs' runs concatenated (one local pass)."""
     position = {name: index for index, name in enumerate(exchange.inputs)}
     runs = tuple((position[name], start, stop) for name, start, stop in exchange.send_runs)
     select = _FunctorchSelectHeads if transforms_active() else _SelectHeads
     return select.apply(runs, *(inputs[name].permute(2, 0, 1, 3) for name in exchange.inputs))
-
-
-def _attend(
-    group: spec.HeadGroup,
-    local: dict[str, torch.Tensor],
-    plan: spec.UlyssesPlan,
-    attn_fn: AttentionFn | None,
-    masks: dict,
-) -> torch.Tensor:
-    """One head group's attention on this rank: ``[B, S, h, D_v]`` from its received heads."""
-    if group.local_heads == 0:  # no heads here: an empty output that reads every received block (`spec.HeadGroup`)
-        empty = [x.permute(1, 2, 0, 3) for x in (local["q"], local["k"], local["v"])]
-        return empty[2] + empty[0].sum(-1, keepdim=True) + empty[1].sum(-1, keepdim=True)
-    keys, values = local["k"], local["v"]
-    if group.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
-        index = torch.tensor(group.kv_index[0], device=keys.device)
-        keys, values = keys.index_select(0, index), values.index_select(0, index)
-    bshd = [x.permute(1, 2, 0, 3) for x in (local["q"], keys, values)]
-    return (attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
-
-
-def _walk(
-    plan: spec.UlyssesPlan,
-    inputs: dict[str, torch.Tensor],
-    group: ResolvedGroup,
-    attn_fn: AttentionFn | None,
-    segment_ids: torch.Tensor | None,
-) -> torch.Tensor:
-    """The plan's head groups in pipeline order: group c + 1's exchanges started before group c's attention,
-    group c's output all-to-all started after it (before group c + 1's attention), every output waited last.
-    The segment ids are all-gathered once (after group 0's exchanges start), for every group."""
-    overlap = plan.chunks > 1
-    incoming = _Exchanges(plan.groups[0].exchanges, inputs, group, overlap)
-    masks = {}
-    if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
-        masks["segment_ids"] = all_gather(segment_ids, 1, group, sizes=plan.out_scatter_sizes)
-    outgoing = []
-    for index, head_group in enumerate(plan.groups):
-        local = incoming.wait()
-        if index + 1 < plan.chunks:
-            incoming = _Exchanges(plan.groups[index + 1].exchanges, inputs, group, overlap)
-        out = _attend(head_group, local, plan, attn_fn, masks)
-        outgoing.append(
-            _start_exchange(
-                all_to_all_4d,
-                out,
-                1,
-                2,
-                group,
-                overlap=overlap,
-                **_sizes(plan.out_scatter_sizes, head_group.out_gather_sizes),
-            )
-        )
-    outputs = [pending.wait() for pending in outgoing]
-    if plan.out_runs is None:
-        return outputs[0]
-    return torch.cat([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs], dim=2)
 
 
 def ulysses_attention(
@@ -305,41 +254,20 @@ def ulysses_attention(
         True
     """
     group = resolve_group(spec.OP_NAME, group)
-    spec.check_layer_inputs(spec.OP_NAME, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
-    size = world_size(spec.OP_NAME, group)
-    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
-        exchange_layer(
-            attention_call(
-                spec.OP_NAME,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                world_size=size,
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                seq_sizes=seq_sizes,
-                attn_fn=attn_fn,
-                segment_ids=segment_ids,
-                chunks=chunks,
-            ),
-            (group,),
-            q.device,
-        )
-    sizes = ulysses_seq_sizes(spec.OP_NAME, layout, seq_sizes, size)
-    segment_type = None
-    if segment_ids is not None:
-        segment_type = (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-    plan = spec.ulysses_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        size,
+    backend = _Backend(group, q, attn_fn)
+    plan = ulysses_call(
+        backend,
+        q,
+        k,
+        v,
+        segment_ids,
+        world_size=world_size(spec.OP_NAME, group),
         rank=dist.get_rank(group),
-        seq_sizes=sizes,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
         causal=causal,
         scale=scale,
-        segment_ids=segment_type,
+        seq_sizes=seq_sizes,
+        attn_fn=attn_fn,
+        layout=layout,
         chunks=chunks,
     )
-    return _walk(plan, {"q": q, "k": k, "v": v}, group, attn_fn, segment_ids)
+    return walk(backend, plan, {"q": q, "k": k, "v": v}, segment_ids)
