@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import jax
 
 from commlib import check
 from commlib.errors import CommTimeout, comm_error
 from commlib_jax._compat import distributed_client
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
+from commlib_jax._walk import dtype_name
 
-__all__ = ["TIMEOUT_MS", "exchange_layer", "is_checked"]
+__all__ = ["TIMEOUT_MS", "LayerFrontend", "exchange_layer", "is_checked"]
 
 #: How long a process waits for the others' options (they may still be compiling an earlier program).
 TIMEOUT_MS = 300_000
@@ -63,3 +66,19 @@ def _timeout(call: check.LayerCall, process: int | None, number: int, index: int
         "the same layers (a process whose call was found in jit's cache does not trace it again)"
     )
     return CommTimeout(str(comm_error(call.layer, message, rank=index)))
+
+
+class LayerFrontend:
+    """`commlib.layer_call.LayerFrontend` for JAX: the arrays a layer takes, and checked mode across processes."""
+
+    array_types: tuple[type, ...] = ARRAY_TYPES
+    array_name = ARRAY_NAME
+
+    def dtype_name(self, x: Any) -> str:
+        return dtype_name(x.dtype)
+
+    def checked(self) -> bool:
+        return is_checked()
+
+    def exchange_layer(self, call: check.LayerCall) -> None:
+        exchange_layer(call)

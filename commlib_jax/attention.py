@@ -19,16 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
-from commlib.check import LayerCall
 from commlib.layer_call import ulysses_call
 from commlib.masks import segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, walk
-from commlib_jax._checked import exchange_layer, is_checked
+from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
-from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._vma import axes_of
-from commlib_jax._walk import dtype_name, rank
+from commlib_jax._walk import rank
 from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d
 from commlib_jax.ring import ring_attention, usp_attention
 
@@ -93,24 +91,12 @@ def _sizes(scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] 
     return {key: value for key, value in sizes.items() if value is not None}
 
 
-class _Backend:
-    """`commlib.ulysses.UlyssesBackend` and `commlib.layer_call.LayerFrontend` over mesh axes: every collective
-    is traced where the walk starts it (`Finished`) and XLA schedules."""
-
-    array_types: tuple[type, ...] = ARRAY_TYPES
-    array_name = ARRAY_NAME
+class _Backend(LayerFrontend):
+    """`commlib.ulysses.UlyssesBackend` over mesh axes (and the call path's `LayerFrontend`): every collective is
+    traced where the walk starts it (`Finished`) and XLA schedules."""
 
     def __init__(self, axis_name: AxisName, attn_fn: AttentionFn | None) -> None:
         self.axis_name, self.axes, self.attn_fn = axis_name, axes_of(axis_name), attn_fn
-
-    def dtype_name(self, x: Array) -> str:
-        return dtype_name(x.dtype)
-
-    def checked(self) -> bool:
-        return is_checked()  # several processes: they compare the options first (commlib_jax._checked)
-
-    def exchange_layer(self, call: LayerCall) -> None:
-        exchange_layer(call)
 
     def start_exchange(self, exchange: spec.Exchange, inputs: Mapping[str, Array], overlap: bool) -> Finished:
         """One all-to-all of the exchange's inputs, heads first, padded to the largest rank's count; the send

@@ -26,14 +26,12 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
-from commlib.attention import check_layer_inputs
-from commlib.check import attention_call
+from commlib.layer_call import ring_call
 from commlib.sequence import SequenceLayout
-from commlib_jax._checked import exchange_layer, is_checked
+from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
-from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
-from commlib_jax._walk import dtype_name, rank
+from commlib_jax._walk import rank
 from commlib_jax.functional import Array, AxisName, all_gather, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]
@@ -235,41 +233,9 @@ def ring_attention(
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
-    check_layer_inputs(spec.RING_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
-    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(
-            attention_call(
-                spec.RING_OP,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                world_size=size,
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                segment_ids=segment_ids,
-            )
-        )
-    segment_ids, segment_type = _segments(segment_ids)
-    plan = spec.ring_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        size,
-        causal=causal,
-        scale=scale,
-        layout=layout,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-        segment_ids=segment_type,
-    )
+    plan = ring_call(LayerFrontend(), q, k, v, segment_ids, ring_size=size, causal=causal, scale=scale, layout=layout)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     return _ring_on_axes(plan, axes, q, k, v, segment_ids)
-
-
-def _segments(segment_ids: Array | None) -> tuple[jax.Array | None, tuple | None]:
-    """``(array, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
-    if segment_ids is None:
-        return None, None
-    segment_ids = jnp.asarray(segment_ids)
-    return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
 
 
 def usp_attention(
@@ -323,35 +289,19 @@ def usp_attention(
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
     ulysses_size = axis_size(spec.USP_OP, ulysses_axes)
-    check_layer_inputs(spec.USP_OP, q, k, v, segment_ids, ARRAY_TYPES, ARRAY_NAME)
-    if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
-        exchange_layer(
-            attention_call(
-                spec.USP_OP,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                ulysses_size=ulysses_size,
-                ring_size=axis_size(spec.USP_OP, ring_axes),
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                segment_ids=segment_ids,
-            )
-        )
-    segment_ids, segment_type = _segments(segment_ids)
-    plan = spec.ring_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        axis_size(spec.USP_OP, ring_axes),
+    plan = ring_call(
+        LayerFrontend(),
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_size=axis_size(spec.USP_OP, ring_axes),
+        ulysses_size=ulysses_size,
         causal=causal,
         scale=scale,
         layout=layout,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-        ulysses_size=ulysses_size,
-        op_name=spec.USP_OP,
-        segment_ids=segment_type,
     )
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
     if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
         segment_ids = all_gather(segment_ids, ulysses_axis, 1)

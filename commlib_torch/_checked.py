@@ -33,7 +33,16 @@ from commlib_torch._compat import all_gather_single
 from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import ResolvedGroup, group_rank, group_size
 
-__all__ = ["ENV_VARIABLE", "checked", "exchange", "exchange_layer", "exchange_pair", "is_checked", "set_checked"]
+__all__ = [
+    "ENV_VARIABLE",
+    "LayerFrontend",
+    "checked",
+    "exchange",
+    "exchange_layer",
+    "exchange_pair",
+    "is_checked",
+    "set_checked",
+]
 
 ENV_VARIABLE = check.ENV_VARIABLE
 _override: bool | None = None  # set_checked / checked(); None: follow the environment variable
@@ -152,3 +161,23 @@ def exchange_layer(call: check.LayerCall, groups: Sequence[ResolvedGroup], devic
     texts = _gather(padded.to(device), groups).cpu().numpy()
     calls = [check.LayerCall.decode(row[:length].tobytes()) for row, length in zip(texts, lengths, strict=True)]
     check.compare_layers(calls, index)
+
+
+class LayerFrontend:
+    """`commlib.layer_call.LayerFrontend` for torch: a layer over `groups` (its group, or USP's Ulysses then
+    ring group) whose checked-mode exchange runs on q's device."""
+
+    array_types: tuple[type, ...] = (torch.Tensor,)
+    array_name = "torch.Tensor"
+
+    def __init__(self, groups: Sequence[ResolvedGroup], q: object) -> None:
+        self.groups, self.q = tuple(groups), q
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return dtype_name(x.dtype)
+
+    def checked(self) -> bool:
+        return is_checked() and not torch.compiler.is_compiling()
+
+    def exchange_layer(self, call: check.LayerCall) -> None:
+        exchange_layer(call, self.groups, self.q.device)  # type: ignore[attr-defined]  # q is a tensor by now

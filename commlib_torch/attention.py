@@ -18,13 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlib import attention as spec
-from commlib.check import LayerCall
 from commlib.layer_call import ulysses_call
 from commlib.masks import segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, Pending, walk
-from commlib_torch._checked import exchange_layer, is_checked
-from commlib_torch._dtypes import dtype_name
+from commlib_torch._checked import LayerFrontend
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
@@ -127,23 +125,12 @@ def _start(collective: Callable[..., Any], x: torch.Tensor, *args: Any, overlap:
     return Finished(collective(x, *args, **kwargs))
 
 
-class _Backend:
-    """`commlib.ulysses.UlyssesBackend` and `commlib.layer_call.LayerFrontend` over a process group."""
-
-    array_types: tuple[type, ...] = (torch.Tensor,)
-    array_name = "torch.Tensor"
+class _Backend(LayerFrontend):
+    """`commlib.ulysses.UlyssesBackend` over a process group (and the call path's `LayerFrontend`)."""
 
     def __init__(self, group: ResolvedGroup, q: object, attn_fn: AttentionFn | None) -> None:
-        self.group, self.q, self.attn_fn = group, q, attn_fn
-
-    def dtype_name(self, x: torch.Tensor) -> str:
-        return dtype_name(x.dtype)
-
-    def checked(self) -> bool:
-        return is_checked() and not torch.compiler.is_compiling()
-
-    def exchange_layer(self, call: LayerCall) -> None:
-        exchange_layer(call, (self.group,), self.q.device)  # type: ignore[attr-defined]  # q: a tensor by now
+        super().__init__((group,), q)
+        self.group, self.attn_fn = group, attn_fn
 
     def start_exchange(self, exchange: spec.Exchange, inputs: Mapping[str, torch.Tensor], overlap: bool) -> Pending:
         sizes = _sizes(exchange.scatter_sizes, exchange.gather_sizes)

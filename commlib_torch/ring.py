@@ -23,10 +23,9 @@ import torch.distributed as dist
 
 from commlib import blockwise, frontend_errors, plans
 from commlib import ring as spec
-from commlib.attention import check_layer_inputs
-from commlib.check import attention_call
+from commlib.layer_call import ring_call
 from commlib.sequence import SequenceLayout
-from commlib_torch._checked import exchange, exchange_layer, is_checked
+from commlib_torch._checked import LayerFrontend, exchange, is_checked
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._dtypes import dtype_name
@@ -506,21 +505,9 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[1]))
 
 
-def _segments(segment_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple | None]:
-    """``(tensor, (shape, dtype name))`` of the segment ids given (the plan validates them), or ``(None, None)``."""
-    if segment_ids is None:
-        return None, None
-    return segment_ids, (tuple(segment_ids.shape), dtype_name(segment_ids.dtype))
-
-
 def _shard_index(layout: str | SequenceLayout, ring_rank: int, ulysses_rank: int = 0) -> int | None:
     """This rank's shard index ``r * U + u`` in a `SequenceLayout` (None for a layout string)."""
     return ring_rank * layout.ulysses_size + ulysses_rank if isinstance(layout, SequenceLayout) else None
-
-
-def _check_kinds(op_name: str, q: object, k: object, v: object, segment_ids: object) -> None:
-    """The spec's kind check of a layer's inputs (`commlib.attention.check_layer_inputs`) for torch tensors."""
-    check_layer_inputs(op_name, q, k, v, segment_ids, (torch.Tensor,), "torch.Tensor")
 
 
 def ring_attention(
@@ -596,42 +583,24 @@ def ring_attention(
             scale not a number, group).
     """
     group = resolve_group(spec.RING_OP, group)
-    _check_kinds(spec.RING_OP, q, k, v, segment_ids)
-    segments, segment_type = _segments(segment_ids)
     rank = group_rank(group)
-    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
-        exchange_layer(
-            attention_call(
-                spec.RING_OP,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                world_size=world_size(spec.RING_OP, group),
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                segment_ids=segment_ids,
-            ),
-            (group,),
-            q.device,
-        )
-    plan = spec.ring_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        world_size(spec.RING_OP, group),
+    plan = ring_call(
+        LayerFrontend((group,), q),
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_size=world_size(spec.RING_OP, group),
         causal=causal,
         scale=scale,
         layout=layout,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
         shard=_shard_index(layout, rank),
-        segment_ids=segment_type,
     )
     if not plan.masked:
-        return _ring(q, k, v, plan, group, rank, segments)
+        return _ring(q, k, v, plan, group, rank, segment_ids)
+    segments = None if segment_ids is None else _padded(segment_ids, plan.rows)
     padded_q, padded_k, padded_v = (_padded(x, plan.rows) for x in (q, k, v))
-    out = _ring(
-        padded_q, padded_k, padded_v, plan, group, rank, None if segments is None else _padded(segments, plan.rows)
-    )
+    out = _ring(padded_q, padded_k, padded_v, plan, group, rank, segments)
     return out[:, : q.shape[1]]
 
 
@@ -701,39 +670,21 @@ def usp_attention(
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
-    _check_kinds(spec.USP_OP, q, k, v, segment_ids)
-    segments, segment_type = _segments(segment_ids)
     ring_rank = group_rank(ring_group)
-    if is_checked() and not torch.compiler.is_compiling():  # the ranks of both groups compare the options first
-        exchange_layer(
-            attention_call(
-                spec.USP_OP,
-                (q.shape, k.shape, v.shape),
-                dtype_name(q.dtype),
-                ulysses_size=world_size(spec.USP_OP, ulysses_group),
-                ring_size=world_size(spec.USP_OP, ring_group),
-                causal=causal,
-                scale=scale,
-                layout=layout,
-                segment_ids=segment_ids,
-            ),
-            (ulysses_group, ring_group),
-            q.device,
-        )
-    plan = spec.ring_plan(
-        q.shape,
-        k.shape,
-        v.shape,
-        world_size(spec.USP_OP, ring_group),
+    plan = ring_call(
+        LayerFrontend((ulysses_group, ring_group), q),  # the ranks of both groups compare the options first
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_size=world_size(spec.USP_OP, ring_group),
+        ulysses_size=world_size(spec.USP_OP, ulysses_group),
         causal=causal,
         scale=scale,
         layout=layout,
-        dtypes=[dtype_name(x.dtype) for x in (q, k, v)],
-        ulysses_size=world_size(spec.USP_OP, ulysses_group),
-        op_name=spec.USP_OP,
         shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)),
-        segment_ids=segment_type,
     )
+    segments = segment_ids
     rows = q.shape[1]
     if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
         q, k, v = (_padded(x, plan.rows // plan.ulysses_size) for x in (q, k, v))
