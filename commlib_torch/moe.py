@@ -16,6 +16,7 @@ yet free of that host sync nor `torch.compile(fullgraph=True)` clean.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -135,7 +136,7 @@ def route(
     *,
     capacity: int | None = None,
     capacity_factor: float | None = None,
-    experts_per_rank: Any = None,
+    experts_per_rank: Sequence[int] | None = None,
     layout: str = "exact",
 ) -> Routing:
     """Route this rank's token copies to the experts, placed in contiguous blocks over the ranks of `group`
@@ -175,7 +176,9 @@ def route(
         experts_per_rank=experts_per_rank,
         layout=layout,
     )
-    if is_checked():  # the ranks compare the options first
+    if (
+        is_checked() and not torch.compiler.is_compiling()
+    ):  # the ranks compare the options first  # the ranks compare the options first
         exchange_layer(
             check.moe_call(spec.ROUTE_OP, plan, indices.shape, dtype_name(indices.dtype)), (resolved,), indices.device
         )
@@ -226,7 +229,8 @@ def route(
 
 def _check_routing(op_name: str, routing: object) -> Routing:
     if not isinstance(routing, Routing):
-        raise kind_error(op_name, f"routing must be a Routing (from route), not {type(routing).__name__}")
+        kind = type(routing).__name__
+        raise kind_error(op_name, f"routing must be a Routing (from route), not {kind}", type=kind)
     return routing
 
 
@@ -288,7 +292,7 @@ def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     x = check_tensor(spec.DISPATCH_OP, x)
     routing = _check_routing(spec.DISPATCH_OP, routing)
     spec.check_rows(spec.DISPATCH_OP, "x", tuple(x.shape), routing.plan.tokens, "tokens T")
-    if is_checked():
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
             check.moe_call(spec.DISPATCH_OP, routing.plan, x.shape, dtype_name(x.dtype)), (routing.group,), x.device
         )
@@ -321,7 +325,7 @@ def combine(
     exact = routing.plan.layout == "exact"
     spec.check_rows(spec.COMBINE_OP, "y", tuple(y.shape), routing.output_rows, "rows" if exact else "padded rows")
     spec.check_weights(None if weights is None else tuple(weights.shape), routing.plan)
-    if is_checked():
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
             check.moe_call(spec.COMBINE_OP, routing.plan, y.shape, dtype_name(y.dtype)), (routing.group,), y.device
         )

@@ -10,7 +10,7 @@ import torch
 from commlib import CommError, split_sizes
 from commlib import moe as spec
 from commlib.moe_reference import simulate_moe
-from commlib_torch import moe
+from commlib_torch import checked, moe
 
 
 def cases(world: int) -> list[dict]:
@@ -198,3 +198,18 @@ def expected_errors(world: int) -> list[str]:
         text(lambda: spec.check_weights((3, 1), plan)),
         None,
     ]
+
+
+def checked_mismatch(ctx) -> list[str]:
+    """Checked mode: rank 0 routes with another capacity, then dispatches another dtype, then padded with
+    another T: the messages every rank raised (none hangs)."""
+    indices = torch.tensor([[0], [1]])
+    with checked():
+        capacity = 1 if ctx.rank == 0 else 2
+        messages = [_message(lambda: moe.route(indices, 2 * ctx.world_size, capacity=capacity))]
+        routing = moe.route(indices, 2 * ctx.world_size)
+        x = torch.ones(2, 3, dtype=torch.float32 if ctx.rank == 0 else torch.float64)
+        messages.append(_message(lambda: moe.dispatch(x, routing)))
+    tokens = indices if ctx.rank == 0 else torch.tensor([[0]])
+    messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
+    return messages

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from commlib import moe as spec
 from tests.torch import moe_jobs
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,3 +48,12 @@ def test_errors_are_the_same_on_every_rank(pool, world_size):
     assert messages[8].startswith("TypeError: dispatch"), messages[8]
     assert messages[9].startswith("CommError: combine") and "y has" in messages[9], messages[9]
     assert messages[11].startswith("TypeError: combine") and "weights" in messages[11], messages[11]
+
+
+def test_checked_mode_names_what_the_ranks_differ_on(pool):
+    results = pool(2).run(moe_jobs.checked_mismatch)
+    for messages in results:
+        route, dispatch, padded = messages
+        assert route.startswith("CommError") and "route" in route and "capacity" in route, route
+        assert dispatch.startswith("CommError") and "dispatch" in dispatch and "dtype" in dispatch, dispatch
+        assert padded == "CommError: " + str(spec.padded_tokens_error([2, 1])), padded
