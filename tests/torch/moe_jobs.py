@@ -23,7 +23,8 @@ def cases(world: int) -> list[dict]:
         dict(E=8, epr=uneven, K=1, cap=dict(capacity_factor=1.0), layout="padded", F=(3,), T=[4] * world),
         dict(E=8, epr=uneven, K=2, cap={}, layout="padded", F=(2, 3), T=[3] * world, nothing=True),
         dict(E=2 * world, epr=None, K=2, cap=dict(capacity=1), layout="padded", F=(4,), T=[5] * world),
-        dict(E=2 * world, epr=None, K=1, cap={}, layout="exact", F=(4,), T=varied, nothing=True),
+        dict(E=2 * world, epr=None, K=1, cap={}, layout="exact", F=(4,), T=varied, nothing=True, unweighted=True),
+        dict(E=8, epr=uneven, K=2, cap=dict(capacity=1), layout="padded", F=(4,), T=[4] * world, unweighted=True),
         dict(E=8, epr=uneven, K=2, cap={}, layout="exact", F=(4,), T=[6] * world, dtype="bfloat16"),
     ]
 
@@ -88,7 +89,9 @@ def every_case(ctx, seed: int = 0) -> list[dict]:
             scale = _scales(sim.tables[rank].tokens_per_expert, first[rank], sim.tables[rank].rows, length)
             ys.append(_experts(sim.dispatched[rank], scale))
             d_scales.append(scale)
-        full = simulate_moe(xs, indices, case["E"], weights=weights, ys=ys, out_bars=out_bars, **keys)
+        unweighted = case.get("unweighted", False)
+        given = None if unweighted else weights
+        full = simulate_moe(xs, indices, case["E"], weights=given, ys=ys, out_bars=out_bars, **keys)
         d_bars = [
             bar * s.reshape((-1,) + (1,) * (bar.ndim - 1)) * (1 - y**2)
             for bar, s, y in zip(full.y_bar, d_scales, ys, strict=True)
@@ -114,7 +117,9 @@ def every_case(ctx, seed: int = 0) -> list[dict]:
             d.register_hook(lambda grad, valid=valid: torch.where(valid, grad, torch.nan))
         y = _experts(d, d_scales[ctx.rank])
         y = torch.where(valid, y, torch.nan)  # NaN in the padded rows of y: never read
-        out = moe.combine(y, routing, w)
+        with torch.no_grad():  # builds no autograd state
+            no_grad = moe.combine(moe.dispatch(x, routing), routing, None if unweighted else w).grad_fn is None
+        out = moe.combine(y, routing, None if unweighted else w)
         (out.double() * torch.from_numpy(out_bars[ctx.rank])).sum().backward()
         x_grad = leaf.grad[:, ::2] if case.get("noncontig") else leaf.grad
         results.append(
@@ -130,9 +135,12 @@ def every_case(ctx, seed: int = 0) -> list[dict]:
                 combined=_error(out, full.combined[ctx.rank]),
                 x_grad=_error(x_grad, x_bar),
                 x_scale=float(np.abs(x_bar).max(initial=0.0)),
-                w_grad=_error(w.grad, full.weights_bar[ctx.rank]),
+                w_grad=0.0 if unweighted else _error(w.grad, full.weights_bar[ctx.rank]),
+                no_grad=no_grad and (unweighted or w.grad is not None),
                 finite=bool(
-                    torch.isfinite(out).all() and torch.isfinite(leaf.grad).all() and torch.isfinite(w.grad).all()
+                    torch.isfinite(out).all()
+                    and torch.isfinite(leaf.grad).all()
+                    and (unweighted or torch.isfinite(w.grad).all())
                 ),
                 bf16=case.get("dtype") == "bfloat16",
             )

@@ -22,6 +22,7 @@ def test_every_case_against_the_reference(pool, world_size):
         for number, got in enumerate(per_case):
             where = (rank, number, got)
             assert got["routing"] == [True, True, True] and got["padded_zero"] and got["finite"], where
+            assert got["no_grad"], where
             if got["bf16"]:  # bf16 rows (exact moves), float32 accumulation: to bf16's rounding
                 assert got["dtype"] == "torch.bfloat16" and got["dispatched"] == 0.0, where
                 assert max(got["combined"], got["w_grad"]) < 0.05, where
