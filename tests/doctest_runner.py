@@ -27,6 +27,7 @@ MODULES = {
         "commlib_torch.communicator",
         "commlib_torch.ring",
         "commlib_torch.sequence",
+        "commlib_torch.moe",
         "commlib_torch.integrations.transformers",
         "commlib_torch.testing",
         "commlib_torch.testing_trace",

@@ -1,0 +1,223 @@
+"""Pool jobs for tests/torch/test_moe.py: `commlib_torch.moe` on this rank against the float64 reference
+`commlib.moe_reference.simulate_moe` (over every rank's data, rebuilt from the seed on each rank), for every
+case of `cases` at the pool's world size, and the errors each rank raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib import CommError, split_sizes
+from commlib import moe as spec
+from commlib.moe_reference import simulate_moe
+from commlib_torch import checked, moe
+
+
+def cases(world: int) -> list[dict]:
+    """The case table: placement, K, capacity, layout, features, dtype, T per rank, routes."""
+    varied = [5, 3, 4, 0][:world] if world > 1 else [5]  # T = 0 on one rank (exact only)
+    uneven = split_sizes(8, world) if world != 1 else None
+    return [
+        dict(E=2 * world, epr=None, K=2, cap={}, layout="exact", F=(4,), T=varied, noncontig=True),
+        dict(E=8, epr=uneven, K=2, cap=dict(capacity=1), layout="exact", F=(2, 3), T=varied),
+        dict(E=8, epr=uneven, K=1, cap=dict(capacity_factor=1.0), layout="padded", F=(3,), T=[4] * world),
+        dict(E=8, epr=uneven, K=2, cap={}, layout="padded", F=(2, 3), T=[3] * world, nothing=True),
+        dict(E=2 * world, epr=None, K=2, cap=dict(capacity=1), layout="padded", F=(4,), T=[5] * world),
+        dict(E=2 * world, epr=None, K=1, cap={}, layout="exact", F=(4,), T=varied, nothing=True, unweighted=True),
+        dict(E=8, epr=uneven, K=2, cap=dict(capacity=1), layout="padded", F=(4,), T=[4] * world, unweighted=True),
+        dict(E=8, epr=uneven, K=2, cap={}, layout="exact", F=(4,), T=[6] * world, dtype="bfloat16"),
+    ]
+
+
+def _data(case: dict, world: int, seed: int):
+    rng = np.random.default_rng(seed)
+    xs, indices, weights, out_bars = [], [], [], []
+    for rank in range(world):
+        tokens = case["T"][rank]
+        xs.append(rng.standard_normal((tokens, *case["F"])))
+        rows = [rng.permutation(case["E"])[: case["K"]] for _ in range(tokens)]
+        routed = np.array(rows, dtype=np.int64).reshape(tokens, case["K"])
+        routed[rng.random(routed.shape) < 0.2] = -1
+        if case.get("nothing") and rank == world - 1:
+            routed[:] = -1  # one rank routes nothing
+        indices.append(routed)
+        weights.append(rng.random((tokens, case["K"])))
+        out_bars.append(rng.standard_normal((tokens, *case["F"])))
+    if case.get("dtype") == "bfloat16":  # the reference sees the rounded inputs
+        xs, weights = [_bf16(a) for a in xs], [_bf16(a) for a in weights]
+    return xs, indices, weights, out_bars
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(values).to(torch.bfloat16).double().numpy()
+
+
+def _scales(tokens_per_expert, first_expert: int, rows: int, length: int) -> np.ndarray:
+    """Each dispatched row's expert e as (e + 1); past `rows` 0 (padded)."""
+    experts = np.repeat(np.arange(len(tokens_per_expert)) + first_expert, tokens_per_expert)
+    scale = np.zeros(length)
+    scale[:rows] = experts + 1.0
+    return scale
+
+
+def _experts(d, scale):
+    """Expert e: tanh((e + 1) * row), a different function per expert so that a wrong order cannot pass."""
+    shape = (-1,) + (1,) * (d.ndim - 1)
+    if isinstance(d, torch.Tensor):
+        return torch.tanh(torch.from_numpy(scale).to(d.dtype).reshape(shape) * d)
+    return np.tanh(scale.reshape(shape) * d)
+
+
+def _error(got: torch.Tensor, expected: np.ndarray) -> float:
+    assert tuple(got.shape) == expected.shape, (tuple(got.shape), expected.shape)
+    return float(np.abs(got.detach().double().numpy() - expected).max(initial=0.0))
+
+
+def every_case(ctx, seed: int = 0) -> list[dict]:
+    """Per case: this rank's errors against the reference of the dispatched rows, combined output, x / y /
+    weights gradients, that the padded rows are exactly 0 (and NaN written there reaches nothing)."""
+    results = []
+    for number, case in enumerate(cases(ctx.world_size)):
+        xs, indices, weights, out_bars = _data(case, ctx.world_size, seed + number)
+        keys = dict(experts_per_rank=case["epr"], layout=case["layout"], **case["cap"])
+        sim = simulate_moe(xs, indices, case["E"], **keys)
+        plan, table = sim.plans[ctx.rank], sim.tables[ctx.rank]
+        first = plan.expert_offsets
+        ys, d_scales = [], []
+        for rank in range(ctx.world_size):
+            length = sim.dispatched[rank].shape[0]
+            scale = _scales(sim.tables[rank].tokens_per_expert, first[rank], sim.tables[rank].rows, length)
+            ys.append(_experts(sim.dispatched[rank], scale))
+            d_scales.append(scale)
+        unweighted = case.get("unweighted", False)
+        given = None if unweighted else weights
+        full = simulate_moe(xs, indices, case["E"], weights=given, ys=ys, out_bars=out_bars, **keys)
+        d_bars = [
+            bar * s.reshape((-1,) + (1,) * (bar.ndim - 1)) * (1 - y**2)
+            for bar, s, y in zip(full.y_bar, d_scales, ys, strict=True)
+        ]
+        x_bar = simulate_moe(xs, indices, case["E"], ys=d_bars, **keys).combined[ctx.rank]
+
+        dtype = torch.bfloat16 if case.get("dtype") == "bfloat16" else torch.float64
+        tokens = case["T"][ctx.rank]
+        if case.get("noncontig"):
+            leaf = torch.zeros((tokens, 2 * case["F"][0]), dtype=dtype)
+            leaf[:, ::2] = torch.from_numpy(xs[ctx.rank])
+            leaf.requires_grad_(True)
+            x = leaf[:, ::2]
+            assert tokens < 2 or not x.is_contiguous()
+        else:
+            leaf = torch.from_numpy(xs[ctx.rank]).to(dtype).requires_grad_(True)
+            x = leaf
+        w = torch.from_numpy(weights[ctx.rank]).to(dtype).requires_grad_(True)
+        routing = moe.route(torch.from_numpy(indices[ctx.rank]), case["E"], **keys)
+        d = moe.dispatch(x, routing)
+        valid = (torch.arange(d.shape[0]) < routing.rows).reshape((-1,) + (1,) * (d.ndim - 1))
+        if case["layout"] == "padded":  # the cotangent of the padded rows: NaN, never read
+            d.register_hook(lambda grad, valid=valid: torch.where(valid, grad, torch.nan))
+        y = _experts(d, d_scales[ctx.rank])
+        y = torch.where(valid, y, torch.nan)  # NaN in the padded rows of y: never read
+        with torch.no_grad():  # builds no autograd state
+            no_grad = moe.combine(moe.dispatch(x, routing), routing, None if unweighted else w).grad_fn is None
+        out = moe.combine(y, routing, None if unweighted else w)
+        (out.double() * torch.from_numpy(out_bars[ctx.rank])).sum().backward()
+        x_grad = leaf.grad[:, ::2] if case.get("noncontig") else leaf.grad
+        results.append(
+            dict(
+                dtype=str(out.dtype),
+                routing=[
+                    routing.rows == table.rows,
+                    routing.dropped == table.dropped,
+                    routing.tokens_per_expert.tolist() == table.tokens_per_expert.tolist(),
+                ],
+                dispatched=_error(d, sim.dispatched[ctx.rank]),
+                padded_zero=bool((d[routing.rows :] == 0).all()),
+                combined=_error(out, full.combined[ctx.rank]),
+                x_grad=_error(x_grad, x_bar),
+                x_scale=float(np.abs(x_bar).max(initial=0.0)),
+                w_grad=0.0 if unweighted else _error(w.grad, full.weights_bar[ctx.rank]),
+                no_grad=no_grad and (unweighted or w.grad is not None),
+                finite=bool(
+                    torch.isfinite(out).all()
+                    and torch.isfinite(leaf.grad).all()
+                    and (unweighted or torch.isfinite(w.grad).all())
+                ),
+                bf16=case.get("dtype") == "bfloat16",
+            )
+        )
+    return results
+
+
+def _message(call) -> str:
+    try:
+        call()
+    except (CommError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def errors(ctx) -> list[str]:
+    """Bad indices on the last rank (>= E, < -1, twice), then a good route (no rank hangs), then the kind and
+    shape errors: the messages every rank raised."""
+    world, last = ctx.world_size, ctx.world_size - 1
+    num_experts = 2 * world
+    good = torch.tensor([[0, 1], [1, -1], [-1, -1]])
+    messages = []
+    for bad_row in ([num_experts, 0], [-2, 0], [1, 1]):
+        indices = good.clone()
+        if ctx.rank == last:
+            indices[1] = torch.tensor(bad_row)
+        messages.append(_message(lambda indices=indices: moe.route(indices, num_experts)))
+    routing = moe.route(good, num_experts)  # after the errors, the ranks still agree
+    x = torch.ones(3, 2)
+    messages.append(str(moe.combine(moe.dispatch(x, routing), routing).tolist()))
+    messages += [
+        _message(lambda: moe.route(good.double(), num_experts)),
+        _message(lambda: moe.route([[0]], num_experts)),
+        _message(lambda: moe.route(good[:, 0], num_experts)),
+        _message(lambda: moe.dispatch(torch.ones(4, 2), routing)),
+        _message(lambda: moe.dispatch(x, "routing")),
+        _message(lambda: moe.combine(torch.ones(routing.rows + 1, 2), routing)),
+        _message(lambda: moe.combine(moe.dispatch(x, routing), routing, torch.ones(3, 1))),
+        _message(lambda: moe.combine(moe.dispatch(x, routing), routing, [[1.0]])),
+    ]
+    return messages
+
+
+def expected_errors(world: int) -> list[str]:
+    """What `errors` must give on every rank, from the spec's helpers."""
+    num_experts, last = 2 * world, world - 1
+    plan = spec.route_plan((3, 2), "int64", num_experts, world)
+
+    def text(call) -> str:
+        return _message(call)
+
+    return [
+        f"CommError: {spec.bad_route_error(last, 1, num_experts, 'range', num_experts)}",
+        f"CommError: {spec.bad_route_error(last, 1, -2, 'range', num_experts)}",
+        f"CommError: {spec.bad_route_error(last, 1, 1, 'twice', num_experts)}",
+        None,  # the good route: checked by the test
+        text(lambda: spec.route_plan((3, 2), "float64", num_experts, world)),
+        None,
+        text(lambda: spec.route_plan((3,), "int64", num_experts, world)),
+        text(lambda: spec.check_rows(spec.DISPATCH_OP, "x", (4, 2), 3, "tokens T")),
+        None,
+        None,
+        text(lambda: spec.check_weights((3, 1), plan)),
+        None,
+    ]
+
+
+def checked_mismatch(ctx) -> list[str]:
+    """Checked mode: rank 0 routes with another capacity, then dispatches another dtype, then padded with
+    another T: the messages every rank raised (none hangs)."""
+    indices = torch.tensor([[0], [1]])
+    with checked():
+        capacity = 1 if ctx.rank == 0 else 2
+        messages = [_message(lambda: moe.route(indices, 2 * ctx.world_size, capacity=capacity))]
+        routing = moe.route(indices, 2 * ctx.world_size)
+        x = torch.ones(2, 3, dtype=torch.float32 if ctx.rank == 0 else torch.float64)
+        messages.append(_message(lambda: moe.dispatch(x, routing)))
+    tokens = indices if ctx.rank == 0 else torch.tensor([[0]])
+    messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
+    return messages

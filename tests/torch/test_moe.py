@@ -1,0 +1,60 @@
+"""`commlib_torch.moe` on real gloo groups (W = 1-4): every rank's dispatched rows, combined output and the x /
+y / weights gradients against the float64 reference `simulate_moe`, both layouts, even and uneven placement,
+K = 1, 2, capacity None / 1 / tight, -1 routes, a rank routing nothing, T = 0 on one rank, non-contiguous x,
+per-expert nonlinear experts, NaN in padded rows, bf16; bad indices raise the same CommError on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from commlib import moe as spec
+from tests.torch import moe_jobs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_case_against_the_reference(pool, world_size):
+    results = pool(world_size).run(moe_jobs.every_case)
+    assert len(results) == world_size
+    for rank, per_case in enumerate(results):
+        assert len(per_case) == len(moe_jobs.cases(world_size))
+        for number, got in enumerate(per_case):
+            where = (rank, number, got)
+            assert got["routing"] == [True, True, True] and got["padded_zero"] and got["finite"], where
+            assert got["no_grad"], where
+            if got["bf16"]:  # bf16 rows (exact moves), float32 accumulation: to bf16's rounding
+                assert got["dtype"] == "torch.bfloat16" and got["dispatched"] == 0.0, where
+                assert max(got["combined"], got["w_grad"]) < 0.05, where
+                assert got["x_grad"] < 0.02 * got["x_scale"], where  # through the experts' bf16 tanh
+            else:
+                assert got["dispatched"] == 0.0, where  # rows are moved, never computed
+                assert max(got["combined"], got["x_grad"], got["w_grad"]) < 1e-12, where
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_errors_are_the_same_on_every_rank(pool, world_size):
+    results = pool(world_size).run(moe_jobs.errors)
+    expected = moe_jobs.expected_errors(world_size)
+    # the same on every rank, but the y rows error, which names each rank's own rows
+    assert all(messages[:9] + messages[10:] == results[0][:9] + results[0][10:] for messages in results), results
+    for got, want in zip(results[0], expected, strict=True):
+        if want is not None:
+            assert got == want, (got, want)
+    messages = results[0]
+    for rank_messages in results:
+        assert rank_messages[9].startswith("CommError: combine: y has"), rank_messages[9]
+    assert messages[3] == "[[2.0, 2.0], [1.0, 1.0], [0.0, 0.0]]", messages[3]
+    assert messages[5].startswith("TypeError: route") and "indices" in messages[5], messages[5]
+    assert messages[8].startswith("TypeError: dispatch"), messages[8]
+    assert messages[9].startswith("CommError: combine") and "y has" in messages[9], messages[9]
+    assert messages[11].startswith("TypeError: combine") and "weights" in messages[11], messages[11]
+
+
+def test_checked_mode_names_what_the_ranks_differ_on(pool):
+    results = pool(2).run(moe_jobs.checked_mismatch)
+    for messages in results:
+        route, dispatch, padded = messages
+        assert route.startswith("CommError") and "route" in route and "capacity" in route, route
+        assert dispatch.startswith("CommError") and "dispatch" in dispatch and "dtype" in dispatch, dispatch
+        assert padded == "CommError: " + str(spec.padded_tokens_error([2, 1])), padded
