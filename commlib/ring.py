@@ -142,6 +142,21 @@ class RingPlan:
         return (rank - step) % self.ring_size
 
     @property
+    def ulysses_exchanges(self) -> tuple[tuple[str, ...], ...]:
+        """USP's all-to-alls before the ring (heads scattered, sequence gathered: ``[B, S_r, H, D] -> [B, U S_r,
+        H / U, D]``), each the inputs it carries: none for ring attention (U = 1); q, k and v in one where v's
+        head dim is q's (each input's heads cut into U destinations and stacked per destination, one local
+        pass), else one each.
+
+        >>> plan = ring_plan((1, 4, 4, 8), (1, 4, 2, 8), (1, 4, 2, 8), 2, ulysses_size=2, op_name=USP_OP)
+        >>> plan.ulysses_exchanges, dataclasses.replace(plan, value_dim=16).ulysses_exchanges
+        ((('q', 'k', 'v'),), (('q',), ('k',), ('v',)))
+        """
+        if self.ulysses_size == 1:
+            return ()
+        return (("q", "k", "v"),) if self.value_dim == self.head_dim else (("q",), ("k",), ("v",))
+
+    @property
     def masked(self) -> bool:
         """Whether the walk masks by global positions (an uneven `SequenceLayout`)."""
         return self.sequence is not None

@@ -32,7 +32,7 @@ from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import rank
-from commlib_jax.functional import Array, AxisName, all_gather, all_to_all_4d, permute
+from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]
 
@@ -238,6 +238,25 @@ def ring_attention(
     return _ring_on_axes(plan, axes, q, k, v, segment_ids)
 
 
+def _heads_out(plan: spec.RingPlan, q: Array, k: Array, v: Array, ulysses_axis: AxisName) -> tuple[Array, ...]:
+    """The plan's Ulysses all-to-alls (`commlib.ring.RingPlan.ulysses_exchanges`) of q, k, v: ``[B, S_r, H, D] ->
+    [B, U * S_r, H / U, D]`` (ring block r, Ulysses rank u's heads); several inputs in one all-to-all have their
+    heads stacked per destination (one concatenate)."""
+    inputs = {"q": q, "k": k, "v": v}
+    heads = {"q": plan.heads, "k": plan.kv_heads, "v": plan.kv_heads}
+    for names in plan.ulysses_exchanges:
+        if len(names) == 1:
+            inputs[names[0]] = all_to_all_4d(inputs[names[0]], ulysses_axis, 2, 1)
+            continue
+        per_destination = [
+            jnp.moveaxis(inputs[name].reshape(*q.shape[:2], plan.ulysses_size, heads[name], -1), 2, 0) for name in names
+        ]
+        received = all_to_all(jnp.concatenate(per_destination, axis=3), ulysses_axis, 0, 2)  # [1, B, U S_r, N, D]
+        splits = np.cumsum([heads[name] for name in names])[:-1].tolist()
+        inputs.update(zip(names, jnp.split(received[0], splits, axis=2), strict=True))
+    return inputs["q"], inputs["k"], inputs["v"]
+
+
 def usp_attention(
     q: Array,
     k: Array,
@@ -302,7 +321,7 @@ def usp_attention(
         layout=layout,
     )
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    q, k, v = (all_to_all_4d(x, ulysses_axis, 2, 1) for x in (q, k, v))
+    q, k, v = _heads_out(plan, q, k, v, ulysses_axis)
     if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
         segment_ids = all_gather(segment_ids, ulysses_axis, 1)
     return all_to_all_4d(_ring_on_axes(plan, ring_axes, q, k, v, segment_ids), ulysses_axis, 1, 2)

@@ -607,21 +607,21 @@ def ring_attention(
 def _heads_out(
     plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, ...]:
-    """The Ulysses all-to-all of q, k, v: ``[B, S_r, H, D] -> [B, U * S_r, H / U, D]`` (ring block r, Ulysses
-    rank u's heads). One all-to-all for the three (heads stacked per destination in one local pass) when v's
-    head dim is q's, else one each."""
-    U = plan.ulysses_size
-    if U == 1:
-        return q, k, v
-    if v.shape[-1] != q.shape[-1]:
-        return tuple(all_to_all_4d(x, 2, 1, group) for x in (q, k, v))
-    batch, rows, _, dim = q.shape
-    heads = [plan.heads, plan.kv_heads, plan.kv_heads]
-    per_destination = [
-        x.view(batch, rows, U, n, dim).permute(2, 0, 1, 3, 4) for x, n in zip((q, k, v), heads, strict=True)
-    ]
-    received = all_to_all(torch.cat(per_destination, dim=3), 0, 2, group)  # [1, B, U * S_r, h + 2 h_kv, D]
-    return tuple(received[0].split(heads, dim=2))
+    """The plan's Ulysses all-to-alls (`commlib.ring.RingPlan.ulysses_exchanges`) of q, k, v: ``[B, S_r, H, D] ->
+    [B, U * S_r, H / U, D]`` (ring block r, Ulysses rank u's heads); several inputs in one all-to-all have their
+    heads stacked per destination in one local pass."""
+    inputs = {"q": q, "k": k, "v": v}
+    heads = {"q": plan.heads, "k": plan.kv_heads, "v": plan.kv_heads}
+    for names in plan.ulysses_exchanges:
+        if len(names) == 1:
+            inputs[names[0]] = all_to_all_4d(inputs[names[0]], 2, 1, group)
+            continue
+        per_destination = [
+            inputs[name].view(*q.shape[:2], plan.ulysses_size, heads[name], -1).permute(2, 0, 1, 3, 4) for name in names
+        ]
+        received = all_to_all(torch.cat(per_destination, dim=3), 0, 2, group)  # [1, B, U * S_r, h + 2 h_kv, D]
+        inputs.update(zip(names, received[0].split([heads[name] for name in names], dim=2), strict=True))
+    return inputs["q"], inputs["k"], inputs["v"]
 
 
 def usp_attention(
