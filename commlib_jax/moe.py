@@ -198,6 +198,8 @@ class _Backend:
         self.axes, self.top_k, self.accum = axes, top_k, accum
 
     def take(self, x: jax.Array, index: jax.Array) -> jax.Array:
+        if x.shape[0] == 0:  # capacity 0: every index is -1
+            return to_varying(jnp.zeros((*index.shape, *x.shape[1:]), x.dtype), self.axes)
         safe = jnp.where(index >= 0, index, x.shape[0])  # out of bounds: filled with 0, never read
         return jnp.take(x, safe, axis=0, mode="fill", fill_value=0)
 

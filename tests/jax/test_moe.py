@@ -209,7 +209,7 @@ CASES = (
     ("mode", "world", "cases"),
     [
         ("vma", 1, CASES[:2]),
-        ("vma", 2, CASES),
+        ("vma", 2, (*CASES, Case(4, 2, (3,), 4, capacity=0))),
         ("vma", 4, CASES),
         ("novma", 4, CASES[1:4]),
         ("pmap", 4, CASES[1:4]),
