@@ -314,3 +314,18 @@ INDICES = np.zeros((2, 4, 2), np.int64)
 def test_errors(body, error, message) -> None:
     with pytest.raises(error, match=message):
         _trace(lambda i: body(i[0]), INDICES)
+
+
+def test_one_counts_exchange_and_one_dense_all_to_all_per_direction() -> None:
+    """route: one all_to_all of the counts; dispatch and combine: one dense all_to_all of rows each (no ragged
+    one, no host callback)."""
+
+    def body(x, i):
+        routing = jmoe.route(i[0], 4, "i")
+        return jmoe.combine(jmoe.dispatch(x[0], routing), routing)[None]
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+    program = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    text = str(jax.make_jaxpr(program)(np.ones((2, 4, 3)), INDICES))
+    assert text.count("all_to_all[") == 3, text
+    assert "ragged" not in text and "callback" not in text
