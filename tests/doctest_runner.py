@@ -37,6 +37,7 @@ MODULES = {
         "commlib_jax.functional",
         "commlib_jax.attention",
         "commlib_jax.communicator",
+        "commlib_jax.moe",
         "commlib_jax.ring",
         "commlib_jax.sequence",
         "commlib_jax.training",
