@@ -18,6 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 GROUP_TO_AXIS = {"group": "axis_name", "ulysses_group": "ulysses_axis", "ring_group": "ring_axis"}
 #: torch's keyword without a JAX twin, on the ops that take it (last, keyword-only, default False).
 TORCH_ONLY = ["async_op", "KEYWORD_ONLY", "False"]
+#: Defaults that differ by design (DESIGN.md "Expert parallelism"): JAX's route is always padded.
+DEFAULTS = {("moe.route", "layout"): ("'exact'", "'padded'")}
 ASYNC_OPS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_4d", "permute"}
 
 _PROBE = """
@@ -40,6 +42,9 @@ for name in attention.__all__:
 sequence = importlib.import_module(f"commlib_{frontend}.sequence")
 for name in ("shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy"):
     found[f"sequence.{name}"] = parameters(getattr(sequence, name))
+moe = importlib.import_module(f"commlib_{frontend}.moe")
+for name in ("route", "dispatch", "combine"):
+    found[f"moe.{name}"] = parameters(getattr(moe, name))
 for name, value in vars(communicator).items():
     if inspect.isfunction(value) and not name.startswith("_"):
         found[f"communicator.{name}"] = parameters(value)
@@ -64,7 +69,7 @@ def _without_groups(parameters: list, names) -> list:
 def test_both_frontends_have_the_same_public_functions():
     torch_names, jax_names = set(_signatures("torch")), set(_signatures("jax"))
     assert torch_names == jax_names
-    assert {"all_reduce", "attention.ulysses_attention", "communicator.all_to_all_4D"} <= torch_names
+    assert {"all_reduce", "attention.ulysses_attention", "communicator.all_to_all_4D", "moe.route"} <= torch_names
 
 
 def _differences(torch_parameters: list, jax_parameters: list) -> list[str]:
@@ -89,7 +94,11 @@ def test_same_keywords_but_the_group():
     torch_signatures = {
         name: [p for p in parameters if p != TORCH_ONLY] for name, parameters in _signatures("torch").items()
     }
-    jax_signatures = _signatures("jax")
+    jax_signatures = {name: [list(p) for p in parameters] for name, parameters in _signatures("jax").items()}
+    for (name, keyword), (torch_default, jax_default) in DEFAULTS.items():
+        [parameter] = [p for p in jax_signatures[name] if p[0] == keyword]
+        assert parameter[2] == jax_default, (name, parameter)
+        parameter[2] = torch_default  # the one difference DESIGN.md makes
     differences = {
         name: found
         for name in sorted(torch_signatures.keys() & jax_signatures.keys())
