@@ -176,9 +176,7 @@ def route(
         experts_per_rank=experts_per_rank,
         layout=layout,
     )
-    if (
-        is_checked() and not torch.compiler.is_compiling()
-    ):  # the ranks compare the options first  # the ranks compare the options first
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
             check.moe_call(spec.ROUTE_OP, plan, indices.shape, dtype_name(indices.dtype)), (resolved,), indices.device
         )
