@@ -292,9 +292,10 @@ def rank_tables(
     counts = np.asarray(received_counts, dtype=np.int64).reshape(world, plan.experts_per_rank[rank])
     recv_sizes = counts.sum(axis=1)
     # receive position of (source s, expert e, j): source-major; expert-major position: expert, source, j
-    receive_start = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
+    flat = counts.reshape(-1)  # exclusive sums: a rank may own no experts (counts [W, 0])
+    receive_start = (np.cumsum(flat) - flat).reshape(counts.shape)
     expert_major = counts.T.reshape(-1)
-    major_start = np.concatenate([[0], np.cumsum(expert_major)[:-1]]).reshape(counts.T.shape).T
+    major_start = (np.cumsum(expert_major) - expert_major).reshape(counts.T.shape).T
     rows = int(counts.sum())
     pack_back = np.empty(rows, dtype=np.int64)
     for (source, expert), count in np.ndenumerate(counts):

@@ -391,3 +391,14 @@ def test_ranks_that_differ_in_k_features_or_count_are_refused():
         simulate_moe([np.ones((2, 1)), np.ones((2, 2))], [np.array([[0], [1]]), np.array([[2], [3]])], 4)
     with pytest.raises(CommError, match=r"number of ranks in xs and indices; ranks have \(2, 1\)"):
         simulate_moe([np.ones((2, 1)), np.ones((2, 1))], [np.array([[0], [1]])], 4)
+
+
+def test_a_rank_that_owns_no_experts():
+    """experts_per_rank may hold a 0 (route_plan accepts it): rank_tables crashed with a raw ValueError
+    (an exclusive cumsum of no counts), found by a newcomer's try. The rank receives nothing, sends its rows."""
+    xs = [np.arange(2.0)[:, None] + 1, np.arange(1.0)[:, None] + 5, np.arange(2.0)[:, None] + 7]
+    indices = [np.array([[0, 1], [5, 6]]), np.array([[2, 3]]), np.array([[0, 4], [5, -1]])]
+    sim = simulate_moe(xs, indices, 7, experts_per_rank=(3, 0, 4))
+    assert int(sim.tables[1].rows) == 0
+    for rank, (x, index) in enumerate(zip(xs, indices, strict=True)):  # identity experts: each row x K routes
+        np.testing.assert_array_equal(sim.combined[rank], x * (index >= 0).sum(1, keepdims=True))
