@@ -127,7 +127,17 @@ def says_checked(value: str | bytes | None) -> bool:
 
 
 #: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
-LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy", ROUTE_OP, DISPATCH_OP, COMBINE_OP)
+LAYER_NAMES = (
+    ULYSSES_OP,
+    RING_OP,
+    USP_OP,
+    "gather_sequence",
+    "cross_entropy",
+    "sync_gradients",
+    ROUTE_OP,
+    DISPATCH_OP,
+    COMBINE_OP,
+)
 _KNOWN_NAMES = (
     *OP_NAMES,
     "send/recv",
