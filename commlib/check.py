@@ -1,11 +1,19 @@
 """Checked mode, the spec side (numpy + stdlib only).
 
 Before each collective every rank encodes its call -- op, forward/backward, shape, dtype,
-dims, reduce op, convention, root, perm, accum_dtype, uneven sizes -- into a fixed-size int64 `fingerprint` (the same
-size for every op, so the exchange itself cannot mismatch), the frontend all-gathers them over the group,
-and `compare` raises the same `CommError` on every rank if any rank differs::
+dims, reduce op, convention, root, perm, accum_dtype, uneven sizes, the call's number -- into a fixed-size int64
+`fingerprint` (the same size for every op, so the exchange itself cannot mismatch), the frontend all-gathers them
+over the group, and `compare` raises the same `CommError` on every rank if any rank differs::
 
     all_to_all_4d: ranks disagree on shape: ranks 0, 1, 3 have (2, 8, 8, 4), rank 2 has (2, 8, 12, 4). Received: ...
+
+The call's number tells two calls of the same shape apart in their backward: a forward row carries this rank's
+own number for the call (not compared), and the ranks adopt group rank 0's (`agreed_call`, unique among rank 0's
+calls); each collective of the call's backward carries that agreed number, so ranks whose backwards meet
+different forward calls (async handles waited in different orders, which begin the duals in different orders)
+all raise rather than mix their gradients::
+
+    all_to_all backward: ranks disagree on the forward call: rank 0 has call 7, rank 1 has call 6 (...). Received: ...
 
 With uneven sizes held exactly (torch), ranks' shapes differ by design: the fingerprint holds the shape every
 rank agrees on (`Plan.shared_in_shape`, the sharded dim at its largest size) and the sizes themselves.
@@ -59,11 +67,13 @@ from commlib.steps import (
 )
 
 __all__ = [
+    "CALL_SLOT",
     "FINGERPRINT_SIZE",
     "PHASES",
     "ENV_VARIABLE",
     "Call",
     "LayerCall",
+    "agreed_call",
     "attention_call",
     "compare",
     "compare_layers",
@@ -78,7 +88,7 @@ __all__ = [
 
 #: The call's phase: the forward collective, or the collective(s) of its backward.
 PHASES = ("forward", "backward")
-_MAGIC = 0x636F6D6C_0001  # "coml", format 1: tells a fingerprint from other int64 data
+_MAGIC = 0x636F6D6C_0002  # "coml", format 2 (the call's number added): tells a fingerprint from other int64 data
 _SHAPE_SLOTS = 8  # sizes stored exactly up to this ndim (a hash of the whole shape always)
 _PAIR_SLOTS = 4  # permute pairs stored exactly up to this many (a hash of all of them always)
 _SIZE_SLOTS = 8  # uneven sizes stored exactly up to this world size (a hash of all of them always)
@@ -95,9 +105,11 @@ _PAIRS = _PAIR_HASH + 1
 _SCATTER_SIZES = _PAIRS + _PAIR_SLOTS  # hash, then the first _SIZE_SLOTS sizes
 _GATHER_SIZES = _SCATTER_SIZES + 1 + _SIZE_SLOTS
 _GRAD_SCALE = _GATHER_SIZES + 1 + _SIZE_SLOTS  # the float64's bits (shard's scale_grad: 1/W)
+#: The slot of the call's number (forward: this rank's own, not compared; backward: the forward's agreed one).
+CALL_SLOT = _GRAD_SCALE + 1
 #: Number of int64 values every rank sends, whatever the op.
 FINGERPRINT_SIZE = 48
-assert _GRAD_SCALE + 1 <= FINGERPRINT_SIZE
+assert CALL_SLOT + 1 <= FINGERPRINT_SIZE
 
 # Names a fingerprint's codes decode back to (any other name still compares, shown by its code).
 #: The environment variable that turns checked mode on (both frontends; torch also has `set_checked` / `checked`).
@@ -115,7 +127,17 @@ def says_checked(value: str | bytes | None) -> bool:
 
 
 #: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
-LAYER_NAMES = (ULYSSES_OP, RING_OP, USP_OP, "gather_sequence", "cross_entropy", ROUTE_OP, DISPATCH_OP, COMBINE_OP)
+LAYER_NAMES = (
+    ULYSSES_OP,
+    RING_OP,
+    USP_OP,
+    "gather_sequence",
+    "cross_entropy",
+    "sync_gradients",
+    ROUTE_OP,
+    DISPATCH_OP,
+    COMBINE_OP,
+)
 _KNOWN_NAMES = (
     *OP_NAMES,
     "send/recv",
@@ -168,9 +190,10 @@ def _step_slots(step: Step) -> tuple[ReduceOp | None, int | None, tuple[tuple[in
             assert_never(step)
 
 
-def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
+def fingerprint(plan: Plan, dtype: str, phase: str = "forward", call: int | None = None) -> np.ndarray:
     """This rank's call as `FINGERPRINT_SIZE` int64 values (`plan` is the forward plan in both phases;
-    `dtype` the tensor's, which a backward's cotangent may change).
+    `dtype` the tensor's, which a backward's cotangent may change; `call` the call's number, None: unnumbered:
+    in a forward this rank's own number, in a backward the forward call's `agreed_call`).
 
     >>> from commlib import plans
     >>> call = decode(fingerprint(plans.all_gather((2, 3), 4, dim=0), "bfloat16", "backward"))
@@ -205,7 +228,21 @@ def fingerprint(plan: Plan, dtype: str, phase: str = "forward") -> np.ndarray:
     row[_SCATTER_SIZES:_GATHER_SIZES] = _sizes_slots(None if sized is None else sized.scatter_sizes)
     row[_GATHER_SIZES : _GATHER_SIZES + 1 + _SIZE_SLOTS] = _sizes_slots(None if sized is None else sized.gather_sizes)
     row[_GRAD_SCALE] = np.float64(plan.arithmetic.grad_scale).view(np.int64)
+    row[CALL_SLOT] = _NONE if call is None else call
     return row
+
+
+def agreed_call(fingerprints: np.ndarray) -> int | None:
+    """The number the ranks of a forward exchange adopt for the call (`compare`'d rows, in group order): group
+    rank 0's own, unique among its calls and the same on every rank whatever each rank counted. None: unnumbered.
+
+    >>> from commlib import plans
+    >>> plan = plans.all_reduce((3,), 2)
+    >>> agreed_call(np.stack([fingerprint(plan, "float32", call=7), fingerprint(plan, "float32", call=3)]))
+    7
+    """
+    number = int(np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)[0, CALL_SLOT])
+    return None if number == _NONE else number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +263,7 @@ class Call:
     scatter_sizes: tuple[int, ...] | str | None = None  # uneven sizes; a str when over 8 ranks
     gather_sizes: tuple[int, ...] | str | None = None
     grad_scale: float = 1.0  # the VJP's extra factor (shard's scale_grad)
+    call: int | None = None  # the call's number (forward: this rank's own; backward: the forward's agreed one)
 
     @property
     def collective(self) -> str:
@@ -277,6 +315,7 @@ def decode(row: np.ndarray) -> Call:
         scatter_sizes=_sizes(row, _SCATTER_SIZES, int(row[_WORLD])),
         gather_sizes=_sizes(row, _GATHER_SIZES, int(row[_WORLD])),
         grad_scale=float(row[_GRAD_SCALE : _GRAD_SCALE + 1].view(np.float64)[0]),
+        call=None if row[CALL_SLOT] == _NONE else int(row[CALL_SLOT]),
     )
 
 
@@ -294,6 +333,12 @@ _ASPECTS = (
     ("scatter_sizes", list(range(_SCATTER_SIZES, _GATHER_SIZES)), lambda call: str(call.scatter_sizes)),
     ("gather_sizes", list(range(_GATHER_SIZES, _GATHER_SIZES + 1 + _SIZE_SLOTS)), lambda call: str(call.gather_sizes)),
     ("grad_scale", [_GRAD_SCALE], lambda call: str(call.grad_scale)),
+    ("the forward call", [CALL_SLOT], lambda call: f"call {call.call}"),  # (compared in a backward only)
+)
+#: Why the forward calls of a backward differ (the message's hint).
+_CALL_HINT = (
+    "every rank must run the backward of its collectives in the same order; with async_op=True, wait the "
+    "handles in the same order on every rank: the backward begins the duals in the reverse order of the waits"
 )
 
 
@@ -312,12 +357,15 @@ def _by_value(values: list[str], verb: tuple[str, str], ranks: Sequence[int]) ->
 def _differences(rows: np.ndarray, calls: list[Call], ranks: Sequence[int]) -> list[str]:
     if len({call.collective for call in calls}) > 1:  # op or phase: the other aspects don't compare
         return [f"the collective: {_by_value([call.collective for call in calls], ('runs', 'run'), ranks)}"]
-    found = []
+    found: list[str] = []
     for label, slots, show in _ASPECTS:
         if len({tuple(row) for row in rows[:, slots].tolist()}) > 1:
             if label == "root":
                 label = "dst" if calls[0].op_name == "gather" else "src"
+            if slots == [CALL_SLOT] and found:  # (the last aspect) named only where nothing else differs
+                break
             found.append(f"{label}: {_by_value([show(call) for call in calls], ('has', 'have'), ranks)}")
+            found[-1] += f" ({_CALL_HINT})" if slots == [CALL_SLOT] else ""
     return found or ["the call (their fingerprints differ)"]
 
 
@@ -338,6 +386,7 @@ def _received(call: Call, rank: int) -> dict[str, object]:
         scatter_sizes=call.scatter_sizes,
         gather_sizes=call.gather_sizes,
         grad_scale=None if call.grad_scale == 1.0 else call.grad_scale,
+        call=call.call if call.phase == "backward" else None,
     )
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
@@ -347,7 +396,8 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
     per rank of `ranks` (the two ends of a send/recv); `rank` is this rank's group-local rank.
 
     Every rank gets the same array, so every rank raises; the message names the op (this rank's), each
-    aspect the ranks disagree on with every rank's value, and ends with this rank's own call.
+    aspect the ranks disagree on with every rank's value, and ends with this rank's own call. A forward's call
+    numbers (each rank's own) are not compared; a backward's (the forward's `agreed_call`) are.
 
     >>> from commlib import plans
     >>> rows = np.stack([fingerprint(plans.all_reduce(shape, 2), "float32") for shape in [(3,), (4,)]])
@@ -357,8 +407,14 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
     commlib.errors.CommError: all_reduce: ranks disagree on shape: rank 0 has (3,), rank 1 has (4,). Received: rank=0, phase='forward', shape=(3,), dtype='float32', op='sum'
     """
     rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
-    if (rows == rows[0]).all():
+    if (rows == rows[0]).all():  # (the common case first: ~3 us)
         return
+    forward = (rows[:, _VERSION] == _MAGIC) & (rows[:, _PHASE] == PHASES.index("forward"))
+    if forward.any():  # a forward's numbers are each rank's own: not compared (`agreed_call`)
+        rows = rows.copy()
+        rows[forward, CALL_SLOT] = _NONE
+        if (rows == rows[0]).all():
+            return
     ranks = list(range(len(rows))) if ranks is None else list(ranks)
     index = ranks.index(rank)
     own = decode(rows[index]) if rows[index, _VERSION] == _MAGIC else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,8 @@ __all__ = [
     "check_cross_entropy",
     "check_share_axes",
     "check_sync_op",
+    "describe_parameters",
+    "no_parameters_error",
     "sparse_gradient_error",
     "check_token_segments",
     "position_table",
@@ -251,6 +254,51 @@ def check_sync_op(op: object) -> ReduceOp:
     if parsed not in (ReduceOp.SUM, ReduceOp.AVG):
         raise comm_error("sync_gradients", f"op ({parsed.value!r}) must be one of sum, avg", op=parsed.value)
     return parsed
+
+
+class _Described(str):
+    """A text that stands in a message as it is (not quoted)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+_LISTED = 8  # parameters listed one by one in sync_gradients' checked-mode text (a count and a hash beyond)
+
+
+def describe_parameters(parameters: Sequence[tuple[Sequence[int], str]]) -> str:
+    """How checked mode compares and shows the parameters a rank passes `sync_gradients`: each (shape, dtype)
+    in order (past 8 of them: the count, the elements and a hash of the whole list, then the first 8).
+
+    >>> print(describe_parameters([((3,), "float32"), ((2, 2), "bfloat16")]))
+    2 tensors: (3,) float32, (2, 2) bfloat16
+    >>> print(describe_parameters([]))
+    none (an empty iterable: a consumed generator?)
+    """
+    if not parameters:
+        return _Described("none (an empty iterable: a consumed generator?)")
+    shown = [f"{tuple(int(size) for size in shape)} {dtype}" for shape, dtype in parameters]
+    count = f"{len(shown)} tensor{'s' if len(shown) > 1 else ''}"
+    if len(shown) <= _LISTED:
+        return _Described(f"{count}: {', '.join(shown)}")
+    elements = sum(functools.reduce(operator.mul, shape, 1) for shape, _ in parameters)
+    digest = zlib.crc32("; ".join(shown).encode())
+    return _Described(f"{count} ({elements} elements, hash {digest:08x}): {', '.join(shown[:_LISTED])}, ...")
+
+
+def no_parameters_error() -> CommError:
+    """`sync_gradients`' error for an empty iterable of parameters (on every rank in checked mode, where the
+    ranks compare their lists first; unchecked, on the rank that passed it, before communicating).
+
+    >>> str(no_parameters_error()).split(" (")[0]
+    'sync_gradients: parameters is empty: nothing to sync'
+    """
+    return comm_error(
+        "sync_gradients",
+        "parameters is empty: nothing to sync (a consumed generator, such as model.parameters() iterated "
+        "before?); pass the replicated parameters, the same on every rank",
+        parameters=(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

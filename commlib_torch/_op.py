@@ -50,7 +50,9 @@ __all__ = [
 transforms_active = functorch_transforms_active
 
 Result = TypeVar("Result")  # what a step at the boundary returns: the output, or (async_op) the begun collective
-Origin = tuple[Plan, str]  # the plan checked mode fingerprints, and the phase ("forward" / "backward")
+# the plan checked mode fingerprints, the phase ("forward" / "backward"), and in a backward the forward call's
+# number (`commlib_torch._checked.exchange`; None: unnumbered)
+Origin = tuple[Plan, str, "int | None"]
 
 plan_cache.trust_sequence_type(torch.Size)  # its items are ints: x.shape keys the fast plan cache as it is
 plan_cache.bypass_while(torch.compiler.is_dynamo_compiling)  # Dynamo traces the builders, not the key making
@@ -97,17 +99,21 @@ def at_boundary(
     x: torch.Tensor,
     group: ResolvedGroup,
     origin: Origin | None,
+    record: Any = None,
 ) -> Result:
     """``step(plan, x, group)`` at commlib's boundary: checked mode's fingerprint exchange first (collectives
-    only; `origin`: the plan it fingerprints and the phase, None: this plan, "forward"), and a backend error
-    that means a timeout or a lost rank re-raised as CommTimeout / CommFailure. Traced by Dynamo: the step
-    alone."""
+    only; `origin`: the plan it fingerprints, the phase and the forward call's number, None: this plan,
+    "forward"), and a backend error that means a timeout or a lost rank re-raised as CommTimeout / CommFailure.
+    `record` (an autograd ctx, a Handle's call): where the call's number is kept for its backward's origin
+    (``record.call_number``; set where the exchange ran). Traced by Dynamo: the step alone."""
     if torch.compiler.is_dynamo_compiling():
         return step(plan, x, group)
     try:
         if is_checked() and not plan.step.is_local and not torch.compiler.is_compiling():
-            subject, phase = origin or (plan, "forward")
-            exchange(subject, x, group, phase)
+            subject, phase, call = origin or (plan, "forward", None)
+            number = exchange(subject, x, group, phase, call)
+            if record is not None:
+                record.call_number = number
         return step(plan, x, group)
     except RuntimeError as error:
         reraise(error, plan, x, group, origin)
@@ -115,7 +121,7 @@ def at_boundary(
 
 def reraise(error: RuntimeError, plan: Plan, x: torch.Tensor, group: ResolvedGroup, origin: Origin | None) -> NoReturn:
     """Raise `error` as CommTimeout / CommFailure where it means one, else as it is."""
-    subject, phase = origin or (plan, "forward")
+    subject, phase, _ = origin or (plan, "forward", None)
     translated = translate(error, subject.op_name, x, group, phase)
     if translated is error:
         raise error
@@ -144,12 +150,12 @@ class PlanFunction(torch.autograd.Function):
         if not gradients.needs_primal(plan):  # a linear plan (the hot path): the output is the plan walked
             ctx.plan, ctx.group = plan, group
             if torch.compiler.is_compiling() or is_checked():
-                return at_boundary(run, plan, x, group, origin)
+                return at_boundary(run, plan, x, group, origin, ctx)
             try:  # `at_boundary(run, ...)` eagerly and unchecked, two calls fewer
                 return walk(plan)(x, group)
             except RuntimeError as error:
                 reraise(error, plan, x, group, origin)
-        out = at_boundary(_primal_rule, plan, x, group, origin)
+        out = at_boundary(_primal_rule, plan, x, group, origin, ctx)
         _save(ctx, plan, group, x, out)
         return out
 
@@ -160,7 +166,7 @@ class PlanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         saved = (*ctx.saved_tensors, None, None)
-        backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward"))
+        backend = _Backend(ctx.group, cotangent.device, (ctx.plan, "backward", getattr(ctx, "call_number", None)))
         return gradients.vjp(backend, ctx.plan, saved[0], saved[1], cotangent), None
 
 

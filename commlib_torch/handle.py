@@ -47,8 +47,9 @@ class Handle:
     (each rank's call started it), the result is dropped with the Handle and `x` gets no gradient from it.
     Every rank must wait its handles in the same order (the backward begins the duals in the reverse order of
     the waits), and leave `x` unchanged until `wait()` (an in-place change is refused there: CommError; only
-    changes autograd sees are caught, by x's version counter: a write through ``x.data``, ``x.detach()`` or a
-    numpy view of x does not advance it and goes out unrefused). Where
+    changes autograd sees are caught, by x's version counter: an in-place op on x, a view of x or
+    ``x.detach()`` advances it; a write through ``x.data``, a numpy view of x or another tensor over x's storage
+    does not, and goes out unrefused). Where
     x requires grad and the call recorded it for autograd, ``wait()`` with gradients disabled
     (``torch.no_grad()``) is refused (CommError, after the collective completes): its result would give x no
     gradient.
@@ -81,7 +82,7 @@ class _Call:
     failure messages), the forward's begun collective (`started`, until waited), the autograd token (None
     without autograd), and in backward the cotangent and the dual collective begun (`dual`)."""
 
-    __slots__ = ("cotangent", "dual", "group", "inference", "plan", "started", "token", "version", "x")
+    __slots__ = ("call_number", "cotangent", "dual", "group", "inference", "plan", "started", "token", "version", "x")
 
     def __init__(self, plan: Plan, x: torch.Tensor, group: ResolvedGroup) -> None:
         self.plan, self.group = plan, group
@@ -92,6 +93,7 @@ class _Call:
         self.token: torch.Tensor | None = None
         self.dual: Started | None = None
         self.cotangent: torch.Tensor | None = None
+        self.call_number: int | None = None  # checked mode's number of the call (its backward's fingerprints)
 
     def is_completed(self) -> bool:
         return self.started is None or self.started.is_completed()
@@ -137,7 +139,7 @@ class _StartNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, call: _Call) -> torch.Tensor:
-        call.started = at_boundary(_begin, call.plan, x, call.group, None)
+        call.started = at_boundary(_begin, call.plan, x, call.group, None, call)
         ctx.call = call
         return x.new_empty(0)
 
@@ -145,7 +147,7 @@ class _StartNode(torch.autograd.Function):
     def backward(ctx: Any, token_cotangent: torch.Tensor) -> tuple[torch.Tensor, None]:
         call = ctx.call
         cotangent, dual, call.cotangent, call.dual = call.cotangent, call.dual, None, None
-        origin = (call.plan, "backward")
+        origin = (call.plan, "backward", call.call_number)
         if dual is None:  # create_graph: the VJP's own Functions, synchronous and differentiable
             return apply(gradients.vjp_plan(call.plan), cotangent, call.group, origin), None
         return _waited(dual, call.plan, cotangent, call.group, origin), None
@@ -165,7 +167,7 @@ class _WaitNode(torch.autograd.Function):
         call.cotangent = cotangent
         if not torch.is_grad_enabled():  # (create_graph: the start node's backward runs the VJP synchronously)
             call.dual = at_boundary(
-                _begin, gradients.vjp_plan(call.plan), cotangent, call.group, (call.plan, "backward")
+                _begin, gradients.vjp_plan(call.plan), cotangent, call.group, (call.plan, "backward", call.call_number)
             )
         return cotangent.new_empty(0), None
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from commlib import SequenceLayout
 from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
-from commlib.check import sequence_call
+from commlib.check import layer_call, sequence_call
 from commlib.parallel import ParallelPlan
 from commlib_torch import _parallel
 from commlib_torch._checked import exchange_layer, is_checked
@@ -309,14 +309,30 @@ def sync_gradients(
     parameters: Iterable[torch.Tensor], group: GroupArgument = None, *, op: ReduceOpArgument = "sum"
 ) -> None:
     """Sum (``op="sum"``) or average (``"avg"``) the gradients of replicated parameters over `group`, in place:
-    one all_reduce per dtype and device (the gradients flattened into one buffer each). Parameters without a
-    gradient are skipped (every rank must skip the same ones). With `cross_entropy` (each rank's share of the
-    global mean) "sum" gives every rank the unsharded gradients; DDP's average would give 1/W of them. `group`
-    None inside a `parallel` context: the context's group (the sequence group; on a DP x SP mesh the data-
-    parallel average stays DDP's or yours), else WORLD.
+    one all_reduce per dtype and device (the gradients flattened into one buffer each). With `cross_entropy`
+    (each rank's share of the global mean) "sum" gives every rank the unsharded gradients; DDP's average would
+    give 1/W of them. `group` None inside a `parallel` context: the context's group (the sequence group; on a
+    DP x SP mesh the data-parallel average stays DDP's or yours), else WORLD.
+
+    Every rank must pass the same parameters in the same order (shapes, dtypes, which are frozen; checked mode
+    compares them). Parameters that do not require grad (frozen) are left out, as DDP leaves them. A parameter
+    without a gradient on a rank takes part as zeros there, as under DDP's ``find_unused_parameters``, so every
+    rank sends the same buffers and no gradient lands on another parameter: a parameter with a gradient on some
+    rank gets the sum (or the average over all W ranks) on every rank, its gradient made where it had none; one
+    with a gradient on no rank keeps None (a flag per parameter rides the all_reduce; read on the host only where
+    a local gradient is None).
+
+    An empty iterable is refused (CommError), not a silent no-op: syncing nothing is a mistake in a training
+    step (a consumed generator, ``model.parameters()`` iterated before), and a rank that returned at once would
+    leave its peers waiting in an all_reduce it never joins. Unchecked, a rank cannot know what its peers
+    passed: the empty rank raises before communicating and the others time out (CommTimeout); in checked mode
+    (``COMMLIB_CHECK=1``) the ranks compare their parameter lists first, so a rank's empty list, a different
+    order or count, or a different `op` makes every rank raise the same CommError naming sync_gradients, the
+    argument and what each rank had (two same-shape parameters swapped cannot be told apart).
 
     Raises:
-        CommError: op not sum/avg. TypeError: a parameter that is not a tensor, a sparse gradient.
+        CommError: op not sum/avg, `parameters` empty (every rank in checked mode), ranks that disagree on the
+            parameters or op (checked mode). TypeError: a parameter that is not a tensor, a sparse gradient.
 
     Example:
         >>> weight = torch.nn.Parameter(torch.ones(2))
@@ -327,19 +343,52 @@ def sync_gradients(
     """
     reduce_op = spec.check_sync_op(op)
     resolved = resolve_group("sync_gradients", _context_group(group))
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    parameters = [check_tensor("sync_gradients", parameter, "parameter") for parameter in parameters]
     for parameter in parameters:
-        check_tensor("sync_gradients", parameter, "parameter")
-        if parameter.grad is None:
-            continue
-        if parameter.grad.is_sparse:
+        if parameter.grad is not None and parameter.grad.is_sparse:
             raise spec.sparse_gradient_error(tuple(parameter.shape))
-        buckets.setdefault((parameter.grad.dtype, parameter.grad.device), []).append(parameter.grad)
+    if is_checked() and not torch.compiler.is_compiling():  # the ranks compare their parameters first
+        world_size("sync_gradients", resolved)
+        listed = spec.describe_parameters([(tuple(p.shape), _described_dtype(p)) for p in parameters])
+        exchange_layer(
+            layer_call("sync_gradients", parameters=listed, op=reduce_op.value), (resolved,), _device(resolved)
+        )
+    if not parameters:
+        raise spec.no_parameters_error()
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for parameter in filter(lambda parameter: parameter.requires_grad, parameters):  # (as DDP: frozen left out)
+        buckets.setdefault((parameter.dtype, parameter.device), []).append(parameter)
     with torch.no_grad():
-        for grads in buckets.values():
-            flat = all_reduce(torch.cat([grad.reshape(-1) for grad in grads]), reduce_op.value, resolved)
-            for grad, part in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
-                grad.copy_(part.view_as(grad))
+        for members in buckets.values():
+            _sync_bucket(members, reduce_op.value, resolved)
+
+
+def _sync_bucket(parameters: list[torch.Tensor], op: str, group: ResolvedGroup) -> None:
+    """One all_reduce of the parameters' gradients (zeros for None) and a has-a-gradient flag per parameter."""
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+    flags = torch.tensor([p.grad is not None for p in parameters], dtype=parameters[0].dtype, device=grads[0].device)
+    flat = all_reduce(torch.cat([*(grad.reshape(-1) for grad in grads), flags]), op, group)
+    *parts, _ = flat.split([grad.numel() for grad in grads] + [len(flags)])
+    missing = any(parameter.grad is None for parameter in parameters)  # (the flags read on the host only then)
+    present = flat[-len(flags) :].tolist() if missing else [True] * len(flags)
+    for parameter, grad, part, anywhere in zip(parameters, grads, parts, present, strict=True):
+        if parameter.grad is not None:
+            grad.copy_(part.view_as(grad))
+        elif anywhere != 0:  # a gradient on another rank: made here (the sum, or the average, of the others')
+            parameter.grad = torch.empty_like(parameter).copy_(part.view_as(parameter))
+
+
+def _described_dtype(parameter: torch.Tensor) -> str:
+    """A parameter's dtype as checked mode shows it, "frozen" added where it does not require grad."""
+    return dtype_name(parameter.dtype) + ("" if parameter.requires_grad else " frozen")
+
+
+def _device(group: ResolvedGroup) -> torch.device:
+    """The device of sync_gradients' checked-mode exchange: the group's, not a parameter's (an empty rank must
+    exchange on the same backend as its peers)."""
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # ---- the parallel context ---------------------------------------------------------------------------------------

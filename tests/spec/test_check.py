@@ -156,6 +156,30 @@ def test_long_shapes_and_perms_are_compared_in_full():
     assert "ranks disagree on perm: rank 0 has ((0, 1), (1, 2), (2, 3), (3, 4), ...) [6 pairs" in _message(rows)
 
 
+def test_a_backward_names_the_forward_call_each_rank_runs():
+    """A forward's numbers are each rank's own (not compared; the ranks adopt rank 0's); a backward's are the
+    forward's agreed number, compared: two same-shape calls' backwards met in different orders are refused."""
+    plan = plans.all_to_all((4, 3), 2, 0, 1)
+    forward = np.stack([check.fingerprint(plan, "float32", "forward", call) for call in (7, 3)])
+    check.compare(forward, 1)  # different counts on the ranks: not an error
+    assert check.agreed_call(forward) == 7 and check.decode(forward[1]).call == 3
+    backward = np.stack([check.fingerprint(plan, "float32", "backward", call) for call in (8, 7)])
+    assert check.decode(backward[0]).call == 8
+    message = _message(backward, 1)
+    assert message.startswith(
+        "all_to_all backward: ranks disagree on the forward call: rank 0 has call 8, rank 1 has call 7 (every rank "
+        "must run the backward of its collectives in the same order; with async_op=True, wait the handles in the "
+        "same order on every rank: the backward begins the duals in the reverse order of the waits). Received: "
+    ), message
+    assert message.endswith("dims=(0, 1), call=7"), message
+    check.compare(np.stack([check.fingerprint(plan, "float32", "backward", 7)] * 2), 0)
+    other = check.fingerprint(plans.all_to_all((6, 3), 2, 0, 1), "float32", "backward", 7)
+    assert "forward call" not in _message(np.stack([backward[0], other]))  # named only where nothing else differs
+    unnumbered = np.stack([check.fingerprint(plan, "float32", "backward")] * 2)
+    check.compare(unnumbered, 0)
+    assert check.agreed_call(unnumbered) is None and check.decode(unnumbered[0]).call is None
+
+
 def test_a_rank_without_checked_mode_is_named():
     rows = _rows((plans.all_reduce((3,), 2), "float32", "forward"), (plans.all_reduce((3,), 2), "float32", "forward"))
     rows[1] = np.arange(check.FINGERPRINT_SIZE)

@@ -117,6 +117,21 @@ def test_cross_entropy_gradient_is_the_finite_difference():
     assert not grad[0, 1].any() and not grad[1, 2].any()
 
 
+def test_sync_gradients_parameters_are_described_in_full():
+    """Checked mode compares these texts: past 8 parameters a hash of the whole list keeps a change at any place
+    visible."""
+    few = [((3,), "float32"), ((2, 2), "bfloat16 frozen")]
+    assert spec.describe_parameters(few) == "2 tensors: (3,) float32, (2, 2) bfloat16 frozen"
+    assert repr(spec.describe_parameters(few[:1])) == "1 tensor: (3,) float32"  # (shown unquoted in messages)
+    many = [((index + 1,), "float32") for index in range(10)]
+    text = spec.describe_parameters(many)
+    assert text.startswith("10 tensors (55 elements, hash ") and text.endswith("(7,) float32, (8,) float32, ...")
+    changed = spec.describe_parameters([*many[:9], ((10,), "float64")])
+    assert changed != text and changed.split(": ")[1] == text.split(": ")[1]
+    assert spec.describe_parameters([]) == "none (an empty iterable: a consumed generator?)"
+    assert str(spec.no_parameters_error()).endswith("the same on every rank. Received: parameters=()")
+
+
 @pytest.mark.parametrize(
     ("call", "kind", "message"),
     [

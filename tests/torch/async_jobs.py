@@ -317,19 +317,27 @@ def misuse(context) -> dict:
         with torch.inference_mode():
             handle, synchronous = call(True), call(False)
         facts[f"inference_mode {op}"] = torch.equal(handle.wait(), synchronous)
+    changes = {
+        "": lambda y: y.mul_(2),
+        " view": lambda y: y[0].zero_(),
+        " detach": lambda y: y.detach().add_(1),
+        " data": lambda y: y.data.add_(1),  # (not seen by the version counter: documented, unrefused)
+        " numpy": lambda y: y.numpy().__setitem__(0, 7.0),  # (the same)
+    }
     for op, call in (
         ("all_gather", lambda y: commlib_torch.all_gather(y, 0, async_op=True)),
         ("all_reduce", lambda y: commlib_torch.all_reduce(y, async_op=True)),
     ):
-        y = x.clone()
-        handle = call(y)
-        if context.rank == 0:
-            y.mul_(2)
-        try:
-            handle.wait()
-            facts[f"modified {op}"] = "no error"
-        except commlib_torch.CommError as error:
-            facts[f"modified {op}"] = str(error)
+        for how, change in changes.items():
+            y = x.clone()
+            handle = call(y)
+            if context.rank == 0:
+                change(y)
+            try:
+                handle.wait()
+                facts[f"modified{how} {op}"] = "no error"
+            except commlib_torch.CommError as error:
+                facts[f"modified{how} {op}"] = str(error)
     leaf = x.clone().requires_grad_()
     handle = commlib_torch.all_gather(leaf, 0, async_op=True)
     try:
@@ -339,3 +347,30 @@ def misuse(context) -> dict:
     except commlib_torch.CommError as error:
         facts["no_grad wait"] = str(error)
     return facts
+
+
+def waited_out_of_order(context, check: bool) -> tuple:
+    """Two all_to_alls of the same shape in flight; rank 0 waits them in call order, the other ranks in reverse
+    (a newcomer's mistake: the backward begins the duals in the reverse order of the waits, so rank 0's dual of
+    `a` meets the others' dual of `b`). Checked or not: ("error", each rank's message) or ("ok", the largest
+    difference of a's and b's gradients from the synchronous calls')."""
+    from commlib_torch import checked
+
+    world_size = context.world_size
+    a, b = _leaf((2 * world_size, 3)), _leaf((2 * world_size, 3), seed=5)
+    weights = torch.arange(2.0 * 3 * world_size).reshape(3 * world_size, 2).T  # out's shape: [2, 3 W]
+    try:
+        with checked(check):
+            first = commlib_torch.all_to_all(a, 0, 1, async_op=True)
+            second = commlib_torch.all_to_all(b, 0, 1, async_op=True)
+            if context.rank == 0:
+                out_a, out_b = first.wait(), second.wait()
+            else:
+                out_b, out_a = second.wait(), first.wait()
+            ((out_a * weights).sum() + (out_b * weights.flip(1)).sum() ** 2).backward()
+    except commlib_torch.CommError as error:
+        return "error", str(error)
+    got, a.grad, b.grad = (a.grad, b.grad), None, None
+    want_a, want_b = commlib_torch.all_to_all(a, 0, 1), commlib_torch.all_to_all(b, 0, 1)
+    ((want_a * weights).sum() + (want_b * weights.flip(1)).sum() ** 2).backward()
+    return "ok", max(float((g - w).abs().max()) for g, w in zip(got, (a.grad, b.grad), strict=True))

@@ -3,6 +3,7 @@ workers import them by name)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -86,6 +87,16 @@ def unchecked_never_exchanges(ctx, calls: list):
             module.exchange_layer = saved
 
 
+def _parameter(shape) -> torch.Tensor:
+    """A parameter of `shape` (or ``(shape, dtype)``) with a gradient of ones."""
+    shape, dtype = (
+        shape if isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[1], str) else (shape, "float32")
+    )
+    parameter = torch.zeros(shape, dtype=getattr(torch, dtype), requires_grad=True)
+    parameter.grad = torch.ones_like(parameter)
+    return parameter
+
+
 def helper_call(ctx, calls: list):
     """Rank r calls ``calls[r] = (helper, options)`` of `commlib_torch.sequence` in checked mode: gather_sequence
     on x ``[1, layout.sizes[rank], 3]`` (options: ``layout`` as SequenceLayout fields, ``dim``, ``convention``),
@@ -96,6 +107,10 @@ def helper_call(ctx, calls: list):
     collectives: list = []
     try:
         with checked(), _counting(collectives):
+            if helper == "sync_gradients":  # parameters of `shapes` (float32 but where a (shape, dtype) pair)
+                parameters = [_parameter(shape) for shape in options.pop("shapes")]
+                commlib_torch.sequence.sync_gradients(parameters, **options)
+                return "ok", np.concatenate([p.grad.double().numpy().ravel() for p in parameters]), collectives
             if helper == "gather_sequence":
                 layout = options["layout"] = commlib.SequenceLayout(*options["layout"])
                 x = torch.randn(1, layout.sizes[ctx.rank], 3, requires_grad=True)

@@ -154,6 +154,37 @@ def sync_average(ctx) -> list[float]:
     return [float(weight.grad.flatten()[0]) for weight in weights[:3]]
 
 
+def sync_skipped(ctx) -> dict:
+    """Ranks that skip different parameters of the same size (a newcomer's fuzz case): even ranks have a
+    gradient on `a` only, odd ranks on `b` only (rank r's is r + 1), nobody on `c`; `d` everywhere; `e`
+    frozen (requires_grad False) with a gradient of its own. What each parameter's gradient is after
+    sync_gradients (None where it has none)."""
+    a, b, c, d = (torch.zeros(3, requires_grad=True) for _ in range(4))
+    e = torch.zeros(3)
+    (a if ctx.rank % 2 == 0 else b).grad = torch.full((3,), ctx.rank + 1.0)
+    d.grad, e.grad = torch.full((3,), 10.0 * (ctx.rank + 1)), torch.full((3,), -1.0 - ctx.rank)
+    sequence.sync_gradients([a, b, c, d, e])
+    named = zip("abcde", (a, b, c, d, e), strict=True)
+    return {name: None if p.grad is None else p.grad.tolist() for name, p in named}
+
+
+def sync_nothing(ctx, check: bool) -> str:
+    """Every rank passes a consumed generator (``model.parameters()`` iterated before), checked or not: the
+    error text ("no error" where it returned)."""
+    from commlib_torch import checked
+
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    parameters = model.parameters()
+    list(parameters)  # consumed
+    try:
+        with checked(check):
+            sequence.sync_gradients(parameters)
+    except CommError as error:
+        return str(error)
+    return "no error"
+
+
 def wrong_layout(ctx) -> list[str]:
     """A layout whose world size is not the group's, and a sequence of the wrong length: the spec's texts."""
     messages = []

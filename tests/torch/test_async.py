@@ -139,13 +139,16 @@ def test_misuse_is_refused_or_right(pool, world_size):
         assert facts["begun"] == 0
         assert all(facts[f"inference_mode {op}"] for op in ("reduce_scatter", "all_gather", "all_to_all")), facts
         for op in ("all_gather", "all_reduce"):
-            if rank == 0 and world_size > 1:
-                assert facts[f"modified {op}"].startswith(
-                    f"{op}: x was modified in place between the call with async_op=True and wait()"
-                ), facts
-                assert facts[f"modified {op}"].endswith("Received: version_at_call=0, version_at_wait=1"), facts
-            else:
-                assert facts[f"modified {op}"] == "no error", facts
+            for how in ("", " view", " detach"):  # what shares x's version counter: refused
+                if rank == 0 and world_size > 1:
+                    assert facts[f"modified{how} {op}"].startswith(
+                        f"{op}: x was modified in place between the call with async_op=True and wait()"
+                    ), facts
+                    assert facts[f"modified{how} {op}"].endswith("version_at_call=0, version_at_wait=1"), facts
+                else:
+                    assert facts[f"modified{how} {op}"] == "no error", facts
+            for how in (" data", " numpy"):  # what does not (the documented limit): unrefused
+                assert facts[f"modified{how} {op}"] == "no error", facts
         if world_size > 1:  # (W = 1: no communication, the result is made at the call, with its gradient)
             assert facts["no_grad wait"].startswith(
                 "all_gather: wait() ran with gradients disabled for an x that requires grad"
@@ -153,3 +156,18 @@ def test_misuse_is_refused_or_right(pool, world_size):
             assert facts["no_grad wait"].endswith("Received: requires_grad=True, grad_enabled=False"), facts
         else:
             assert facts["no_grad wait"] == "no error", facts
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_waits_in_different_orders_are_refused_in_checked_mode(pool, world_size):
+    """Rank 0 waits two same-shape handles in call order, the others in reverse: unchecked, the gradients are
+    mixed (documented: wait in the same order on every rank); checked, every rank raises the same CommError in
+    the backward, naming the op, the forward calls each rank's dual belongs to, and the rule."""
+    unchecked = pool(world_size).run(jobs.waited_out_of_order, False)
+    assert all(kind == "ok" and error > 1.0 for kind, error in unchecked), unchecked  # mixed, as documented
+    replies = pool(world_size).run(jobs.waited_out_of_order, True)
+    messages = [message for _, message in replies]
+    assert all(kind == "error" for kind, _ in replies), replies
+    assert len({message.split(" Received: ")[0] for message in messages}) == 1, messages  # (but each own call)
+    assert messages[0].startswith("all_to_all backward: ranks disagree on the forward call: rank 0 has call"), messages
+    assert "wait the handles in the same order on every rank" in messages[0], messages[0]

@@ -421,8 +421,29 @@ def test_layers_that_agree_give_the_unchecked_values(pool, calls):
             [("cross_entropy", {})] * 3 + [("cross_entropy", {"ignore_index": 2})],
             "ignore_index: ranks 0, 1, 2 have -100, rank 3 has 2",
         ),
+        (
+            [("sync_gradients", {"shapes": [(3,), (2,)]}), ("sync_gradients", {"shapes": [(2,), (3,)]})],
+            "parameters: rank 0 has 2 tensors: (3,) float32, (2,) float32, rank 1 has 2 tensors: (2,) float32, "
+            "(3,) float32",
+        ),
+        (
+            [("sync_gradients", {"shapes": [(3,), ((2,), "float64")]})] * 2 + [("sync_gradients", {"shapes": []})],
+            "parameters: ranks 0, 1 have 2 tensors: (3,) float32, (2,) float64, rank 2 has none (an empty "
+            "iterable: a consumed generator?)",
+        ),
+        (
+            [("sync_gradients", {"shapes": [(3,)]}), ("sync_gradients", {"shapes": [(3,)], "op": "avg"})],
+            "op: rank 0 has 'sum', rank 1 has 'avg'",
+        ),
     ],
-    ids=["gather_sequence-layout", "gather_sequence-convention", "cross_entropy-ignore_index"],
+    ids=[
+        "gather_sequence-layout",
+        "gather_sequence-convention",
+        "cross_entropy-ignore_index",
+        "sync_gradients-order",
+        "sync_gradients-empty",
+        "sync_gradients-op",
+    ],
 )
 def test_sequence_helpers_that_disagree_raise_on_every_rank(pool, calls, expected):
     messages = _layer_errors(pool(len(calls)).run(checked_jobs.helper_call, calls))

@@ -53,6 +53,29 @@ def test_sync_gradients_averages_per_dtype(pool):
     assert pool(3).run(sequence_jobs.sync_average) == [[2.0, 2.0, 2.0]] * 3
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_gradients_of_parameters_some_ranks_skip(pool, world_size):
+    """As DDP with find_unused_parameters: every parameter in the ranks' (same) list takes part, zeros where a
+    rank has no gradient, so no gradient lands on another parameter; a parameter no rank has a gradient for
+    keeps None, one some rank has gets the sum on every rank; a frozen one is left out (its own gradient)."""
+    a = float(sum(rank + 1 for rank in range(0, world_size, 2)))
+    b = float(sum(rank + 1 for rank in range(1, world_size, 2)))
+    d = float(sum(10 * (rank + 1) for rank in range(world_size)))
+    expected = [
+        {"a": [a] * 3, "b": [b] * 3, "c": None, "d": [d] * 3, "e": [-1.0 - rank] * 3} for rank in range(world_size)
+    ]
+    assert pool(world_size).run(sequence_jobs.sync_skipped) == expected
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
+def test_sync_gradients_of_nothing_is_refused(pool, check):
+    expected = (
+        "sync_gradients: parameters is empty: nothing to sync (a consumed generator, such as model.parameters() "
+        "iterated before?); pass the replicated parameters, the same on every rank. Received: parameters=()"
+    )
+    assert pool(2).run(sequence_jobs.sync_nothing, check) == [expected] * 2
+
+
 def test_bad_input_raises_the_spec_text_on_every_rank(pool):
     expected = []
     for call in (
