@@ -26,7 +26,7 @@ from commlib_torch._checked import LayerFrontend
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
-from commlib_torch.ring import nan_rows, ring_attention, usp_attention
+from commlib_torch.ring import nan_free, nan_rows, ring_attention, usp_attention
 
 __all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
 
@@ -47,8 +47,9 @@ def attention(
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
     to ``1 / sqrt(D)``; `segment_ids` (integers ``[B, S]``): position i sees position j only when their ids are
     equal, a negative id (padding) sees and is seen by nothing, and a row that sees nothing outputs 0 with
-    gradient 0. A NaN in q gives a NaN row (SDPA's CPU flash kernel alone would give 0). The default `attn_fn`
-    of `ulysses_attention`.
+    gradient 0. A NaN in q, or in a key a row sees, makes that row NaN (SDPA's CPU flash kernel alone would give
+    a row whose every score is NaN 0); a NaN in a key no row of it sees (padding, masked) changes nothing: the
+    kernel never sees it. The default `attn_fn` of `ulysses_attention`.
 
     Example:
         >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
@@ -57,11 +58,11 @@ def attention(
         >>> attention(q, k, v, segment_ids=torch.tensor([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
         [1.0, 1.0, 1.0, 0.0]
     """
-    query, key, value = (x.transpose(1, 2) for x in (q, k, v))
+    query, key, value = (x.transpose(1, 2) for x in (*nan_free(q, k), v))  # NaNs put back by `nan_rows`
     gqa = q.shape[2] != k.shape[2]
     if segment_ids is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
-        return nan_rows(q, out.transpose(1, 2))[0]
+        return nan_rows(q, k, "causal-diagonal" if causal else "full", out.transpose(1, 2))[0]
     mask = segment_mask(segment_ids, segment_ids)  # [B, S, S]
     if causal:
         mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
@@ -69,7 +70,7 @@ def attention(
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=(mask | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
     )
-    return torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0)
+    return nan_rows(q, k, mask, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
 
 
 def _select(runs: tuple[tuple[int, int, int], ...], inputs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -67,12 +67,39 @@ def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def nan_rows(q: torch.Tensor, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`outputs` (``[B, S, H, ...]``) NaN in the rows where q ``[B, S, H, D]`` holds a NaN: torch's CPU flash kernels
-    (and SDPA through them, read on 2.11-2.13) give such a row 0 (and LSE 0) where the spec's rule, the reference
-    and JAX give NaN. One pass over q; the outputs' other rows and their gradients are untouched."""
-    bad = q.isnan().any(-1)
-    return tuple(x.masked_fill(bad.view(*bad.shape, *(1,) * (x.dim() - bad.dim())), float("nan")) for x in outputs)
+def nan_free(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` with their NaN entries 0: what a kernel is given, so that a NaN no query sees (a padding key, a
+    key the causal or segment mask hides) never reaches a score -- torch's kernels add a -inf mask to a NaN score
+    and get NaN -- and `nan_rows` puts back the NaN of the rows that do see one. Each copy keeps its tensor's
+    strides (a piece's rows are a strided view), as `nan_rows` does."""
+    return tuple(_strided_copy(x).masked_fill_(x.isnan(), 0.0) for x in tensors)
+
+
+def _strided_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` with `x`'s strides (differentiable)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def nan_rows(
+    q: torch.Tensor, k: torch.Tensor, mask: str | torch.Tensor, *outputs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """`outputs` (``[B, Sq, H, ...]``) NaN in the rows that see a NaN, the spec's rule (the reference, JAX): a row
+    that sees some key and whose q holds a NaN, or that sees a key whose k holds one (q ``[B, Sq, H, D]``, k
+    ``[B, Sk, H_kv, D]`` as given, before `nan_free`). `mask`: "full", "causal-diagonal" (``Sq == Sk``) or a bool
+    array whose last two dims are ``[Sq, Sk]`` (leading dims 1 or B). torch's CPU flash kernels (and SDPA through
+    them, read on 2.11-2.13) give a row whose every score is NaN 0 and LSE 0 instead. No host read; the outputs'
+    other rows and their gradients are untouched, and their strides (the walk's later sums round as before)."""
+    bad_keys = k.isnan().any(-1).to(torch.float32)  # [B, Sk, H_kv]
+    if isinstance(mask, str):
+        seen = bad_keys.cumsum(1) if mask == "causal-diagonal" else bad_keys.sum(1, keepdim=True)
+        sees_any = None
+    else:
+        visible = mask.reshape(-1, *mask.shape[-2:])  # [B or 1, Sq, Sk]
+        seen, sees_any = visible.to(torch.float32) @ bad_keys, visible.any(-1)[..., None]  # [B, Sq, H_kv], [., Sq, 1]
+    bad = (seen > 0).repeat_interleave(q.shape[2] // k.shape[2], dim=2) | q.isnan().any(-1)  # [B, Sq, H]
+    bad = bad if sees_any is None else bad & sees_any
+    rows = lambda x: bad.view(*bad.shape, *(1,) * (x.dim() - bad.dim()))  # noqa: E731
+    return tuple(_strided_copy(x).masked_fill_(rows(x), float("nan")) for x in outputs)
 
 
 def _kernel_mask(mask: str | torch.Tensor, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
@@ -88,13 +115,16 @@ def _attend(
     plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
-    where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf)."""
+    where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf). The
+    kernels see no NaN of q or k (`nan_free`); the rows that see one are NaN (`nan_rows`)."""
+    query, key = nan_free(q, k)
     if _FLASH_CPU is None or not _flash(q, v):
-        return blockwise.attend(_MATH, q, k, v, plan.scale, mask)
+        out, lse = nan_rows(q, k, mask, *blockwise.attend(_MATH, query, key, v, plan.scale, mask))
+        return out, lse
     causal, additive = _kernel_mask(mask, q)
     out, lse = _FLASH_CPU(
-        _heads_major(q),
-        _heads_major(k, plan.group),
+        _heads_major(query),
+        _heads_major(key, plan.group),
         _heads_major(v, plan.group),
         0.0,
         causal,
@@ -105,7 +135,7 @@ def _attend(
     if isinstance(mask, torch.Tensor):  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
         seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
         lse = lse.masked_fill(~seen, float("-inf"))
-    out, lse = nan_rows(q, out, lse)
+    out, lse = nan_rows(q, k, mask, out, lse)
     return out, lse
 
 
@@ -120,7 +150,9 @@ def _attend_vjp(
     delta: torch.Tensor,
     mask: str | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`)."""
+    """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`), q and k as
+    `_attend` gave them to the kernels (`nan_free`: a NaN no query sees adds nothing, 0 * NaN included)."""
+    q, k = nan_free(q, k)
     if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     causal, additive = _kernel_mask(mask, q)

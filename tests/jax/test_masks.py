@@ -147,3 +147,21 @@ def test_default_attention_masks():
     out = attention(*(jnp.asarray(x) for x in whole[:3]), causal=True, segment_ids=jnp.asarray(ids))
     np.testing.assert_allclose(out, masks.expected(whole, ids, True)[0], rtol=0, atol=1e-12)
     assert np.all(np.asarray(out)[:, 9:] == 0)
+
+
+@pytest.mark.parametrize(("op", "layout"), masks.NAN_K_JAX_SETTINGS, ids=masks.setting_id)
+def test_nan_in_k_reaches_the_rows_that_see_it_and_no_other(op, layout):
+    """Issue 34 item 2, the torch rows (`masks.NAN_K_CASES`) at a few of its settings: a NaN key makes exactly the
+    rows that see it NaN, as the float64 reference; a NaN at a padding key changes no output (JAX's dq is NaN
+    there, as the reference VJP's: torch's test checks the gradients)."""
+    failed = []
+    for where, causal, segmented, value_dim in masks.NAN_K_CASES:
+        if where == "padding" and layout.seq_len < 4:
+            continue
+        whole, ids = masks.nan_in_k(layout.seq_len, where, segmented, value_dim)
+        got = _run(op, layout, layout, whole, ids, causal)
+        try:
+            masks.check_nan_in_k(got, whole, ids, causal, where, layout, gradients=False)
+        except AssertionError as error:
+            failed.append(f"{where} causal={causal} segmented={segmented} D_v={value_dim}: {str(error)[:300]}")
+    assert not failed, "\n".join(failed)

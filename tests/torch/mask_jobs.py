@@ -54,7 +54,7 @@ def masked_call(
     the ring attended (forward and backward)."""
     shard = [masks.shards(x, layout)[ctx.rank] for x in whole]
     leaves = [torch.tensor(x, dtype=getattr(torch, dtype)).requires_grad_() for x in shard[:3]]
-    segment_ids = torch.tensor(masks.shards(ids, layout)[ctx.rank]) if segments else None
+    segment_ids = torch.tensor(masks.shards(ids, layout)[ctx.rank]) if segments and ids is not None else None
     counts: list = []
     with _counting_pieces(counts):
         out = _call(op, layout, name, *leaves, causal=causal, segment_ids=segment_ids)
@@ -99,3 +99,15 @@ def rejected_kind(ctx, op: str, argument: str, check: bool) -> str:
     except (CommError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def nan_in_k_rows(ctx, op: str, layout: SequenceLayout):
+    """Issue 34 item 2: this rank's ``[out, dq, dk, dv]`` (float64 numpy) for every row of `masks.NAN_K_CASES`
+    (NaNs in k; `masks.nan_in_k`) of `op` on `layout`, in the table's order (padding rows skipped at S = 1)."""
+    replies = []
+    for where, causal, segmented, value_dim in masks.NAN_K_CASES:
+        if where == "padding" and layout.seq_len < 4:
+            continue
+        whole, ids = masks.nan_in_k(layout.seq_len, where, segmented, value_dim)
+        replies.append(masked_call(ctx, op, layout, layout, whole, ids, causal, segments=segmented)[0])
+    return replies

@@ -97,3 +97,23 @@ def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row
     out = layout.unshard([reply[0] for reply in replies], 1)
     dq = layout.unshard([reply[1] for reply in replies], 1)
     masks.check_nan_or_blind(out, dq, whole, row, dtype == "float64")
+
+
+@pytest.mark.parametrize(("op", "layout"), masks.NAN_K_SETTINGS, ids=masks.setting_id)
+def test_nan_in_k_reaches_the_rows_that_see_it_and_no_other(pool, op, layout):
+    """Issue 34 item 2, every row of `masks.NAN_K_CASES` (causal and not, segment ids with padding or none, the
+    flash kernels and the einsum rules): a NaN key makes exactly the rows that see it NaN, as the float64
+    reference (torch gave S = 1's row, causal row 0 whose only key is NaN and a non-causal ring of one row per
+    rank finite); a NaN at a padding key changes nothing (torch made real rows NaN, and the ring's padding
+    row, which must be 0), gradients included."""
+    replies = pool(layout.world_size).run(jobs.nan_in_k_rows, op, layout)
+    rows = [case for case in masks.NAN_K_CASES if case[0] != "padding" or layout.seq_len >= 4]
+    failed = []
+    for index, (where, causal, segmented, value_dim) in enumerate(rows):
+        whole, ids = masks.nan_in_k(layout.seq_len, where, segmented, value_dim)
+        got = [list(values) for values in zip(*(reply[index] for reply in replies), strict=True)]
+        try:
+            masks.check_nan_in_k(got, whole, ids, causal, where, layout)
+        except AssertionError as error:
+            failed.append(f"{where} causal={causal} segmented={segmented} D_v={value_dim}: {str(error)[:300]}")
+    assert not failed, "\n".join(failed)
