@@ -3,7 +3,8 @@
 --process-id i --coordinator 127.0.0.1:PORT`` (jax.distributed, 2 CPU devices each). Each example trains the
 block over SP 2 x TP 2 for 20 steps and exits non-zero unless every step matches the unsharded model; and
 ``torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py --attention ulysses|ring|usp`` and
-``python examples/flax_llama.py --attention ulysses|ring|usp`` (4 CPU devices in one process)."""
+``python examples/flax_llama.py --attention ulysses|ring|usp`` (4 CPU devices in one process); the MoE block's
+``torchrun --standalone --nproc-per-node 4 examples/moe_torch.py`` and ``python examples/moe_jax.py``."""
 
 import os
 import re
@@ -179,3 +180,36 @@ def test_flax_llama_with_python(attention, seq_len, packed):
     assert re.search(rf"^PASS: {attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, ", done.stdout, re.MULTILINE), (
         done.stdout
     )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(["torchrun", "--standalone", "--nproc-per-node", "4", "examples/moe_torch.py"], id="torch"),
+        pytest.param(["python", "examples/moe_jax.py"], id="jax"),
+    ],
+)
+def test_moe_example(command):
+    """examples/moe_torch.py (torchrun, 4 gloo ranks) and examples/moe_jax.py (4 CPU devices): a transformer block
+    with a softmax top-2 router over 8 experts sharded over the ranks, a shared expert, the load-balancing loss,
+    5 AdamW steps equal to the unsharded model's (loss, every gradient, the router's, every parameter within
+    1e-10; about 10 s each). The two are one model: their losses agree to the 12 digits printed."""
+    launcher = _torchrun() if command[0] == "torchrun" else [sys.executable]
+    done = subprocess.run(
+        [*launcher, *command[1:]],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = re.findall(r"^step (\d) +loss ([0-9.]+) +unsharded ([0-9.]+)", done.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _ in steps] == [1, 2, 3, 4, 5], done.stdout
+    assert all(loss == unsharded for _, loss, unsharded in steps), done.stdout
+    assert [loss for _, loss, _ in steps][::4] == ["2.772222560180", "1.723783208636"], done.stdout  # both frameworks
+    errors = re.search(r"^PASS: 4 \w+, E=8 K=2, 5 AdamW steps, max relative error: (.*)", done.stdout, re.MULTILINE)
+    assert errors is not None, done.stdout
+    assert all(float(value) <= 1e-10 for value in re.findall(r"\d\.\de[+-]\d\d", errors[1])), errors[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import commlib
-from commlib.tools import bench, host_bench, mask_parity, parity, sequence_parity, train_parity
+from commlib.tools import bench, host_bench, mask_parity, moe_parity, parity, sequence_parity, train_parity
 
 __all__ = ["main"]
 
@@ -97,6 +97,8 @@ def _parity(args: argparse.Namespace) -> int:
         rows += sequence_parity.run(args.world_size, **options)
     if args.workload in ("masks", "all"):
         rows += mask_parity.run(args.world_size, **options)
+    if args.workload in ("ops", "moe", "all"):  # the default run includes the MoE rows
+        rows += moe_parity.run(args.world_size, **options)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
     print(
@@ -213,7 +215,8 @@ examples:
   commlib parity --world-size 2 --frameworks torch --json parity.json
   commlib parity --workload train
   commlib parity --workload sequence --world-size 4
-  commlib parity --workload masks --world-size 4"""
+  commlib parity --workload masks --world-size 4
+  commlib parity --workload moe --world-size 4"""
 
 BENCH = """Time commlib's ops against raw collectives, the seed's code and bare jax.lax on this machine's CPU (gloo,
 XLA CPU devices) and print one row per comparison (median ms, ratio to the baseline, wire MiB, the target
@@ -290,11 +293,12 @@ def _add_parity(commands) -> None:
     )
     check.add_argument(
         "--workload",
-        choices=("ops", "train", "sequence", "masks", "all"),
+        choices=("ops", "train", "sequence", "masks", "moe", "all"),
         default="ops",
-        help="ops: the case table; train: the training block on every SP x TP mesh; sequence: the "
+        help="ops: the case table and the moe rows; train: the training block on every SP x TP mesh; sequence: the "
         "sequence helpers on every layout and the two model examples (W = 4); masks: the "
-        "attention layers with segment ids (padding, packed documents); all: the four",
+        "attention layers with segment ids (padding, packed documents); moe: expert parallelism's route, "
+        "dispatch and combine (torch's exact and padded layouts, JAX's padded); all: the five",
     )
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
     check.set_defaults(handler=_parity)

@@ -1,7 +1,8 @@
 """JAX side of `commlib parity`: ``python -m commlib_jax.tools.parity_runner IN_DIR OUT_DIR --world-size N``
 (``--workload train``: the training block instead, `commlib_jax.tools.train_parity`; ``--workload sequence``: the
 sequence helpers and the flax example, `commlib_jax.tools.sequence_parity`; ``--workload masks``: the attention
-layers with segment ids, `commlib_jax.tools.mask_parity`).
+layers with segment ids, `commlib_jax.tools.mask_parity`; ``--workload moe``: expert parallelism's route, dispatch
+and combine, `commlib_jax.tools.moe_parity`).
 
 Runs every case of the table on N CPU devices under ``jax.shard_map`` with check_vma on and off, under
 ``jax.pmap``, on a 2 x 2 mesh with a tuple axis name when N = 4, and the attention cases unsharded on one
@@ -136,6 +137,7 @@ WORKLOADS = {
     "train": ("commlib.tools.train_parity", "TrainResults", "commlib_jax.tools.train_parity"),
     "sequence": ("commlib.tools.sequence_parity", "SequenceResults", "commlib_jax.tools.sequence_parity"),
     "masks": ("commlib.tools.mask_parity", "MaskResults", "commlib_jax.tools.mask_parity"),
+    "moe": ("commlib.tools.moe_parity", "MoeResults", "commlib_jax.tools.moe_parity"),
 }
 
 

@@ -4,7 +4,8 @@ Runs every case of the table on N gloo worker processes (mode "gloo"), and the a
 unsharded on one process (mode "unsharded"); writes every rank's output and input gradients. With
 ``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`);
 ``--workload sequence``: the sequence helpers and the transformers example (`commlib_torch.tools.sequence_parity`);
-``--workload masks``: the attention layers with segment ids (`commlib_torch.tools.mask_parity`).
+``--workload masks``: the attention layers with segment ids (`commlib_torch.tools.mask_parity`); ``--workload moe``:
+expert parallelism's route, dispatch and combine in both layouts (`commlib_torch.tools.moe_parity`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 
 from commlib.tools import cases
 from commlib.tools.mask_parity import MaskResults
+from commlib.tools.moe_parity import MoeResults
 from commlib.tools.parity import Results
 from commlib.tools.sequence_parity import SequenceResults
 from commlib.tools.train_parity import TrainResults
-from commlib_torch.tools import mask_parity, sequence_parity, train_parity
+from commlib_torch.tools import mask_parity, moe_parity, sequence_parity, train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
@@ -33,6 +35,7 @@ WORKLOADS: dict[str, tuple[Any, Callable[..., None]]] = {
     "train": (TrainResults, train_parity.record),
     "sequence": (SequenceResults, sequence_parity.record),
     "masks": (MaskResults, mask_parity.record),
+    "moe": (MoeResults, moe_parity.record),
 }
 
 

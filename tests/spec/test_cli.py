@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from commlib.tools import bench, cli, mask_parity, parity, sequence_parity, train_parity
+from commlib.tools import bench, cli, mask_parity, moe_parity, parity, sequence_parity, train_parity
 
 LONG = "all_to_all_4d[3x5x8x2,bfloat16,scatter_dim=-2,gather_dim=-3,scatter_sizes=(3, 3, 2, 2),gather_sizes=(1, 1)]"
 ROWS = [
@@ -48,11 +48,12 @@ def test_table_is_at_most_120_columns_with_failures_below(capsys):
 @pytest.mark.parametrize(
     ("workload", "expected"),
     [
-        ("ops", ["ops"]),
+        ("ops", ["ops", "moe"]),  # the default: the case table and the MoE rows
         ("train", ["train"]),
         ("sequence", ["sequence"]),
         ("masks", ["masks"]),
-        ("all", ["ops", "train", "sequence", "masks"]),
+        ("moe", ["moe"]),
+        ("all", ["ops", "train", "sequence", "masks", "moe"]),
     ],
 )
 def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected):
@@ -69,6 +70,7 @@ def test_workload_runs_the_chosen_tables(monkeypatch, capsys, workload, expected
     monkeypatch.setattr(train_parity, "run", fake("train", workload != "all"))
     monkeypatch.setattr(sequence_parity, "run", fake("sequence", True))
     monkeypatch.setattr(mask_parity, "run", fake("masks", True))
+    monkeypatch.setattr(moe_parity, "run", fake("moe", True))
     status = cli.main(["parity", "--world-size", "2", "--workload", workload])
     assert ran == expected
     out = capsys.readouterr().out
