@@ -42,17 +42,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from commlib.errors import comm_error, kind_error
+from commlib import layer_names
+from commlib.errors import comm_error
 from commlib.frontend_errors import wrong_type
 from commlib.masks import check_segment_ids, segment_mask
-from commlib.reduce_op import FLOAT_DTYPES, is_floating
 from commlib.uneven import Sizes, check_sizes, split_sizes
+from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
 __all__ = [
     "OP_NAME",
@@ -71,7 +71,7 @@ __all__ = [
     "attention_vjp",
 ]
 
-OP_NAME = "ulysses_attention"
+OP_NAME = layer_names.ULYSSES
 #: "exact": a sharded dim holds this rank's size (torch); "padded": it holds the maximum (JAX).
 LAYOUTS = ("exact", "padded")
 _INPUTS = ("q", "k", "v")
@@ -334,50 +334,6 @@ def causal_mask(q_positions: npt.ArrayLike, k_positions: npt.ArrayLike) -> np.nd
     return np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]
 
 
-def _check_int(name: str, value: object, received: dict, op_name: str = OP_NAME) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
-    return operator.index(value)
-
-
-#: Appended to a seq mismatch where q's dim 2 matches k's (or v's) seq or heads: q given in SDPA's order.
-_SDPA_HINT = (
-    " (q, k and v are [batch, seq, heads, head_dim]: SDPA's [batch, heads, seq, head_dim] needs .transpose(1, 2))"
-)
-
-
-def _check_shapes(shapes: dict[str, object], received: dict, op_name: str = OP_NAME) -> dict[str, tuple[int, ...]]:
-    """q, k, v shapes checked (4-D, agreeing batch, seq, heads and head_dim, H % H_kv == 0) for `op_name`."""
-    checked: dict[str, tuple[int, ...]] = {}
-    for name, shape in shapes.items():
-        try:
-            dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
-        except TypeError:
-            raise kind_error(op_name, f"{name} shape must be a sequence of ints", **received) from None
-        if len(dims) != 4:
-            raise comm_error(
-                op_name, f"{name} ndim ({len(dims)}) must be 4 ([batch, seq, heads, head_dim])", **received
-            )
-        checked[name] = dims
-    q, k, v = checked["q"], checked["k"], checked["v"]
-    for name, dims in (("k", k), ("v", v)):
-        for axis, quantity in ((0, "batch"), (1, "seq")):
-            if dims[axis] != q[axis]:
-                hint = _SDPA_HINT if quantity == "seq" and q[2] in dims[1:3] else ""
-                raise comm_error(
-                    op_name, f"{name} {quantity} ({dims[axis]}) must equal q {quantity} ({q[axis]}){hint}", **received
-                )
-    if v[2] != k[2]:
-        raise comm_error(op_name, f"v heads ({v[2]}) must equal k heads ({k[2]})", **received)
-    if k[3] != q[3]:
-        raise comm_error(op_name, f"k head_dim ({k[3]}) must equal q head_dim ({q[3]})", **received)
-    if k[2] < 1 or q[2] < 1:
-        raise comm_error(op_name, f"heads ({q[2]}) and kv heads ({k[2]}) must be >= 1", **received)
-    if q[2] % k[2]:
-        raise comm_error(op_name, f"heads ({q[2]}) must be divisible by kv heads ({k[2]})", **received)
-    return checked
-
-
 def _check_seq_sizes(
     seq_sizes: object, world_size: int, rank: int | None, rows: int, received: dict
 ) -> tuple[int, ...]:
@@ -395,27 +351,6 @@ def _check_seq_sizes(
             OP_NAME, f"seq ({rows}) must equal max(seq_sizes) ({max(sizes)}) in the padded layout", **received
         )
     return sizes
-
-
-def _check_options(
-    dtypes: Sequence[str], causal: object, scale: object, head_dim: int, received: dict, op_name: str = OP_NAME
-) -> float:
-    """The softmax scale, after checking dtypes, `causal` and `scale` for `op_name`."""
-    if len(set(dtypes)) != 1:
-        raise comm_error(op_name, f"q, k, v dtypes ({', '.join(dtypes)}) must be equal", **received)
-    if not is_floating(dtypes[0]):  # softmax of integer scores truncates (JAX gave zeros, SDPA raised late)
-        message = f"q, k, v dtype ({dtypes[0]}) must be floating ({', '.join(sorted(FLOAT_DTYPES))})"
-        raise comm_error(op_name, message, **received, dtype=dtypes[0])
-    if not isinstance(causal, bool):
-        raise kind_error(op_name, f"causal must be a bool, not {type(causal).__name__}", **received, causal=causal)
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    if isinstance(scale, bool) or (not isinstance(scale, (int, float)) and not hasattr(scale, "__float__")):
-        raise kind_error(op_name, f"scale must be a number, not {type(scale).__name__}", **received, scale=scale)
-    value = float(scale)
-    if not math.isfinite(value):
-        raise comm_error(op_name, f"scale ({value}) must be finite", **received, scale=scale)
-    return value
 
 
 def _even(sizes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -493,20 +428,20 @@ def ulysses_plan(
     ([(0, 1), (1, 2)], ((0, 0, 1), (1, 0, 1)))
     """
     shapes: dict[str, object] = dict(q=q_shape, k=k_shape, v=v_shape)
-    received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
+    received: dict[str, object] = {f"{name}_shape": shown(shape) for name, shape in shapes.items()}
     received["seq_sizes"] = seq_sizes
     if layout not in LAYOUTS:
         raise comm_error(OP_NAME, f"layout ({layout!r}) must be one of {', '.join(LAYOUTS)}", **received)
-    world_size = _check_int("world_size", world_size, received)
+    world_size = check_int(OP_NAME, "world_size", world_size, received)
     if world_size < 1:
         raise comm_error(OP_NAME, f"world_size ({world_size}) must be >= 1", **received)
-    checked = _check_shapes(shapes, received)
+    checked = check_qkv_shapes(OP_NAME, shapes, received)
     q, v = checked["q"], checked["v"]
-    rank = None if layout == "padded" else _check_int("rank", rank, received)
+    rank = None if layout == "padded" else check_int(OP_NAME, "rank", rank, received)
     sizes = _check_seq_sizes(seq_sizes, world_size, rank, q[1], received)
-    scale = _check_options(tuple(dtypes), causal, scale, q[3], received)
+    scale = check_attention_options(OP_NAME, tuple(dtypes), causal, scale, q[3], received)
     if segment_ids is not None:
-        check_segment_ids(OP_NAME, _shown(segment_ids[0]), str(segment_ids[1]), q, received)
+        check_segment_ids(OP_NAME, shown(segment_ids[0]), str(segment_ids[1]), q, received)
     split = head_split(q[2], checked["k"][2], world_size)
     chunks = _check_chunks(chunks, split, received)
     names = _INPUTS if v[3] == q[3] else ("q", "k")
@@ -556,7 +491,7 @@ def _check_chunks(chunks: object, split: HeadSplit, received: dict) -> int:
     """`chunks` as an int from 1 to the most q heads a rank attends with (more would leave a group empty on
     every rank)."""
     received = {**received, "chunks": chunks}
-    chunks = _check_int("chunks", chunks, received)
+    chunks = check_int(OP_NAME, "chunks", chunks, received)
     if chunks < 1:
         raise comm_error(OP_NAME, f"chunks ({chunks}) must be >= 1", **received)
     most = max(split.q_sizes)
@@ -595,14 +530,6 @@ def _out_runs(groups: tuple[HeadGroup, ...]) -> tuple[tuple[int, int, int], ...]
         for index, group in enumerate(groups)
         if group.heads.q_sizes[source]
     )
-
-
-def _shown(shape: object) -> object:
-    """A shape as messages show it (a tuple of ints where it is one)."""
-    try:
-        return tuple(int(size) for size in shape)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        return shape
 
 
 # ---------------------------------------------------------------------------------------------------------

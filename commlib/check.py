@@ -21,20 +21,14 @@ rank agrees on (`Plan.shared_in_shape`, the sharded dim at its largest size) and
 The frontend sends `fingerprint` and calls `compare`; what a failed collective becomes is
 `commlib.failures`.
 
-An attention layer (or a sequence helper) is checked once more, before its first collective, on the options
-the user passed (`LayerCall`, made by `attention_call` / `layer_call`): the same fixed-size row, holding a
-hash per option, and -- only where the rows differ -- each rank's options as text (`LayerCall.encode`), so
-the message names the layer and the argument, not an internal buffer::
-
-    ulysses_attention: ranks disagree on seq_sizes: ranks 0, 1, 2 have (10, 10, 10, 10), rank 3 has None. Received: ...
+A layer's call (the options the user passed) travels in the same fixed-size rows
+(`commlib.layer_check`): slot 0 `LAYER_MAGIC`, slot 1 the layer's name code. This module knows only that much of
+them, so that a rank running a collective where another runs a layer is told so; it imports no layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import numbers
-import re
 import zlib
 from collections.abc import Sequence
 from typing import assert_never
@@ -42,14 +36,12 @@ from typing import assert_never
 import numpy as np
 
 from commlib import steps
-from commlib.attention import OP_NAME as ULYSSES_OP
 from commlib.dtypes import KINDS
 from commlib.errors import comm_error
+from commlib.layer_names import LAYER_NAMES
 from commlib.layout import Convention, Plan
-from commlib.moe import COMBINE_OP, DISPATCH_OP, ROUTE_OP, RoutePlan
 from commlib.plans import OP_NAMES
 from commlib.reduce_op import ReduceOp
-from commlib.ring import RING_OP, USP_OP
 from commlib.steps import (
     AllGather,
     AllReduce,
@@ -71,31 +63,38 @@ __all__ = [
     "FINGERPRINT_SIZE",
     "PHASES",
     "ENV_VARIABLE",
+    "LAYER_MAGIC",
+    "NAME_SLOT",
+    "NONE",
+    "VERSION_SLOT",
     "Call",
-    "LayerCall",
     "agreed_call",
-    "attention_call",
+    "by_value",
     "compare",
-    "compare_layers",
     "decode",
     "fingerprint",
-    "layer_call",
-    "layers_differ",
-    "moe_call",
+    "name_code",
     "says_checked",
-    "sequence_call",
+    "text_hash",
 ]
 
 #: The call's phase: the forward collective, or the collective(s) of its backward.
 PHASES = ("forward", "backward")
 _MAGIC = 0x636F6D6C_0002  # "coml", format 2 (the call's number added): tells a fingerprint from other int64 data
+#: Slot 0 of a layer's row (`commlib.layer_check.LayerCall.fingerprint`): "coml" "L", format 1.
+LAYER_MAGIC = 0x636F6D6C_4C01
 _SHAPE_SLOTS = 8  # sizes stored exactly up to this ndim (a hash of the whole shape always)
 _PAIR_SLOTS = 4  # permute pairs stored exactly up to this many (a hash of all of them always)
 _SIZE_SLOTS = 8  # uneven sizes stored exactly up to this world size (a hash of all of them always)
-_NONE = -1
+#: An empty slot (a None, a size past the last).
+NONE = _NONE = -1
 
 # Slot layout of a fingerprint (int64 each).
 _VERSION, _OP, _PHASE, _WORLD, _NDIM = range(5)
+#: Slot 0 of every row, a collective's or a layer's: which format it is (`_MAGIC`, `LAYER_MAGIC`).
+VERSION_SLOT = _VERSION
+#: Slot 1 of a layer's row: its name's code (`name_code`).
+NAME_SLOT = 1
 _SHAPE = 5
 _SHAPE_HASH = _SHAPE + _SHAPE_SLOTS
 _DTYPE, _DIM0, _DIM1, _REDUCE, _CONVENTION, _ROOT, _ACCUM, _PAIR_COUNT, _PAIR_HASH = range(
@@ -126,18 +125,6 @@ def says_checked(value: str | bytes | None) -> bool:
     return text is not None and text.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-#: The layers whose options checked mode compares (`LayerCall`); a row of another layer still compares.
-LAYER_NAMES = (
-    ULYSSES_OP,
-    RING_OP,
-    USP_OP,
-    "gather_sequence",
-    "cross_entropy",
-    "sync_gradients",
-    ROUTE_OP,
-    DISPATCH_OP,
-    COMBINE_OP,
-)
 _KNOWN_NAMES = (
     *OP_NAMES,
     "send/recv",
@@ -154,6 +141,8 @@ def _code(name: str | None) -> int:
 
 
 _NAMES = {_code(name): name for name in _KNOWN_NAMES}
+#: A name's code in a row (crc32 of its UTF-8; -1 for None): the same on every rank and version.
+name_code = _code
 
 
 def _name(code: int) -> str | None:
@@ -162,6 +151,10 @@ def _name(code: int) -> str | None:
 
 def _hash(values: Sequence[object]) -> int:
     return zlib.crc32(",".join(map(str, values)).encode())
+
+
+#: The code of a sequence's texts (crc32 of their comma-joined strings).
+text_hash = _hash
 
 
 def _slots(values: Sequence[int], count: int) -> list[int]:
@@ -354,6 +347,9 @@ def _by_value(values: list[str], verb: tuple[str, str], ranks: Sequence[int]) ->
     return ", ".join(f"{_ranks(members)} {verb[len(members) > 1]} {value}" for value, members in groups.items())
 
 
+by_value = _by_value
+
+
 def _differences(rows: np.ndarray, calls: list[Call], ranks: Sequence[int]) -> list[str]:
     if len({call.collective for call in calls}) > 1:  # op or phase: the other aspects don't compare
         return [f"the collective: {_by_value([call.collective for call in calls], ('runs', 'run'), ranks)}"]
@@ -391,6 +387,13 @@ def _received(call: Call, rank: int) -> dict[str, object]:
     return {key: value for key, value in received.items() if value is not None and value != ()}
 
 
+def _runs(row: np.ndarray) -> str:
+    """What a row's rank was about to run: a collective (and its phase) or a layer."""
+    if row[_VERSION] == LAYER_MAGIC:
+        return f"{_name(int(row[NAME_SLOT]))}"
+    return decode(row).collective if row[_VERSION] == _MAGIC else "no commlib call"
+
+
 def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = None) -> None:
     """Raise `CommError` if the rows of `fingerprints` differ: one per group rank in group-local order, or one
     per rank of `ranks` (the two ends of a send/recv); `rank` is this rank's group-local rank.
@@ -418,7 +421,7 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
     ranks = list(range(len(rows))) if ranks is None else list(ranks)
     index = ranks.index(rank)
     own = decode(rows[index]) if rows[index, _VERSION] == _MAGIC else None
-    strangers = [ranks[r] for r in range(len(rows)) if rows[r, _VERSION] not in (_MAGIC, _LAYER_MAGIC)]
+    strangers = [ranks[r] for r in range(len(rows)) if rows[r, _VERSION] not in (_MAGIC, LAYER_MAGIC)]
     op_name = own.op_name if own is not None and own.op_name is not None else _runs(rows[index])
     if strangers:
         raise comm_error(
@@ -427,7 +430,7 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
             f"every rank of the group, and every rank must call the same collectives",
             rank=rank,
         )
-    if own is None or (rows[:, _VERSION] == _LAYER_MAGIC).any():  # a layer on some rank, a collective on another
+    if own is None or (rows[:, _VERSION] == LAYER_MAGIC).any():  # a layer on some rank, a collective on another
         runs = _by_value([_runs(row) for row in rows], ("runs", "run"), ranks)
         raise comm_error(op_name, f"ranks disagree on the collective: {runs}", rank=rank)
     calls = [decode(row) for row in rows]
@@ -435,209 +438,3 @@ def compare(fingerprints: np.ndarray, rank: int, ranks: Sequence[int] | None = N
     name = own.collective
     message = "ranks disagree on " + "; on ".join(_differences(rows, calls, ranks))
     raise comm_error(name, message, **_received(own, rank))
-
-
-# --- Layers: the options the user passed ---------------------------------------------------------------------
-
-_LAYER_MAGIC = 0x636F6D6C_4C01  # "coml" "L", format 1: a layer's options (`LayerCall.fingerprint`)
-_LAYER, _OPTION_COUNT, _OPTIONS_HASH, _OPTIONS = 1, 2, 3, 4  # slots of a layer's row; (name, value) pairs from 4
-_OPTION_SLOTS = (FINGERPRINT_SIZE - _OPTIONS) // 2  # options hashed one by one (all of them in _OPTIONS_HASH)
-#: Options that follow from others (a layer's `rows`: q's rows, which every rank must share only where neither
-#: `seq_sizes` nor a `SequenceLayout` says otherwise): named only when no other option differs.
-DERIVED = frozenset({"rows"})
-
-
-def _runs(row: np.ndarray) -> str:
-    """What a row's rank was about to run: a collective (and its phase) or a layer."""
-    if row[_VERSION] == _LAYER_MAGIC:
-        return f"{_name(int(row[_LAYER]))}"
-    return decode(row).collective if row[_VERSION] == _MAGIC else "no commlib call"
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _text(value: object) -> str:
-    """How an option is compared and shown: numbers by value (``1 == 1.0`` as a scale), sequences item by item,
-    an array or tensor by its presence (its rows may differ by design), a function by its qualified name."""
-    match value:
-        case None | bool() | str():
-            return repr(value)
-        case numbers.Integral():
-            return str(int(value))
-        case numbers.Real():
-            number = float(value)
-            return str(int(number)) if number.is_integer() else repr(number)
-        case tuple() | list():
-            items = [_text(item) for item in value]
-            return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"a {type(value).__name__}"
-    if callable(value):  # a function by its name; a partial or a callable object by its type's
-        named = value if hasattr(value, "__qualname__") else type(value)
-        return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
-    return _ADDRESS.sub("", repr(value))  # (an object's default repr holds its address, another on every rank)
-
-
-class _Shown(str):
-    """An option's text as it stands in a message's "Received: ..." part (not quoted again)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCall:
-    """One rank's call of a layer as checked mode compares it: the layer's name and each option as
-    ``(name, text)`` (`_text`: what a message shows, and what the fingerprint hashes), in the layer's order.
-
-    >>> call = layer_call("ring_attention", causal=True, scale=None, layout="zigzag")
-    >>> call.options
-    (('causal', 'True'), ('scale', 'None'), ('layout', "'zigzag'"))
-    >>> LayerCall.decode(call.encode()) == call
-    True
-    """
-
-    layer: str
-    options: tuple[tuple[str, str], ...]
-
-    def fingerprint(self) -> np.ndarray:
-        """`FINGERPRINT_SIZE` int64 values: the layer, the option count, a hash of all options, then (name,
-        value) codes of the first options -- the same size as a collective's, so a rank that runs a collective
-        where another runs a layer is told so (`compare`)."""
-        row = np.full(FINGERPRINT_SIZE, _NONE, dtype=np.int64)
-        row[[_VERSION, _LAYER, _OPTION_COUNT, _OPTIONS_HASH]] = [
-            _LAYER_MAGIC,
-            _code(self.layer),
-            len(self.options),
-            _hash([f"{n}={t}" for n, t in self.options]),
-        ]
-        codes = [_code(part) for option in self.options[:_OPTION_SLOTS] for part in option]
-        row[_OPTIONS : _OPTIONS + len(codes)] = codes
-        return row
-
-    def encode(self) -> bytes:
-        """The call as UTF-8 JSON: what ranks whose fingerprints differ exchange to name the options."""
-        return json.dumps([self.layer, self.options]).encode()
-
-    @staticmethod
-    def decode(data: bytes) -> LayerCall:
-        layer, options = json.loads(bytes(data).decode())
-        return LayerCall(layer, tuple((name, text) for name, text in options))
-
-
-def layer_call(layer: str, /, **options: object) -> LayerCall:
-    """The `LayerCall` of `layer` called with `options` (any values: `_text` turns each into its text). A new
-    option of a layer is one more keyword here, at the layer's checked-mode hook.
-
-    >>> layer_call("ring_attention", scale=1, segment_ids=np.zeros((2, 5), dtype=np.int32)).options
-    (('scale', '1'), ('segment_ids', 'a ndarray'))
-    """
-    return LayerCall(layer, tuple((name, _text(value)) for name, value in options.items()))
-
-
-def attention_call(layer: str, shapes: Sequence[Sequence[int]], dtype: str, /, **options: object) -> LayerCall:
-    """The `LayerCall` of an attention layer on q, k, v of `shapes` (``[B, S_r, H, D]``: S_r is shown as
-    ``S_r``, the rows a rank holds being `seq_sizes`' and `layout`'s to say) and q's `dtype`, with `options` as
-    the user passed them; ``rows`` (`DERIVED`): q's rows where every rank must hold as many (no `seq_sizes`,
-    a `layout` string).
-
-    >>> call = attention_call("ulysses_attention", [(2, 10, 8, 16)] * 3, "float32", world_size=4, seq_sizes=None)
-    >>> dict(call.options)["q shape"], dict(call.options)["rows"]
-    ('(2, S_r, 8, 16)', '10')
-    """
-    shown = {f"{name} shape": _seq_free(shape) for name, shape in zip("qkv", shapes, strict=True)}
-    even = isinstance(options.get("layout", "contiguous"), str) and options.get("seq_sizes") is None
-    rows = shapes[0][1] if even and len(shapes[0]) > 1 else None
-    return layer_call(layer, **shown, dtype=_Shown(dtype), **options, rows=rows)
-
-
-def _seq_free(shape: Sequence[int], rows: object = 1) -> _Shown:
-    """``(2, 10, 8, 16) -> (2, S_r, 8, 16)``: a shape without its rows (dim `rows`, negative from the end; a
-    `rows` out of range or not an int: the whole shape)."""
-    index = rows + len(shape) if isinstance(rows, int) and rows < 0 else rows
-    sizes = ["S_r" if dim == index else str(int(size)) for dim, size in enumerate(shape)]
-    return _Shown(f"({', '.join(sizes)}{',' if len(sizes) == 1 else ''})")
-
-
-def sequence_call(layer: str, shape: Sequence[int], dim: object, dtype: str, /, **options: object) -> LayerCall:
-    """The `LayerCall` of a sequence helper on a tensor of `shape` whose dim `dim` holds this rank's rows (shown
-    as ``S_r``), of `dtype`, with `options` as the user passed them.
-
-    >>> sequence_call("gather_sequence", (2, 5, 64), -2, "bfloat16", dim=-2).options
-    (('shape', '(2, S_r, 64)'), ('dtype', 'bfloat16'), ('dim', '-2'))
-    """
-    return layer_call(layer, shape=_seq_free(shape, dim), dtype=_Shown(dtype), **options)
-
-
-def moe_call(op_name: str, plan: RoutePlan, shape: Sequence[int], dtype: str, /) -> LayerCall:
-    """The `LayerCall` of an MoE op (``route``, ``dispatch``, ``combine``) on a tensor of `shape` (rows first:
-    T or R, which differ by rank, so only the feature shape is compared) and `dtype`: E, K, capacity,
-    placement, layout, feature shape and dtype, and T in the `padded` layout (its static rows hold T). Split
-    sizes are runtime values and are not part of it.
-
-    >>> from commlib.moe import route_plan
-    >>> dict(moe_call("dispatch", route_plan((4, 2), "int64", 4, 2), (4, 8), "float32").options)["feature shape"]
-    '(8,)'
-    """
-    return layer_call(
-        op_name,
-        num_experts=plan.num_experts,
-        top_k=plan.top_k,
-        capacity=plan.capacity,
-        experts_per_rank=plan.experts_per_rank,
-        layout=plan.layout,
-        **{"feature shape": tuple(shape)[1:]},
-        dtype=_Shown(dtype),
-        **({"tokens": plan.tokens} if plan.layout == "padded" else {}),
-    )
-
-
-def layers_differ(fingerprints: np.ndarray) -> bool:
-    """Whether the rows differ and every rank ran a layer: then the ranks exchange their `LayerCall.encode`
-    texts and call `compare_layers` (otherwise `compare` tells what differs from the rows alone).
-
-    >>> rows = np.stack([layer_call("ring_attention", causal=causal).fingerprint() for causal in (True, False)])
-    >>> layers_differ(rows), layers_differ(rows[[0, 0]])
-    (True, False)
-    """
-    rows = np.asarray(fingerprints, dtype=np.int64).reshape(-1, FINGERPRINT_SIZE)
-    return bool((rows != rows[0]).any() and (rows[:, _VERSION] == _LAYER_MAGIC).all())
-
-
-def _option_differences(calls: Sequence[LayerCall], ranks: Sequence[int]) -> dict[str, str]:
-    """{option: "rank 0 has X, rank 1 has Y"} for each option the ranks differ on (`DERIVED` ones only where
-    nothing else differs)."""
-    values = [dict(call.options) for call in calls]
-    names = dict.fromkeys(name for call in calls for name, _ in call.options)
-    found = {}
-    for name in names:
-        texts = [value.get(name, "(not passed)") for value in values]
-        if len(set(texts)) > 1:
-            found[name] = _by_value(texts, ("has", "have"), ranks)
-    primary = {name: text for name, text in found.items() if name not in DERIVED}
-    return primary or found
-
-
-def compare_layers(calls: Sequence[LayerCall], rank: int, ranks: Sequence[int] | None = None) -> None:
-    """Raise `CommError` if the ranks' `LayerCall`\\ s differ (one per rank, in the group's order; `rank` this
-    rank's index), naming the layer, each option the ranks differ on with every rank's value, and this rank's
-    values of those options.
-
-    >>> calls = [layer_call("ring_attention", layout=layout) for layout in ("zigzag", "contiguous")]
-    >>> compare_layers(calls, rank=1)
-    Traceback (most recent call last):
-    ...
-    commlib.errors.CommError: ring_attention: ranks disagree on layout: rank 0 has 'zigzag', rank 1 has 'contiguous'. Received: rank=1, layout='contiguous'
-    """
-    ranks = list(range(len(calls))) if ranks is None else list(ranks)
-    own = calls[ranks.index(rank)]
-    if len({call.layer for call in calls}) > 1:
-        runs = _by_value([call.layer for call in calls], ("runs", "run"), ranks)
-        raise comm_error(own.layer, f"ranks disagree on the collective: {runs}", rank=rank)
-    found = _option_differences(calls, ranks)
-    if not found:
-        return
-    message = "ranks disagree on " + "; on ".join(f"{name}: {text}" for name, text in found.items())
-    mine = dict(own.options)
-    raise comm_error(own.layer, message, rank=rank, **{name: _Shown(mine.get(name, "(not passed)")) for name in found})

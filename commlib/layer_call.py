@@ -2,7 +2,7 @@
 ``usp_attention`` do, in both frontends, between the user's arguments and the walk.
 
 1. the kinds of q, k, v and `segment_ids` (`commlib.attention.check_layer_inputs`: the spec's `TypeError`);
-2. checked mode: the ranks compare the call as the user made it (`commlib.check.attention_call`) before any
+2. checked mode: the ranks compare the call as the user made it (`commlib.layer_check.attention_call`) before any
    collective, so a rank that disagrees raises one `CommError` on every rank instead of hanging;
 3. the plan (`commlib.attention.ulysses_plan` or `commlib.ring.ring_plan`), which validates every shape and
    option and raises the spec's errors naming the layer.
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from commlib import attention, ring
-from commlib.check import LayerCall, attention_call
+from commlib.layer_check import LayerCall, attention_call
 from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 
 __all__ = ["LayerFrontend", "check_call", "ulysses_call", "ring_call"]
@@ -55,7 +55,7 @@ class LayerFrontend(Protocol):
 
     def exchange_layer(self, call: LayerCall) -> None:
         """Compare `call` across the layer's ranks: return when every rank's is the same, else raise the spec's
-        `CommError` on every rank (`commlib.check.compare_layers`)."""
+        `CommError` on every rank (`commlib.layer_check.compare_layers`)."""
 
 
 def check_call(

@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from commlib import layer_names
 from commlib.errors import CommError, comm_error, kind_error
 
 __all__ = [
@@ -62,7 +63,7 @@ __all__ = [
     "combine_vjp",
 ]
 
-ROUTE_OP, DISPATCH_OP, COMBINE_OP = "route", "dispatch", "combine"
+ROUTE_OP, DISPATCH_OP, COMBINE_OP = layer_names.ROUTE, layer_names.DISPATCH, layer_names.COMBINE
 #: The layouts of the dispatched rows: only valid rows (`exact`), or static shapes padded with zeros (`padded`).
 LAYOUTS = ("exact", "padded")
 Layout = Literal["exact", "padded"]
@@ -322,7 +323,7 @@ def rank_tables(
 
 def padded_tokens_error(tokens: Sequence[int]) -> CommError:
     """The `padded` layout's static rows hold T (dropless: a slot of T rows per (source, expert)), so every
-    rank must route as many tokens; checked mode compares T there (`commlib.check.moe_call`).
+    rank must route as many tokens; checked mode compares T there (`commlib.layer_check.moe_call`).
 
     >>> print(padded_tokens_error([4, 3]))  # doctest: +ELLIPSIS
     route: layout='padded' needs the same T on every rank (...); ranks have T = (4, 3); use layout='exact'...

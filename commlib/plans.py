@@ -53,6 +53,7 @@ from commlib.steps import (
     Slice,
     Step,
 )
+from commlib.validators import check_int
 
 __all__ = [
     "CONVENTIONS",
@@ -102,17 +103,6 @@ OP_NAMES = (
 ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 
 
-def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
-    try:
-        return operator.index(value)
-    except TypeError:  # an __index__ that refuses: a traced JAX value (ranks and sizes are static)
-        traced = f"traced {type(value).__name__}"
-        shown = {key: f"<{traced}>" if item is value else item for key, item in received.items()}
-        raise kind_error(op_name, f"{name} must be a static int, not a {traced}", **shown) from None
-
-
 def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:
     try:
         dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
@@ -124,7 +114,7 @@ def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:
 
 
 def _check_world_size(op_name: str, world_size: object, received: dict) -> int:
-    size = _check_int(op_name, "world_size", world_size, received)
+    size = check_int(op_name, "world_size", world_size, received)
     if size < 1:
         raise comm_error(op_name, f"world_size ({size}) must be >= 1", **received)
     return size
@@ -132,7 +122,7 @@ def _check_world_size(op_name: str, world_size: object, received: dict) -> int:
 
 def check_dim(op_name: str, name: str, dim: object, ndim: int, received: dict) -> int:
     """Normalise a possibly negative dim into [0, ndim)."""
-    value = _check_int(op_name, name, dim, received)
+    value = check_int(op_name, name, dim, received)
     if not -ndim <= value < ndim:
         raise comm_error(op_name, f"{name} ({value}) must be in [{-ndim}, {ndim}) for ndim {ndim}", **received)
     return value % ndim
@@ -213,7 +203,7 @@ def check_rank(op_name: str, name: str, rank: object, world_size: int, received:
     commlib.errors.CommError: broadcast: src (4) must be in [0, 4) for world_size 4. Received: src=4
     """
     received = received if received is not None else {name: rank}
-    value = _check_int(op_name, name, rank, received)
+    value = check_int(op_name, name, rank, received)
     if not 0 <= value < world_size:
         message = f"{name} ({value}) must be in [0, {world_size}) for world_size {world_size}"
         raise comm_error(op_name, message, **received)

@@ -34,11 +34,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from commlib.attention import _check_int, _check_options, _check_shapes, _shown
+from commlib import layer_names
 from commlib.blockwise import NUMPY, ArrayMath, delta, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
 from commlib.masks import check_segment_ids, segment_mask
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
+from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
 __all__ = [
     "RING_OP",
@@ -54,8 +55,8 @@ __all__ = [
     "pieces_computed",
 ]
 
-RING_OP = "ring_attention"
-USP_OP = "usp_attention"
+RING_OP = layer_names.RING
+USP_OP = layer_names.USP
 
 
 def second_order(op_name: str) -> TypeError:
@@ -276,17 +277,17 @@ def ring_plan(
     3
     """
     shapes: dict[str, object] = dict(q=q_shape, k=k_shape, v=v_shape)
-    received: dict[str, object] = {f"{name}_shape": _shown(shape) for name, shape in shapes.items()}
+    received: dict[str, object] = {f"{name}_shape": shown(shape) for name, shape in shapes.items()}
     received.update(ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
-    ring_size = _check_int("ring_size", ring_size, received, op_name)
-    ulysses_size = _check_int("ulysses_size", ulysses_size, received, op_name)
+    ring_size = check_int(op_name, "ring_size", ring_size, received)
+    ulysses_size = check_int(op_name, "ulysses_size", ulysses_size, received)
     sequence = layout if isinstance(layout, SequenceLayout) else None
     if sequence is not None:
         _check_sequence(op_name, sequence, ring_size, ulysses_size, received)
         layout = sequence.layout
     if layout not in SEQUENCE_LAYOUTS:
         raise comm_error(op_name, f"layout ({layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}", **received)
-    checked = _check_shapes(shapes, received, op_name)
+    checked = check_qkv_shapes(op_name, shapes, received)
     q, k, v = checked["q"], checked["k"], checked["v"]
     _check_heads(op_name, q[2], k[2], ulysses_size, received)
     if sequence is not None:
@@ -295,9 +296,9 @@ def ring_plan(
             sequence = None  # the string's plan: the same positions, no padding, no masks
     if sequence is None:
         check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
-    scale = _check_options(tuple(dtypes), causal, scale, q[3], received, op_name)
+    scale = check_attention_options(op_name, tuple(dtypes), causal, scale, q[3], received)
     if segment_ids is not None:
-        check_segment_ids(op_name, _shown(segment_ids[0]), str(segment_ids[1]), q, received)
+        check_segment_ids(op_name, shown(segment_ids[0]), str(segment_ids[1]), q, received)
     if sequence is None:
         rows = q[1] * ulysses_size
         named = _cases(rows, causal, layout)

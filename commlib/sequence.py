@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from commlib.attention import _check_int
 from commlib.errors import comm_error, kind_error
 from commlib.uneven import split_sizes
+from commlib.validators import check_int
 
 __all__ = [
     "SEQUENCE_LAYOUTS",
@@ -88,7 +88,7 @@ def shard_positions(seq: int, ring_size: int, layout: str = "contiguous", ulysse
     """
     received = dict(seq=seq, ring_size=ring_size, layout=layout, ulysses_size=ulysses_size)
     seq, ring_size, ulysses_size = (
-        _check_int(name, value, received, "shard_positions")
+        check_int("shard_positions", name, value, received)
         for name, value in (("seq", seq), ("ring_size", ring_size), ("ulysses_size", ulysses_size))
     )
     check_layout("shard_positions", seq, ring_size, layout, ulysses_size, received)
@@ -181,7 +181,7 @@ class SequenceLayout:
             seq_len=self.seq_len, ring_size=self.ring_size, ulysses_size=self.ulysses_size, layout=self.layout
         )
         for name in ("seq_len", "ring_size", "ulysses_size"):
-            value = _check_int(name, getattr(self, name), received, _LAYOUT_OP)
+            value = check_int(_LAYOUT_OP, name, getattr(self, name), received)
             if value < 1:
                 raise comm_error(_LAYOUT_OP, f"{name} ({value}) must be >= 1", **received)
             object.__setattr__(self, name, value)
@@ -264,7 +264,7 @@ class SequenceLayout:
 
     def _index(self, index: object, method: str) -> int:
         received = dict(index=index, world_size=self.world_size)
-        value = _check_int("index", index, received, f"{_LAYOUT_OP}.{method}")
+        value = check_int(f"{_LAYOUT_OP}.{method}", "index", index, received)
         if not 0 <= value < self.world_size:
             message = f"index ({value}) must be in [0, {self.world_size})"
             raise comm_error(f"{_LAYOUT_OP}.{method}", message, **received)
@@ -272,7 +272,7 @@ class SequenceLayout:
 
     def _dim(self, x: np.ndarray, dim: object, method: str) -> int:
         received = dict(shape=x.shape, dim=dim)
-        value = _check_int("dim", dim, received, f"{_LAYOUT_OP}.{method}")
+        value = check_int(f"{_LAYOUT_OP}.{method}", "dim", dim, received)
         if not -x.ndim <= value < x.ndim:
             message = f"dim ({value}) must be in [{-x.ndim}, {x.ndim}) for ndim {x.ndim}"
             raise comm_error(f"{_LAYOUT_OP}.{method}", message, **received)

@@ -32,6 +32,7 @@ import numpy as np
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
+from commlib.validators import check_int
 
 __all__ = [
     "check_layout",
@@ -96,12 +97,6 @@ def _dims(op_name: str, shape: object, received: dict) -> tuple[int, ...]:
         raise kind_error(op_name, "shape must be a sequence of ints", **received) from None
 
 
-def _check_int(op_name: str, name: str, value: object, received: dict) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise kind_error(op_name, f"{name} must be an int, not {type(value).__name__}", **received)
-    return operator.index(value)
-
-
 def check_tokens(op_name: str, shape: object, dtype: str, layout: SequenceLayout, ignore_index: object) -> int:
     """Full token ids ``[B, S]`` of an integer dtype with ``S == layout.seq_len``; returns `ignore_index` as an int.
 
@@ -112,7 +107,7 @@ def check_tokens(op_name: str, shape: object, dtype: str, layout: SequenceLayout
     """
     received = dict(shape=shape, dtype=dtype, seq_len=layout.seq_len)
     dims = _dims(op_name, shape, received)
-    ignore = _check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
+    ignore = check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
     if dtype not in INTEGER_DTYPES:
         raise kind_error(op_name, f"input_ids must have an integer dtype, not {dtype}", **received)
     if len(dims) != 2:
@@ -152,7 +147,7 @@ def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: st
     """
     received = dict(shape=shape, dim=dim)
     dims = _dims(op_name, shape, received)
-    value = _check_int(op_name, "dim", dim, received)
+    value = check_int(op_name, "dim", dim, received)
     if not -len(dims) <= value < len(dims):
         raise comm_error(
             op_name, f"dim ({value}) must be in [{-len(dims)}, {len(dims)}) for ndim {len(dims)}", **received
@@ -176,7 +171,7 @@ def check_cross_entropy(
     op_name = "cross_entropy"
     received = dict(shape=shape, labels_shape=labels_shape, dtype=dtype, labels_dtype=labels_dtype)
     dims, label_dims = _dims(op_name, shape, received), _dims(op_name, labels_shape, received)
-    ignore = _check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
+    ignore = check_int(op_name, "ignore_index", ignore_index, dict(received, ignore_index=ignore_index))
     if not is_floating(dtype):
         raise kind_error(op_name, f"logits must have a floating dtype, not {dtype}", **received)
     if labels_dtype not in INTEGER_DTYPES:

@@ -6,7 +6,7 @@ same on every device by construction: one trace cannot disagree, and a single pr
 
 Several processes (``jax.distributed``) each trace their own copy, and theirs can differ. With
 ``COMMLIB_CHECK=1`` (`commlib.check.says_checked`) and more than one process, an attention layer, when it is
-traced, puts its `commlib.check.LayerCall` in the coordinator's key-value store, reads every other process's,
+traced, puts its `commlib.layer_check.LayerCall` in the coordinator's key-value store, reads every other process's,
 and every process raises the same `commlib.CommError` naming the layer and the options where they differ
 ("rank" r: process r). This runs on the host while the layer is traced, before anything is compiled. A call
 found in jit's cache is not traced, so not compared, again: a process that alone changes an option later
@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from commlib import check
+from commlib import check, layer_check
 from commlib.errors import CommTimeout, comm_error
 from commlib_jax._compat import distributed_client
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
@@ -40,26 +40,28 @@ def is_checked() -> bool:
     return check.says_checked(os.environ.get(check.ENV_VARIABLE)) and jax.process_count() > 1
 
 
-def exchange_layer(call: check.LayerCall) -> None:
+def exchange_layer(call: layer_check.LayerCall) -> None:
     """Compare `call` with the other processes' n-th traced layer: return where every process's is the same,
-    else raise the spec's `CommError` on every process (`commlib.check.compare_layers`)."""
+    else raise the spec's `CommError` on every process (`commlib.layer_check.compare_layers`)."""
     client, index, number = distributed_client(), jax.process_index(), next(_exchanges)
     key = f"commlib/checked/{number}"
     client.key_value_set_bytes(f"{key}/{index}", call.encode())
     calls = []
     for process in range(jax.process_count()):
         try:
-            calls.append(check.LayerCall.decode(client.blocking_key_value_get_bytes(f"{key}/{process}", TIMEOUT_MS)))
+            calls.append(
+                layer_check.LayerCall.decode(client.blocking_key_value_get_bytes(f"{key}/{process}", TIMEOUT_MS))
+            )
         except Exception as error:  # the runtime's deadline error (its type is jaxlib's, private)
             raise _timeout(call, process, number, index) from error
     try:  # every process has read every call before any raises (and may exit: one hosts the store)
         client.wait_at_barrier(f"{key}/read", TIMEOUT_MS)
     except Exception as error:
         raise _timeout(call, None, number, index) from error
-    check.compare_layers(calls, index)
+    layer_check.compare_layers(calls, index)
 
 
-def _timeout(call: check.LayerCall, process: int | None, number: int, index: int) -> CommTimeout:
+def _timeout(call: layer_check.LayerCall, process: int | None, number: int, index: int) -> CommTimeout:
     who = "a process" if process is None else f"process {process}"
     message = (
         f"{who} did not compare layer #{number} within {TIMEOUT_MS / 1000:g} s: every process must trace "
@@ -80,5 +82,5 @@ class LayerFrontend:
     def checked(self) -> bool:
         return is_checked()
 
-    def exchange_layer(self, call: check.LayerCall) -> None:
+    def exchange_layer(self, call: layer_check.LayerCall) -> None:
         exchange_layer(call)

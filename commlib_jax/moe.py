@@ -23,9 +23,9 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from commlib import moe as spec
-from commlib.check import moe_call
 from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
+from commlib.layer_check import moe_call
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
@@ -337,7 +337,7 @@ def route(
         CommError: indices not ``[T, K]``, K > E, E or W < 1, a placement that does not sum to E or has not W
             entries, E % W != 0 without one, capacity < 0, capacity and capacity_factor both given,
             ``layout != "padded"``; `axis_name` not bound; in checked mode (several processes), ranks whose
-            calls differ (`commlib.check.moe_call`).
+            calls differ (`commlib.layer_check.moe_call`).
         TypeError: indices not a jax / numpy array or not integers, capacity not an int.
 
     >>> import jax, jax.numpy as jnp

@@ -8,7 +8,7 @@ dtype, dims, reduce op, convention, root, perm or accum_dtype makes every rank r
 `DeviceCommunicator.send` / `recv` swap fingerprints between the two ends (`exchange_pair`).
 
 The attention layers are checked once more, before their first collective, on the options the user passed
-(`exchange_layer`: `commlib.check.LayerCall`), so a disagreement is named by the layer and its argument
+(`exchange_layer`: `commlib.layer_check.LayerCall`), so a disagreement is named by the layer and its argument
 (``ulysses_attention: ranks disagree on seq_sizes: ...``), not by an internal buffer.
 
 It costs one small all_gather (plus, on CUDA, one device-to-host copy) per collective. It is eager-only:
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commlib import check
+from commlib import check, layer_check
 from commlib.layout import Plan
 from commlib.steps import Permute
 from commlib_torch._compat import all_gather_single
@@ -176,15 +176,15 @@ def _index(groups: Sequence[ResolvedGroup]) -> int:
     return index
 
 
-def exchange_layer(call: check.LayerCall, groups: Sequence[ResolvedGroup], device: torch.device) -> None:
+def exchange_layer(call: layer_check.LayerCall, groups: Sequence[ResolvedGroup], device: torch.device) -> None:
     """Checked mode for a layer, before its first collective: the ranks of `groups` (one group, or USP's
     Ulysses then ring group: every rank of both) all-gather `call`'s fingerprint; where the rows differ they
     all-gather their calls' texts too, and every rank raises the spec's `CommError` naming the layer and the
-    options they disagree on (`commlib.check.compare_layers`; ranks numbered by row: group rank, or USP's shard
+    options they disagree on (`commlib.layer_check.compare_layers`; ranks numbered by row: group rank, or USP's shard
     index ``r * U + u``)."""
     rows = _gather(torch.from_numpy(call.fingerprint()).to(device), groups).cpu().numpy()
     index = _index(groups)
-    if not check.layers_differ(rows):
+    if not layer_check.layers_differ(rows):
         check.compare(rows, index)  # equal: returns; a collective where another rank runs a layer: raises
         return
     text = torch.frombuffer(bytearray(call.encode()), dtype=torch.uint8)
@@ -192,8 +192,8 @@ def exchange_layer(call: check.LayerCall, groups: Sequence[ResolvedGroup], devic
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: len(text)] = text
     texts = _gather(padded.to(device), groups).cpu().numpy()
-    calls = [check.LayerCall.decode(row[:length].tobytes()) for row, length in zip(texts, lengths, strict=True)]
-    check.compare_layers(calls, index)
+    calls = [layer_check.LayerCall.decode(row[:length].tobytes()) for row, length in zip(texts, lengths, strict=True)]
+    layer_check.compare_layers(calls, index)
 
 
 class LayerFrontend:
@@ -212,5 +212,5 @@ class LayerFrontend:
     def checked(self) -> bool:
         return is_checked() and not torch.compiler.is_compiling()
 
-    def exchange_layer(self, call: check.LayerCall) -> None:
+    def exchange_layer(self, call: layer_check.LayerCall) -> None:
         exchange_layer(call, self.groups, self.q.device)  # type: ignore[attr-defined]  # q is a tensor by now

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commlib import check
+from commlib import layer_check
 from commlib import moe as spec
 from commlib.errors import kind_error
 from commlib_torch._checked import exchange_layer, is_checked
@@ -178,7 +178,9 @@ def route(
     )
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
-            check.moe_call(spec.ROUTE_OP, plan, indices.shape, dtype_name(indices.dtype)), (resolved,), indices.device
+            layer_check.moe_call(spec.ROUTE_OP, plan, indices.shape, dtype_name(indices.dtype)),
+            (resolved,),
+            indices.device,
         )
     rank, device = group_rank(resolved), indices.device
     host = indices.detach().cpu().numpy().astype(np.int64)  # the one host read of the routing
@@ -292,7 +294,9 @@ def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     spec.check_rows(spec.DISPATCH_OP, "x", tuple(x.shape), routing.plan.tokens, "tokens T")
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
-            check.moe_call(spec.DISPATCH_OP, routing.plan, x.shape, dtype_name(x.dtype)), (routing.group,), x.device
+            layer_check.moe_call(spec.DISPATCH_OP, routing.plan, x.shape, dtype_name(x.dtype)),
+            (routing.group,),
+            x.device,
         )
     return _Dispatch.apply(x, routing)
 
@@ -325,6 +329,8 @@ def combine(
     spec.check_weights(None if weights is None else tuple(weights.shape), routing.plan)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
-            check.moe_call(spec.COMBINE_OP, routing.plan, y.shape, dtype_name(y.dtype)), (routing.group,), y.device
+            layer_check.moe_call(spec.COMBINE_OP, routing.plan, y.shape, dtype_name(y.dtype)),
+            (routing.group,),
+            y.device,
         )
     return _Combine.apply(y, weights, routing, _accum_dtype(y.dtype, accum_dtype))

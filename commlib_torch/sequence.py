@@ -28,7 +28,7 @@ import torch.distributed as dist
 from commlib import SequenceLayout
 from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
-from commlib.check import layer_call, sequence_call
+from commlib.layer_check import layer_call, sequence_call
 from commlib.parallel import ParallelPlan
 from commlib_torch import _parallel
 from commlib_torch._checked import exchange_layer, is_checked

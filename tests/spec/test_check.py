@@ -4,12 +4,16 @@ backend failure texts into CommTimeout / CommFailure."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import commlib
-from commlib import CommError, CommFailure, CommTimeout, check, failures, plans, steps
+from commlib import CommError, CommFailure, CommTimeout, check, failures, layer_check, plans, steps
 
 
 def _rows(*calls):
@@ -229,14 +233,14 @@ def test_other_errors_are_not_translated():
 
 def _attention(**options):
     defaults = dict(world_size=4, causal=False, scale=None, layout="contiguous", seq_sizes=None)
-    return check.attention_call(
+    return layer_check.attention_call(
         "ulysses_attention", [(2, 10, 8, 16), (2, 10, 2, 16), (2, 10, 2, 16)], "float32", **{**defaults, **options}
     )
 
 
 def _layer_message(calls, rank=0) -> str:
     with pytest.raises(CommError) as info:
-        check.compare_layers(calls, rank)
+        layer_check.compare_layers(calls, rank)
     return str(info.value)
 
 
@@ -253,8 +257,8 @@ def _layer_message(calls, rank=0) -> str:
         ([10, np.int32(9)], "(10, 9)"),
         ((4,), "(4,)"),
         (np.zeros((3, 2)), "a ndarray"),
-        (check.layer_call, "commlib.check.layer_call"),
-        (functools.partial(check.layer_call, "x"), "functools.partial"),
+        (layer_check.layer_call, "commlib.layer_check.layer_call"),
+        (functools.partial(layer_check.layer_call, "x"), "functools.partial"),
         (object(), "<object object>"),
         (
             commlib.SequenceLayout(7, 2, layout="zigzag"),
@@ -263,14 +267,14 @@ def _layer_message(calls, rank=0) -> str:
     ],
 )
 def test_an_option_is_compared_by_value(value, text):
-    assert check.layer_call("ring_attention", option=value).options == (("option", text),)
+    assert layer_check.layer_call("ring_attention", option=value).options == (("option", text),)
 
 
 def test_equal_calls_give_equal_rows_and_each_option_changes_them():
     row = _attention().fingerprint()
     assert row.shape == (check.FINGERPRINT_SIZE,) and row.dtype == np.int64
     assert (_attention(scale=1).fingerprint() == _attention(scale=1.0).fingerprint()).all()
-    assert not check.layers_differ(np.stack([row, _attention().fingerprint()]))
+    assert not layer_check.layers_differ(np.stack([row, _attention().fingerprint()]))
     for option, value in [
         ("world_size", 3),
         ("causal", True),
@@ -279,18 +283,18 @@ def test_equal_calls_give_equal_rows_and_each_option_changes_them():
         ("seq_sizes", (10, 10, 10, 10)),
         ("segment_ids", np.zeros((2, 10))),
     ]:
-        assert check.layers_differ(np.stack([row, _attention(**{option: value}).fingerprint()])), option
+        assert layer_check.layers_differ(np.stack([row, _attention(**{option: value}).fingerprint()])), option
 
 
 def test_every_option_counts_past_the_slots():
     many = {f"option_{index}": index for index in range(40)}
     rows = np.stack(
         [
-            check.layer_call("ring_attention", **many).fingerprint(),
-            check.layer_call("ring_attention", **{**many, "option_39": -1}).fingerprint(),
+            layer_check.layer_call("ring_attention", **many).fingerprint(),
+            layer_check.layer_call("ring_attention", **{**many, "option_39": -1}).fingerprint(),
         ]
     )
-    assert check.layers_differ(rows)
+    assert layer_check.layers_differ(rows)
 
 
 def test_a_forgotten_seq_sizes_is_named_by_the_layer_and_its_argument():
@@ -302,12 +306,18 @@ def test_a_forgotten_seq_sizes_is_named_by_the_layer_and_its_argument():
 
 
 def test_rows_are_named_only_when_nothing_else_differs():
-    uneven = check.attention_call("ulysses_attention", [(2, 9, 8, 16)] * 3, "float32", world_size=2, seq_sizes=None)
-    given = check.attention_call("ulysses_attention", [(2, 10, 8, 16)] * 3, "float32", world_size=2, seq_sizes=(10, 9))
+    uneven = layer_check.attention_call(
+        "ulysses_attention", [(2, 9, 8, 16)] * 3, "float32", world_size=2, seq_sizes=None
+    )
+    given = layer_check.attention_call(
+        "ulysses_attention", [(2, 10, 8, 16)] * 3, "float32", world_size=2, seq_sizes=(10, 9)
+    )
     assert "ranks disagree on seq_sizes: rank 0 has (10, 9), rank 1 has None. Received" in _layer_message(
         [given, uneven]
     )
-    even = check.attention_call("ulysses_attention", [(2, 10, 8, 16)] * 3, "float32", world_size=2, seq_sizes=None)
+    even = layer_check.attention_call(
+        "ulysses_attention", [(2, 10, 8, 16)] * 3, "float32", world_size=2, seq_sizes=None
+    )
     assert "ranks disagree on rows: rank 0 has 10, rank 1 has 9. Received: rank=0, rows=10" in _layer_message(
         [even, uneven]
     )
@@ -323,24 +333,24 @@ def test_several_options_are_all_named_with_this_ranks_values():
 
 def test_a_new_option_missing_on_a_rank_is_named():
     calls = [
-        check.layer_call("ring_attention", causal=True, segment_ids=np.zeros(3)),
-        check.layer_call("ring_attention", causal=True),
+        layer_check.layer_call("ring_attention", causal=True, segment_ids=np.zeros(3)),
+        layer_check.layer_call("ring_attention", causal=True),
     ]
     assert "ranks disagree on segment_ids: rank 0 has a ndarray, rank 1 has (not passed)" in _layer_message(calls)
 
 
 def test_agreeing_layers_pass():
-    check.compare_layers([_attention()] * 4, 2)
+    layer_check.compare_layers([_attention()] * 4, 2)
 
 
 def test_different_layers_and_a_layer_beside_a_collective():
-    calls = [check.layer_call("ring_attention"), check.layer_call("usp_attention")]
+    calls = [layer_check.layer_call("ring_attention"), layer_check.layer_call("usp_attention")]
     assert _layer_message(calls).startswith(
         "ring_attention: ranks disagree on the collective: rank 0 runs "
         "ring_attention, rank 1 runs usp_attention. Received: rank=0"
     )
     rows = np.stack([check.fingerprint(plans.all_reduce((3,), 2), "float32"), _attention().fingerprint()])
-    assert not check.layers_differ(rows)
+    assert not layer_check.layers_differ(rows)
     assert _message(rows, 0) == (
         "all_reduce: ranks disagree on the collective: rank 0 runs all_reduce, rank 1 runs "
         "ulysses_attention. Received: rank=0"
@@ -350,4 +360,18 @@ def test_different_layers_and_a_layer_beside_a_collective():
 
 def test_a_layer_call_travels_as_text():
     call = _attention(seq_sizes=(3, 3, 2, 2), layout=commlib.SequenceLayout(10, ulysses_size=4))
-    assert check.LayerCall.decode(call.encode()) == call
+    assert layer_check.LayerCall.decode(call.encode()) == call
+
+
+def test_the_collectives_checked_mode_imports_no_layer():
+    """`commlib.check` serves the collectives: importing it loads no layer (the layers' record is
+    `commlib.layer_check`, which imports `check`, not the other way)."""
+    code = (
+        "import sys, commlib.check as check\n"
+        "layers = sorted(m for m in sys.modules if m in ('commlib.attention', 'commlib.ring', 'commlib.moe', "
+        "'commlib.layer_check', 'commlib.sequence_helpers'))\n"
+        "assert not layers, layers\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])}
+    )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from commlib import CommError, check, moe, split_sizes
+from commlib import CommError, layer_check, moe, split_sizes
 from commlib.moe_reference import SimulatedMoeRanks, _stack, simulate_moe
 
 Case = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], int, tuple[int, ...]]
@@ -365,20 +365,20 @@ def test_simulation_refuses_a_y_of_another_routing() -> None:
 def test_checked_mode_fingerprint_names_what_differs() -> None:
     plan = moe.route_plan((4, 2), "int64", 4, 2, capacity=2)
     calls = [
-        check.moe_call("dispatch", plan, (4, 8), "float32"),
-        check.moe_call("dispatch", moe.route_plan((4, 2), "int64", 4, 2, capacity=3), (4, 8), "float32"),
+        layer_check.moe_call("dispatch", plan, (4, 8), "float32"),
+        layer_check.moe_call("dispatch", moe.route_plan((4, 2), "int64", 4, 2, capacity=3), (4, 8), "float32"),
     ]
     rows = np.stack([call.fingerprint() for call in calls])
-    assert check.layers_differ(rows)
+    assert layer_check.layers_differ(rows)
     with _raises(
         CommError, "dispatch: ranks disagree on capacity: rank 0 has 2, rank 1 has 3. Received: rank=1, capacity=3"
     ):
-        check.compare_layers(calls, rank=1)
-    same = check.moe_call("dispatch", plan, (7, 8), "float32")  # T may differ by rank, features may not
-    assert not check.layers_differ(np.stack([calls[0].fingerprint(), same.fingerprint()]))
-    other = check.moe_call("dispatch", plan, (4, 9), "float32")
+        layer_check.compare_layers(calls, rank=1)
+    same = layer_check.moe_call("dispatch", plan, (7, 8), "float32")  # T may differ by rank, features may not
+    assert not layer_check.layers_differ(np.stack([calls[0].fingerprint(), same.fingerprint()]))
+    other = layer_check.moe_call("dispatch", plan, (4, 9), "float32")
     with pytest.raises(CommError, match="ranks disagree on feature shape"):
-        check.compare_layers([calls[0], other], rank=0)
+        layer_check.compare_layers([calls[0], other], rank=0)
 
 
 def test_ranks_that_differ_in_k_features_or_count_are_refused():
