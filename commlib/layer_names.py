@@ -1,4 +1,4 @@
-"""The names of the layers (the attention layers, the sequence helpers and `sync_gradients` checked mode compares, the MoE ops).
+"""The names of the layers checked mode compares: the attention layers, the sequence helpers, the MoE ops.
 
 A leaf module: the layers take their names from here, and `commlib.check` (the collectives' checked mode)
 reads them only to name what a rank runs when its row is a layer's (`commlib.layer_check`), so the collectives
@@ -10,8 +10,18 @@ half imports no layer.
 
 from __future__ import annotations
 
-__all__ = ["COMBINE", "CROSS_ENTROPY", "DISPATCH", "GATHER_SEQUENCE", "LAYER_NAMES", "RING", "ROUTE", "SYNC_GRADIENTS", "ULYSSES",
-    "USP"]
+__all__ = [
+    "COMBINE",
+    "CROSS_ENTROPY",
+    "DISPATCH",
+    "GATHER_SEQUENCE",
+    "LAYER_NAMES",
+    "RING",
+    "ROUTE",
+    "SYNC_GRADIENTS",
+    "ULYSSES",
+    "USP",
+]
 
 ULYSSES = "ulysses_attention"
 RING = "ring_attention"

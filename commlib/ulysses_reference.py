@@ -1,84 +1,132 @@
-"""The Ulysses walk on W simulated numpy ranks (float64): `simulate_ulysses` runs a `commlib.attention.UlyssesPlan`
-the way the frontends do -- per head group, one send buffer per exchange, the all-to-all, the kv indexing, the
-reference `commlib.attention.attention` on each rank, the return all-to-all -- so the plan is tested without a
-framework (as `commlib.ring_reference` does for the ring).
+"""The Ulysses walk on W simulated numpy ranks (float64): `simulate_ulysses` runs the spec's own walk
+(`commlib.ulysses.walk`) once per rank, each in a thread, over a `UlyssesBackend` whose collectives meet at a
+barrier -- so the plan and the walk the frontends take are tested without a framework (as `commlib.ring_reference`
+does for the ring), and no second copy of the walk exists to drift from it.
+
+Each simulated collective is the op's definition: every rank posts what it sends to each destination, waits for
+the others, and takes what every source sent it (`_Wire`). The walk calls the same collectives in the same order
+on every rank (the plans agree on their groups and exchanges), so the ranks meet at each one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
-from commlib.attention import Exchange, HeadSplit, UlyssesPlan, _offsets, attention
+from commlib.attention import Exchange, HeadGroup, UlyssesPlan, _offsets, attention
+from commlib.ulysses import Finished, walk
 
 __all__ = ["simulate_ulysses"]
 
-
-def _heads_first(x: np.ndarray) -> np.ndarray:
-    return np.moveaxis(np.asarray(x, dtype=np.float64), 2, 0)
+_TIMEOUT = 60.0  # seconds a simulated rank waits for the others at a collective (a walk that diverged raises)
 
 
-def _exchange_ranks(exchange: Exchange, plans: Sequence[UlyssesPlan], inputs: dict) -> list[np.ndarray]:
-    """One `Exchange` on every simulated rank: pack by `send_index`, all-to-all, gather the sequence."""
-    W = len(plans)
-    stacked = [np.concatenate([_heads_first(inputs[name][r]) for name in exchange.inputs]) for r in range(W)]
-    zero = [np.zeros((1, *stack.shape[1:])) for stack in stacked]
-    sends = [np.concatenate([stack, pad])[list(exchange.send_index)] for stack, pad in zip(stacked, zero, strict=True)]
-    sizes = exchange.scatter_sizes or (len(exchange.send_index) // W,) * W
-    bounds = (*_offsets(sizes), sum(sizes))
-    valid = plans[0].seq_sizes
-    return [
-        np.concatenate([sends[source][bounds[r] : bounds[r + 1], :, : valid[source]] for source in range(W)], axis=2)
-        for r in range(W)
-    ]
+class _Wire:
+    """The simulated group's all-to-all: ``exchange(rank, blocks)`` with ``blocks[d]`` what `rank` sends rank d
+    gives what every source sent `rank`, in source order, once every rank has posted."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=_TIMEOUT)
+        self.posted: list[list[np.ndarray]] = [[] for _ in range(world_size)]
+
+    def exchange(self, rank: int, blocks: list[np.ndarray]) -> list[np.ndarray]:
+        self.posted[rank] = blocks
+        self.barrier.wait()  # every rank has posted
+        received = [sent[rank] for sent in self.posted]
+        self.barrier.wait()  # every rank has taken its blocks: the next collective may post
+        return received
 
 
-def simulate_ulysses(plans: Sequence[UlyssesPlan], qs, ks, vs) -> list[np.ndarray]:
-    """Every rank's output of the walk the frontends make, on W simulated numpy ranks (float64): for each head
-    group, its exchanges, kv indexing and the reference `attention` per rank, then its return all-to-all; the
-    groups' outputs cut by `UlyssesPlan.out_runs`. ``plans[r]`` is rank r's plan (the padded layout: the same
-    plan W times; inputs then hold ``max(seq_sizes)`` rows and rows past a rank's size are never read).
-    Outputs: exact ``[B, seq_sizes[r], H, D_v]``."""
-    outputs = [_simulate_group(plans, index, {"q": qs, "k": ks, "v": vs}) for index in range(plans[0].chunks)]
-    runs = plans[0].out_runs
-    if runs is None:
-        return outputs[0]
-    return [
-        np.concatenate([outputs[index][rank][:, :, start:stop] for index, start, stop in runs], axis=2)
-        for rank in range(len(plans))
-    ]
+def _bounds(sizes: Sequence[int]) -> list[slice]:
+    starts = (*_offsets(sizes), sum(sizes))
+    return [slice(starts[index], starts[index + 1]) for index in range(len(sizes))]
 
 
-def _simulate_group(plans: Sequence[UlyssesPlan], index: int, inputs: dict) -> list[np.ndarray]:
-    """Head group `index` on every simulated rank: ``[B, S_r, h_c, D_v]`` (every rank's heads of the group)."""
-    W, plan = len(plans), plans[0]
-    received: list[dict[str, np.ndarray]] = [{} for _ in range(W)]
-    for number, exchange in enumerate(plan.groups[index].exchanges):
-        recvs = _exchange_ranks(exchange, plans, {name: inputs[name] for name in exchange.inputs})
-        for rank, recv in enumerate(recvs):
-            for name, start, stop in plans[rank].groups[index].exchanges[number].receive:
-                received[rank][name] = np.moveaxis(recv[start:stop], 0, 2)
-    outputs = []
-    for rank in range(W):
-        local, group = received[rank], plans[rank].groups[index]
-        k, v = local["k"], local["v"]
-        if group.kv_index is not None:
-            kv_index = list(group.kv_index[0 if plan.layout == "exact" else rank])
-            k, v = k[:, :, kv_index], v[:, :, kv_index]
-        outputs.append(attention(local["q"], k, v, causal=plan.causal, scale=plan.scale))
-    return _return_ranks(plans[0].groups[index].heads, plan.seq_sizes, outputs)
+class _SimulatedRank:
+    """`commlib.ulysses.UlyssesBackend` of one simulated rank (float64 numpy arrays ``[B, S_r, n, D]``)."""
+
+    def __init__(self, wire: _Wire, rank: int, plan: UlyssesPlan) -> None:
+        self.wire, self.rank, self.plan = wire, rank, plan
+        self.world_size = len(plan.seq_sizes)
+
+    def start_exchange(self, exchange: Exchange, inputs: Mapping[str, Any], overlap: bool) -> Finished:
+        """The send buffer ``stacked[send_index]`` (a zero head past the last), its heads cut by `scatter_sizes`;
+        the blocks received concatenated along seq, each source's valid rows (`seq_sizes`) only."""
+        stacked = np.concatenate([np.moveaxis(inputs[name], 2, 0) for name in exchange.inputs])
+        stacked = np.concatenate([stacked, np.zeros((1, *stacked.shape[1:]))])
+        send = stacked[list(exchange.send_index)]
+        sizes = exchange.scatter_sizes or (len(exchange.send_index) // self.world_size,) * self.world_size
+        received = self.wire.exchange(self.rank, [send[rows] for rows in _bounds(sizes)])
+        valid = self.plan.seq_sizes
+        return Finished(np.concatenate([block[:, :, : valid[source]] for source, block in enumerate(received)], 2))
+
+    def gather_segments(self, segment_ids: Any, sizes: tuple[int, ...] | None) -> np.ndarray:
+        own = np.asarray(segment_ids)[:, : self.plan.seq_sizes[self.rank]]
+        return np.concatenate(self.wire.exchange(self.rank, [own] * self.world_size), axis=1)
+
+    def attend(self, plan: UlyssesPlan, group: HeadGroup, local: Mapping[str, Any], masks: Mapping) -> np.ndarray:
+        keys, values = local["k"], local["v"]
+        if group.kv_index is not None:  # this rank's q heads do not group evenly over its kv heads
+            index = list(group.kv_index[0 if plan.layout == "exact" else self.rank])
+            keys, values = keys[index], values[index]
+        q, k, v = (np.moveaxis(x, 0, 2) for x in (local["q"], keys, values))
+        segments = masks.get("segment_ids")
+        ids = {} if segments is None else {"q_segments": segments, "k_segments": segments}
+        return attention(q, k, v, causal=plan.causal, scale=plan.scale, **ids)
+
+    def start_output(
+        self, out: Any, scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None, overlap: bool
+    ) -> Finished:
+        """Rank d's rows (`seq_sizes`) of this rank's heads to rank d; every source's heads concatenated."""
+        blocks = [out[:, rows] for rows in _bounds(self.plan.seq_sizes)]
+        received = self.wire.exchange(self.rank, blocks)
+        if gather_sizes is not None:  # each source's heads of the group (a rank may hold none)
+            received = [block[:, :, :size] for block, size in zip(received, gather_sizes, strict=True)]
+        return Finished(np.concatenate(received, axis=2))
+
+    def concat_heads(self, outputs: list[Any]) -> np.ndarray:
+        return np.concatenate(outputs, axis=2)
 
 
-def _return_ranks(split: HeadSplit, sizes: tuple[int, ...], outputs: list[np.ndarray]) -> list[np.ndarray]:
-    """The output all-to-all: rank r's rows of every rank's heads, heads concatenated in rank order."""
-    bounds = (*_offsets(sizes), sum(sizes))
-    result = []
-    for rank in range(len(outputs)):
-        rows = slice(bounds[rank], bounds[rank + 1])
-        result.append(
-            np.concatenate(
-                [outputs[source][:, rows, : split.q_sizes[source]] for source in range(len(outputs))], axis=2
-            )
-        )
-    return result
+def simulate_ulysses(
+    plans: Sequence[UlyssesPlan],
+    qs: Sequence[Any],
+    ks: Sequence[Any],
+    vs: Sequence[Any],
+    segment_ids: Sequence[Any] | None = None,
+) -> list[np.ndarray]:
+    """Every rank's output of `commlib.ulysses.walk` on W simulated numpy ranks (float64). ``plans[r]`` is rank
+    r's plan (the padded layout: the same plan W times; inputs then hold ``max(seq_sizes)`` rows and rows past a
+    rank's size are never read); `segment_ids` every rank's ``[B, S_r]`` ids, or None. Outputs: exact
+    ``[B, seq_sizes[r], H, D_v]``.
+
+    >>> from commlib.attention import ulysses_plan
+    >>> q = np.random.default_rng(0).normal(size=(1, 6, 4, 8))
+    >>> plans = [ulysses_plan(*[(1, 3, 4, 8)] * 3, 2, rank=rank, causal=True, chunks=2) for rank in range(2)]
+    >>> outs = simulate_ulysses(plans, [q[:, :3], q[:, 3:]], [q[:, :3], q[:, 3:]], [q[:, :3], q[:, 3:]])
+    >>> np.allclose(np.concatenate(outs, axis=1), attention(q, q, q, causal=True))
+    True
+    """
+    world_size = len(plans)
+    wire = _Wire(world_size)
+
+    def run(rank: int) -> np.ndarray:
+        inputs = {name: np.asarray(x[rank], dtype=np.float64) for name, x in (("q", qs), ("k", ks), ("v", vs))}
+        try:
+            ids = None if segment_ids is None else segment_ids[rank]
+            return walk(_SimulatedRank(wire, rank, plans[rank]), plans[rank], inputs, ids)
+        except BaseException:
+            wire.barrier.abort()  # the other ranks raise BrokenBarrierError instead of waiting
+            raise
+
+    with ThreadPoolExecutor(max_workers=world_size) as pool:
+        futures = [pool.submit(run, rank) for rank in range(world_size)]
+    errors = [future.exception() for future in futures]
+    first = next((error for error in errors if not isinstance(error, threading.BrokenBarrierError)), errors[0])
+    if first is not None:  # the rank that failed first, not the ones the abort released
+        raise first
+    return [future.result() for future in futures]

@@ -1,9 +1,9 @@
 """`commlib.attention`: the head and position bookkeeping of Ulysses attention, its validation, and the float64
 reference -- against naive definitions written here (sets of heads, loops over queries, finite differences).
 
-`commlib.ulysses_reference.simulate_ulysses` walks a plan the way the frontends do (one send buffer per
-exchange, the all-to-all, the receive offsets, the kv indexing, attention per rank, the return all-to-all) on W
-simulated numpy ranks, so the plans themselves are checked against unsharded attention here, for both layouts,
+`commlib.ulysses_reference.simulate_ulysses` runs the frontends' own walk (`commlib.ulysses.walk`: one send buffer
+per exchange, the all-to-all, the receive offsets, the kv indexing, attention per rank, the return all-to-all) on
+W simulated numpy ranks, so the plans themselves are checked against unsharded attention here, for both layouts,
 before any framework runs.
 """
 
@@ -151,6 +151,33 @@ def test_simulated_ulysses_is_attention(problem, data):
         **options,
     )
     got = simulate_ulysses([padded] * world_size, *(_padded(_rows(x, seq_sizes), rows) for x in (q, k, v)))
+    for out, want in zip(got, expected, strict=True):
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@given(_problem(), st.data())
+def test_simulated_ulysses_with_segment_ids(problem, data):
+    """The walk's segment ids (all-gathered once, the mask of every group's attention) on simulated ranks give
+    unsharded attention with the same ids: documents, and padding (-1) that sees and is seen by nothing."""
+    world_size, batch, seq_sizes, heads, *_, options = problem
+    chunks = data.draw(st.integers(1, max(A.head_split(heads, 1, world_size).q_sizes)), label="chunks")
+    q, k, v = _draw_problem(problem)
+    ids = np.asarray(data.draw(st.lists(st.integers(-1, 1), min_size=q.shape[1] * batch, max_size=q.shape[1] * batch)))
+    ids = ids.reshape(batch, q.shape[1])
+    expected = _rows(A.attention(q, k, v, q_segments=ids, k_segments=ids, **options), seq_sizes)
+    plans = [
+        A.ulysses_plan(
+            *((x.shape[0], rows, *x.shape[2:]) for x in (q, k, v)),
+            world_size,
+            rank=rank,
+            seq_sizes=seq_sizes,
+            chunks=chunks,
+            segment_ids=((batch, rows), "int64"),
+            **options,
+        )
+        for rank, rows in enumerate(seq_sizes)
+    ]
+    got = simulate_ulysses(plans, *(_rows(x, seq_sizes) for x in (q, k, v)), segment_ids=_rows(ids, seq_sizes))
     for out, want in zip(got, expected, strict=True):
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
