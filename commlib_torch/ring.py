@@ -21,10 +21,11 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from commlib import blockwise, frontend_errors, plans
+from commlib import Plan, blockwise, frontend_errors, plans
 from commlib import ring as spec
 from commlib.layer_call import ring_call
 from commlib.sequence import SequenceLayout
+from commlib_torch._c10d import Started
 from commlib_torch._checked import LayerFrontend, exchange, is_checked
 from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
 from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
@@ -173,82 +174,85 @@ def _attend_vjp(
     return dq.transpose(1, 2), fold(dk), fold(dv)
 
 
+def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Per dtype among `tensors`, in order of first appearance: their indices and one buffer of their elements
+    laid end to end (what a ring step sends)."""
+    groups = []
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
+        members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
+        groups.append((members, torch.cat([tensors[index].reshape(-1) for index in members])))
+    return groups
+
+
+def _unflattened(tensors: list[torch.Tensor], buffers: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
+    """Every tensor of `tensors` as a view of its part of the received buffer of its dtype (`_by_dtype`'s order)."""
+    moved = list(tensors)
+    for members, received in buffers:
+        for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
+            moved[index] = part.view(tensors[index].shape)
+    return moved
+
+
+def _permute_plan(plan: spec.RingPlan, flat: torch.Tensor, group: dist.ProcessGroup | None) -> Plan:
+    """The `permute` (rank r to rank r + 1, `plan.perm`) of one step's buffer `flat`."""
+    return plans.permute(
+        tuple(flat.shape),
+        plan.ring_size,
+        plan.perm,
+        dtype=dtype_name(flat.dtype),
+        backend_dtypes=backend_dtypes(group, flat),
+    )
+
+
 def _pass(plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """One ring step: every tensor of `tensors` goes from rank r to rank r + 1 (`plan.perm`), one `permute`
     per dtype among them (their elements laid end to end)."""
     if plan.ring_size == 1:
         return tensors
-    moved: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
-        members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
-        flat = torch.cat([tensors[index].reshape(-1) for index in members])
-        permute = plans.permute(
-            tuple(flat.shape),
-            plan.ring_size,
-            plan.perm,
-            dtype=dtype_name(dtype),
-            backend_dtypes=backend_dtypes(group, flat),
-        )
-        received = at_boundary(run, permute, flat, group, None)
-        for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
-            moved[index] = part.view(tensors[index].shape)
-    return moved  # type: ignore[return-value]
+    received = [
+        (members, at_boundary(run, _permute_plan(plan, flat, group), flat, group, None))
+        for members, flat in _by_dtype(tensors)
+    ]
+    return _unflattened(tensors, received)
 
 
-class _Sending:
-    """A ring step under way (`_start`): the c10d works and what each tensor will hold once they complete."""
-
-    __slots__ = ("flat", "received", "works")
-
-    def __init__(self, works: list, received: list[torch.Tensor], flat: torch.Tensor | None) -> None:
-        self.works, self.received, self.flat = works, received, flat
+def _received(moved: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """What a ring step's tensors hold once its works are done (`flat`, the last send buffer, is kept referenced
+    until then and names the step in a translated error, `_wait`)."""
+    return moved
 
 
 def _start(
     plan: spec.RingPlan, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, rank: int, checked: bool = False
-) -> _Sending:
+) -> Started:
     """`_pass` begun, not waited: per dtype among `tensors` one buffer (their elements end to end) sent to rank
     r + 1 and one received from rank r - 1, all in one `dist.batch_isend_irecv` (asynchronous c10d work).
     `checked`: each buffer's `permute` plan fingerprinted first (checked mode's exchange, as `_pass` does)."""
-    ops: list = []
-    moved: list[torch.Tensor | None] = [None] * len(tensors)
-    flat = None
+    ops: list[dist.P2POp] = []
+    received: list[tuple[list[int], torch.Tensor]] = []
+    flat = tensors[0]
     peers = (global_rank(group, (rank + 1) % plan.ring_size), global_rank(group, (rank - 1) % plan.ring_size))
     try:
-        for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
-            members = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
-            flat = torch.cat([tensors[index].reshape(-1) for index in members])
+        for members, flat in _by_dtype(tensors):
             if checked:
-                exchange(
-                    plans.permute(
-                        tuple(flat.shape),
-                        plan.ring_size,
-                        plan.perm,
-                        dtype=dtype_name(dtype),
-                        backend_dtypes=backend_dtypes(group, flat),
-                    ),
-                    flat,
-                    group,
-                )
-            received = torch.empty_like(flat)
-            ops += [dist.P2POp(dist.isend, flat, peers[0], group), dist.P2POp(dist.irecv, received, peers[1], group)]
-            for index, part in zip(members, received.split([tensors[i].numel() for i in members]), strict=True):
-                moved[index] = part.view(tensors[index].shape)
+                exchange(_permute_plan(plan, flat, group), flat, group)
+            received.append((members, torch.empty_like(flat)))
+            ops += [
+                dist.P2POp(dist.isend, flat, peers[0], group),
+                dist.P2POp(dist.irecv, received[-1][1], peers[1], group),
+            ]
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as error:
-        raise _translated(error, plan, flat if flat is not None else tensors[0], group) from error
-    return _Sending(works, moved, flat)  # type: ignore[arg-type]
+        raise _translated(error, plan, flat, group) from error
+    return Started(works, _received, _unflattened(tensors, received), flat)
 
 
-def _wait(plan: spec.RingPlan, sending: _Sending, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def _wait(plan: spec.RingPlan, sending: Started, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """The tensors `_start` sent, received: its works waited (a backend error as CommTimeout / CommFailure)."""
     try:
-        for work in sending.works:
-            work.wait()
+        return sending.wait()
     except RuntimeError as error:
-        assert sending.flat is not None, "a ring step sends at least k and v"
-        raise _translated(error, plan, sending.flat, group) from error
-    return sending.received
+        raise _translated(error, plan, sending.arguments[1], group) from error
 
 
 def _translated(
@@ -324,7 +328,7 @@ class _RankBackend:
         x[:, rows] += value
         return x
 
-    def start(self, tensors: list[torch.Tensor]) -> _Sending | list[torch.Tensor]:
+    def start(self, tensors: list[torch.Tensor]) -> Started | list[torch.Tensor]:
         """Asynchronous where it may be (`_start`), else `_pass` done at once."""
         if self.asynchronous:
             return _start(self.plan, tensors, self.group, self.rank, self.checked)
