@@ -450,7 +450,9 @@ def parallel(
 
     Raises:
         CommError: an unknown `attention`, USP without both groups (or Ulysses / ring given them), a layout whose
-            Ulysses or ring size is not its group's, a `group` whose size is not ``layout.world_size``.
+            Ulysses or ring size is not its group's, a `group` whose size is not ``layout.world_size``; a
+            ``layout.seq_len`` below the world size (a rank with an empty shard cannot run a transformers 5.x
+            model: `commlib.parallel.check_every_shard_has_tokens`), on every rank alike, before any communication.
         TypeError: `layout` not a SequenceLayout, `attention` not a str, wrong group kinds.
 
     Example (one rank: WORLD of size 1):

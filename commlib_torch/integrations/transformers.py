@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from commlib import parallel as spec
 from commlib.errors import comm_error
-from commlib_torch import _parallel
+from commlib_torch import _failures, _parallel
 
 __all__ = ["attention_forward", "padding_mask", "register"]
 
@@ -168,7 +168,7 @@ def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None
         return last.kept
     flag = attention_mask.all().to(torch.int64).reshape(1)
     for group in state.groups():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        _failures.all_reduce(flag, dist.ReduceOp.MIN, group, spec.CALL_OP)
     kept = bool(flag.item())
     _LAST[:] = [_Decision(weakref.ref(attention_mask), attention_mask._version, weakref.ref(state), kept)]
     return kept

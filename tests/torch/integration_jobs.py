@@ -386,3 +386,41 @@ def llama_with_a_hole(ctx, attention: str) -> dict:
             for p, q in zip(sharded.parameters(), reference.parameters(), strict=True)
         ),
     }
+
+
+def empty_shard(ctx, attention: str) -> str:
+    """``parallel`` at S = 3 over this pool's 4 ranks (ring zigzag or contiguous Ulysses, USP 2 x 2): the error
+    entering it raises on this rank (before, rank 3's empty shard entered and then crashed inside transformers),
+    or "entered"."""
+    layout = (
+        commlib.SequenceLayout(3, 2, 2)
+        if attention == "usp"
+        else commlib.SequenceLayout(3, ring_size=4, layout="zigzag")
+        if attention == "ring"
+        else commlib.SequenceLayout(3, ulysses_size=4)
+    )
+    try:
+        with context(ctx, layout, attention):
+            return "entered"
+    except commlib.CommError as error:
+        return str(error)
+
+
+def skip_the_mask_decision(ctx, checked: bool) -> str:
+    """Rank 0 calls the registered attention with an all-ones padding mask (its first layer all_reduces the
+    decision; in checked mode the refusal exchange all_reduces first); rank 1 never does. What rank 0 raises
+    after the pool's 5 s process-group timeout (type: message), rank 1 "skipped"."""
+    from commlib_torch._checked import checked as checked_mode
+
+    if ctx.rank == 1:
+        return "skipped"
+    layout = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
+    q = torch.ones(1, 4, 4, 8, dtype=torch.float64)
+    try:
+        with parallel(layout), checked_mode(checked):
+            integration.attention_forward(
+                None, q, q, q, torch.ones(1, 4, dtype=torch.long), position_ids=torch.arange(4)[None]
+            )
+    except Exception as error:  # what reaches the user: the type is the test's point
+        return f"{type(error).__name__}: {error}"
+    return "returned"
