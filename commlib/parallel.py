@@ -35,6 +35,7 @@ __all__ = [
     "check_positions_shape",
     "check_sizes",
     "check_world",
+    "check_every_shard_has_tokens",
     "helper_axes",
     "helper_layout",
     "outside_error",
@@ -173,6 +174,31 @@ def check_world(layout: SequenceLayout, world_size: int) -> None:
             f"group's size ({world_size}) must be layout.world_size ({layout.world_size})",
             layout=layout,
             attention="usp",
+        )
+
+
+def check_every_shard_has_tokens(plan: ParallelPlan) -> None:
+    """torch's `parallel`: every rank must hold at least one token, ``seq_len >= layout.world_size`` (else shard
+    ``i`` has 0 rows: `SequenceLayout` allows it, the layers run it, but the model an integration runs on that rank
+    cannot -- transformers 5.x fails inside its own code on an empty sequence, and the ranks beside it are left in
+    a collective). Decided from the layout alone, so every rank refuses alike before anything is communicated.
+
+    >>> check_every_shard_has_tokens(parallel_plan(SequenceLayout(3, ring_size=4), "ring", ulysses_size=1,
+    ...                                            ring_size=4))
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: parallel: seq_len (3) must be at least the world size (4) for attention='ring': ...
+    """
+    layout = plan.layout
+    if layout.seq_len < layout.world_size:
+        raise comm_error(
+            OP_NAME,
+            f"seq_len ({layout.seq_len}) must be at least the world size ({layout.world_size}) for "
+            f"attention={plan.attention!r}: a rank with no tokens cannot run the model (transformers fails on an "
+            f"empty sequence); use seq_len >= {layout.world_size} or fewer ranks",
+            layout=layout,
+            attention=plan.attention,
+            sizes=layout.sizes,
         )
 
 

@@ -26,6 +26,7 @@ import functools
 import operator
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,8 @@ __all__ = [
     "gather_order",
     "gather_sizes",
     "next_token_labels",
+    "DocumentMath",
+    "document_tables",
     "document_positions",
     "document_labels",
     "shard_tokens_reference",
@@ -369,32 +372,83 @@ def next_token_labels(input_ids, ignore_index: int = -100) -> np.ndarray:
     return np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), ignore_index, dtype=ids.dtype)], axis=1)
 
 
+class DocumentMath:
+    """The array operations `document_tables` uses, over an array module `xp` (numpy here; `commlib_torch.sequence`
+    and `commlib_jax.sequence` bind torch's and jax.numpy's), each along the sequence (axis 1) of ``[B, S]``."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def where(self, condition: Any, x: Any, y: Any) -> Any:
+        return self.xp.where(condition, x, y)
+
+    def cummax(self, x: Any) -> Any:
+        """The running maximum along the sequence."""
+        return np.maximum.accumulate(x, axis=1)
+
+    def take(self, x: Any, index: Any) -> Any:
+        """``x[b, index[b, s]]``."""
+        return np.take_along_axis(x, index, axis=1)
+
+    def shift(self, x: Any, fill: int, step: int) -> Any:
+        """``x`` moved one column right (`step` 1: column s holds column s - 1's, column 0 `fill`) or left (-1)."""
+        edge = np.full_like(x[:, :1], fill)
+        return np.concatenate([edge, x[:, :-1]] if step > 0 else [x[:, 1:], edge], axis=1)
+
+    def columns(self, x: Any) -> Any:
+        """``[B, S]``: the column index of each element of `x`."""
+        return np.broadcast_to(np.arange(x.shape[1]), x.shape)
+
+
+NUMPY_DOCUMENTS = DocumentMath(np)
+
+
+def document_tables(segment_ids: Any, math: DocumentMath = NUMPY_DOCUMENTS) -> tuple[Any, Any]:
+    """``(positions, continues)``, both ``[B, S]``, of packed documents' integer segment ids ``[B, S]``: the rule,
+    once, for the numpy reference (`document_positions`, `document_labels`) and both frontends' `shard_tokens`.
+
+    A document is a run of tokens of one id (a negative id is padding); padding between two tokens of the same
+    id is a hole in the document, not its end (a padding mask with a zero in the middle, made segment ids as
+    docs/integrations.md says, stays one document, as transformers attends across the hole). positions: tokens
+    since the document's first token, holes counted (transformers' positions count them too); 0 on padding.
+    continues: the next token is of the same document and not padding (the token's label is the next token).
+
+    >>> [t.tolist() for t in document_tables(np.array([[0, 0, -1, 0, 1, 1, -1]]))]
+    [[[0, 1, 0, 3, 0, 1, 0]], [[True, False, False, False, True, False, False]]]
+    """
+    segments = segment_ids
+    kept = segments >= 0
+    index = math.columns(segments)
+    before = math.shift(math.cummax(math.where(kept, index, -1)), -1, 1)  # the last token before s not padding
+    previous = math.take(segments, math.where(before < 0, 0, before))
+    starts = kept & ((before < 0) | (previous != segments))
+    positions = math.where(kept, index - math.cummax(math.where(starts, index, 0)), 0)
+    joined = kept & (math.shift(segments, -1, 1) == segments)  # token s continues token s - 1
+    return positions, math.shift(joined, False, -1)
+
+
 def document_positions(segment_ids) -> np.ndarray:
-    """int64 ``[B, S]``: each token's position in its document (a run of equal ids), 0 on padding (id < 0).
+    """int64 ``[B, S]``: each token's position in its document (`document_tables`: a run of equal ids, holes of
+    padding inside it counted), 0 on padding (id < 0).
 
     >>> document_positions(np.array([[0, 0, 0, 1, 1, -1]])).tolist()
     [[0, 1, 2, 0, 1, 0]]
+    >>> document_positions(np.array([[0, 0, -1, 0, 0]])).tolist()  # one document with a hole
+    [[0, 1, 0, 3, 4]]
     """
-    segments = np.asarray(segment_ids)
-    index = np.arange(segments.shape[1])
-    starts = np.ones(segments.shape, dtype=bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    return np.where(segments < 0, 0, index - first)
+    return document_tables(np.asarray(segment_ids))[0].astype(np.int64)
 
 
 def document_labels(input_ids, segment_ids, ignore_index: int = -100) -> np.ndarray:
     """``[B, S]`` labels of packed documents: token p + 1 where it is in p's document, `ignore_index` at a
-    document's last token and on padding (id < 0).
+    document's last token, before a hole and on padding (id < 0).
 
     >>> document_labels(np.array([[5, 6, 7, 8, 9]]), np.array([[0, 0, 1, 1, -1]])).tolist()
     [[6, -100, 8, -100, -100]]
     """
-    ids, segments = np.asarray(input_ids), np.asarray(segment_ids)
+    ids = np.asarray(input_ids)
     labels = next_token_labels(ids, ignore_index)
-    same = np.zeros(segments.shape, dtype=bool)
-    same[:, :-1] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)
-    return np.where(same, labels, ignore_index).astype(labels.dtype)
+    return np.where(document_tables(np.asarray(segment_ids))[1], labels, ignore_index).astype(labels.dtype)
 
 
 def shard_tokens_reference(

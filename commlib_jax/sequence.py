@@ -115,7 +115,10 @@ def shard_tokens(
 
     `segment_ids` (integers ``[B, S]`` like input_ids, e.g. rows of `commlib.segment_ids`: packed documents, a
     negative id padding): returns ``(ids, position_ids, labels, segment_ids)``; the positions restart at each
-    document (a run of equal ids; padding 0), a document's last token and padding get `ignore_index` as label,
+    document (a run of equal ids; padding 0; padding between two tokens of one id is a hole in that document,
+    counted by the positions after it, as transformers counts a padding mask's zero in the middle:
+    `commlib.sequence_helpers.document_tables`), a document's last token, the token before a hole and padding get
+    `ignore_index` as label,
     and the fourth output is this rank's segment ids (their dtype; padding rows -1), for the attention layers'
     ``segment_ids=``.
 
@@ -151,17 +154,36 @@ def shard_tokens(
     return ids, positions, labels
 
 
+class _JaxDocuments(spec.DocumentMath):
+    """`commlib.sequence_helpers.DocumentMath` on jax arrays ``[B, S]`` (along axis 1; traceable)."""
+
+    def __init__(self) -> None:
+        super().__init__(jnp)
+
+    def cummax(self, x: jax.Array) -> jax.Array:
+        return jax.lax.cummax(x, axis=1)
+
+    def take(self, x: jax.Array, index: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(x, index, axis=1)
+
+    def shift(self, x: jax.Array, fill: int, step: int) -> jax.Array:
+        edge = jnp.full_like(x[:, :1], fill)
+        return jnp.concatenate([edge, x[:, :-1]] if step > 0 else [x[:, 1:], edge], axis=1)
+
+    def columns(self, x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape)
+
+
+_JAX_DOCUMENTS = _JaxDocuments()
+
+
 def _shard_documents(input_ids, segment_ids, rows: jax.Array, ignore: int) -> tuple[jax.Array, ...]:
-    """`shard_tokens` of packed documents (`spec.document_positions`, `spec.document_labels`) at `rows`
-    (``seq_len``: a padding row)."""
+    """`shard_tokens` of packed documents (`spec.document_tables`: a run of one id, padding inside it a hole) at
+    `rows` (``seq_len``: a padding row)."""
     spec.check_token_segments("shard_tokens", segment_ids.shape, dtype_name(segment_ids.dtype), input_ids.shape)
     input_ids, segments = jnp.asarray(input_ids), jnp.asarray(segment_ids)
-    index = jnp.broadcast_to(jnp.arange(segments.shape[1], dtype=jnp.int32), segments.shape)
-    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], dtype=bool), segments[:, 1:] != segments[:, :-1]], 1)
-    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-    positions = jnp.where(segments < 0, 0, index - first)
-    same = jnp.concatenate([~starts[:, 1:] & (segments[:, :-1] >= 0), jnp.zeros_like(starts[:, :1])], 1)
-    labels = jnp.where(same, jnp.roll(input_ids, -1, 1), ignore).astype(input_ids.dtype)
+    positions, continues = spec.document_tables(segments, _JAX_DOCUMENTS)
+    labels = jnp.where(continues, jnp.roll(input_ids, -1, 1), ignore).astype(input_ids.dtype)
     return tuple(
         jnp.take(whole, rows, axis=1, mode="fill", fill_value=fill)
         for whole, fill in ((input_ids, 0), (positions, 0), (labels, ignore), (segments, -1))

@@ -11,7 +11,7 @@ from commlib import failures
 from commlib.errors import CommFailure
 from commlib_torch._dtypes import dtype_name
 
-__all__ = ["translate"]
+__all__ = ["all_reduce", "translate"]
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -29,3 +29,16 @@ def translate(error: RuntimeError, op_name: str, tensor: torch.Tensor, group, ph
         rank, ranks = -1, []
     translated = failures.failure(op_name, str(error), rank=rank, group_ranks=ranks, phase=phase, received=received)
     return error if translated is None else translated
+
+
+def all_reduce(flag: torch.Tensor, op: dist.ReduceOp.RedOpType, group, op_name: str) -> None:
+    """``dist.all_reduce(flag, op, group)`` in place (a small flag of an integration's decision or checked mode's
+    refusal), a backend error that means a timeout or a lost rank raised as `op_name`'s CommTimeout /
+    CommFailure (`translate`), not as gloo's or NCCL's raw RuntimeError."""
+    try:
+        dist.all_reduce(flag, op=op, group=group)
+    except RuntimeError as error:
+        translated = translate(error, op_name, flag, group, "forward")
+        if translated is error:
+            raise
+        raise translated from error

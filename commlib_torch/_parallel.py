@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from commlib import CommError
 from commlib import parallel as spec
+from commlib_torch import _failures
 from commlib_torch._checked import is_checked
 from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
@@ -60,7 +61,7 @@ class Parallel:
             refusal = error
         flag = torch.tensor([int(refusal is not None)], dtype=torch.int64, device=device)
         for group in self.groups():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            _failures.all_reduce(flag, dist.ReduceOp.MAX, group, spec.CALL_OP)
         if refusal is not None:
             raise refusal
         if flag.item():
@@ -126,10 +127,12 @@ def enter(layout: object, group: object, attention: str, ulysses_group: object, 
         whole = resolve_group(spec.OP_NAME, group) if group is not None else None
         if whole is not None:
             spec.check_world(plan.layout, world_size(spec.OP_NAME, whole))
+        spec.check_every_shard_has_tokens(plan)
         shard = group_rank(ring) * sizes["ulysses_size"] + group_rank(ulysses)
         return Parallel(plan, whole, ulysses, ring, shard)
     resolved = resolve_group(spec.OP_NAME, group)
     size = world_size(spec.OP_NAME, resolved)
     sizes = dict(ulysses_size=size, ring_size=1) if attention == "ulysses" else dict(ulysses_size=1, ring_size=size)
     plan = spec.parallel_plan(layout, attention, **sizes)
+    spec.check_every_shard_has_tokens(plan)
     return Parallel(plan, resolved, None, None, group_rank(resolved))

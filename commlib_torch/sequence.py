@@ -117,7 +117,10 @@ def shard_tokens(
 
     `segment_ids` (integers ``[B, S]`` like input_ids, e.g. rows of `commlib.segment_ids`: packed documents, a
     negative id padding): returns ``(ids, position_ids, labels, segment_ids)``; the positions restart at each
-    document (a run of equal ids; padding 0), a document's last token and padding get `ignore_index` as label,
+    document (a run of equal ids; padding 0; padding between two tokens of one id is a hole in that document,
+    counted by the positions after it, as transformers counts a padding mask's zero in the middle:
+    `commlib.sequence_helpers.document_tables`), a document's last token, the token before a hole and padding get
+    `ignore_index` as label,
     and the fourth output is this rank's segment ids (in their dtype), for the attention layers' ``segment_ids=``.
 
     Raises:
@@ -148,22 +151,40 @@ def shard_tokens(
     return ids, rows.repeat(input_ids.shape[0], 1), labels
 
 
+class _TorchDocuments(spec.DocumentMath):
+    """`commlib.sequence_helpers.DocumentMath` on torch tensors ``[B, S]`` (along dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch)
+
+    def cummax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cummax(dim=1).values
+
+    def take(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, index)
+
+    def shift(self, x: torch.Tensor, fill: int, step: int) -> torch.Tensor:
+        edge = torch.full_like(x[:, :1], fill)
+        return torch.cat([edge, x[:, :-1]] if step > 0 else [x[:, 1:], edge], dim=1)
+
+    def columns(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[1], device=x.device).expand(x.shape)
+
+
+_TORCH_DOCUMENTS = _TorchDocuments()
+
+
 def _shard_documents(
     input_ids: torch.Tensor, segment_ids: torch.Tensor, rows: torch.Tensor, ignore: int
 ) -> tuple[torch.Tensor, ...]:
-    """`shard_tokens` of packed documents (`spec.document_positions`, `spec.document_labels`) at `rows`."""
+    """`shard_tokens` of packed documents (`spec.document_tables`: a run of one id, padding inside it a hole) at
+    `rows`."""
     spec.check_token_segments(
         "shard_tokens", tuple(segment_ids.shape), dtype_name(segment_ids.dtype), tuple(input_ids.shape)
     )
     segments = segment_ids.to(input_ids.device)
-    index = torch.arange(segments.shape[1], device=segments.device).expand(segments.shape)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    first = torch.where(starts, index, 0).cummax(dim=1).values
-    positions = torch.where(segments < 0, 0, index - first)
-    same = torch.zeros_like(starts)
-    same[:, :-1] = ~starts[:, 1:] & (segments[:, :-1] >= 0)
-    labels = torch.where(same, input_ids.roll(-1, 1), ignore).to(input_ids.dtype)
+    positions, continues = spec.document_tables(segments, _TORCH_DOCUMENTS)
+    labels = torch.where(continues, input_ids.roll(-1, 1), ignore).to(input_ids.dtype)
     return tuple(whole.index_select(1, rows) for whole in (input_ids, positions, labels, segments))
 
 
@@ -429,7 +450,9 @@ def parallel(
 
     Raises:
         CommError: an unknown `attention`, USP without both groups (or Ulysses / ring given them), a layout whose
-            Ulysses or ring size is not its group's, a `group` whose size is not ``layout.world_size``.
+            Ulysses or ring size is not its group's, a `group` whose size is not ``layout.world_size``; a
+            ``layout.seq_len`` below the world size (a rank with an empty shard cannot run a transformers 5.x
+            model: `commlib.parallel.check_every_shard_has_tokens`), on every rank alike, before any communication.
         TypeError: `layout` not a SequenceLayout, `attention` not a str, wrong group kinds.
 
     Example (one rank: WORLD of size 1):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 
 import torch
@@ -128,12 +129,18 @@ def worst(error: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention", choices=("ulysses", "ring", "usp"), default="ulysses")
-    parser.add_argument("--seq-len", type=int, default=37)
+    parser.add_argument(
+        "--seq-len", type=int, default=37, help="tokens per row: any length >= the world size (uneven is fine)"
+    )
     parser.add_argument("--ulysses-size", type=int, default=2, help="USP's Ulysses group size")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--packed", action="store_true", help="packed documents of random lengths and padding")
     args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.seq_len < world:  # every rank must hold a token: transformers cannot run a rank's empty shard
+        # (on every rank: torchrun stops the others as soon as one exits, so rank 0 alone might not get to print)
+        parser.error(f"--seq-len ({args.seq_len}) must be at least the world size ({world}): one token a rank")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     register()

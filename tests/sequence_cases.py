@@ -61,10 +61,19 @@ def model_parameters(seq_len: int, seed: int = 1) -> dict[str, np.ndarray]:
     }
 
 
-def documents(layout: SequenceLayout, seed: int = 0) -> np.ndarray:
+def documents(layout: SequenceLayout, seed: int = 0, *, holes: bool = False) -> np.ndarray:
     """Seeded segment ids ``[B, S]`` of packed documents: row 0 documents of random lengths 1..S/3 (shorter than
     a shard and crossing shard boundaries) then a few padding tokens; row 1 one document over most of the row
-    then padding (two adjacent documents with the same id would be one document: ids count up)."""
+    then padding (two adjacent documents with the same id would be one document: ids count up). `holes`: about
+    a fifth of the tokens made padding besides (holes inside documents, a padding mask's zeros in the middle)."""
+    rows = _documents(layout, seed)
+    if holes:
+        rng = np.random.default_rng([seed, layout.seq_len, layout.world_size, 11])
+        rows[rng.random(rows.shape) < 0.2] = -1
+    return rows
+
+
+def _documents(layout: SequenceLayout, seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, layout.seq_len, layout.world_size, 7])
     S = layout.seq_len
     lengths: list[int] = []

@@ -142,6 +142,26 @@ def test_transformers_llama_with_torchrun(attention, seq_len, packed):
     )
 
 
+def test_transformers_llama_refuses_fewer_tokens_than_ranks():
+    """``--seq-len 3`` over 4 ranks: the example refuses before it starts (each rank exits 2 with argparse's
+    message naming the length, the world size and the minimum), where it crashed inside transformers on the empty
+    rank and in gloo on another (issue 34 item 10)."""
+    command = [*_torchrun(), "--standalone", "--nproc-per-node", "4", "examples/transformers_llama.py"]
+    done = subprocess.run(
+        [*command, "--attention", "ring", "--seq-len", "3"],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "error: --seq-len (3) must be at least the world size (4): one token a rank" in done.stderr, done.stderr
+    assert "site-packages/transformers" not in done.stderr and "gloo" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(
     ("attention", "seq_len", "packed"), [("ulysses", 30, False), ("ring", 32, False), ("usp", 30, True)]
 )

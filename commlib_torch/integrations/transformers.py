@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from commlib import parallel as spec
 from commlib.errors import comm_error
-from commlib_torch import _parallel
+from commlib_torch import _failures, _parallel
 
 __all__ = ["attention_forward", "padding_mask", "register"]
 
@@ -86,7 +86,8 @@ def attention_forward(
     rank's shard, ``layout.positions(shard)`` (RoPE fed local positions is silently wrong); in a
     ``parallel(..., packed=True)`` context, positions of packed documents (``shard_tokens(..., segment_ids=)``'
     second output; `DataCollatorWithFlattening`'s form): they restart at 0 at each document's first token and
-    count up by one, a token at global position g with position p belonging to the document that starts at
+    count up by one (across a padding hole of the mask too: a hole is padding inside one document), a token at
+    global position g with position p belonging to the document that starts at
     g - p, which becomes its segment id (a document may cross shards). A 2-D padding mask (`padding_mask`) makes
     its zeros padding (segment id -1: output 0, gradient 0); a mask that keeps every token on every rank is
     dropped (the ranks decide together: one int all_reduce per forward), so the layer runs unmasked, as without
@@ -167,7 +168,7 @@ def _keeps_every_token(state: _parallel.Parallel, module: torch.nn.Module | None
         return last.kept
     flag = attention_mask.all().to(torch.int64).reshape(1)
     for group in state.groups():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        _failures.all_reduce(flag, dist.ReduceOp.MIN, group, spec.CALL_OP)
     kept = bool(flag.item())
     _LAST[:] = [_Decision(weakref.ref(attention_mask), attention_mask._version, weakref.ref(state), kept)]
     return kept
@@ -190,14 +191,7 @@ def _check(
         sliding_window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
     )
-    segments = None
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None:
-        expected = state.positions(position_ids.device)
-        if position_ids.shape[-1] != expected.shape[-1] or not (state.packed or bool((position_ids == expected).all())):
-            raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())
-        if state.packed:
-            segments = _documents(state, position_ids, expected)
+    kept = None
     if padding:
         assert attention_mask is not None
         if tuple(attention_mask.shape) != tuple(query.shape[:1]) + tuple(query.shape[2:3]):
@@ -209,18 +203,35 @@ def _check(
                 layout=state.plan.layout,
             )
         kept = attention_mask.to(torch.bool)
+    segments = None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        expected = state.positions(position_ids.device)
+        if position_ids.shape[-1] != expected.shape[-1] or not (state.packed or bool((position_ids == expected).all())):
+            raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())
+        if state.packed:
+            segments = _documents(state, position_ids, expected, kept)
+    if kept is not None:
         segments = torch.where(kept, 0 if segments is None else segments, -1)
     return None if segments is None else segments.expand(query.shape[0], -1).contiguous()
 
 
-def _documents(state: _parallel.Parallel, position_ids: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+def _documents(
+    state: _parallel.Parallel, position_ids: torch.Tensor, expected: torch.Tensor, kept: torch.Tensor | None
+) -> torch.Tensor:
     """Segment ids ``[*, S_r]`` of packed documents' positions: g - p, each document named by the global position
-    of its first token; the spec's positions error where the positions cannot be a packing."""
+    of its first token; the spec's positions error where the positions cannot be a packing. A padding token
+    (`kept` False) is a hole: its own position is not read, and the token after it may go on counting (its
+    document continues across the hole, as `shard_tokens(..., segment_ids=)` and transformers count it) or
+    restart at 0."""
     steps = expected[:, 1:] == expected[:, :-1] + 1  # consecutive global positions within the shard
     after = position_ids[..., 1:]
     counts = (after == position_ids[..., :-1] + 1) | (after == 0)
+    bounds = (position_ids < 0) | (position_ids > expected)
+    if kept is not None:  # a step into or out of padding, and padding's own position, are not checked
+        counts, bounds = counts | ~(kept[..., 1:] & kept[..., :-1]), bounds & kept
     local = torch.arange(expected.shape[-1], device=expected.device)
-    if bool((position_ids < 0).any() | (position_ids > expected).any() | (steps & ~counts).any()) or (
+    if bool(bounds.any() | (steps & ~counts).any()) or (
         bool((position_ids == local).all()) and not bool((expected == local).all())
     ):
         raise spec.positions_error(state.plan, state.shard, position_ids.cpu().numpy())

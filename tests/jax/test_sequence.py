@@ -149,7 +149,18 @@ PACKED = [
 
 @pytest.mark.parametrize(("layout", "mode"), PACKED, ids=[f"{layout!r}-{mode}" for layout, mode in PACKED])
 def test_shard_tokens_of_packed_documents_is_the_reference(layout, mode):
-    ids, segments = data(layout)["ids"].astype(np.int32), documents(layout).astype(np.int16)
+    _packed_documents(layout, mode, holes=False)
+
+
+@pytest.mark.parametrize("layout", [layout for world_size in (1, 2, 3, 4) for layout in layouts(world_size)], ids=repr)
+def test_shard_tokens_of_documents_with_holes_is_the_reference(layout):
+    """Padding inside a document (a padding mask's zero between ones) is a hole: the positions after it go on
+    counting, the labels stop before it (issue 34 item 8: they restarted after it, splitting the document)."""
+    _packed_documents(layout, MODES[0], holes=True)
+
+
+def _packed_documents(layout, mode, *, holes: bool) -> None:
+    ids, segments = data(layout)["ids"].astype(np.int32), documents(layout, holes=holes).astype(np.int16)
     W = layout.world_size
     body = _per_rank(lambda i, s: sequence.shard_tokens(i, layout, "i", ignore_index=IGNORE, segment_ids=s), mode, W)
     got = jax.jit(body)(np.broadcast_to(ids, (W, *ids.shape)), np.broadcast_to(segments, (W, *segments.shape)))

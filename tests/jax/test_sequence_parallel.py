@@ -397,3 +397,68 @@ def test_a_function_jitted_in_one_context_is_traced_again_in_another():
     for layout in (contiguous, zigzag, contiguous):
         with _context(layout, "ring"):
             np.testing.assert_array_equal(np.asarray(step(ids))[0], spec_positions(layout))
+
+
+def _rope(x, positions, xp):
+    """Llama's rotary embedding (the two halves of the head dim) of ``[B, S, H, D]`` at ``[B, S]`` positions."""
+    half = x.shape[-1] // 2
+    angle = positions[..., None, None] * (1.0 / 10000.0 ** (xp.arange(half) / half))
+    cos, sin = xp.cos(angle), xp.sin(angle)
+    first, second = x[..., :half], x[..., half:]
+    return xp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+
+HOLED = [
+    (commlib.SequenceLayout(11, ulysses_size=4), "ulysses"),
+    (commlib.SequenceLayout(16, ring_size=4, layout="zigzag"), "ring"),
+]
+
+
+@pytest.mark.parametrize(("layout", "attention"), HOLED, ids=[f"{kind}-{case!r}" for case, kind in HOLED])
+def test_a_padding_mask_with_holes_is_one_document(layout, attention):
+    """A tokenizer's mask with zeros between ones, made segment ids as docs/integrations.md says: shard_tokens'
+    positions (RoPE), dot_product_attention with its segment ids and its labels are transformers' with that mask
+    -- the float64 reference here: RoPE at arange positions, one document across each hole, the hole's tokens
+    padding, the label the next token where both are kept -- output and (dq, dk, dv) through RoPE within 1e-10
+    (issue 34 item 8: the positions restarted after a hole, so RoPE rotated the tokens after it as a new document)."""
+    S = layout.seq_len
+    mask = np.ones((2, S), dtype=np.int32)
+    mask[0, [3, 4, S - 4]] = 0
+    mask[1, [2, S - 5, S - 1]] = 0
+    segments = np.where(mask.astype(bool), 0, -1).astype(np.int32)
+    ids = np.random.default_rng(5).integers(0, 64, (2, S)).astype(np.int32)
+    whole = _whole(S, seed=4)
+    cut = [jnp.asarray(np.concatenate(layout.shard(x, padded=True), axis=1)) for x in whole]
+    mesh, spec = _mesh(layout, attention)
+
+    def body(ids, segments, cotangent, q, k, v):
+        _, positions, labels, mine = sequence.shard_tokens(ids, layout, "x", segment_ids=segments)
+        q, k = (_rope(x, positions.astype(x.dtype), jnp) for x in (q, k))
+        out = dot_product_attention(q, k, v, scale=SCALE, is_causal=True, segment_ids=mine)
+        return out, labels, (out * cotangent).sum()[None]
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), *(spec,) * 4), out_specs=(spec, spec, P(spec[1])), check_vma=True
+    )
+
+    def total(q, k, v):
+        out, labels, losses = mapped(ids, segments, cut[3], q, k, v)
+        return losses.sum(), (out, labels)
+
+    with _context(layout, attention):
+        grads, (out, labels) = jax.jit(jax.grad(total, argnums=(0, 1, 2), has_aux=True))(*cut[:3])
+    split = lambda x: np.split(np.asarray(x), layout.world_size, axis=1)  # noqa: E731
+    got = [layout.unshard(split(x), padded=True) for x in (out, *grads)]
+
+    arange = np.broadcast_to(np.arange(S, dtype=np.float64), (2, S))
+    q, k, v, cotangent = whole
+    rotated = [_rope(x, arange, np) for x in (q, k)]
+    out_want = A.attention(*rotated, v, causal=True, scale=SCALE, q_segments=segments)
+    dq, dk, dv = A.attention_vjp(*rotated, v, cotangent, causal=True, scale=SCALE, q_segments=segments)
+    want = [out_want, _rope(dq, -arange, np), _rope(dk, -arange, np), dv]  # RoPE's VJP: the inverse rotation
+    for name, value, wanted in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(value, wanted, rtol=0, atol=TOLERANCE, err_msg=name)
+    kept = mask.astype(bool)
+    next_kept = np.concatenate([kept[:, 1:], np.zeros((2, 1), bool)], axis=1)
+    labels_want = np.where(kept & next_kept, np.roll(ids, -1, axis=1), -100)
+    assert layout.unshard(split(labels), padded=True).tolist() == labels_want.tolist()

@@ -184,3 +184,31 @@ def test_helpers_agree_with_the_context():
     with pytest.raises(CommError, match=r"^shard_tokens: axis_name is required outside a parallel"):
         P.helper_axes("shard_tokens", None, ())
     assert str(P.refused_elsewhere_error()).startswith("commlib attention: another rank of the layer refused this call")
+
+
+@pytest.mark.parametrize(
+    ("layout", "attention"),
+    [
+        (SequenceLayout(3, ring_size=4), "ring"),
+        (SequenceLayout(3, ring_size=4, layout="zigzag"), "ring"),
+        (SequenceLayout(1, ulysses_size=2), "ulysses"),
+        (SequenceLayout(3, ring_size=2, ulysses_size=2), "usp"),
+    ],
+    ids=repr,
+)
+def test_an_empty_shard_is_refused_by_torch_parallel(layout, attention):
+    """Issue 34 item 10: a rank with no tokens crashed inside transformers 5.x and left its peers in gloo; torch's
+    `parallel` refuses it from the layout (every rank alike), naming the length, the world size and the minimum."""
+    plan = P.parallel_plan(layout, attention, ulysses_size=layout.ulysses_size, ring_size=layout.ring_size)
+    with pytest.raises(CommError) as raised:
+        P.check_every_shard_has_tokens(plan)
+    W = layout.world_size
+    assert str(raised.value).startswith(
+        f"parallel: seq_len ({layout.seq_len}) must be at least the world size ({W}) for attention={attention!r}: "
+        f"a rank with no tokens cannot run the model (transformers fails on an empty sequence); use seq_len >= {W} "
+        f"or fewer ranks. Received: layout={layout!r}, attention={attention!r}, sizes={layout.sizes}"
+    )
+    full = SequenceLayout(W, layout.ring_size, layout.ulysses_size, layout.layout)
+    P.check_every_shard_has_tokens(
+        P.parallel_plan(full, attention, ulysses_size=full.ulysses_size, ring_size=full.ring_size)
+    )  # one token a rank: accepted

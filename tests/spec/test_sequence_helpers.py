@@ -63,15 +63,17 @@ def test_references(layout):
 
 
 def _documents_by_token(ids: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The definition, token by token: position = tokens since the document's first (a run of equal ids), the
-    label the next token while it is in the same document, padding position 0 and label ignored."""
+    """The definition, token by token: position = tokens since the document's first (a run of equal ids, padding
+    inside it a hole, counted), the label the next token while it is in the same document, padding position 0 and
+    label ignored."""
     positions, labels = np.zeros_like(ids), np.full_like(ids, IGNORE)
     for row, column in np.ndindex(*ids.shape):
         if segments[row, column] < 0:
             continue
-        start = column
-        while start > 0 and segments[row, start - 1] == segments[row, column]:
-            start -= 1
+        start = back = column
+        while back > 0 and (segments[row, back - 1] < 0 or segments[row, back - 1] == segments[row, column]):
+            back -= 1
+            start = back if segments[row, back] == segments[row, column] else start
         positions[row, column] = column - start
         if column + 1 < ids.shape[1] and segments[row, column + 1] == segments[row, column]:
             labels[row, column] = ids[row, column + 1]
@@ -90,6 +92,31 @@ def test_document_references(layout, padded):
             assert part.shape == (ids.shape[0], layout.max_size if padded else size)
             assert part[:, :size].tolist() == whole[:, layout.positions(rank)].tolist()
             assert (part[:, size:] == fill).all()
+
+
+@pytest.mark.parametrize("layout", ALL[::3], ids=repr)
+def test_documents_with_holes(layout):
+    """Padding inside a document (a padding mask with zeros in the middle, made segment ids) is a hole: the
+    positions count it, as transformers' do, and the labels stop before it (issue 34 item 8: the positions
+    restarted after the hole, so the helpers and the transformers route split one row into two documents)."""
+    ids, segments = data(layout)["ids"], documents(layout).copy()
+    rng = np.random.default_rng(layout.seq_len)
+    segments[rng.random(segments.shape) < 0.2] = -1
+    positions, labels = _documents_by_token(ids, segments)
+    assert spec.document_positions(segments).tolist() == positions.tolist()
+    assert spec.document_labels(ids, segments, IGNORE).tolist() == labels.tolist()
+
+
+def test_a_hole_counts_as_transformers_counts_it():
+    """A tokenizer's mask ``[1, 1, 0, 1, 1]`` (``where(mask, 0, -1)``) is one document: positions 0..4 where the
+    mask keeps a token (transformers' own ``arange``), 0 at the hole; left padding then a hole: the positions start
+    at the text and count the hole; a hole between two documents ends neither more than their ids do."""
+    assert spec.document_positions(np.array([[0, 0, -1, 0, 0]])).tolist() == [[0, 1, 0, 3, 4]]
+    assert spec.document_positions(np.array([[-1, -1, 0, -1, 0, 0]])).tolist() == [[0, 0, 0, 0, 2, 3]]
+    assert spec.document_positions(np.array([[0, -1, 1, 1, -1, 1]])).tolist() == [[0, 0, 0, 1, 0, 3]]
+    ids = np.array([[10, 11, 12, 13, 14]])
+    labels = spec.document_labels(ids, np.array([[0, 0, -1, 0, 0]]), IGNORE)
+    assert labels.tolist() == [[11, IGNORE, IGNORE, 14, IGNORE]]
 
 
 def test_documents_in_a_handed_row():

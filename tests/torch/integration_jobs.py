@@ -323,3 +323,104 @@ def llama_all_ones(ctx, attention: str) -> dict:
         float((p.grad - q.grad).abs().max()) for p, q in zip(plain.parameters(), masked.parameters(), strict=True)
     )
     return found
+
+
+def llama_with_a_hole(ctx, attention: str) -> dict:
+    """The tiny Llama (2 layers, float64) trained one step the way docs/integrations.md says for a tokenizer's
+    padding mask: ``segment_ids = where(mask, 0, -1)``, ``shard_tokens(..., segment_ids=)``, ``parallel(...,
+    packed=True)``, the mask of this rank's tokens, `cross_entropy` and `sync_gradients`; the mask has holes (zeros
+    between ones: row 0 at 4, 5, where rank 0's Ulysses shard ends; row 1 at 3 and 7, right padding). The
+    reference is the unsharded SDPA model given the same 2-D mask (transformers attends across a hole, its
+    positions arange), its loss over the same labels (`document_labels`: none on padding or before a hole). Returns
+    the largest absolute differences of the logits of this rank's kept tokens, of the loss and of every parameter's
+    gradient. (Left padding is left out: the helpers' positions start at the text, transformers' arange at 0, and
+    transformers' float32 RoPE then differs in the gradients by ~1e-8 relative, hole or none.)"""
+    import copy
+
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from commlib.sequence_helpers import document_labels
+    from commlib_torch.sequence import cross_entropy, shard_tokens, sync_gradients
+
+    integration.register()
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    sharded = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    sharded.load_state_dict(reference.state_dict())
+    seq_len = 11
+    layout = (
+        commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag")
+        if attention == "ring"
+        else commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    )
+    ids = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0]])
+    segments = torch.where(mask.bool(), 0, -1)  # docs/integrations.md: a tokenizer's mask, one document a row
+    with parallel(layout, attention=attention, packed=True):
+        mine_ids, positions, labels, mine = shard_tokens(ids, layout, segment_ids=segments)
+        logits = sharded(
+            input_ids=mine_ids, position_ids=positions, attention_mask=(mine >= 0).long(), use_cache=False
+        ).logits
+        loss = cross_entropy(logits, labels)
+        loss.backward()
+        sync_gradients(sharded.parameters())
+    want_logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    whole_labels = torch.as_tensor(document_labels(ids, segments))
+    want = F.cross_entropy(want_logits.flatten(0, 1), whole_labels.flatten(), ignore_index=-100)
+    want.backward()
+    rows, kept = layout.positions(ctx.rank), mine >= 0
+    return {
+        "logits": float((logits.detach() - want_logits.detach()[:, rows])[kept].abs().max()),
+        "loss": float((loss - want).detach().abs()),
+        "gradients": max(
+            float((p.grad - q.grad).abs().max())
+            for p, q in zip(sharded.parameters(), reference.parameters(), strict=True)
+        ),
+    }
+
+
+def empty_shard(ctx, attention: str) -> str:
+    """``parallel`` at S = 3 over this pool's 4 ranks (ring zigzag or contiguous Ulysses, USP 2 x 2): the error
+    entering it raises on this rank (before, rank 3's empty shard entered and then crashed inside transformers),
+    or "entered"."""
+    layout = (
+        commlib.SequenceLayout(3, 2, 2)
+        if attention == "usp"
+        else commlib.SequenceLayout(3, ring_size=4, layout="zigzag")
+        if attention == "ring"
+        else commlib.SequenceLayout(3, ulysses_size=4)
+    )
+    try:
+        with context(ctx, layout, attention):
+            return "entered"
+    except commlib.CommError as error:
+        return str(error)
+
+
+def skip_the_mask_decision(ctx, checked: bool) -> str:
+    """Rank 0 calls the registered attention with an all-ones padding mask (its first layer all_reduces the
+    decision; in checked mode the refusal exchange all_reduces first); rank 1 never does. What rank 0 raises
+    after the pool's 5 s process-group timeout (type: message), rank 1 "skipped"."""
+    from commlib_torch._checked import checked as checked_mode
+
+    if ctx.rank == 1:
+        return "skipped"
+    layout = commlib.SequenceLayout(8, ulysses_size=ctx.world_size)
+    q = torch.ones(1, 4, 4, 8, dtype=torch.float64)
+    try:
+        with parallel(layout), checked_mode(checked):
+            integration.attention_forward(
+                None, q, q, q, torch.ones(1, 4, dtype=torch.long), position_ids=torch.arange(4)[None]
+            )
+    except Exception as error:  # what reaches the user: the type is the test's point
+        return f"{type(error).__name__}: {error}"
+    return "returned"

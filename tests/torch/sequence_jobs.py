@@ -5,6 +5,8 @@ Each job returns, per layout, this rank's largest errors (0.0 where the helper m
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -29,17 +31,19 @@ def _tokens(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
 
 
 def packed_tokens(ctx, seed: int = 0) -> dict[str, list[float]]:
-    """shard_tokens of packed documents (`tests.sequence_cases.documents`, int32 segment ids) on every layout:
-    {layout: errors of ids, positions, labels and segment ids against the reference}, plus the dtypes kept."""
+    """shard_tokens of packed documents (`tests.sequence_cases.documents`, int32 segment ids; without and with
+    holes of padding inside the documents) on every layout: {layout (and "holes"): errors of ids, positions,
+    labels and segment ids against the reference}, plus the dtypes kept."""
     results = {}
-    for layout in layouts(ctx.world_size):
-        ids, segments = data(layout, seed)["ids"], documents(layout, seed).astype(np.int32)
+    for layout, holes in itertools.product(layouts(ctx.world_size), (False, True)):
+        ids, segments = data(layout, seed)["ids"], documents(layout, seed, holes=holes).astype(np.int32)
         got = sequence.shard_tokens(
             torch.from_numpy(ids), layout, ignore_index=IGNORE, segment_ids=torch.from_numpy(segments)
         )
         expected = spec.shard_tokens_reference(ids, layout, IGNORE, segment_ids=segments)[ctx.rank]
         dtypes = [str(part.dtype) for part in got]
-        results[repr(layout)] = [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
+        name = repr(layout) + (" holes" if holes else "")
+        results[name] = [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
             float(dtypes != ["torch.int64", "torch.int64", "torch.int64", "torch.int32"])
         ]
     return results

@@ -168,6 +168,17 @@ def test_llama_with_masks_is_the_unsharded_model(pool, world_size, seq_len, atte
         assert error <= TOLERANCE, (rank, error)
 
 
+@pytest.mark.parametrize(("world_size", "attention"), [(2, "ulysses"), (4, "ring")])
+def test_a_padding_mask_with_holes_is_one_document(pool, world_size, attention):
+    """A tokenizer's padding mask with zeros between ones, made segment ids as docs/integrations.md says and run
+    with ``packed=True``: one document across each hole, as transformers attends; logits of the kept tokens, the
+    loss and every gradient within 1e-10 of the unsharded model with the same 2-D mask (issue 34 item 8: the
+    helpers restarted the positions after a hole, so the route split the row in two: logits 0.49, gradients 0.73
+    off)."""
+    for rank, found in enumerate(pool(world_size).run(jobs.llama_with_a_hole, attention)):
+        assert max(found.values()) <= TOLERANCE, (rank, found)
+
+
 @pytest.mark.parametrize(("world_size", "attention"), [(2, "ulysses"), (3, "ring")])
 def test_an_all_ones_mask_is_dropped_once_per_forward(pool, world_size, attention):
     """A tokenizer's all-ones attention_mask costs one all_reduce per forward (the first layer decides for the
@@ -176,6 +187,35 @@ def test_an_all_ones_mask_is_dropped_once_per_forward(pool, world_size, attentio
     (`test_llama_with_masks_is_the_unsharded_model`: at W = 3 ring, rank 2's shard holds no padding)."""
     for rank, found in enumerate(pool(world_size).run(jobs.llama_all_ones, attention)):
         assert found == {"reduces": [1, 1], "logits": 0.0, "gradients": 0.0}, (rank, found)
+
+
+@pytest.mark.parametrize("attention", ["ulysses", "ring", "usp"])
+def test_an_empty_shard_is_refused_on_every_rank(pool, attention):
+    """S = 3 over 4 ranks: every rank's `parallel` raises the spec's CommError on entry, before any communication
+    (issue 34 item 10: rank 3's empty shard crashed inside transformers 5.x and another rank got gloo's raw
+    RuntimeError from the integration's all_reduce)."""
+    for rank, text in enumerate(pool(4).run(jobs.empty_shard, attention)):
+        assert text.startswith(
+            f"parallel: seq_len (3) must be at least the world size (4) for attention={attention!r}: a rank with no "
+            "tokens cannot run the model"
+        ), (rank, text)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+def test_a_rank_missing_from_the_integrations_all_reduce_is_a_comm_timeout(checked):
+    """The integration's own all_reduces (the all-ones mask decision; checked mode's refusal exchange) go through
+    the failure translation: the rank left waiting raises CommTimeout naming "commlib attention" and its group,
+    not gloo's raw RuntimeError (issue 34 item 10)."""
+    from commlib_torch.tools.pool import WorkerPool
+
+    with WorkerPool(2, timeout=60.0, pg_timeout=5.0) as pool:
+        waiting, skipped = pool.run(jobs.skip_the_mask_decision, checked)
+    assert skipped == "skipped"
+    assert waiting.startswith(
+        "CommTimeout: commlib attention: timed out on group rank 0 of the group with global ranks [0, 1] waiting for "
+        "the other ranks"
+    ), waiting
 
 
 def test_packing_that_cannot_be_is_refused(pool):
