@@ -257,20 +257,24 @@ class _Combine(torch.autograd.Function):
     def forward(
         ctx: Any, y: torch.Tensor, weights: torch.Tensor | None, routing: Routing, accum: torch.dtype | None
     ) -> torch.Tensor:
-        ctx.routing, ctx.accum = routing, accum
-        ctx.save_for_backward(y, weights)
+        ctx.routing, ctx.accum, ctx.y_dtype = routing, accum, y.dtype
         backend = TorchMoeBackend(routing.group, routing.plan.top_k, accum)
-        return spec.combine(backend, y, routing.tables, weights)
+        out, returned = spec.combine_rows(backend, y, routing.tables, weights)
+        # the weights' gradient reads the rows this forward brought back: saved, not exchanged again
+        ctx.save_for_backward(returned if weights is not None and ctx.needs_input_grad[1] else None, weights)
+        return out
 
     @staticmethod
     def backward(ctx: Any, out_bar: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        y, weights = ctx.saved_tensors
+        returned, weights = ctx.saved_tensors
         routing = ctx.routing
         backend = TorchMoeBackend(routing.group, routing.plan.top_k, ctx.accum)
-        y_bar, w_bar = spec.combine_vjp(backend, out_bar.contiguous(), y, routing.tables, weights)
+        y_bar, w_bar = spec.combine_vjp(
+            backend, out_bar.contiguous(), None, routing.tables, weights, returned, weights_grad=returned is not None
+        )
         if w_bar is not None:
             w_bar = w_bar.to(weights.dtype)
-        return y_bar.to(y.dtype), w_bar, None, None
+        return y_bar.to(ctx.y_dtype), w_bar, None, None
 
 
 def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:

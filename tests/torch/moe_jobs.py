@@ -221,3 +221,38 @@ def checked_mismatch(ctx) -> list[str]:
     tokens = indices if ctx.rank == 0 else torch.tensor([[0]])
     messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
     return messages
+
+
+def row_exchanges(ctx) -> dict[str, list[int]]:
+    """The row all_to_alls (``[rows, H]``, H = 5) of dispatch, combine and their backward, on both layouts:
+    one per direction, forward and backward (combine's weights gradient reads the rows its forward brought
+    back); and the same step once more without the weights' gradient (weights a constant)."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        if input.dim() == 2 and input.shape[1] == 5:
+            calls.append(phase)
+        return original(output, input, *args, **kwargs)
+
+    found: dict[str, list[int]] = {}
+    dist.all_to_all_single = counting
+    try:
+        for layout, weights_grad in (("exact", True), ("padded", True), ("exact", False)):
+            calls.clear()
+            generator = torch.Generator().manual_seed(ctx.rank)
+            x = torch.randn(6, 5, generator=generator, requires_grad=True)
+            logits = torch.randn(6, 2 * ctx.world_size, generator=generator, requires_grad=weights_grad)
+            weights, indices = logits.softmax(-1).topk(2, dim=-1)
+            routing = moe.route(indices, 2 * ctx.world_size, layout=layout)
+            phase = "forward"
+            out = moe.combine(moe.dispatch(x, routing) * 2.0, routing, weights)
+            phase = "backward"
+            out.square().sum().backward()
+            assert x.grad is not None and (logits.grad is not None) == weights_grad
+            found[f"{layout} weights_grad={weights_grad}"] = [calls.count("forward"), calls.count("backward")]
+    finally:
+        dist.all_to_all_single = original
+    return found

@@ -58,3 +58,14 @@ def test_checked_mode_names_what_the_ranks_differ_on(pool):
         assert route.startswith("CommError") and "route" in route and "capacity" in route, route
         assert dispatch.startswith("CommError") and "dispatch" in dispatch and "dtype" in dispatch, dispatch
         assert padded == "CommError: " + str(spec.padded_tokens_error([2, 1])), padded
+
+
+def test_one_row_exchange_per_direction(pool):
+    """dispatch + combine forward and backward move rows four times, as the floor of benchmarks/moe.py: the
+    weights' gradient reads the rows combine's forward brought back (it exchanged y's rows a fifth time)."""
+    for found in pool(2).run(moe_jobs.row_exchanges):
+        assert found == {
+            "exact weights_grad=True": [2, 2],
+            "padded weights_grad=True": [2, 2],
+            "exact weights_grad=False": [2, 2],
+        }, found
