@@ -9,8 +9,9 @@ carries each rank's first bad index and its T, so every rank raises the same `Co
 spec's `RankTables` as tensors on the indices' device.
 
 Both layouts read the counts on the host once in `route` (the exchanged counts size the rows); the `padded`
-layout gives static shapes (``plan.padded_rows`` rows, zero past `Routing.rows`, ignored on input) but is not
-yet free of that host sync nor `torch.compile(fullgraph=True)` clean.
+layout gives static shapes (``plan.padded_rows`` rows, zero past `Routing.rows`, ignored on input). Its
+`dispatch` and `combine` compile with ``torch.compile(fullgraph=True)``, forward and backward, with no graph
+break (tests/torch/test_moe.py); `route` does not (that host read: 13 graph breaks at W = 1).
 """
 
 from __future__ import annotations
