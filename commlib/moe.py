@@ -59,6 +59,7 @@ __all__ = [
     "MoeBackend",
     "dispatch",
     "combine",
+    "combine_rows",
     "dispatch_vjp",
     "combine_vjp",
 ]
@@ -416,7 +417,14 @@ def dispatch(backend: MoeBackend, x: Any, tables: RankTables, top_k: int) -> Any
 
 def combine(backend: MoeBackend, y: Any, tables: RankTables, weights: Any | None) -> Any:
     """``y [R, *F] -> [T, *F]``: the weighted k-sum of each token's rows at its source."""
-    return backend.k_sum(_returned(backend, y, tables), weights)
+    return combine_rows(backend, y, tables, weights)[0]
+
+
+def combine_rows(backend: MoeBackend, y: Any, tables: RankTables, weights: Any | None) -> tuple[Any, Any]:
+    """``(out, returned)``: `combine`'s output and the rows it brought back (``[T, K, *F]``, each copy's row at
+    its source), which `combine_vjp` takes as `returned` so the weights' gradient needs no second exchange."""
+    returned = _returned(backend, y, tables)
+    return backend.k_sum(returned, weights), returned
 
 
 def dispatch_vjp(backend: MoeBackend, out_bar: Any, tables: RankTables) -> Any:
@@ -425,10 +433,20 @@ def dispatch_vjp(backend: MoeBackend, out_bar: Any, tables: RankTables) -> Any:
 
 
 def combine_vjp(
-    backend: MoeBackend, out_bar: Any, y: Any, tables: RankTables, weights: Any | None
+    backend: MoeBackend,
+    out_bar: Any,
+    y: Any,
+    tables: RankTables,
+    weights: Any | None,
+    returned: Any | None = None,
+    *,
+    weights_grad: bool = True,
 ) -> tuple[Any, Any | None]:
     """``(y_bar, w_bar)``: ``y_bar = dispatch(w * out_bar)`` (padded rows 0), ``w_bar[t, k] = <out_bar[t],
-    row(t, k)>`` at the source (0 for dropped and -1 routes), None without weights."""
+    row(t, k)>`` at the source (0 for dropped and -1 routes), None without weights or when `weights_grad` is
+    False. `returned`: the rows the forward brought back (`combine_rows`): no exchange for w_bar; None brings
+    `y`'s rows back again (one more exchange)."""
     y_bar = _dispatch_copies(backend, backend.spread(out_bar, weights), tables)
-    w_bar = None if weights is None else backend.inner(out_bar, _returned(backend, y, tables))
-    return y_bar, w_bar
+    if weights is None or not weights_grad:
+        return y_bar, None
+    return y_bar, backend.inner(out_bar, _returned(backend, y, tables) if returned is None else returned)

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import io_callback
 from jax.typing import DTypeLike
 
+from commlib import check
 from commlib import moe as spec
 from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
@@ -29,7 +33,7 @@ from commlib.layer_check import moe_call
 from commlib_jax._checked import exchange_layer, is_checked
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
-from commlib_jax._vma import axes_of, to_varying
+from commlib_jax._vma import axes_of, axis_arg, to_varying
 from commlib_jax._walk import dtype_name
 from commlib_jax.functional import all_to_all
 
@@ -338,6 +342,10 @@ def route(
             entries, E % W != 0 without one, capacity < 0, capacity and capacity_factor both given,
             ``layout != "padded"``; `axis_name` not bound; in checked mode (several processes), ranks whose
             calls differ (`commlib.layer_check.moe_call`).
+        jax.errors.JaxRuntimeError: (when run, checked mode: ``COMMLIB_CHECK=1``, any number of processes) a bad
+            index on some rank, carrying the spec's `bad_route_error` text of the first such rank on every
+            device (rank, token, value); it costs an all_gather of the indices (``W * T * K`` ints) and a host
+            callback. Unchecked, bad entries are counted in ``Routing.invalid`` and dropped.
         TypeError: indices not a jax / numpy array or not integers, capacity not an int.
 
     >>> import jax, jax.numpy as jnp
@@ -372,7 +380,11 @@ def route(
     )
     if is_checked():  # several processes: they compare the options first (commlib_jax._checked)
         exchange_layer(moe_call(spec.ROUTE_OP, plan, indices.shape, dtype_name(indices.dtype)))
-    local = traced_routing(to_varying(jnp.asarray(indices), axes), plan)
+    varying = to_varying(jnp.asarray(indices), axes)
+    if check.says_checked(os.environ.get(check.ENV_VARIABLE)):  # bad indices raise, when the step runs
+        everyone = varying[None] if size == 1 else lax.all_gather(varying, axis_arg(axes))  # [W, T, K]
+        io_callback(functools.partial(_refuse_bad_indices, num_experts), None, everyone, ordered=False)
+    local = traced_routing(varying, plan)
     received = local["send"] if size == 1 else all_to_all(local["send"], axes, 0, 0)
     tables = traced_tables(plan, local, received)
     return Routing(
@@ -384,6 +396,15 @@ def route(
         local["dropped"],
         local["invalid"],
     )
+
+
+def _refuse_bad_indices(num_experts: int, everyone: Any) -> None:
+    """Host side of checked mode's index check: every rank's indices ``[W, T, K]``; the spec's `bad_route_error`
+    of the first rank with a bad row (the same on every device)."""
+    for rank, rows in enumerate(np.asarray(everyone)):
+        found = spec.bad_route(rows, num_experts)
+        if found is not None:
+            raise spec.bad_route_error(rank, *found, num_experts)
 
 
 def _check_routing(op_name: str, routing: object) -> Routing:

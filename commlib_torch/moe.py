@@ -9,15 +9,16 @@ carries each rank's first bad index and its T, so every rank raises the same `Co
 spec's `RankTables` as tensors on the indices' device.
 
 Both layouts read the counts on the host once in `route` (the exchanged counts size the rows); the `padded`
-layout gives static shapes (``plan.padded_rows`` rows, zero past `Routing.rows`, ignored on input) but is not
-yet free of that host sync nor `torch.compile(fullgraph=True)` clean.
+layout gives static shapes (``plan.padded_rows`` rows, zero past `Routing.rows`, ignored on input). Its
+`dispatch` and `combine` compile with ``torch.compile(fullgraph=True)``, forward and backward, with no graph
+break (tests/torch/test_moe.py); `route` does not (that host read: 13 graph breaks at W = 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,14 +35,15 @@ __all__ = ["Routing", "TorchMoeBackend", "route", "dispatch", "combine"]
 
 _WHY = ("range", "twice")
 _HALF = (torch.float16, torch.bfloat16)  # accumulated in float32 by default
+_NOT_INDICES = ("send_sizes", "recv_sizes", "tokens_per_expert")  # the tables `take` does not read
 
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """What `route` gives: `tokens_per_expert` (int64 ``[this rank's experts]``: rows received per local
     expert), `rows` (valid rows of `dispatch`'s output), `dropped` (routes this rank dropped by capacity), the
-    spec's `plan`, this rank's `tables` (`commlib.moe.RankTables`, index tensors on the indices' device), the
-    group and this rank.
+    spec's `plan`, this rank's `tables` (`commlib.moe.RankTables`, its index tables `_MaskedIndex` on the
+    indices' device), the group and this rank.
 
     Example:
         >>> routing = route(torch.tensor([[0], [1], [-1]]), 2)
@@ -63,6 +65,15 @@ class Routing:
         return self.rows if self.plan.layout == "exact" else self.plan.padded_rows
 
 
+class _MaskedIndex(NamedTuple):
+    """A routing table as `route` stores it on the device: `safe` (its -1 entries read row 0) and `unrouted`
+    (where it holds -1; None where it holds none, which `route` knows from the host tables), so
+    `TorchMoeBackend.take` makes one gather and zeroes only the unrouted rows."""
+
+    safe: torch.Tensor
+    unrouted: torch.Tensor | None
+
+
 class TorchMoeBackend:
     """The spec's `commlib.moe.MoeBackend` on this rank's tensors: rows are dim 0, index -1 reads a zero row
     (the row is never read, so NaN there reaches nothing), sums accumulate in `accum_dtype` (None: the
@@ -80,7 +91,14 @@ class TorchMoeBackend:
     def _accum(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.accum_dtype is None else x.to(self.accum_dtype)
 
-    def take(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def take(self, x: torch.Tensor, index: torch.Tensor | _MaskedIndex) -> torch.Tensor:
+        if isinstance(index, _MaskedIndex):  # one gather, then the -1 rows (if any) written 0: NaN stays out
+            if x.shape[0] == 0:  # nothing to read (every entry is -1)
+                return x.new_zeros((*index.safe.shape, *x.shape[1:]))
+            rows = x.index_select(0, index.safe.reshape(-1)).reshape(*index.safe.shape, *x.shape[1:])
+            if index.unrouted is None:
+                return rows
+            return rows.masked_fill_(index.unrouted.reshape(*index.safe.shape, *[1] * (x.ndim - 1)), 0)
         zero = x.new_zeros((1, *x.shape[1:]))
         safe = torch.where(index < 0, x.shape[0], index).reshape(-1)
         return torch.cat([x, zero]).index_select(0, safe).reshape(*index.shape, *x.shape[1:])
@@ -212,11 +230,17 @@ def route(
         raise spec.padded_tokens_error(got[:, width + 4].tolist())
     tables = spec.rank_tables(plan, rank, order, send_counts, dropped, got[:, : plan.experts_per_rank[rank]])
 
-    def on_device(value: Any) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(value)).to(device) if isinstance(value, np.ndarray) else value
+    def on_device(field: str, value: Any) -> Any:
+        if not isinstance(value, np.ndarray):
+            return value
+        if value.ndim == 0 or field in _NOT_INDICES:
+            return torch.from_numpy(np.ascontiguousarray(value)).to(device)
+        unrouted = value < 0  # read on the host, where the tables are built: no device sync
+        safe = torch.from_numpy(np.ascontiguousarray(np.where(unrouted, 0, value))).to(device)
+        return _MaskedIndex(safe, torch.from_numpy(unrouted).to(device) if unrouted.any() else None)
 
     torch_tables = spec.RankTables(
-        **{field.name: on_device(getattr(tables, field.name)) for field in dataclasses.fields(spec.RankTables)}
+        **{f.name: on_device(f.name, getattr(tables, f.name)) for f in dataclasses.fields(spec.RankTables)}
     )
     # the split sizes stay host ints (all_to_all_single takes lists)
     torch_tables = dataclasses.replace(
@@ -259,20 +283,24 @@ class _Combine(torch.autograd.Function):
     def forward(
         ctx: Any, y: torch.Tensor, weights: torch.Tensor | None, routing: Routing, accum: torch.dtype | None
     ) -> torch.Tensor:
-        ctx.routing, ctx.accum = routing, accum
-        ctx.save_for_backward(y, weights)
+        ctx.routing, ctx.accum, ctx.y_dtype = routing, accum, y.dtype
         backend = TorchMoeBackend(routing.group, routing.plan.top_k, accum)
-        return spec.combine(backend, y, routing.tables, weights)
+        out, returned = spec.combine_rows(backend, y, routing.tables, weights)
+        # the weights' gradient reads the rows this forward brought back: saved, not exchanged again
+        ctx.save_for_backward(returned if weights is not None and ctx.needs_input_grad[1] else None, weights)
+        return out
 
     @staticmethod
     def backward(ctx: Any, out_bar: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        y, weights = ctx.saved_tensors
+        returned, weights = ctx.saved_tensors
         routing = ctx.routing
         backend = TorchMoeBackend(routing.group, routing.plan.top_k, ctx.accum)
-        y_bar, w_bar = spec.combine_vjp(backend, out_bar.contiguous(), y, routing.tables, weights)
+        y_bar, w_bar = spec.combine_vjp(
+            backend, out_bar.contiguous(), None, routing.tables, weights, returned, weights_grad=returned is not None
+        )
         if w_bar is not None:
             w_bar = w_bar.to(weights.dtype)
-        return y_bar.to(y.dtype), w_bar, None, None
+        return y_bar.to(ctx.y_dtype), w_bar, None, None
 
 
 def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:

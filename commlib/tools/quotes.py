@@ -103,6 +103,36 @@ def _all_ones_mask(path: str) -> str:
     return "\n" + "\n".join(lines) + "\n"
 
 
+def _moe_bench(path: str) -> str:
+    """``benchmarks/moe.py``'s stored run as a markdown table: per dtype and variant, the median and spread of
+    the step, commlib exact's median over it, the row exchanges per step and the rows per exchange over the
+    valid rows; then the run's facts (load, repeats)."""
+    result = _json(path)
+    facts = result["facts"]
+    lines = [
+        "| dtype | variant | median s | min-max s | commlib exact / this | row exchanges per step | rows on the wire "
+        "/ valid rows | largest difference (vs) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["results"]:
+        for name, row in run["variants"].items():
+            lines.append(
+                f"| {run['dtype']} | {name} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} | "
+                f"{row['commlib_exact_over_this']:.2f} | {row['wire']['row_exchanges_per_step']} | "
+                f"{row['rows_per_exchange_over_valid']:.3f} | {row['largest_difference']:.1e} "
+                f"({row['compared_with']}) |"
+            )
+    load = f"{facts['load_before'][0]:.1f} -> {facts['load_after'][0]:.1f}"
+    lines.append("")
+    lines.append(
+        f"W = {facts['world_size']} gloo ranks, T = {facts['tokens']}, H = {facts['hidden']}, E = {facts['experts']}, "
+        f"K = {facts['top_k']}, cf {facts['capacity_factor']:g}; {facts['repeats']} timed steps per variant after "
+        f"{facts['warmup']} warmup, {facts['threads_per_rank']} thread per rank; load average {load} on 2 cores; "
+        f"torch {facts['versions']['torch']}, deepspeed {facts['versions']['deepspeed']}; `{facts['command']}`"
+    )
+    return "\n" + "\n".join(lines) + "\n"
+
+
 _TARGET = "benchmarks/results/cpu-2026-11-30/target-0138.json"
 _MASKS = "benchmarks/results/cpu-2026-12-01-masks"
 _FULL = "benchmarks/results/cpu-2026-11-30/full.json"
@@ -135,6 +165,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "ring-masks-one-document": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document.json"),
     "ring-masks-one-document-2": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document-2.json"),
     "all-ones-mask": lambda: _all_ones_mask(f"{_MASKS}/all_ones_mask.json"),
+    "moe-bench": lambda: _moe_bench("benchmarks/results/cpu-2026-12-07-moe/moe.json"),
+    "moe-bench-small": lambda: _moe_bench("benchmarks/results/cpu-2026-12-07-moe/moe-small.json"),
 }
 
 

@@ -329,3 +329,35 @@ def test_one_counts_exchange_and_one_dense_all_to_all_per_direction() -> None:
     text = str(jax.make_jaxpr(program)(np.ones((2, 4, 3)), INDICES))
     assert text.count("all_to_all[") == 3, text
     assert "ragged" not in text and "callback" not in text
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ((1, 2, 0, 9), r"route: indices\[2\] on rank 1 holds expert 9, outside \[-1, 4\)"),
+        ((1, 3, 1, -2), r"route: indices\[3\] on rank 1 holds expert -2, outside \[-1, 4\)"),
+        ((0, 1, 1, 1), r"route: indices\[1\] on rank 0 routes to expert 1 twice"),
+    ],
+)
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_checked_mode_raises_for_bad_indices(monkeypatch, bad, message, check_vma) -> None:
+    """COMMLIB_CHECK=1: a bad index (>= E, < -1, an expert twice in a row) raises the spec's bad_route_error,
+    the first bad rank's, when the step runs (inside JAX's runtime error); unchecked it is counted in
+    ``routing.invalid`` and dropped (the same program runs)."""
+    rank, token, column, value = bad
+    indices = np.array([[[0, 1], [1, 2], [2, 3], [3, 0]]] * 2, np.int64)
+    indices[rank, token, column] = value
+    indices[1 - rank, 0, 0] = 9 if rank == 0 else indices[1 - rank, 0, 0]  # a later rank's bad one comes second
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+
+    def body(i):
+        return jmoe.route(i[0], 4, "i").invalid[None]
+
+    def program():
+        return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=check_vma)
+
+    monkeypatch.delenv("COMMLIB_CHECK", raising=False)
+    assert jax.jit(program())(indices).sum() >= 1  # unchecked: counted, no error
+    monkeypatch.setenv("COMMLIB_CHECK", "1")
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(program())(indices))

@@ -221,3 +221,137 @@ def checked_mismatch(ctx) -> list[str]:
     tokens = indices if ctx.rank == 0 else torch.tensor([[0]])
     messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
     return messages
+
+
+def row_exchanges(ctx) -> dict[str, list[int]]:
+    """The row all_to_alls (``[rows, H]``, H = 5) of dispatch, combine and their backward, on both layouts:
+    one per direction, forward and backward (combine's weights gradient reads the rows its forward brought
+    back); and the same step once more without the weights' gradient (weights a constant)."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        if input.dim() == 2 and input.shape[1] == 5:
+            calls.append(phase)
+        return original(output, input, *args, **kwargs)
+
+    found: dict[str, list[int]] = {}
+    dist.all_to_all_single = counting
+    try:
+        for layout, weights_grad in (("exact", True), ("padded", True), ("exact", False)):
+            calls.clear()
+            generator = torch.Generator().manual_seed(ctx.rank)
+            x = torch.randn(6, 5, generator=generator, requires_grad=True)
+            logits = torch.randn(6, 2 * ctx.world_size, generator=generator, requires_grad=weights_grad)
+            weights, indices = logits.softmax(-1).topk(2, dim=-1)
+            routing = moe.route(indices, 2 * ctx.world_size, layout=layout)
+            phase = "forward"
+            out = moe.combine(moe.dispatch(x, routing) * 2.0, routing, weights)
+            phase = "backward"
+            out.square().sum().backward()
+            assert x.grad is not None and (logits.grad is not None) == weights_grad
+            found[f"{layout} weights_grad={weights_grad}"] = [calls.count("forward"), calls.count("backward")]
+    finally:
+        dist.all_to_all_single = original
+    return found
+
+
+_EP_DP: dict = {}
+
+
+def ep_dp_gradients(ctx) -> dict[str, float]:
+    """Expert parallelism x data parallelism on 4 ranks, a 2 (dp) x 2 (ep) mesh (global rank ``2 * d + e``):
+    experts sharded over "ep" (E = 4, 2 per rank) and replicated over "dp"; a shared layer and the router
+    replicated everywhere. One float64 step of ``out = x @ shared + combine(tanh(dispatch(x) @ expert_e))``
+    with a top-2 softmax router, each rank its own tokens, loss = the sum of every rank's ``<out, target>``.
+    Gradients synced as docs/moe.md says: the experts' over "dp" only, the rest over the world; compared with
+    the same model unsharded in this process over every rank's tokens. Also the two natural mistakes
+    (experts synced over the world, the router over "dp" only): their largest relative errors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commlib_torch.sequence import sync_gradients
+
+    if "mesh" not in _EP_DP:
+        _EP_DP["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    mesh = _EP_DP["mesh"]
+    ep, dp = mesh["ep"], mesh["dp"]
+    E, K, T, H, local = 4, 2, 6, 4, 2
+    generator = torch.Generator().manual_seed(7)
+    shared0 = torch.randn(H, H, generator=generator, dtype=torch.float64) / 2
+    router0 = torch.randn(H, E, generator=generator, dtype=torch.float64)
+    experts0 = torch.randn(E, H, H, generator=generator, dtype=torch.float64) / 2
+    xs = torch.randn(ctx.world_size, T, H, generator=generator, dtype=torch.float64)
+    targets = torch.randn(ctx.world_size, T, H, generator=generator, dtype=torch.float64)
+    first = ep.get_local_rank() * local
+
+    def leaves(expert_slice):
+        return [t.clone().requires_grad_() for t in (shared0, router0, experts0[expert_slice])]
+
+    # unsharded, in this process: every rank's tokens, every expert
+    shared, router, experts = leaves(slice(None))
+    total = 0.0
+    for x, target in zip(xs, targets, strict=True):
+        weights, indices = (x @ router).softmax(-1).topk(K, dim=-1)
+        moe_out = sum(
+            weights[:, k : k + 1] * torch.tanh(torch.einsum("th,thg->tg", x, experts[indices[:, k]])) for k in range(K)
+        )
+        total = total + ((x @ shared + moe_out) * target).sum()
+    total.backward()
+    want = {"shared": shared.grad, "router": router.grad, "experts": experts.grad[first : first + local]}
+
+    # sharded: this rank's tokens, its EP rank's experts
+    shared, router, experts = leaves(slice(first, first + local))
+    x, target = xs[ctx.rank], targets[ctx.rank]
+    weights, indices = (x @ router).softmax(-1).topk(K, dim=-1)
+    routing = moe.route(indices, E, ep)
+    rows = moe.dispatch(x, routing)
+    parts = torch.split(rows, routing.tokens_per_expert.tolist())
+    y = torch.cat([torch.tanh(part @ experts[e]) for e, part in enumerate(parts)])
+    ((x @ shared + moe.combine(y, routing, weights)) * target).sum().backward()
+    local_grads = {"shared": shared.grad.clone(), "router": router.grad.clone(), "experts": experts.grad.clone()}
+
+    def error(got, expected):
+        return float((got - expected).abs().max() / expected.abs().max())
+
+    sync_gradients([experts], group=dp)  # experts: replicated over dp only
+    sync_gradients([shared, router])  # replicated over every rank (WORLD)
+    found = {"shared": error(shared.grad, want["shared"]), "router": error(router.grad, want["router"])}
+    found["experts"] = error(experts.grad, want["experts"])
+
+    for name, tensor in (("experts", experts), ("router", router)):  # the mistakes, from the local gradients
+        tensor.grad = local_grads[name].clone()
+    sync_gradients([experts])  # experts over the world: other ranks' experts added in
+    sync_gradients([router], group=dp)  # router over dp only: the other EP rank's tokens missing
+    found["mistake: experts over the world"] = error(experts.grad, want["experts"])
+    found["mistake: router over dp only"] = error(router.grad, want["router"])
+    return found
+
+
+def padded_compiled(ctx) -> dict[str, object]:
+    """The padded layout's dispatch and combine (a routing made eagerly) under ``torch.compile(fullgraph=True)``
+    (aot_eager): the graph breaks ``torch._dynamo.explain`` counts, and whether the output and the x / weights
+    gradients are eager's bit for bit. `route` itself is not traced: it reads the counts on the host."""
+    import torch._dynamo as dynamo
+
+    generator = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(6, 4, generator=generator, requires_grad=True)
+    weights = torch.rand(6, 2, generator=generator, requires_grad=True)
+    indices = torch.stack([torch.randperm(2 * ctx.world_size, generator=generator)[:2] for _ in range(6)])
+    routing = moe.route(indices, 2 * ctx.world_size, capacity=2, layout="padded")
+
+    def step(x, weights):
+        return moe.combine(torch.tanh(moe.dispatch(x, routing)), routing, weights)
+
+    dynamo.reset()
+    breaks = dynamo.explain(step)(x, weights).graph_break_count
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        x.grad = weights.grad = None
+        out = fn(x, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, weights.grad))
+    dynamo.reset()
+    same = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    return {"graph_breaks": breaks, "same": same}

@@ -58,3 +58,31 @@ def test_checked_mode_names_what_the_ranks_differ_on(pool):
         assert route.startswith("CommError") and "route" in route and "capacity" in route, route
         assert dispatch.startswith("CommError") and "dispatch" in dispatch and "dtype" in dispatch, dispatch
         assert padded == "CommError: " + str(spec.padded_tokens_error([2, 1])), padded
+
+
+def test_one_row_exchange_per_direction(pool):
+    """dispatch + combine forward and backward move rows four times, as the floor of benchmarks/moe.py: the
+    weights' gradient reads the rows combine's forward brought back (it exchanged y's rows a fifth time)."""
+    for found in pool(2).run(moe_jobs.row_exchanges):
+        assert found == {
+            "exact weights_grad=True": [2, 2],
+            "padded weights_grad=True": [2, 2],
+            "exact weights_grad=False": [2, 2],
+        }, found
+
+
+def test_expert_parallel_by_data_parallel_gradients(pool):
+    """docs/moe.md's EP x DP recipe on a 2 x 2 mesh, float64, against the model unsharded: the experts'
+    gradients synced over the DP group only, the shared layer's and the router's over the world; the two
+    natural mistakes (experts over the world, the router over DP only) are visibly wrong."""
+    for found in pool(4).run(moe_jobs.ep_dp_gradients):
+        assert max(found["shared"], found["router"], found["experts"]) < 1e-10, found
+        assert found["mistake: experts over the world"] > 1e-3, found
+        assert found["mistake: router over dp only"] > 1e-3, found
+
+
+def test_padded_dispatch_and_combine_compile_with_no_graph_break(pool):
+    """torch.compile(fullgraph=True) of the padded layout's dispatch + combine, forward and backward (W = 2): no
+    graph break (torch._dynamo.explain), eager's values and gradients bit for bit."""
+    for found in pool(2).run(moe_jobs.padded_compiled, timeout=300):
+        assert found == {"graph_breaks": 0, "same": True}, found
