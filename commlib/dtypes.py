@@ -120,7 +120,9 @@ def _float8(op_name: str, dtype: str, reduce_op: ReduceOp, received: dict) -> tu
     raise comm_error(op_name, message, **received, dtype=dtype)
 
 
-def _integer(op_name: str, dtype: str, reduce_op: ReduceOp, backend_dtypes: Collection[str], received: dict):
+def _integer(
+    op_name: str, dtype: str, reduce_op: ReduceOp, backend_dtypes: Collection[str], received: dict
+) -> tuple[str | None, str | None]:
     if reduce_op in (ReduceOp.SUM, ReduceOp.PRODUCT):
         view = _same_size(dtype, backend_dtypes, ("int", "uint"))
         if view is not None:

@@ -7,6 +7,8 @@ the plan builders' own checks are `commlib.plans`'.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.plans import check_dim
 
@@ -21,7 +23,7 @@ __all__ = [
 ]
 
 
-def not_a_member(op_name: str, rank: int, group_ranks) -> CommError:
+def not_a_member(op_name: str, rank: int, group_ranks: Iterable[int]) -> CommError:
     """The error of a collective called on a rank outside its group (torch: the group's world size is -1 there).
 
     >>> not_a_member("all_reduce", 2, [0, 1])
@@ -138,7 +140,7 @@ def unbound_axis(op_name: str, axis_name: object, bound: tuple[str, ...] = ()) -
     return comm_error(op_name, message, axis_name=axis_name)
 
 
-def mesh_dim(op_name: str, mesh_shape, dim_names, dim: object = None) -> int:
+def mesh_dim(op_name: str, mesh_shape: Iterable[int], dim_names: Iterable[str] | None, dim: object = None) -> int:
     """The dim of a device mesh a collective runs over (torch: ``group=mesh`` or ``group=(mesh, dim)``): `dim`, a
     dim name or an index, found in the mesh's `dim_names`; without one the mesh must be 1-D.
 

@@ -108,7 +108,7 @@ def check_groups(
         raise comm_error(OP_NAME, f"attention={attention!r} needs {names[0]}", attention=attention, **shown)
 
 
-def outside_error(op_name: str, context: str):
+def outside_error(op_name: str, context: str) -> CommError:
     """The `CommError` of an integration called outside every ``parallel`` context (`context`: its path)."""
     return comm_error(
         op_name,

@@ -15,9 +15,10 @@ array([ 0,  1, 14, 15])
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from commlib.errors import comm_error, kind_error
 from commlib.uneven import split_sizes
@@ -95,7 +96,9 @@ def shard_positions(seq: int, ring_size: int, layout: str = "contiguous", ulysse
     return positions(seq, ring_size, layout, ulysses_size)
 
 
-def shard_sequence(x, dim: int, ring_size: int, layout: str = "contiguous", ulysses_size: int = 1) -> list[np.ndarray]:
+def shard_sequence(
+    x: npt.ArrayLike, dim: int, ring_size: int, layout: str = "contiguous", ulysses_size: int = 1
+) -> list[np.ndarray]:
     """numpy: the W * U shards of a whole sequence `x` along `dim`, shard i holding the rows
     ``shard_positions(S, W, layout, U)[i]`` (``[.., S, ..] -> W * U x [.., S / (W * U), ..]``).
 
@@ -221,7 +224,7 @@ class SequenceLayout:
         index = self._index(index, "positions")
         return np.asarray(self._positions[index], dtype=np.int64)
 
-    def shard(self, x, dim: int = 1, *, padded: bool = False) -> list[np.ndarray]:
+    def shard(self, x: npt.ArrayLike, dim: int = 1, *, padded: bool = False) -> list[np.ndarray]:
         """numpy: the `world_size` shards of a whole sequence `x` (``x.shape[dim] == seq_len``) along `dim`; with
         `padded`, each of `max_size` rows, zeros after its own (JAX's layout)."""
         x = np.asarray(x)
@@ -236,20 +239,20 @@ class SequenceLayout:
         shards = [np.take(x, self.positions(i), axis=dim) for i in range(self.world_size)]
         return [_padded(shard, dim, self.max_size) for shard in shards] if padded else shards
 
-    def unshard(self, shards, dim: int = 1, *, padded: bool = False) -> np.ndarray:
+    def unshard(self, shards: Iterable[npt.ArrayLike], dim: int = 1, *, padded: bool = False) -> np.ndarray:
         """numpy: the inverse of `shard`: the whole sequence in position order (with `padded`, the rows past each
         shard's own are dropped)."""
-        shards = [np.asarray(shard) for shard in shards]
+        arrays = [np.asarray(shard) for shard in shards]
         name = f"{_LAYOUT_OP}.unshard"
-        if len(shards) != self.world_size:
+        if len(arrays) != self.world_size:
             raise comm_error(
-                name, f"len(shards) ({len(shards)}) must be world_size ({self.world_size})", shards=len(shards)
+                name, f"len(shards) ({len(arrays)}) must be world_size ({self.world_size})", shards=len(arrays)
             )
-        dim = self._dim(shards[0], dim, "unshard")
+        dim = self._dim(arrays[0], dim, "unshard")
         rows = []
-        for index, shard in enumerate(shards):
+        for index, shard in enumerate(arrays):
             want = self.max_size if padded else self.sizes[index]
-            if shard.ndim != shards[0].ndim or shard.shape[dim] != want:
+            if shard.ndim != arrays[0].ndim or shard.shape[dim] != want:
                 raise comm_error(
                     name,
                     f"shard {index}'s dim {dim} ({shard.shape[dim] if shard.ndim > dim else None}) must be {want}",

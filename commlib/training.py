@@ -6,7 +6,7 @@ training block itself is tooling (`commlib.tools.train_block`).
 
 from __future__ import annotations
 
-from commlib.errors import comm_error
+from commlib.errors import CommError, comm_error
 
 __all__ = ["reduction_axes", "shared_input_error"]
 
@@ -42,7 +42,9 @@ def reduction_axes(
     return data_axes, copies
 
 
-def shared_input_error(op_name: str, shape: tuple[int, ...], axis_name: object, shared: tuple[str, ...], copies: int):
+def shared_input_error(
+    op_name: str, shape: tuple[int, ...], axis_name: object, shared: tuple[str, ...], copies: int
+) -> CommError:
     """`CommError` for Megatron's f (`sum_grad`) or split (`shard`) on an input JAX types as one value shared by
     the ranks of `shared` (invariant under shard_map(check_vma=True)): JAX's own transpose of that sharing
     already sums the gradient over those ranks, so the op's backward would sum it again -- `copies` times the

@@ -171,13 +171,15 @@ def _blocks(
             assert_never(step)
 
 
-def _exact(step: Step, shape: Shape, world_size: int, scatter, gather, rank: int) -> Layout:
+def _exact(step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: Sizes_, rank: int) -> Layout:
     """The exact layout on `rank` (`shape`: this rank's input)."""
     pack, unpack, out = _blocks(step, shape, world_size, scatter, gather, rank)
     return Layout(pack=pack, send_shape=(pack.numel,), recv_shape=(unpack.numel,), unpack=unpack, out_shape=out)
 
 
-def _padded(step: Step, shape: Shape, world_size: int, scatter, gather) -> tuple[Layout, Take | None, Take | None]:
+def _padded(
+    step: Step, shape: Shape, world_size: int, scatter: Sizes_, gather: Sizes_
+) -> tuple[Layout, Take | None, Take | None]:
     """The padded layout (`shape`: every rank's input): the even layout on the padded shapes, and the `Take`
     maps before and after it."""
     W = world_size
@@ -203,15 +205,23 @@ def _padded(step: Step, shape: Shape, world_size: int, scatter, gather) -> tuple
 
 
 def layout(
-    step: Step, shape: Shape, world_size: int, scatter_sizes, gather_sizes, rank: int | None = None
+    step: Step,
+    shape: Shape,
+    world_size: int,
+    scatter_sizes: Sizes_ | None,
+    gather_sizes: Sizes_ | None,
+    rank: int | None = None,
 ) -> tuple[Layout, Exact | Padded]:
     """The layout of an uneven plan and its sizes record, for valid, normalised arguments: `Exact` on `rank`,
     `Padded` when `rank` is None. `shape` is the input's."""
+    # A side with no sizes (None) is one `step` has no sharded dim for: its case of `_padded` / `_blocks`
+    # never reads it, so () stands in there.
+    scatter, gather = scatter_sizes or (), gather_sizes or ()
     if rank is None:
-        padded_layout, before, after = _padded(step, shape, world_size, scatter_sizes, gather_sizes)
+        padded_layout, before, after = _padded(step, shape, world_size, scatter, gather)
         return padded_layout, Padded(scatter_sizes, gather_sizes, before, after)
     return (
-        _exact(step, shape, world_size, scatter_sizes, gather_sizes, rank),
+        _exact(step, shape, world_size, scatter, gather, rank),
         Exact(scatter_sizes, gather_sizes, rank),
     )
 

@@ -33,6 +33,7 @@ from jax import lax
 from commlib.layout import Plan
 from commlib.testing.trace import Recorder, Trace, calling_module, describe_plan
 from commlib_jax._compat import manual_axes
+from commlib_jax._types import Array
 from commlib_jax._walk import rank
 
 __all__ = ["record"]  # `ACTIVE`, `recorded_op` and `recorded_layer`: the hooks of the call path
@@ -74,25 +75,27 @@ def _is_module(owner: object) -> bool:
     return nnx is not None and isinstance(owner, nnx.Module)
 
 
-def _named(root: Any):
+def _named(root: Any) -> Iterator[tuple[str, Any]]:
     """``(path, module)`` of every nnx module in `root`'s graph, the path joined by dots."""
     nnx = sys.modules["flax.nnx"]
     return ((".".join(map(str, path)), node) for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module))
 
 
-def _device(axes: tuple):
+def _device(axes: tuple[str, ...]) -> jax.Array:
     """This device's index in the enclosing shard_map's mesh (pmap: its rank along `axes`)."""
     mesh_axes = manual_axes()
     return lax.axis_index(mesh_axes) if mesh_axes else rank(axes)
 
 
-def _store(recorder: Recorder, index: int, role: str, name: str, device, x) -> None:
+def _store(recorder: Recorder, index: int, role: str, name: str, device: jax.Array, x: Array) -> None:
     """Send this device's `x` to the recorder when the program runs (bfloat16 as float32, as torch's side)."""
     x = x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
     jax.debug.callback(functools.partial(recorder.store, index, role, name), device, x)
 
 
-def recorded_op(plan: Plan, axes: tuple, x, apply: Callable):
+def recorded_op(
+    plan: Plan, axes: tuple[str, ...], x: Array, apply: Callable[[Plan, tuple[str, ...], Array], jax.Array]
+) -> jax.Array:
     """``apply(plan, axes, x)``, recorded as one call of `plan`'s op (`commlib_jax._op.apply` calls this while
     recording, outside every recorded call; the backward's collectives are not recorded)."""
     recorder = ACTIVE[-1]
@@ -105,7 +108,9 @@ def recorded_op(plan: Plan, axes: tuple, x, apply: Callable):
     return out
 
 
-def recorded_layer(op: str, layer: Callable, axes: tuple, q, k, v, **keywords: Any):
+def recorded_layer(
+    op: str, layer: Callable[..., jax.Array], axes: tuple[str, ...], q: Array, k: Array, v: Array, **keywords: Any
+) -> jax.Array:
     """``layer(q, k, v, **keywords)`` recorded as one call of the attention layer `op` (inputs q, k, v)."""
     recorder = ACTIVE[-1]
     if recorder.depth:

@@ -12,13 +12,15 @@ parameter, so it can leave the shard_map with the parameter's own spec.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax import lax
 
 from commlib import training
 from commlib_jax._compat import JitKeyedState, manual_axes
+from commlib_jax._types import AxisName
 from commlib_jax._vma import axes_of, axis_arg, checked_axes, to_varying, varying_axes
 
 __all__ = ["value_and_grad"]
@@ -34,7 +36,7 @@ def _mesh_axes() -> tuple:
     return checked_axes(manual_axes())
 
 
-def _reduce(x, total: tuple, mean: tuple):
+def _reduce(x: jax.Array, total: tuple, mean: tuple) -> jax.Array:
     """Sum `x` over `total` and average it over `mean` (one all-reduce over both)."""
     axes = total + mean
     if not axes:
@@ -57,7 +59,9 @@ def _own_copies(args: tuple, numbers: tuple[int, ...], mesh_axes: tuple) -> tupl
     return tuple(own)
 
 
-def value_and_grad(fun, axis_name, *, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+def value_and_grad(
+    fun: Callable[..., Any], axis_name: AxisName, *, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
     """``fun(*args) -> loss`` (or ``(loss, aux)`` with `has_aux`) -> ``step(*args) -> (loss, grads)`` (or
     ``((loss, aux), grads)``), to call inside ``jax.shard_map`` (check_vma True or False) or ``jax.pmap``:
     torch's ``loss.backward()`` on every rank followed by ``all_reduce(p.grad)`` over the data / sequence axes

@@ -152,7 +152,9 @@ def first_divergence(
     return None
 
 
-def _diverges(index: int, call_a: Call | None, call_b: Call | None, rtol, atol):
+def _diverges(
+    index: int, call_a: Call | None, call_b: Call | None, rtol: float | None, atol: float | None
+) -> tuple[str, tuple[Difference, ...], tuple[str, ...], str] | None:
     """``(reason, differences, agreeing, detail)`` where the two calls differ, else None."""
     if call_a is None or call_b is None:
         ended = "a" if call_a is None else "b"
@@ -185,7 +187,9 @@ def _signature(a: Call, b: Call) -> str:
     return ""
 
 
-def _compare(a: Arrays, b: Arrays, rtol, atol) -> tuple[tuple[Difference, ...], tuple[str, ...]]:
+def _compare(
+    a: Arrays, b: Arrays, rtol: float | None, atol: float | None
+) -> tuple[tuple[Difference, ...], tuple[str, ...]]:
     """The arrays beyond tolerance, and the others by name ("v on ranks 0-3")."""
     differences, agreeing = [], []
     for name, ranks in a.items():
@@ -209,7 +213,9 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def _difference(name: str, rank: int, a: np.ndarray, b: np.ndarray, rtol, atol) -> Difference | None:
+def _difference(
+    name: str, rank: int, a: np.ndarray, b: np.ndarray, rtol: float | None, atol: float | None
+) -> Difference | None:
     """`a` against `b` by the module's rule (`commlib.testing.parity.beyond_tolerance`): None within tolerance."""
     if a.size == 0:
         return None

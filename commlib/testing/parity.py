@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -195,7 +195,7 @@ def _kind(tree: Any) -> str:
     return "None" if tree is None else "a leaf"
 
 
-def _leaves(a: Any, b: Any, path: str, names: tuple[str, str]):
+def _leaves(a: Any, b: Any, path: str, names: tuple[str, str]) -> Iterator[tuple[str, Any, Any]]:
     """(path, a's leaf, b's leaf) in order; AssertionError at the first path whose structure differs."""
     nodes_a, nodes_b = children(a), children(b)
     if nodes_a is None and nodes_b is None and (a is None) == (b is None):
