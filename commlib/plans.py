@@ -17,6 +17,7 @@ Shapes below: W = world_size; ``s`` = this rank's input shape.
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -173,7 +174,13 @@ def _check_reduction(op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype:
 
 
 def _reduction(
-    op_name: str, reduce_op: ReduceOp, dtype: str, accum_dtype: object, backend_dtypes, received: dict, world_size: int
+    op_name: str,
+    reduce_op: ReduceOp,
+    dtype: str,
+    accum_dtype: object,
+    backend_dtypes: Collection[str] | None,
+    received: dict,
+    world_size: int,
 ) -> tuple[Arithmetic, str | None]:
     """A reduction's arithmetic -- the accumulation dtype (the user's, or a wider one the backend carries), the
     scale (1/W for avg) and whether it applies before the sum -- and its wire view (`Plan.wire_view`)."""
@@ -188,7 +195,7 @@ def _reduction(
     return arithmetic, view
 
 
-def _wire_view(op_name: str, dtype: str, backend_dtypes, received: dict) -> str | None:
+def _wire_view(op_name: str, dtype: str, backend_dtypes: Collection[str] | None, received: dict) -> str | None:
     """Data movement's `Plan.wire_view`: the same-size dtype the backend moves `dtype`'s bits as, if any."""
     view, _ = wire_dtypes(op_name, dtype, None, backend_dtypes, received)
     return view
@@ -247,7 +254,9 @@ def _uneven(
     return uneven.plan(op_name, step, shape, world_size, scatter=scatter, gather=gather, rank=rank, received=arguments)
 
 
-def _common(op_name: str, shape: object, world_size: object, dtype: object, received: dict):
+def _common(
+    op_name: str, shape: object, world_size: object, dtype: object, received: dict
+) -> tuple[tuple[int, ...], int, str]:
     """The checks every op makes first: (shape, world_size, dtype)."""
     checked_shape = _check_shape(op_name, shape)
     return (
@@ -259,15 +268,15 @@ def _common(op_name: str, shape: object, world_size: object, dtype: object, rece
 
 @cached_plan
 def all_reduce(
-    shape,
-    world_size,
-    op="sum",
+    shape: Sequence[int],
+    world_size: int,
+    op: object = "sum",
     *,
-    dtype="float32",
-    convention="sum",
-    accum_dtype=None,
-    op_name="all_reduce",
-    backend_dtypes=None,
+    dtype: str = "float32",
+    convention: str = "sum",
+    accum_dtype: str | None = None,
+    op_name: str = "all_reduce",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s``: every rank gets the reduction over ranks (avg = sum / W).
 
@@ -293,16 +302,16 @@ def all_reduce(
 
 @cached_plan
 def all_gather(
-    shape,
-    world_size,
-    dim=-1,
+    shape: Sequence[int],
+    world_size: int,
+    dim: int = -1,
     *,
-    sizes=None,
-    rank=None,
-    dtype="float32",
-    convention="sum",
-    op_name="all_gather",
-    backend_dtypes=None,
+    sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    convention: str = "sum",
+    op_name: str = "all_gather",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[dim] *= W``, rank r's input at block r of `dim`.
 
@@ -339,17 +348,17 @@ def all_gather(
 
 @cached_plan
 def reduce_scatter(
-    shape,
-    world_size,
-    dim=0,
-    op="sum",
+    shape: Sequence[int],
+    world_size: int,
+    dim: int = 0,
+    op: object = "sum",
     *,
-    sizes=None,
-    rank=None,
-    dtype="float32",
-    accum_dtype=None,
-    op_name="reduce_scatter",
-    backend_dtypes=None,
+    sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    accum_dtype: str | None = None,
+    op_name: str = "reduce_scatter",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[dim] /= W``; rank r gets block r of the reduction. op in {sum, avg}.
 
@@ -390,18 +399,18 @@ def reduce_scatter(
 
 @cached_plan
 def all_to_all(
-    shape,
-    world_size,
-    scatter_dim,
-    gather_dim,
+    shape: Sequence[int],
+    world_size: int,
+    scatter_dim: int,
+    gather_dim: int,
     *,
-    scatter_sizes=None,
-    gather_sizes=None,
-    rank=None,
-    dtype="float32",
-    op_name="all_to_all",
-    dim_names=None,
-    backend_dtypes=None,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    op_name: str = "all_to_all",
+    dim_names: Sequence[str] | None = None,
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[scatter_dim] /= W`` and ``s[gather_dim] *= W``.
 
@@ -460,16 +469,16 @@ def all_to_all(
 
 @cached_plan
 def all_to_all_4d(
-    shape,
-    world_size,
-    scatter_dim=2,
-    gather_dim=1,
+    shape: Sequence[int],
+    world_size: int,
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
     *,
-    scatter_sizes=None,
-    gather_sizes=None,
-    rank=None,
-    dtype="float32",
-    backend_dtypes=None,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """Ulysses all-to-all on ``[batch, seq, heads, head_dim]``.
 
@@ -508,7 +517,15 @@ def all_to_all_4d(
 
 
 @cached_plan
-def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast", backend_dtypes=None) -> Plan:
+def broadcast(
+    shape: Sequence[int],
+    world_size: int,
+    src: int = 0,
+    *,
+    dtype: str = "float32",
+    op_name: str = "broadcast",
+    backend_dtypes: Collection[str] | None = None,
+) -> Plan:
     """``s -> s``: every rank gets rank `src`'s input. Backward: sum of the cotangents on `src`, zeros elsewhere.
 
     >>> broadcast((3,), 2, src=1).step.root
@@ -531,7 +548,16 @@ def broadcast(shape, world_size, src=0, *, dtype="float32", op_name="broadcast",
 
 @cached_plan
 def gather(
-    shape, world_size, dst=0, dim=-1, *, sizes=None, rank=None, dtype="float32", op_name="gather", backend_dtypes=None
+    shape: Sequence[int],
+    world_size: int,
+    dst: int = 0,
+    dim: int = -1,
+    *,
+    sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    op_name: str = "gather",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[dim] *= W`` on rank `dst` (rank order); other ranks get zeros of that shape.
     `sizes` (uneven): as in `all_gather`.
@@ -563,7 +589,16 @@ def gather(
 
 @cached_plan
 def scatter(
-    shape, world_size, src=0, dim=0, *, sizes=None, rank=None, dtype="float32", op_name="scatter", backend_dtypes=None
+    shape: Sequence[int],
+    world_size: int,
+    src: int = 0,
+    dim: int = 0,
+    *,
+    sizes: Sequence[int] | None = None,
+    rank: int | None = None,
+    dtype: str = "float32",
+    op_name: str = "scatter",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: rank r gets block r of rank `src`'s input (others' inputs unused).
     `sizes` (uneven): as in `reduce_scatter`.
@@ -596,7 +631,15 @@ def scatter(
 
 
 @cached_plan
-def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", backend_dtypes=None) -> Plan:
+def permute(
+    shape: Sequence[int],
+    world_size: int,
+    perm: object,
+    *,
+    dtype: str = "float32",
+    op_name: str = "permute",
+    backend_dtypes: Collection[str] | None = None,
+) -> Plan:
     """``s -> s``: for each (src, dst) in `perm` rank dst gets rank src's input (``lax.ppermute``); a rank
     that is no destination gets zeros. Backward: the inverse permutation of the cotangents.
 
@@ -619,7 +662,14 @@ def permute(shape, world_size, perm, *, dtype="float32", op_name="permute", back
 
 
 @cached_plan
-def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", backend_dtypes=None) -> Plan:
+def sum_grad(
+    shape: Sequence[int],
+    world_size: int,
+    *,
+    dtype: str = "float32",
+    op_name: str = "sum_grad",
+    backend_dtypes: Collection[str] | None = None,
+) -> Plan:
     """``s -> s`` identity forward on a replicated input; backward all_reduce(sum) of the cotangent
     (Megatron's f).
 
@@ -641,7 +691,16 @@ def sum_grad(shape, world_size, *, dtype="float32", op_name="sum_grad", backend_
 
 
 @cached_plan
-def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="send", backend_dtypes=None) -> Plan:
+def point_to_point(
+    shape: Sequence[int],
+    world_size: int,
+    src: int,
+    dst: int,
+    *,
+    dtype: str = "float32",
+    op_name: str = "send",
+    backend_dtypes: Collection[str] | None = None,
+) -> Plan:
     """One transfer of ``s`` from rank `src` to rank `dst` (`DeviceCommunicator.send` / `recv`, each end naming
     the other): the permute of the single pair (src, dst), so both ends build the same plan and checked mode
     compares them.
@@ -671,7 +730,14 @@ def point_to_point(shape, world_size, src, dst, *, dtype="float32", op_name="sen
 
 @cached_plan
 def shard(
-    shape, world_size, dim=-1, *, scale_grad=False, dtype="float32", op_name="shard", backend_dtypes=None
+    shape: Sequence[int],
+    world_size: int,
+    dim: int = -1,
+    *,
+    scale_grad: bool = False,
+    dtype: str = "float32",
+    op_name: str = "shard",
+    backend_dtypes: Collection[str] | None = None,
 ) -> Plan:
     """``s -> s`` with ``s[dim] /= W``: a replicated input, rank r keeps block r of `dim` (Megatron's split,
     FastVideo's ``slice``). Backward: all_gather of the cotangents along `dim` -- the gradient of the one
@@ -702,7 +768,16 @@ def shard(
 
 
 @cached_plan
-def reduce(shape, world_size, dst=0, op="sum", *, dtype="float32", op_name="reduce", backend_dtypes=None) -> Plan:
+def reduce(
+    shape: Sequence[int],
+    world_size: int,
+    dst: int = 0,
+    op: object = "sum",
+    *,
+    dtype: str = "float32",
+    op_name: str = "reduce",
+    backend_dtypes: Collection[str] | None = None,
+) -> Plan:
     """``s -> s``: rank `dst` gets the reduction over ranks (avg = sum / W), the other ranks zeros. op in
     {sum, avg}. Backward: broadcast of `dst`'s cotangent (/ W for avg); the other ranks' cotangents are unused.
 

@@ -260,7 +260,7 @@ class _Ranks:
     def astype(self, x: np.ndarray, dtype: Any) -> np.ndarray:
         return x.astype(dtype if isinstance(dtype, str) else dtype.dtype)
 
-    def where(self, condition, x, y) -> np.ndarray:
+    def where(self, condition: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(condition, x, y)
 
     def prod(self, x: np.ndarray, axis: int) -> np.ndarray:
@@ -304,7 +304,9 @@ def _dtype_of(xs: Sequence[np.ndarray]) -> str:
     return str(np.asarray(xs[0]).dtype)
 
 
-def all_reduce(xs, op="sum", *, convention="sum", accum_dtype=None) -> Arrays:
+def all_reduce(
+    xs: Sequence[np.ndarray], op: str | ReduceOp = "sum", *, convention: str = "sum", accum_dtype: str | None = None
+) -> Arrays:
     """Reference `all_reduce`: ``s -> s``, every rank gets the reduction."""
     plan = plans.all_reduce(
         _shape_of(xs), len(xs), op, dtype=_dtype_of(xs), convention=convention, accum_dtype=accum_dtype
@@ -317,7 +319,14 @@ def _rank(padded: bool) -> int | None:
     return None if padded else 0
 
 
-def all_gather(xs, dim=-1, *, convention="sum", sizes=None, padded=False) -> Arrays:
+def all_gather(
+    xs: Sequence[np.ndarray],
+    dim: int = -1,
+    *,
+    convention: str = "sum",
+    sizes: Sequence[int] | None = None,
+    padded: bool = False,
+) -> Arrays:
     """Reference `all_gather`: ``shape[dim] *= W`` (``sum(sizes)``, exact or `padded` layout)."""
     plan = plans.all_gather(
         _shape_of(xs), len(xs), dim, convention=convention, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)
@@ -325,7 +334,15 @@ def all_gather(xs, dim=-1, *, convention="sum", sizes=None, padded=False) -> Arr
     return run(plan, xs)
 
 
-def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None, sizes=None, padded=False) -> Arrays:
+def reduce_scatter(
+    xs: Sequence[np.ndarray],
+    dim: int = 0,
+    op: str | ReduceOp = "sum",
+    *,
+    accum_dtype: str | None = None,
+    sizes: Sequence[int] | None = None,
+    padded: bool = False,
+) -> Arrays:
     """Reference `reduce_scatter`: ``shape[dim] /= W`` (rank r: ``sizes[r]`` rows, exact or `padded`)."""
     plan = plans.reduce_scatter(
         _shape_of(xs), len(xs), dim, op, dtype=_dtype_of(xs), accum_dtype=accum_dtype, sizes=sizes, rank=_rank(padded)
@@ -333,7 +350,15 @@ def reduce_scatter(xs, dim=0, op="sum", *, accum_dtype=None, sizes=None, padded=
     return run(plan, xs)
 
 
-def all_to_all(xs, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
+def all_to_all(
+    xs: Sequence[np.ndarray],
+    scatter_dim: int,
+    gather_dim: int,
+    *,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+    padded: bool = False,
+) -> Arrays:
     """Reference `all_to_all`: ``shape[scatter_dim] /= W``, ``shape[gather_dim] *= W`` (uneven: as the sizes say)."""
     plan = plans.all_to_all(
         _shape_of(xs),
@@ -348,7 +373,15 @@ def all_to_all(xs, scatter_dim, gather_dim, *, scatter_sizes=None, gather_sizes=
     return run(plan, xs)
 
 
-def all_to_all_4d(xs, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather_sizes=None, padded=False) -> Arrays:
+def all_to_all_4d(
+    xs: Sequence[np.ndarray],
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
+    *,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+    padded: bool = False,
+) -> Arrays:
     """Reference `all_to_all_4d`: ``[B, S/W, H, D] -> [B, S, H/W, D]`` for (2, 1), the reverse for (1, 2)."""
     plan = plans.all_to_all_4d(
         _shape_of(xs),
@@ -363,34 +396,43 @@ def all_to_all_4d(xs, scatter_dim=2, gather_dim=1, *, scatter_sizes=None, gather
     return run(plan, xs)
 
 
-def broadcast(xs, src=0) -> Arrays:
+def broadcast(xs: Sequence[np.ndarray], src: int = 0) -> Arrays:
     """Reference `broadcast`: every rank gets rank `src`'s input."""
     return run(plans.broadcast(_shape_of(xs), len(xs), src, dtype=_dtype_of(xs)), xs)
 
 
-def gather(xs, dst=0, dim=-1, *, sizes=None, padded=False) -> Arrays:
+def gather(
+    xs: Sequence[np.ndarray],
+    dst: int = 0,
+    dim: int = -1,
+    *,
+    sizes: Sequence[int] | None = None,
+    padded: bool = False,
+) -> Arrays:
     """Reference `gather`: the concatenation along `dim` on `dst`, zeros elsewhere."""
     return run(plans.gather(_shape_of(xs), len(xs), dst, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)), xs)
 
 
-def scatter(xs, src=0, dim=0, *, sizes=None, padded=False) -> Arrays:
+def scatter(
+    xs: Sequence[np.ndarray], src: int = 0, dim: int = 0, *, sizes: Sequence[int] | None = None, padded: bool = False
+) -> Arrays:
     """Reference `scatter`: rank r gets block r of rank `src`'s input along `dim`."""
     return run(
         plans.scatter(_shape_of(xs), len(xs), src, dim, dtype=_dtype_of(xs), sizes=sizes, rank=_rank(padded)), xs
     )
 
 
-def permute(xs, perm) -> Arrays:
+def permute(xs: Sequence[np.ndarray], perm: Sequence[tuple[int, int]]) -> Arrays:
     """Reference `permute`: rank dst gets rank src's input for each (src, dst) pair; zeros elsewhere."""
     return run(plans.permute(_shape_of(xs), len(xs), perm, dtype=_dtype_of(xs)), xs)
 
 
-def sum_grad(xs) -> Arrays:
+def sum_grad(xs: Sequence[np.ndarray]) -> Arrays:
     """Reference `sum_grad`: the identity (its VJP sums the cotangents over ranks)."""
     return run(plans.sum_grad(_shape_of(xs), len(xs), dtype=_dtype_of(xs)), xs)
 
 
-def shard(xs, dim=-1, *, scale_grad=False) -> Arrays:
+def shard(xs: Sequence[np.ndarray], dim: int = -1, *, scale_grad: bool = False) -> Arrays:
     """Reference `shard`: rank r keeps block r of its (replicated) input along `dim`; ``shape[dim] /= W``.
 
     >>> import numpy as np
@@ -400,7 +442,7 @@ def shard(xs, dim=-1, *, scale_grad=False) -> Arrays:
     return run(plans.shard(_shape_of(xs), len(xs), dim, scale_grad=scale_grad, dtype=_dtype_of(xs)), xs)
 
 
-def reduce(xs, dst=0, op="sum") -> Arrays:
+def reduce(xs: Sequence[np.ndarray], dst: int = 0, op: str | ReduceOp = "sum") -> Arrays:
     """Reference `reduce`: the reduction over ranks on `dst`, zeros elsewhere.
 
     >>> import numpy as np

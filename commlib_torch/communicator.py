@@ -7,6 +7,8 @@ All rank arguments (`dst`, `src`) are group-local.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -15,7 +17,8 @@ from commlib.layout import Plan
 from commlib_torch import functional
 from commlib_torch._checked import exchange_pair, is_checked
 from commlib_torch._dtypes import dtype_name
-from commlib_torch._groups import backend_dtypes, check_tensor, global_rank, resolve_group, world_size
+from commlib_torch._groups import GroupArgument, backend_dtypes, check_tensor, global_rank, resolve_group, world_size
+from commlib_torch.functional import DtypeArgument, ReduceOpArgument, Sizes
 
 __all__ = ["DeviceCommunicator"]
 
@@ -44,7 +47,13 @@ class DeviceCommunicator:
         tensor([1., 1.])
     """
 
-    def __init__(self, cpu_group, device: torch.device | None = None, device_group=None, unique_name: str = ""):
+    def __init__(
+        self,
+        cpu_group: GroupArgument,
+        device: torch.device | None = None,
+        device_group: GroupArgument = None,
+        unique_name: str = "",
+    ) -> None:
         self.device = device or torch.device("cpu")
         self.cpu_group = resolve_group("DeviceCommunicator", cpu_group)
         self.device_group = (
@@ -58,21 +67,44 @@ class DeviceCommunicator:
         self.global_world_size = dist.get_world_size()
         self.rank_in_group = self.rank
 
-    def all_reduce(self, input_: torch.Tensor, op="sum", *, convention="sum", accum_dtype=None):
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOpArgument | None = "sum",
+        *,
+        convention: str = "sum",
+        accum_dtype: DtypeArgument = None,
+    ) -> torch.Tensor:
         """Differentiable all_reduce (op None means sum, as in the seed); see `commlib_torch.all_reduce`."""
         op = "sum" if op is None else op
         return functional.all_reduce(input_, op, self.device_group, convention=convention, accum_dtype=accum_dtype)
 
-    def all_gather(self, input_: torch.Tensor, dim: int = -1, *, convention="sum", sizes=None) -> torch.Tensor:
+    def all_gather(
+        self, input_: torch.Tensor, dim: int = -1, *, convention: str = "sum", sizes: Sizes = None
+    ) -> torch.Tensor:
         """Differentiable all_gather along `dim`; see `commlib_torch.all_gather`."""
         return functional.all_gather(input_, dim, self.device_group, convention=convention, sizes=sizes)
 
-    def reduce_scatter(self, input_: torch.Tensor, dim: int = 0, op="sum", *, accum_dtype=None, sizes=None):
+    def reduce_scatter(
+        self,
+        input_: torch.Tensor,
+        dim: int = 0,
+        op: ReduceOpArgument = "sum",
+        *,
+        accum_dtype: DtypeArgument = None,
+        sizes: Sizes = None,
+    ) -> torch.Tensor:
         """Differentiable reduce_scatter along `dim`; see `commlib_torch.reduce_scatter`."""
         return functional.reduce_scatter(input_, dim, op, self.device_group, accum_dtype=accum_dtype, sizes=sizes)
 
     def all_to_all(
-        self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *, scatter_sizes=None, gather_sizes=None
+        self,
+        input_: torch.Tensor,
+        scatter_dim: int,
+        gather_dim: int,
+        *,
+        scatter_sizes: Sizes = None,
+        gather_sizes: Sizes = None,
     ) -> torch.Tensor:
         """Differentiable all_to_all; see `commlib_torch.all_to_all`."""
         return functional.all_to_all(
@@ -80,7 +112,13 @@ class DeviceCommunicator:
         )
 
     def all_to_all_4D(
-        self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *, scatter_sizes=None, gather_sizes=None
+        self,
+        input_: torch.Tensor,
+        scatter_dim: int = 2,
+        gather_dim: int = 1,
+        *,
+        scatter_sizes: Sizes = None,
+        gather_sizes: Sizes = None,
     ) -> torch.Tensor:
         """Ulysses all-to-all ``[B, S/W, H, D] <-> [B, S, H/W, D]``; see `commlib_torch.all_to_all_4d`."""
         return functional.all_to_all_4d(
@@ -91,11 +129,11 @@ class DeviceCommunicator:
         """Differentiable broadcast from group-local `src`; see `commlib_torch.broadcast`."""
         return functional.broadcast(input_, src, self.device_group)
 
-    def scatter(self, input_: torch.Tensor, src: int = 0, dim: int = 0, *, sizes=None) -> torch.Tensor:
+    def scatter(self, input_: torch.Tensor, src: int = 0, dim: int = 0, *, sizes: Sizes = None) -> torch.Tensor:
         """Differentiable scatter from group-local `src`; see `commlib_torch.scatter`."""
         return functional.scatter(input_, src, dim, self.device_group, sizes=sizes)
 
-    def permute(self, input_: torch.Tensor, perm) -> torch.Tensor:
+    def permute(self, input_: torch.Tensor, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Differentiable (src, dst) permutation; see `commlib_torch.permute`."""
         return functional.permute(input_, perm, self.device_group)
 
@@ -108,7 +146,7 @@ class DeviceCommunicator:
         with `scale_grad`): FastVideo's ``slice`` (``GroupCoordinator.shard``); see `commlib_torch.shard`."""
         return functional.shard(input_, dim, self.device_group, scale_grad=scale_grad)
 
-    def reduce(self, input_: torch.Tensor, dst: int = 0, op="sum") -> torch.Tensor:
+    def reduce(self, input_: torch.Tensor, dst: int = 0, op: ReduceOpArgument = "sum") -> torch.Tensor:
         """Differentiable reduce to group-local `dst` (zeros elsewhere); see `commlib_torch.reduce`."""
         return functional.reduce(input_, dst, op, self.device_group)
 
@@ -136,7 +174,7 @@ class DeviceCommunicator:
         )
         self._transfer(plan, tensor.contiguous(), dst)
 
-    def recv(self, size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
+    def recv(self, size: int | Sequence[int], dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of `size` (an int or a shape) and `dtype` from group-local rank `src` (default: the
         previous rank). Checked mode as in `send`."""
         if not isinstance(dtype, torch.dtype):
