@@ -7,7 +7,7 @@ Both are ``RuntimeError`` subclasses, not `CommError`: the call was valid, the g
 
 >>> failure("all_reduce", "[../gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", rank=0,
 ...         group_ranks=[0, 1])
-CommFailure("all_reduce: group rank 0 of the group with global ranks [0, 1] lost its connection to another rank, which closed it: its own collective failed or timed out (e.g. it raised and went on to another collective), or it died or left the group. Received: backend_error='Connection closed by peer [127.0.0.1]:1234'")
+CommFailure("all_reduce: group rank 0 of the group with global ranks [0, 1] lost its connection to another rank, which closed it: that rank stopped answering (it may have raised an error and gone on to another collective, which failed or timed out: see that rank's output), or it died or left the group. Received: backend_error='Connection closed by peer [127.0.0.1]:1234'")
 """
 
 from __future__ import annotations
@@ -62,15 +62,17 @@ def failure(
     details = {**(received or {}), "backend_error": _backend_text(error_text)}
     if any(text in lowered for text in _TIMEOUT_TEXTS):
         message = (
-            f"timed out on {group} waiting for the other ranks: a rank skipped this collective, or is stuck or dead"
+            f"timed out on {group} waiting for the other ranks: a rank did not join this collective (it may have "
+            f"raised an error and stayed alive: see that rank's output), or it is stuck or dead"
         )
         return CommTimeout(str(comm_error(name, message, **details)))
     if any(text in lowered for text in _PEER_TEXTS):
         # gloo closes a pair when its own side of a collective fails or times out, so a live rank that raised
         # and went on to another collective is reported exactly as a dead one: the text cannot tell them apart
         message = (
-            f"{group} lost its connection to another rank, which closed it: its own collective failed or "
-            f"timed out (e.g. it raised and went on to another collective), or it died or left the group"
+            f"{group} lost its connection to another rank, which closed it: that rank stopped answering (it may have "
+            f"raised an error and gone on to another collective, which failed or timed out: see that rank's "
+            f"output), or it died or left the group"
         )
         return CommFailure(str(comm_error(name, message, **details)))
     return None

@@ -411,7 +411,8 @@ def dot_product_attention(
         CommError: outside a `parallel` context (at trace time); a `bias` or a `mask` (commlib owns the causal
             and segment masks only); T not ``layout.max_size``; the layout's sizes not the axes';
             ``positions.shape[-1]`` not ``layout.max_size``; segment_ids not ``[B, T]``; the layer's own errors.
-        TypeError: segment_ids not of an integer dtype.
+        TypeError: query, key, value or segment_ids not an array (a Python list); segment_ids not of an integer
+            dtype.
         jax.errors.JaxRuntimeError: (when run) `positions` not the shards' global positions (see above).
 
     Example (4 CPU devices, ring attention over a zigzag layout of 16 positions, GQA; the positions checked):
@@ -429,6 +430,8 @@ def dot_product_attention(
         >>> bool(np.allclose(whole, jax.nn.dot_product_attention(q, k, k, is_causal=True), atol=1e-5))
         True
     """
+    for name, array in (("query", query), ("key", key), ("value", value)):  # kinds first: a list has no shape
+        _check_array(parallel_spec.CALL_OP, array, name)
     state = _parallel.current(parallel_spec.CALL_OP)
     parallel_spec.check_call(state.plan, shard=None, rows=query.shape[1], mask=mask is not None, bias=bias is not None)
     parallel_spec.check_sizes(state.plan.layout, state.plan.attention, **state.sizes(parallel_spec.CALL_OP))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import commlib
-from commlib.tools import bench, host_bench, mask_parity, moe_parity, parity, sequence_parity, train_parity
+from commlib.tools import bench, cases, host_bench, mask_parity, moe_parity, parity, sequence_parity, train_parity
 
 __all__ = ["main"]
 
@@ -300,7 +300,13 @@ def _add_parity(commands) -> None:
         "attention layers with segment ids (padding, packed documents); moe: expert parallelism's route, "
         "dispatch and combine (torch's exact and padded layouts, JAX's padded); all: the five",
     )
-    check.add_argument("--timeout", type=float, default=600.0, help="seconds per framework runner")
+    check.add_argument(
+        "--timeout",
+        type=float,
+        help=f"seconds per framework runner (default: {parity.TIMEOUT_START:.0f} + {parity.TIMEOUT_PER_ROW:.0f} "
+        f"per row of the case table, at least {parity.TIMEOUT_BASE:.0f}: {parity.runner_timeout(98):.0f} s for "
+        f"its {len(cases.parity_table(4))} rows at W = 4; {parity.TIMEOUT_BASE:.0f} for the other workloads' runners)",
+    )
     check.set_defaults(handler=_parity)
 
 

@@ -209,7 +209,7 @@ class MaskResults(SequenceResults):
     stem = RESULTS
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
     """The masks workload at `world_size`: rows per framework, mode and case, then torch against JAX."""
     return run_workload(
         "masks",

@@ -312,7 +312,7 @@ class MoeResults(SequenceResults):
     stem = RESULTS
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
     """The moe workload at `world_size`: rows per framework, mode and case, then torch's padded rows against
     JAX's."""
     return run_workload(

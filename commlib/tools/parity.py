@@ -22,9 +22,17 @@ import numpy as np
 from commlib.errors import CommError
 from commlib.tools import cases, progress
 
-__all__ = ["Row", "Results", "check", "compare", "run", "run_runner", "run_workload"]
+__all__ = ["Row", "Results", "check", "compare", "run", "run_runner", "run_workload", "runner_timeout"]
 
 FRAMEWORKS = ("torch", "jax")
+#: A runner's default time limit: `TIMEOUT_BASE` s, or where the rows it reports are known, `TIMEOUT_START` s
+#: plus `TIMEOUT_PER_ROW` s a row if more (a loaded 2-core machine compiles one JAX program in seconds).
+TIMEOUT_BASE, TIMEOUT_START, TIMEOUT_PER_ROW = 600.0, 60.0, 12.0
+
+
+def runner_timeout(total: int | None = None) -> float:
+    """The default time limit of a runner that reports `total` rows (None: not known)."""
+    return TIMEOUT_BASE if total is None else max(TIMEOUT_BASE, TIMEOUT_START + TIMEOUT_PER_ROW * total)
 
 
 @dataclasses.dataclass
@@ -152,21 +160,29 @@ def run_runner(
     in_dir: Path,
     out_dir: Path,
     world_size: int,
-    timeout: float,
+    timeout: float | None,
     extra: tuple[str, ...] = (),
     total: int | None = None,
 ) -> Row | None:
     """Run ``python -m commlib_<framework>.tools.parity_runner IN OUT --world-size N [extra]``, its progress
     shown on stderr (`commlib.tools.progress`; `total`: the items it will report); None when it exited 0, else
-    the failed "(runner)" row (timeout or exit status with the end of its output)."""
+    the failed "(runner)" row (timeout, naming the runner and how to raise it, or exit status with the end of
+    its output). `timeout` None: `runner_timeout(total)`."""
     command = [sys.executable, "-m", f"commlib_{framework}.tools.parity_runner", str(in_dir), str(out_dir)]
     command += ["--world-size", str(world_size), *extra]
     workload = extra[extra.index("--workload") + 1] if "--workload" in extra else None
     phase = f"{framework} parity" + (f" ({workload})" if workload else "")
+    timeout = runner_timeout(total) if timeout is None else timeout
     try:
         done = progress.run(command, phase=phase, timeout=timeout, total=total)
     except subprocess.TimeoutExpired:
-        return Row("(runner)", framework, "-", None, None, False, f"timed out after {timeout:.0f} s")
+        rows = "" if total is None else f", {total} rows"
+        detail = (
+            f"timed out after {timeout:.0f} s (the {phase} runner, workload {workload or 'ops'}, world size "
+            f"{world_size}{rows}): on a slow or loaded machine raise the limit with --timeout SECONDS "
+            f"(commlib parity --timeout {2 * timeout:.0f} ...)"
+        )
+        return Row("(runner)", framework, "-", None, None, False, detail)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
         return Row("(runner)", framework, "-", None, None, False, f"exit {done.returncode}: " + " | ".join(tail))
@@ -174,14 +190,15 @@ def run_runner(
 
 
 def _run_framework(
-    framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float, total: int
+    framework: str, in_dir: Path, out_dir: Path, world_size: int, timeout: float | None, total: int
 ) -> list[Row]:
     failed = run_runner(framework, in_dir, out_dir, world_size, timeout, total=total)
     return [failed] if failed else compare(cases.read(in_dir), framework, out_dir)
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
-    """The whole parity table at `world_size`."""
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+    """The whole parity table at `world_size` (`timeout`: seconds per runner; None: `runner_timeout` of the
+    table's rows)."""
     if world_size < 1:
         raise CommError(f"parity: world_size ({world_size}) must be >= 1")
     with tempfile.TemporaryDirectory(prefix="commlib-parity-") as tmp:
@@ -199,7 +216,7 @@ def run_workload(
     world_size: int,
     seed: int,
     frameworks,
-    timeout: float,
+    timeout: float | None,
     compare: Callable[[str, Path], list[Row]],
     cross: Callable[[Path, Path], list[Row]],
 ) -> list[Row]:

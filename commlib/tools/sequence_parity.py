@@ -311,7 +311,7 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
     return rows
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
     """The sequence workload at `world_size`: rows per framework, mode, layout and helper, the model rows, then
     torch against JAX."""
     return run_workload(

@@ -205,7 +205,7 @@ def cross(torch_dir: Path, jax_dir: Path) -> list[Row]:
     return rows
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float = 600.0) -> list[Row]:
+def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
     """The train workload at `world_size`: rows per framework, mode and mesh, then torch against JAX."""
     if world_size < 1:
         raise CommError(f"parity: world_size ({world_size}) must be >= 1")

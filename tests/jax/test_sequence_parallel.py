@@ -153,6 +153,28 @@ def test_segment_ids_of_the_wrong_shape_are_refused():
         mapped(jnp.zeros((2, 8, 4, 4)))
 
 
+@pytest.mark.parametrize("argument", ["query", "key", "value"])
+@pytest.mark.parametrize("attention", ["ulysses", "ring"])
+def test_a_list_query_key_or_value_is_the_spec_type_error(attention, argument):
+    """A Python list as query, key or value (a list query raised AttributeError reading its shape): the spec's
+    TypeError naming the call and the argument, as torch's layers give for a list, while tracing."""
+    layout = commlib.SequenceLayout(12, **{f"{attention}_size": 4})
+
+    def body(x):
+        inputs = {"query": x, "key": x, "value": x}
+        inputs[argument] = [x]
+        return dot_product_attention(inputs["query"], inputs["key"], inputs["value"])
+
+    mapped = jax.shard_map(
+        body, mesh=Mesh(np.array(jax.devices()[:4]), ("x",)), in_specs=P(None, "x"), out_specs=P(None, "x")
+    )
+    with parallel(layout, "x", attention=attention), pytest.raises(TypeError) as raised:
+        mapped(jnp.zeros((1, 12, 4, 4)))
+    assert str(raised.value) == (
+        f"commlib attention: {argument} must be a jax.Array or numpy.ndarray, not list. Received: type='list'"
+    )
+
+
 def _error(call) -> str:
     with pytest.raises((CommError, TypeError)) as raised:
         call()

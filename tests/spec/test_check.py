@@ -208,7 +208,8 @@ def test_backend_timeout_becomes_comm_timeout():
     assert isinstance(error, CommTimeout) and isinstance(error, RuntimeError)
     assert str(error) == (
         "all_reduce: timed out on group rank 1 of the group with global ranks [0, 2, 3] waiting for the other ranks: "
-        "a rank skipped this collective, or is stuck or dead. Received: shape=(3,), dtype='float32', "
+        "a rank did not join this collective (it may have raised an error and stayed alive: see that rank's "
+        "output), or it is stuck or dead. Received: shape=(3,), dtype='float32', "
         "backend_error='Timed out waiting 5000ms for recv operation to complete'"
     )
 
@@ -218,8 +219,9 @@ def test_lost_peer_becomes_comm_failure():
     assert type(error) is CommFailure
     assert str(error) == (
         "all_gather backward: group rank 0 of the group with global ranks [0, 1] lost its connection to another "
-        "rank, which closed it: its own collective failed or timed out (e.g. it raised and went on to another "
-        "collective), or it died or left the group. Received: backend_error='Connection closed by peer "
+        "rank, which closed it: that rank stopped answering (it may have raised an error and gone on to another "
+        "collective, which failed or timed out: see that rank's output), or it died or left the group. Received: "
+        "backend_error='Connection closed by peer "
         "[127.0.0.1]:5339.'"
     )
 

@@ -111,7 +111,8 @@ def test_parity_help_has_a_description_every_default_and_the_frameworks(capsys):
         "which frontends to compare",
         "(default: torch jax)",
         "(default: ops)",
-        "(default: 600.0)",
+        "--timeout TIMEOUT seconds per framework runner (default: 60 + 12 per row of the case table, at least "
+        "600: 1236 s for its 98 rows at W = 4; 600 for the other workloads' runners)",
     ]:
         assert shown in out
 

@@ -61,3 +61,31 @@ def test_outside_a_driver_reports_do_nothing(monkeypatch, tmp_path):
     progress.expect(2)
     progress.done("a\nb")
     assert (tmp_path / "progress").read_text() == "total 2\ndone a b\n"
+
+
+def test_runner_timeout_grows_with_the_rows_and_says_how_to_raise_it(monkeypatch, tmp_path):
+    """The default limit of a runner grows with the rows it reports (the case table at W = 4 took 585 s of a
+    fixed 600 s on a loaded 2-core machine); a runner past its limit is a failed row naming the runner, the
+    workload and the option that raises it."""
+    from commlib.tools import cli, parity
+
+    assert parity.runner_timeout(None) == 600.0 and parity.runner_timeout(10) == 600.0
+    assert parity.runner_timeout(len(parity.cases.parity_table(4))) > 1000.0
+    seen = {}
+
+    def slow(command, *, phase, timeout, total):
+        seen.update(phase=phase, timeout=timeout, total=total)
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(progress, "run", slow)
+    row = parity.run_runner("jax", tmp_path, tmp_path, 4, None, ("--workload", "moe"), total=100)
+    assert seen == {"phase": "jax parity (moe)", "timeout": 60.0 + 12.0 * 100, "total": 100}
+    assert row is not None and not row.passed and row.case == "(runner)"
+    assert row.detail == (
+        "timed out after 1260 s (the jax parity (moe) runner, workload moe, world size 4, 100 rows): on a slow or "
+        "loaded machine raise the limit with --timeout SECONDS (commlib parity --timeout 2520 ...)"
+    )
+    assert parity.run_runner("torch", tmp_path, tmp_path, 2, 5.0).detail.startswith(  # type: ignore[union-attr]
+        "timed out after 5 s (the torch parity runner, workload ops, world size 2): "
+    )
+    assert cli._parser().parse_args(["parity"]).timeout is None  # the default: per runner, by its rows

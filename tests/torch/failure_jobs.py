@@ -233,3 +233,29 @@ def raise_and_go_on(ctx, raiser: int) -> str:
     except RuntimeError as error:
         return f"{type(error).__name__}: {error}"
     return "finished"
+
+
+def raise_inside_layer(ctx, raiser: int, then: str = "return") -> str:
+    """Every rank calls `ulysses_attention`; rank `raiser`'s attention function raises a ValueError (after the
+    layer's first all-to-all), and that rank stays alive: it returns at once (`then` "return": idle, its
+    process group intact) or goes on to another collective (`then` "collective"), which times out. The others
+    wait in the layer's output all-to-all. Every rank's error text."""
+    q = torch.zeros((1, 2, 2 * ctx.world_size, 4), requires_grad=True)
+
+    def attend(q, k, v, **options):
+        if ctx.rank == raiser:
+            raise ValueError("a user error inside the layer")
+        return attention(q, k, v, **options)
+
+    from commlib_torch.attention import attention, ulysses_attention
+
+    try:
+        ulysses_attention(q, q, q, attn_fn=attend)
+    except (ValueError, RuntimeError) as error:
+        if ctx.rank != raiser or then == "return":
+            return f"{type(error).__name__}: {error}"
+    try:
+        commlib_torch.all_gather(torch.ones(3), 0)
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    return "finished"

@@ -23,6 +23,16 @@ from tests.torch import failure_jobs, pool_jobs
 
 PG_TIMEOUT = 5.0
 GROUP = "of the group with global ranks [0, 1, 2]"
+#: What the others are told (`commlib.failures`): a rank that did not join may have raised and stayed alive.
+MAY_HAVE_RAISED = (
+    "a rank did not join this collective (it may have raised an error and stayed alive: see that rank's output), "
+    "or it is stuck or dead"
+)
+STOPPED_ANSWERING = (
+    "lost its connection to another rank, which closed it: that rank stopped answering (it may have raised an error "
+    "and gone on to another collective, which failed or timed out: see that rank's output), or it died or left the "
+    "group"
+)
 BACKEND_TIMEOUT = r"backend_error='Timed out waiting 5000ms for (send|recv) operation to complete'$"
 
 
@@ -81,8 +91,7 @@ def test_rank_skipping_a_collective_makes_the_others_raise_comm_timeout(pool_5s,
     for rank, text in _rank_errors(error).items():
         assert text.startswith(
             f"raised CommTimeout: {name}: timed out on group rank {rank} {GROUP} waiting for "
-            f"the other ranks: a rank skipped this collective, or is stuck or dead. Received: "
-            f"shape="
+            f"the other ranks: {MAY_HAVE_RAISED}. Received: shape="
         ), text
         assert re.search(BACKEND_TIMEOUT, text), text
 
@@ -136,8 +145,29 @@ def test_rank_that_raised_and_lived_is_not_called_dead(pool_5s):
     assert replies[1].startswith("CommTimeout: all_gather: timed out on group rank 1"), replies[1]
     for rank in (0, 2):
         assert replies[rank].startswith(
-            f"CommFailure: all_to_all: group rank {rank} {GROUP} lost its "
-            "connection to another rank, which closed it: its own collective failed "
-            "or timed out (e.g. it raised and went on to another collective), or it "
-            "died or left the group. Received: "
+            f"CommFailure: all_to_all: group rank {rank} {GROUP} {STOPPED_ANSWERING}. Received: "
         ), replies[rank]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("then", ["return", "collective"])
+def test_rank_that_raised_inside_a_layer_is_reported_as_maybe_raised(pool_5s, then):
+    """Rank 1's attention function raises a ValueError inside `ulysses_attention` (after its first
+    all-to-all); the rank stays alive, idle ("return") or in its next collective ("collective", which times
+    out and closes its pairs). The others, waiting in the layer's output all-to-all, are told what is known:
+    the peer did not join / stopped answering and may have raised (see its output) -- not that it died."""
+    replies = pool_5s.run(failure_jobs.raise_inside_layer, 1, then)
+    if then == "return":
+        assert replies[1] == "ValueError: a user error inside the layer", replies[1]
+    else:
+        assert replies[1].startswith(
+            f"CommTimeout: all_gather: timed out on group rank 1 {GROUP} waiting for the "
+            f"other ranks: {MAY_HAVE_RAISED}. Received: "
+        ), replies[1]
+    for rank in (0, 2):
+        if then == "return":  # the raiser's pairs stay open: the others time out
+            want = f"CommTimeout: all_to_all_4d: timed out on group rank {rank} {GROUP} waiting for the other ranks: "
+            assert replies[rank].startswith(want + f"{MAY_HAVE_RAISED}. Received: "), replies[rank]
+        else:  # its next collective timed out and gloo closed its pairs
+            want = f"CommFailure: all_to_all_4d: group rank {rank} {GROUP} {STOPPED_ANSWERING}. Received: "
+            assert replies[rank].startswith(want), replies[rank]
