@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
@@ -362,7 +363,7 @@ def gather_sizes(layout: SequenceLayout) -> tuple[int, ...] | None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def next_token_labels(input_ids, ignore_index: int = -100) -> np.ndarray:
+def next_token_labels(input_ids: npt.ArrayLike, ignore_index: int = -100) -> np.ndarray:
     """``[B, S]`` labels of the whole sequence: token p + 1 at position p, `ignore_index` at S - 1.
 
     >>> next_token_labels(np.array([[5, 6, 7]])).tolist()
@@ -427,7 +428,7 @@ def document_tables(segment_ids: Any, math: DocumentMath = NUMPY_DOCUMENTS) -> t
     return positions, math.shift(joined, False, -1)
 
 
-def document_positions(segment_ids) -> np.ndarray:
+def document_positions(segment_ids: npt.ArrayLike) -> np.ndarray:
     """int64 ``[B, S]``: each token's position in its document (`document_tables`: a run of equal ids, holes of
     padding inside it counted), 0 on padding (id < 0).
 
@@ -439,7 +440,7 @@ def document_positions(segment_ids) -> np.ndarray:
     return document_tables(np.asarray(segment_ids))[0].astype(np.int64)
 
 
-def document_labels(input_ids, segment_ids, ignore_index: int = -100) -> np.ndarray:
+def document_labels(input_ids: npt.ArrayLike, segment_ids: npt.ArrayLike, ignore_index: int = -100) -> np.ndarray:
     """``[B, S]`` labels of packed documents: token p + 1 where it is in p's document, `ignore_index` at a
     document's last token, before a hole and on padding (id < 0).
 
@@ -452,7 +453,12 @@ def document_labels(input_ids, segment_ids, ignore_index: int = -100) -> np.ndar
 
 
 def shard_tokens_reference(
-    input_ids, layout: SequenceLayout, ignore_index: int = -100, *, padded: bool = False, segment_ids=None
+    input_ids: npt.ArrayLike,
+    layout: SequenceLayout,
+    ignore_index: int = -100,
+    *,
+    padded: bool = False,
+    segment_ids: npt.ArrayLike | None = None,
 ) -> list[tuple[np.ndarray, ...]]:
     """Every rank's ``(ids, position_ids, labels)``, each ``[B, sizes[r]]`` (padded: ``[B, max_size]`` with id 0,
     position 0 and label `ignore_index` on padding rows): the whole sequence's tokens, positions
@@ -485,7 +491,9 @@ def _pad(x: np.ndarray, rows: int, value: int) -> np.ndarray:
     return np.pad(x, ((0, 0), (0, rows - x.shape[1])), constant_values=value)
 
 
-def shard_sequence_reference(x, cotangents, layout: SequenceLayout, dim: int = 1, *, padded: bool = False):
+def shard_sequence_reference(
+    x: npt.ArrayLike, cotangents: Sequence[npt.ArrayLike], layout: SequenceLayout, dim: int = 1, *, padded: bool = False
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """`shard_sequence` on W simulated ranks, each holding the replicated `x`: every rank's output and every
     rank's gradient of x (the same on every rank: every rank's cotangent placed at its positions)."""
     outputs = layout.shard(x, dim, padded=padded)
@@ -494,18 +502,26 @@ def shard_sequence_reference(x, cotangents, layout: SequenceLayout, dim: int = 1
 
 
 def gather_sequence_reference(
-    shards, cotangents, layout: SequenceLayout, dim: int = 1, *, convention: str = "sum", padded: bool = False
-):
+    shards: Sequence[npt.ArrayLike],
+    cotangents: Sequence[npt.ArrayLike],
+    layout: SequenceLayout,
+    dim: int = 1,
+    *,
+    convention: str = "sum",
+    padded: bool = False,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """`gather_sequence` on W simulated ranks: every rank's output (the whole sequence) and every rank's
     gradient of its shard: its rows of the sum of the cotangents ("sum"), or of its own ("replicated")."""
     whole = layout.unshard(shards, dim, padded=padded)
-    total = np.sum(cotangents, axis=0)
+    total = np.sum([np.asarray(cotangent) for cotangent in cotangents], axis=0)
     own = [total] * layout.world_size if convention == "sum" else list(cotangents)
     gradients = [layout.shard(cotangent, dim, padded=padded)[rank] for rank, cotangent in enumerate(own)]
     return [whole] * layout.world_size, gradients
 
 
-def cross_entropy_reference(logits, labels, ignore_index: int = -100) -> tuple[float, np.ndarray]:
+def cross_entropy_reference(
+    logits: npt.ArrayLike, labels: npt.ArrayLike, ignore_index: int = -100
+) -> tuple[float, np.ndarray]:
     """The mean next-token cross entropy of the whole (unsharded) `logits` ``[*s, V]`` over the non-ignored
     `labels` ``[*s]``, and its gradient ``(softmax - one_hot) / count`` (zero on ignored rows), in float64.
 

@@ -18,7 +18,9 @@ def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-def translate(error: RuntimeError, op_name: str, tensor: torch.Tensor, group, phase: str) -> RuntimeError:
+def translate(
+    error: RuntimeError, op_name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, phase: str
+) -> RuntimeError:
     """The `CommTimeout` / `CommFailure` for a backend error raised by a collective of `op_name`, or `error`."""
     if isinstance(error, CommFailure):
         return error
@@ -31,7 +33,7 @@ def translate(error: RuntimeError, op_name: str, tensor: torch.Tensor, group, ph
     return error if translated is None else translated
 
 
-def all_reduce(flag: torch.Tensor, op: dist.ReduceOp.RedOpType, group, op_name: str) -> None:
+def all_reduce(flag: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None, op_name: str) -> None:
     """``dist.all_reduce(flag, op, group)`` in place (a small flag of an integration's decision or checked mode's
     refusal), a backend error that means a timeout or a lost rank raised as `op_name`'s CommTimeout /
     CommFailure (`translate`), not as gloo's or NCCL's raw RuntimeError."""

@@ -8,7 +8,8 @@ transformers is an optional extra (``pip install commlib[transformers]``), impor
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,9 @@ def padding_mask(
     kv_length: int,
     q_offset: int = 0,
     kv_offset: int = 0,
-    mask_function=None,
+    mask_function: Callable[..., Any] | None = None,
     attention_mask: torch.Tensor | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> torch.Tensor | None:
     """transformers' mask function for ``attn_implementation="commlib"``: None (the causal mask, which the layer
     applies from global positions) when the model is given no padding mask; else that 2-D mask ``[B, S_r]``
@@ -75,7 +76,7 @@ def attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention call (``sdpa_attention_forward``'s signature) run by the innermost
     `commlib_torch.sequence.parallel` context's layer: query ``[B, H, S_r, D]``, key and value ``[B, H_kv, S_r,

@@ -12,6 +12,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 
 import commlib_torch
 from commlib import CommError
@@ -241,6 +242,7 @@ def raise_inside_layer(ctx, raiser: int, then: str = "return") -> str:
     process group intact) or goes on to another collective (`then` "collective"), which times out. The others
     wait in the layer's output all-to-all. Every rank's error text."""
     q = torch.zeros((1, 2, 2 * ctx.world_size, 4), requires_grad=True)
+    dist.barrier()  # every rank enters the layer together: on a loaded machine the 5 s timeout is for the layer
 
     def attend(q, k, v, **options):
         if ctx.rank == raiser:
