@@ -369,3 +369,33 @@ def test_a_label_outside_the_vocabulary_makes_the_loss_and_every_gradient_nan_on
         values, grads = jax.jit(mapped)(jnp.arange(5.0), rows)
         assert np.isfinite(np.asarray(values)).all() == finite and np.isfinite(np.asarray(grads)).all() == finite
         assert np.isnan(np.asarray(values)).all() != finite and np.isnan(np.asarray(grads)).all() != finite
+
+
+def _checked_losses(labels, mode: str):
+    """cross_entropy of ``[2, 4, 5]`` zero logits over 2 devices in `mode`, jitted and run (traced afresh)."""
+    if mode == "pmap":
+        step = jax.pmap(lambda y: sequence.cross_entropy(jnp.zeros((4, 5)), y, "i", ignore_index=IGNORE), "i")
+        return np.asarray(step(labels))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+    body = lambda y: sequence.cross_entropy(jnp.zeros((4, 5)), y[0], "i", ignore_index=IGNORE)[None]  # noqa: E731
+    step = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=mode == MODES[0])
+    return np.asarray(jax.jit(step)(labels))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("bad", "ranks"), [((-5, None), "rank 0 (label -5)"), ((5, 9), "ranks [0, 1] (labels [5, 9]")])
+def test_checked_mode_refuses_a_label_outside_the_vocabulary_on_every_rank(monkeypatch, mode, bad, ranks):
+    """Before: checked mode (COMMLIB_CHECK=1) changed nothing in JAX's cross_entropy (a NaN loss, no error)."""
+    from tests.jax.test_sequence_parallel import _runtime_error
+
+    monkeypatch.setenv("COMMLIB_CHECK", "1")
+    labels = np.array([[0, 1, IGNORE, 4], [1, 2, 3, IGNORE]])
+    for rank, value in enumerate(bad):
+        if value is not None:
+            labels[rank, 1] = value
+    text = _runtime_error(lambda: _checked_losses(jnp.asarray(labels), mode))
+    count = sum(value is not None for value in bad)
+    want = f"CommError: cross_entropy: labels must be in [0, 5) or ignore_index ({IGNORE}); {count} are not, on "
+    assert want in text, text
+    assert ranks in text, text
+    np.testing.assert_allclose(_checked_losses(jnp.asarray(labels.clip(0, 4)), mode), np.log(5.0), rtol=1e-6)
