@@ -399,3 +399,38 @@ def test_checked_mode_refuses_a_label_outside_the_vocabulary_on_every_rank(monke
     assert want in text, text
     assert ranks in text, text
     np.testing.assert_allclose(_checked_losses(jnp.asarray(labels.clip(0, 4)), mode), np.log(5.0), rtol=1e-6)
+
+
+def test_helpers_on_a_dp_by_sp_mesh_reduce_over_the_sequence_axis_only():
+    """DP 2 x SP 2 (devices 2 * d + s), inside ``parallel(layout, "sp")`` with layout and axes left to the
+    context: each replica's shard_tokens / position_ids / gather_sequence are its own sequence's, and its
+    cross_entropy (axis "sp") is its unsharded loss (float64, 1e-12); the torch twin is
+    tests/torch/test_sequence.py::test_cross_entropy_and_sync_gradients_take_the_parallel_contexts_group."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "sp"))
+    layout = SequenceLayout(7, ulysses_size=2)  # uneven: shards of 4 and 3 rows
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 5, size=(2, 7))  # replica d's row d
+    weight = rng.standard_normal((5, 5))
+
+    def body(ids, weight):
+        tokens, positions, labels = sequence.shard_tokens(ids)
+        whole = sequence.gather_sequence(tokens[..., None].astype(jnp.float64))[..., 0]
+        loss = sequence.cross_entropy(weight[tokens], labels, "sp", ignore_index=IGNORE)
+        return loss[None], whole, jnp.concatenate([positions, sequence.position_ids()[None]])
+
+    with sequence.parallel(layout, "sp"):
+        step = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("dp"), P()),
+            out_specs=(P(("dp", "sp")), P("dp"), P("dp", "sp")),
+            check_vma=False,
+        )
+        losses, whole, positions = jax.jit(step)(jnp.asarray(ids), jnp.asarray(weight))
+    np.testing.assert_array_equal(np.asarray(whole), ids)
+    np.testing.assert_array_equal(np.asarray(positions), [[0, 1, 2, 3, 4, 5, 6, 0]] * 4)  # the padding row 0
+    for replica in range(2):
+        want, _ = spec.cross_entropy_reference(
+            weight[ids[replica]][None], spec.next_token_labels(ids[replica : replica + 1], IGNORE), IGNORE
+        )
+        np.testing.assert_allclose(np.asarray(losses)[2 * replica : 2 * replica + 2], want, rtol=0, atol=1e-12)
