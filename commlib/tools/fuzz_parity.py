@@ -5,8 +5,9 @@ vs the float64 reference.
 (`ulysses_attention` at any W, `ring_attention` contiguous or zigzag, `usp_attention` 2 x 2 at W = 4), a world
 size 1..`max_world_size`, any length (uneven, and S < W: empty shards), batch 1-2, MHA / GQA / MQA (1-3 kv
 heads, 1-3 q heads each; USP 2 kv heads, as its spec requires), head dim 1-4, causal or not, float64 or
-float32, Ulysses' head groups (``chunks`` 1-3), and half the time segment ids (random packed documents, a
-row's tail of padding). Each runner calls the layer on every rank (torch: gloo worker pools, mode "gloo"; JAX:
+float32, Ulysses' head groups (``chunks`` 1-3, at most a rank's q heads), and half the time segment ids
+(random packed documents, a row's tail of padding). Each runner calls the layer on every rank (torch: gloo
+worker pools, mode "gloo"; JAX:
 ``jax.shard_map``, one mode per case drawn from check_vma on / off, shards padded to ``layout.max_size`` rows
 holding `FILL`, ids -1) and stores every rank's output and dq, dk, dv in the padded layout. The driver compares
 them with the unsharded masked float64 reference on the same (rounded) inputs and torch with JAX: within
@@ -30,6 +31,7 @@ from commlib.sequence import SequenceLayout
 from commlib.tools.mask_parity import FILL, OUTPUTS, segment_shards, shards
 from commlib.tools.parity import FRAMEWORKS, Row, run_runner
 from commlib.tools.sequence_parity import SequenceResults, load, relative_error
+from commlib.uneven import split_sizes
 
 __all__ = [
     "CASES",
@@ -108,17 +110,19 @@ def _case(rng: np.random.Generator, index: int, max_world_size: int) -> FuzzCase
     kv_heads, batch = int(rng.integers(1, 4)), int(rng.integers(1, 3))
     if op == "usp_attention":  # the spec's USP splits the kv heads over the Ulysses axis: H_kv % 2 == 0
         kv_heads = 2
+    heads = kv_heads * int(rng.integers(1, 4))
+    most = min(3, max(split_sizes(heads, world_size)))  # the spec refuses more chunks than a rank's q heads
     return FuzzCase(
         index,
         op,
         layout,
         batch,
-        kv_heads * int(rng.integers(1, 4)),
+        heads,
         kv_heads,
         int(rng.integers(1, 5)),
         bool(rng.random() < 0.5),
         str(rng.choice(["float64", "float32"])),
-        int(rng.integers(1, 4)) if op == "ulysses_attention" else 1,
+        int(rng.integers(1, most + 1)) if op == "ulysses_attention" else 1,
         _documents(rng, batch, seq_len) if rng.random() < 0.5 else None,
     )
 
