@@ -187,22 +187,30 @@ def check_cross_entropy(
     return ignore
 
 
-def labels_out_of_range_error(counts: Sequence[int], vocab: int, ignore_index: int) -> CommError:
+def labels_out_of_range_error(
+    counts: Sequence[int], vocab: int, ignore_index: int, first_labels: Sequence[int | None] | None = None
+) -> CommError:
     """The error every rank of `cross_entropy` raises when some rank's labels hold values outside ``[0, vocab)``
     other than `ignore_index`; `counts` is every rank's number of them (all_reduced with the loss, so the
-    message is the same on every rank).
+    message is the same on every rank); `first_labels` (optional, JAX's checked mode) every rank's first such
+    label (None on a rank without one), named in the message.
 
     >>> labels_out_of_range_error([0, 2], 5, -100)
     CommError('cross_entropy: labels must be in [0, 5) or ignore_index (-100); 2 are not, on rank 1. Received: ...')
+    >>> str(labels_out_of_range_error([1, 0], 5, -100, [-5, None])).split(". Received")[0]
+    'cross_entropy: labels must be in [0, 5) or ignore_index (-100); 1 are not, on rank 0 (label -5)'
     """
     ranks = [rank for rank, count in enumerate(counts) if count]
     where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    received: dict[str, object] = dict(counts_per_rank=tuple(counts), vocab=vocab, ignore_index=ignore_index)
+    if first_labels is not None:
+        named = [int(label) for rank, label in enumerate(first_labels) if rank in ranks and label is not None]
+        where += f" (label {named[0]})" if len(named) == 1 else f" (labels {named}, each rank's first)"
+        received["first_labels"] = tuple(first_labels)
     return comm_error(
         "cross_entropy",
         f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); {sum(counts)} are not, on {where}",
-        counts_per_rank=tuple(counts),
-        vocab=vocab,
-        ignore_index=ignore_index,
+        **received,
     )
 
 

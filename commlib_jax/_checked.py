@@ -11,6 +11,11 @@ and every process raises the same `commlib.CommError` naming the layer and the o
 ("rank" r: process r). This runs on the host while the layer is traced, before anything is compiled. A call
 found in jit's cache is not traced, so not compared, again: a process that alone changes an option later
 retraces alone and raises `commlib.CommTimeout` when the others' calls do not come (`TIMEOUT_MS`).
+
+Values, not options, can differ per device in one process too: with ``COMMLIB_CHECK=1`` (`checks_data`, any
+number of processes) `commlib_jax.sequence.cross_entropy` also all-gathers each rank's count and first label
+outside ``[0, V)`` and a host callback raises the spec's `CommError` on every device when the step runs (inside
+``jax.errors.JaxRuntimeError``, as the `parallel` context's positions check).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from commlib_jax._compat import distributed_client
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
 from commlib_jax._walk import dtype_name
 
-__all__ = ["TIMEOUT_MS", "LayerFrontend", "exchange_layer", "is_checked"]
+__all__ = ["TIMEOUT_MS", "LayerFrontend", "checks_data", "exchange_layer", "is_checked"]
 
 #: How long a process waits for the others' options (they may still be compiling an earlier program).
 TIMEOUT_MS = 300_000
@@ -38,6 +43,13 @@ def is_checked() -> bool:
     """True when ``COMMLIB_CHECK`` turns checked mode on and several processes run the program (read when a
     layer is traced)."""
     return check.says_checked(os.environ.get(check.ENV_VARIABLE)) and jax.process_count() > 1
+
+
+def checks_data() -> bool:
+    """True when ``COMMLIB_CHECK`` turns checked mode on, in any number of processes: the checks of values a
+    traced program cannot raise on (`commlib_jax.sequence.cross_entropy`'s labels), which differ per device even
+    in one process; each costs a collective and a host callback per call (read when the call is traced)."""
+    return check.says_checked(os.environ.get(check.ENV_VARIABLE))
 
 
 def exchange_layer(call: layer_check.LayerCall) -> None:

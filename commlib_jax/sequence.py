@@ -22,19 +22,22 @@ runs that layer (a Flax model swaps it in for its attention call). JAX holds eve
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from commlib import SequenceLayout, frontend_errors
 from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
 from commlib_jax import _parallel
+from commlib_jax._checked import checks_data
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
-from commlib_jax._vma import axes_of, shared_axes
+from commlib_jax._vma import axes_of, axis_arg, shared_axes, to_varying
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
 from commlib_jax.training import summed_axes
@@ -280,11 +283,16 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     global mean (not W times it) and its gradients the unsharded ones, in every mode.
 
     Labels outside ``[0, V)`` other than `ignore_index` on any rank (a traced program cannot raise): the loss
-    and every gradient are NaN on every rank (torch's `cross_entropy` raises a CommError instead).
+    and every gradient are NaN on every rank, never a finite gradient and never another label in their place
+    (torch's `cross_entropy` raises a CommError instead). In checked mode (``COMMLIB_CHECK=1``, any number of
+    processes: `commlib_jax._checked.checks_data`) the ranks' counts and first such labels are all-gathered
+    and, when the step runs, every device raises the spec's CommError naming cross_entropy, V, the ranks and
+    their labels, inside ``jax.errors.JaxRuntimeError`` (one all_gather of 2 ints and a host callback per call).
 
     Raises:
         CommError: ``labels.shape != logits.shape[:-1]``, logits 0-d, `axis_name` not within value_and_grad's
             axes (inside it). TypeError: logits not floating, labels not integer, `ignore_index` not an int.
+        jax.errors.JaxRuntimeError: (when run, checked mode only) labels outside ``[0, V)`` on some rank.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -309,11 +317,32 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     picked = jnp.take_along_axis(log_probs, jnp.where(valid, labels, 0)[..., None].astype(jnp.int32), axis=-1)
     local = -jnp.sum(jnp.where(valid, picked[..., 0], 0))
     counts = jnp.stack([jnp.sum(valid), jnp.sum(bad)]).astype(accumulate)
+    if checks_data():
+        _refuse_labels(labels, bad, axes, logits.shape[-1], ignore)
     if share:  # value_and_grad sums the ranks' losses: each rank contributes its share
         total_counts = jax.lax.stop_gradient(all_reduce(counts, axis_name))
         return local / total_counts[0] * _poisoned(total_counts[1])
     total = all_reduce(jnp.concatenate([local[None], counts]), axis_name, convention="replicated")
     return total[0] / jax.lax.stop_gradient(total[1]) * _poisoned(jax.lax.stop_gradient(total[2]))
+
+
+def _refuse_labels(labels, bad, axes: tuple, vocab: int, ignore: int) -> None:
+    """Checked mode: every rank's count of labels outside ``[0, V)`` and its first one, all-gathered over
+    `axes`; a host callback on every device raises the spec's error where any rank has one."""
+    flat, flat_bad = jnp.ravel(jnp.asarray(labels)), jnp.ravel(bad)
+    first = flat[jnp.argmax(flat_bad)] if flat.size else jnp.zeros((), flat.dtype)
+    mine = to_varying(jnp.stack([jnp.sum(flat_bad).astype(flat.dtype), first]), axes)
+    everyone = jax.lax.all_gather(mine, axis_arg(axes))  # [W, 2]: count, first bad label (any value if none)
+    io_callback(functools.partial(_raise_labels, vocab, ignore), None, everyone, ordered=False)
+
+
+def _raise_labels(vocab: int, ignore: int, everyone) -> None:
+    """Host side of `_refuse_labels`: the same error on every device (`spec.labels_out_of_range_error`)."""
+    rows = np.asarray(everyone).tolist()
+    counts = [int(count) for count, _ in rows]
+    if any(counts):
+        firsts = [int(label) if count else None for count, label in rows]
+        raise spec.labels_out_of_range_error(counts, vocab, ignore, firsts)
 
 
 def _poisoned(bad_count: jax.Array) -> jax.Array:

@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import commlib
-from commlib.tools import bench, cases, host_bench, mask_parity, moe_parity, parity, sequence_parity, train_parity
+from commlib.tools import (
+    bench,
+    cases,
+    fuzz_parity,
+    host_bench,
+    mask_parity,
+    moe_parity,
+    parity,
+    sequence_parity,
+    train_parity,
+)
 
 __all__ = ["main"]
 
@@ -99,6 +109,8 @@ def _parity(args: argparse.Namespace) -> int:
         rows += mask_parity.run(args.world_size, **options)
     if args.workload in ("ops", "moe", "all"):  # the default run includes the MoE rows
         rows += moe_parity.run(args.world_size, **options)
+    if args.workload == "fuzz":  # not in "all": its own bounded hunt
+        rows += fuzz_parity.run(args.world_size, **options, count=args.cases)
     _print_table(rows)
     failed = sum(not row.passed for row in rows)
     print(
@@ -216,7 +228,8 @@ examples:
   commlib parity --workload train
   commlib parity --workload sequence --world-size 4
   commlib parity --workload masks --world-size 4
-  commlib parity --workload moe --world-size 4"""
+  commlib parity --workload moe --world-size 4
+  commlib parity --workload fuzz --cases 40 --seed 1"""
 
 BENCH = """Time commlib's ops against raw collectives, the seed's code and bare jax.lax on this machine's CPU (gloo,
 XLA CPU devices) and print one row per comparison (median ms, ratio to the baseline, wire MiB, the target
@@ -293,19 +306,25 @@ def _add_parity(commands) -> None:
     )
     check.add_argument(
         "--workload",
-        choices=("ops", "train", "sequence", "masks", "moe", "all"),
+        choices=("ops", "train", "sequence", "masks", "moe", "fuzz", "all"),
         default="ops",
         help="ops: the case table and the moe rows; train: the training block on every SP x TP mesh; sequence: the "
         "sequence helpers on every layout and the two model examples (W = 4); masks: the "
         "attention layers with segment ids (padding, packed documents); moe: expert parallelism's route, "
-        "dispatch and combine (torch's exact and padded layouts, JAX's padded); all: the five",
+        "dispatch and combine (torch's exact and padded layouts, JAX's padded); fuzz: --cases seeded random calls of "
+        "the attention layers (world sizes 1..--world-size, any length, GQA/MQA, layouts, segment ids, chunks, "
+        "float64/float32) against the reference and torch against JAX; all: the first five",
     )
+    rows = len(cases.parity_table(4))
     check.add_argument(
         "--timeout",
         type=float,
         help=f"seconds per framework runner (default: {parity.TIMEOUT_START:.0f} + {parity.TIMEOUT_PER_ROW:.0f} "
-        f"per row of the case table, at least {parity.TIMEOUT_BASE:.0f}: {parity.runner_timeout(98):.0f} s for "
-        f"its {len(cases.parity_table(4))} rows at W = 4; {parity.TIMEOUT_BASE:.0f} for the other workloads' runners)",
+        f"per row of the case table, at least {parity.TIMEOUT_BASE:.0f}: {parity.runner_timeout(rows):.0f} s for "
+        f"its {rows} rows at W = 4; {parity.TIMEOUT_BASE:.0f} for the other workloads' runners)",
+    )
+    check.add_argument(
+        "--cases", type=_positive, default=fuzz_parity.CASES, help="with --workload fuzz: how many cases to draw"
     )
     check.set_defaults(handler=_parity)
 

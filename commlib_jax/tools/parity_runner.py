@@ -141,6 +141,7 @@ WORKLOADS = {
     "sequence": ("commlib.tools.sequence_parity", "SequenceResults", "commlib_jax.tools.sequence_parity"),
     "masks": ("commlib.tools.mask_parity", "MaskResults", "commlib_jax.tools.mask_parity"),
     "moe": ("commlib.tools.moe_parity", "MoeResults", "commlib_jax.tools.moe_parity"),
+    "fuzz": ("commlib.tools.fuzz_parity", "FuzzResults", "commlib_jax.tools.fuzz_parity"),
 }
 
 

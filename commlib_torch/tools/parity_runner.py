@@ -5,7 +5,8 @@ unsharded on one process (mode "unsharded"); writes every rank's output and inpu
 ``--workload train``: the training block on every SP x TP mesh instead (`commlib_torch.tools.train_parity`);
 ``--workload sequence``: the sequence helpers and the transformers example (`commlib_torch.tools.sequence_parity`);
 ``--workload masks``: the attention layers with segment ids (`commlib_torch.tools.mask_parity`); ``--workload moe``:
-expert parallelism's route, dispatch and combine in both layouts (`commlib_torch.tools.moe_parity`).
+expert parallelism's route, dispatch and combine in both layouts (`commlib_torch.tools.moe_parity`); ``--workload
+fuzz``: the seeded fuzzer of the attention layers (`commlib_torch.tools.fuzz_parity`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 
 from commlib.tools import cases
+from commlib.tools.fuzz_parity import FuzzResults
 from commlib.tools.mask_parity import MaskResults
 from commlib.tools.moe_parity import MoeResults
 from commlib.tools.parity import Results
 from commlib.tools.sequence_parity import SequenceResults
 from commlib.tools.train_parity import TrainResults
-from commlib_torch.tools import mask_parity, moe_parity, sequence_parity, train_parity
+from commlib_torch.tools import fuzz_parity, mask_parity, moe_parity, sequence_parity, train_parity
 from commlib_torch.tools.parity_jobs import run_table
 from commlib_torch.tools.pool import WorkerPool
 
@@ -36,6 +38,7 @@ WORKLOADS: dict[str, tuple[Any, Callable[..., None]]] = {
     "sequence": (SequenceResults, sequence_parity.record),
     "masks": (MaskResults, mask_parity.record),
     "moe": (MoeResults, moe_parity.record),
+    "fuzz": (FuzzResults, fuzz_parity.record),
 }
 
 

@@ -369,3 +369,68 @@ def test_a_label_outside_the_vocabulary_makes_the_loss_and_every_gradient_nan_on
         values, grads = jax.jit(mapped)(jnp.arange(5.0), rows)
         assert np.isfinite(np.asarray(values)).all() == finite and np.isfinite(np.asarray(grads)).all() == finite
         assert np.isnan(np.asarray(values)).all() != finite and np.isnan(np.asarray(grads)).all() != finite
+
+
+def _checked_losses(labels, mode: str):
+    """cross_entropy of ``[2, 4, 5]`` zero logits over 2 devices in `mode`, jitted and run (traced afresh)."""
+    if mode == "pmap":
+        step = jax.pmap(lambda y: sequence.cross_entropy(jnp.zeros((4, 5)), y, "i", ignore_index=IGNORE), "i")
+        return np.asarray(step(labels))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+    body = lambda y: sequence.cross_entropy(jnp.zeros((4, 5)), y[0], "i", ignore_index=IGNORE)[None]  # noqa: E731
+    step = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=mode == MODES[0])
+    return np.asarray(jax.jit(step)(labels))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("bad", "ranks"), [((-5, None), "rank 0 (label -5)"), ((5, 9), "ranks [0, 1] (labels [5, 9]")])
+def test_checked_mode_refuses_a_label_outside_the_vocabulary_on_every_rank(monkeypatch, mode, bad, ranks):
+    """Before: checked mode (COMMLIB_CHECK=1) changed nothing in JAX's cross_entropy (a NaN loss, no error)."""
+    from tests.jax.test_sequence_parallel import _runtime_error
+
+    monkeypatch.setenv("COMMLIB_CHECK", "1")
+    labels = np.array([[0, 1, IGNORE, 4], [1, 2, 3, IGNORE]])
+    for rank, value in enumerate(bad):
+        if value is not None:
+            labels[rank, 1] = value
+    text = _runtime_error(lambda: _checked_losses(jnp.asarray(labels), mode))
+    count = sum(value is not None for value in bad)
+    want = f"CommError: cross_entropy: labels must be in [0, 5) or ignore_index ({IGNORE}); {count} are not, on "
+    assert want in text, text
+    assert ranks in text, text
+    np.testing.assert_allclose(_checked_losses(jnp.asarray(labels.clip(0, 4)), mode), np.log(5.0), rtol=1e-6)
+
+
+def test_helpers_on_a_dp_by_sp_mesh_reduce_over_the_sequence_axis_only():
+    """DP 2 x SP 2 (devices 2 * d + s), inside ``parallel(layout, "sp")`` with layout and axes left to the
+    context: each replica's shard_tokens / position_ids / gather_sequence are its own sequence's, and its
+    cross_entropy (axis "sp") is its unsharded loss (float64, 1e-12); the torch twin is
+    tests/torch/test_sequence.py::test_cross_entropy_and_sync_gradients_take_the_parallel_contexts_group."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "sp"))
+    layout = SequenceLayout(7, ulysses_size=2)  # uneven: shards of 4 and 3 rows
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 5, size=(2, 7))  # replica d's row d
+    weight = rng.standard_normal((5, 5))
+
+    def body(ids, weight):
+        tokens, positions, labels = sequence.shard_tokens(ids)
+        whole = sequence.gather_sequence(tokens[..., None].astype(jnp.float64))[..., 0]
+        loss = sequence.cross_entropy(weight[tokens], labels, "sp", ignore_index=IGNORE)
+        return loss[None], whole, jnp.concatenate([positions, sequence.position_ids()[None]])
+
+    with sequence.parallel(layout, "sp"):
+        step = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("dp"), P()),
+            out_specs=(P(("dp", "sp")), P("dp"), P("dp", "sp")),
+            check_vma=False,
+        )
+        losses, whole, positions = jax.jit(step)(jnp.asarray(ids), jnp.asarray(weight))
+    np.testing.assert_array_equal(np.asarray(whole), ids)
+    np.testing.assert_array_equal(np.asarray(positions), [[0, 1, 2, 3, 4, 5, 6, 0]] * 4)  # the padding row 0
+    for replica in range(2):
+        want, _ = spec.cross_entropy_reference(
+            weight[ids[replica]][None], spec.next_token_labels(ids[replica : replica + 1], IGNORE), IGNORE
+        )
+        np.testing.assert_allclose(np.asarray(losses)[2 * replica : 2 * replica + 2], want, rtol=0, atol=1e-12)
