@@ -19,7 +19,7 @@ turned into each block's mask inside the loop (never a ``[Sq, Sk]`` array).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,6 +40,8 @@ __all__ = [
     "check_block_size",
     "attend_blocks",
     "attend_blocks_vjp",
+    "SegmentedMask",
+    "any_visible",
 ]
 
 #: A piece's mask: "full" (every q row sees every kv row), "causal-diagonal" (q row i sees kv rows <= i: the
@@ -255,6 +257,30 @@ def check_block_size(op_name: str, block_size: object) -> int:
     return int(block_size)
 
 
+class SegmentedMask(NamedTuple):
+    """A piece's mask kept as its parts, for a walk that masks one key block at a time (`attend_blocks`): `mask`
+    (a `MASKS` name, or a dense bool "positions" array) and the segment ids of the piece's q rows ``[B, Sq]``
+    and keys ``[B, Sk]``; what `dense` gives is never built by the blockwise walk.
+
+    >>> ids = np.array([[0, 0, 1]])
+    >>> SegmentedMask("causal-diagonal", ids, ids).dense(NUMPY)[0, 0, 0].astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+
+    mask: Any
+    q_ids: Any
+    k_ids: Any
+
+    def dense(self, math_: ArrayMath) -> Any:
+        """The bool ``[B, 1, 1, Sq, Sk]`` of the name's (or the dense) mask and `commlib.masks.segment_mask`."""
+        same = segment_mask(self.q_ids, self.k_ids)[:, None, None]
+        if not isinstance(self.mask, str):
+            return same & self.mask
+        if self.mask == "causal-diagonal":
+            return same & math_.causal_mask(same.shape[-1], same)
+        return same
+
+
 class _Blocks:
     """A piece's keys cut into `count` blocks of `size` (the last padded: zeros in k and v, masked out)."""
 
@@ -398,3 +424,24 @@ def attend_blocks_vjp(
     if blocks.padding:
         dk, dv = (math_.block(x, 0, blocks.keys, 1) for x in (dk, dv))
     return dq.reshape(q.shape), dk, dv
+
+
+def any_visible(math_: ArrayMath, mask: SegmentedMask, block_size: int) -> Any:
+    """Whether some q row of a piece sees some key of it (the ring's skip rule, `commlib.ring.visible_pieces`),
+    decided over the keys `block_size` at a time: a 0-d bool, never a ``[Sq, Sk]`` array.
+
+    >>> ids = np.array([[0, 0, 1, 1]])
+    >>> bool(any_visible(NUMPY, SegmentedMask("full", ids[:, :2], ids[:, 2:]), 1))
+    False
+    """
+    k_ids = mask.k_ids
+    keys = math_.full((*k_ids.shape, 1, 1), 0.0, "float32", (k_ids,))  # the blocks' shapes only
+    blocks = _Blocks(math_, keys, keys, mask.mask, k_ids, block_size)
+    rows = mask.q_ids.shape[-1]
+    like = tuple(x for x in (mask.q_ids, k_ids, mask.mask) if not isinstance(x, str))
+
+    def body(index: Any, seen: Any) -> Any:
+        visible = blocks.visible(index * blocks.size, rows, mask.q_ids)
+        return seen | (True if visible is None else math_.xp.any(visible))
+
+    return math_.loop(blocks.count, body, math_.full((), False, bool, like))

@@ -92,6 +92,8 @@ def attend_piece(
     if isinstance(mask, str) and fused_serves(dtype, q.shape, k.shape, v.shape[-1], mask, None):
         out, lse = _fused(q, k, v, scale, mask == "causal-diagonal", dtype, True)
         return out.astype(q.dtype), lse.astype(q.dtype)
+    if isinstance(mask, blockwise.SegmentedMask):  # segment ids: each key block's mask built in the loop
+        return blockwise.attend_blocks(MATH, q, k, v, scale, mask.mask, block_size, mask.q_ids, mask.k_ids)
     return blockwise.attend_blocks(MATH, q, k, v, scale, mask, block_size)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
+from commlib.blockwise import SegmentedMask
 from commlib.layer_call import ring_call
 from commlib.sequence import SequenceLayout
 from commlib_jax import _kernels
@@ -61,12 +62,20 @@ def _ring_on_axes(
     return _ring(plan, axes, block_size, q, k, v, segments)
 
 
+def _parts(mask: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A piece's mask and its q rows' and keys' segment ids (``()`` without), from the walk's `SegmentedMask`."""
+    if isinstance(mask, SegmentedMask):
+        return mask.mask, (mask.q_ids, mask.k_ids)
+    return mask, ()
+
+
 class _AxisBackend:
     """`commlib.ring.RingBackend` on this device's arrays: functional row updates, a ring step one `permute`
     per array, the case of a step switched on the traced rank; a piece is `commlib_jax._kernels`' (the keys
     `block_size` at a time, or cuDNN's fused kernel where it serves)."""
 
     math = MATH
+    blocked_masks = True
 
     def __init__(self, plan: spec.RingPlan, axes: tuple, block_size: int) -> None:
         self.plan, self.axes, self.block_size = plan, axes, block_size
@@ -95,7 +104,10 @@ class _AxisBackend:
         delta: jax.Array,
         mask: str | jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return blockwise.attend_blocks_vjp(MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask, self.block_size)
+        mask, ids = _parts(mask)
+        return blockwise.attend_blocks_vjp(
+            MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask, self.block_size, *ids
+        )
 
     def set_rows(self, x: jax.Array, rows: slice, value: jax.Array) -> jax.Array:
         return x.at[:, rows].set(value)
@@ -137,8 +149,10 @@ class _AxisBackend:
         self, step: int, index: int, mask: jax.Array, function: Callable[..., Any], *operands: jax.Array
     ) -> Any:
         """``lax.cond`` on `commlib.ring.visible_pieces`' rule (some query of the piece sees some key, decided
-        on device): a skipped piece is the branch that returns its accumulators unchanged."""
-        return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
+        on device, over the keys a block at a time: `commlib.blockwise.any_visible`): a skipped piece is the
+        branch that returns its accumulators unchanged."""
+        seen = blockwise.any_visible(MATH, mask, self.block_size) if isinstance(mask, SegmentedMask) else jnp.any(mask)
+        return jax.lax.cond(seen, function, lambda *unchanged: unchanged, *operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
