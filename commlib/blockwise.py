@@ -49,10 +49,14 @@ __all__ = [
 #: gives in its place, built from global positions: uneven layouts, where a q row may see no key).
 MASKS = ("full", "causal-diagonal", "positions")
 
-#: Keys per block of `attend_blocks` where the caller gives none (``block_size=None``): ``[B, H, Sq, 512]``
-#: scores per block in float32 keep a piece's temporaries linear in Sq and the dots large enough for XLA's CPU
-#: and GPU matmuls (measured on CPU: `benchmarks/memory.py`, 256 to 1024 within a few percent at S = 8k).
-BLOCK_SIZE = 512
+#: Keys per block of `attend_blocks` where the caller gives none (``block_size=None``). Picked on CPU only (no
+#: GPU measured; there cuDNN serves the pieces it can, `commlib_jax._kernels.fused_serves`) from ``PYTHONPATH=.
+#: python -m benchmarks.memory --frameworks jax --layers ring ulysses --sizes 8192 --block-sizes 256 512 1024
+#: 2048 --repeats 2`` (benchmarks/results/cpu-2026-12-07-memory/block_size.json; B=1, H=8, D=64, W=4, float32,
+#: causal, jit(grad) fwd+bwd): 256 gave the least compiled temp memory (ring 137 MiB, Ulysses 100 MiB against
+#: 217 / 164 at 512 and 680 / 549 at 2048) and times as fast as any other within the noise of the shared
+#: 2-core machine (ring 9.6 s against 10.0 / 12.3 / 16.1; Ulysses 14.3 s against 18.0 / 20.1 / 12.6).
+BLOCK_SIZE = 256
 
 
 class ArrayMath:

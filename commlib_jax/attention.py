@@ -195,7 +195,10 @@ def ulysses_attention(
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
     dim differs from q's), the output in one (per head group). Gradient: exact, through both all-to-alls, in every mode
-    (``convention="sum"``: rank r's loss is its own).
+    (``convention="sum"``: rank r's loss is its own). Reverse mode only (``jax.grad``, ``jax.vjp``): the
+    collectives and the default attention are ``jax.custom_vjp`` functions, so ``jax.jvp`` / ``jax.jacfwd`` do not
+    trace through the layer, with or without `attn_fn` (as before the blockwise attention: every commlib
+    collective is a ``custom_vjp``).
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad

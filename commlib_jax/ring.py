@@ -235,7 +235,8 @@ def ring_attention(
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
     hand-written backward that passes dk and dv around the ring (W hops) and recomputes each step's scores from
-    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W).
+    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W). Reverse
+    mode only (a ``jax.custom_vjp``): ``jax.jvp`` does not trace through it.
 
     Four devices in a ring, each given its zigzag shard of the whole sequence (``commlib.shard_positions``),
     give the rows of attention on the whole sequence:

@@ -18,7 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 GROUP_TO_AXIS = {"group": "axis_name", "ulysses_group": "ulysses_axis", "ring_group": "ring_axis"}
 #: torch's keyword without a JAX twin, on the ops that take it (last, keyword-only, default False).
 TORCH_ONLY = ["async_op", "KEYWORD_ONLY", "False"]
-#: JAX's keyword without a torch twin yet (issue 32 item 1: the JAX layers' key blocks; torch's half is item 2).
+#: JAX's keyword without a torch twin yet: `block_size` is the key block of the JAX layers' blockwise attention
+#: (issue 32 item 1, `commlib.blockwise.attend_blocks`); torch's layers run their pieces on torch's fused kernels
+#: (CPU flash, SDPA), which pick their own blocks, and its einsum path takes none until issue 32 item 2.
 JAX_ONLY = ["block_size", "KEYWORD_ONLY", "None"]
 JAX_ONLY_LAYERS = {"attention.ulysses_attention", "attention.ring_attention", "attention.usp_attention"}
 #: Defaults that differ by design (DESIGN.md "Expert parallelism"): JAX's route is always padded.
