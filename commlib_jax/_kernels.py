@@ -41,6 +41,8 @@ class _JaxMath(blockwise.ArrayMath):
         return to_varying(jnp.full(shape, value, dtype), tuple(sorted(axes, key=str)))
 
     def loop(self, count: int, body: Any, carry: Any) -> Any:
+        if count == 0:  # no keys (S = 0): the accumulators as they start (a traced body would slice nothing)
+            return carry
         if count == 1:  # one block: no loop in the program
             return body(0, carry)
         return lax.fori_loop(0, count, body, carry)

@@ -113,3 +113,19 @@ def test_bad_block_size(op, value, text):
     with pytest.raises((CommError, TypeError)) as raised:
         jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.zeros((4, 1, 3, 2, 4)))
     assert f"{type(raised.value).__name__}: {raised.value}" == text.format(op=op)
+
+
+def test_no_keys():
+    """Ulysses at S = 0 (``seq_sizes=(0, 0, 0, 0)``; found by tests/jax/test_layer_fuzz.py: the key loop's body
+    sliced a block of an empty axis): an empty output and empty gradients, at the default block and at 3."""
+    mesh, spec = Mesh(np.array(jax.devices()[:4]), ("i",)), P("i")
+    for block_size in (None, 3):
+
+        def body(q, block_size=block_size):
+            out = ulysses_attention(q[0], q[0], q[0], "i", seq_sizes=(0,) * 4, block_size=block_size)
+            return out[None]
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+        q = jnp.zeros((4, 1, 0, 2, 4))
+        out, grad = jax.jit(jax.value_and_grad(lambda q, mapped=mapped: mapped(q).sum()))(q)
+        assert float(out) == 0.0 and grad.shape == q.shape
