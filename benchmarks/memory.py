@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-from commlib.tools.quotes import memory_table
-
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("ulysses", "ring", "usp")
 HEADS, DIM, WORLD = 8, 64, 4
@@ -60,6 +58,7 @@ def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | 
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
+    import commlib_jax
     from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
 
     devices = np.array(jax.devices()[:WORLD])
@@ -81,6 +80,7 @@ def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | 
         "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
         "compile_s": time.perf_counter() - start,
         "rss_before_mib": before,
+        "imported": str(Path(commlib_jax.__file__).parent),  # the tree whose layers were measured
     }
     if run:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -133,6 +133,7 @@ def torch_job(ctx, layer: str, seq: int) -> dict:
 def _torch_child(layer: str, seq: int) -> dict:
     from commlib_torch.tools.pool import WorkerPool
 
+    sys.path.insert(0, str(ROOT))  # this tree's benchmarks package (run as a script: its folder is first)
     job = importlib.import_module("benchmarks.memory").torch_job  # picklable by its module's name
     with WorkerPool(WORLD, timeout=3600.0) as pool:
         ranks = pool.run(job, layer, seq)
@@ -153,12 +154,14 @@ def _torch_child(layer: str, seq: int) -> dict:
 def _measure(
     framework: str, layer: str, seq: int, run: bool, repeats: int, path: Path, timeout: float, block_size: int = 0
 ) -> dict:
-    command = [sys.executable, "-m", "benchmarks.memory", "--child", framework, layer, str(seq), str(int(run))]
+    # run as a script from `path`: sys.path is this file's folder, then `path` (its commlib, commlib_jax), then
+    # this tree (`python -m` would put the working folder, this tree, first and import its packages instead)
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", framework, layer, str(seq), str(int(run))]
     command += ["--repeats", str(repeats), "--child-block-size", str(block_size)]
-    env = dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{ROOT}")  # `path`'s packages, this tree's benchmarks
+    env = dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{ROOT}")
     row = {"framework": framework, "layer": layer, "seq": seq, "tree": str(path), "block_size": block_size or None}
     try:
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, env=env, cwd=path, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return row | {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode:
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from tqdm import tqdm
+
+    from commlib.tools.quotes import memory_table
 
     plan = [
         (f, layer, seq, b)

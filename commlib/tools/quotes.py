@@ -161,6 +161,11 @@ QUOTES: dict[str, Callable[[], str]] = {
     "ring-masks-one-document": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document.json"),
     "ring-masks-one-document-2": lambda: _ring_masks(f"{_MASKS}/ring_masks_one_document-2.json"),
     "all-ones-mask": lambda: _all_ones_mask(f"{_MASKS}/all_ones_mask.json"),
+    "memory-table": lambda: _memory(f"{_MEMORY}/memory.json"),
+    "memory-baseline": lambda: _memory(f"{_MEMORY}/baseline.json", "baseline_rows"),
+    "memory-speed": lambda: _memory_speed(f"{_MEMORY}/baseline.json"),
+    "memory-speed-ulysses": lambda: _memory_speed(f"{_MEMORY}/baseline_ulysses_4096.json"),
+    "memory-block-size": lambda: _memory(f"{_MEMORY}/block_size.json"),
 }
 
 
