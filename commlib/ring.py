@@ -35,9 +35,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from commlib import layer_names
-from commlib.blockwise import NUMPY, ArrayMath, delta, merge_masked, position_mask
+from commlib.blockwise import NUMPY, ArrayMath, SegmentedMask, delta, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
-from commlib.masks import check_segment_ids, segment_mask
+from commlib.masks import check_segment_ids
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
@@ -371,6 +371,11 @@ class RingBackend(Protocol):
     reference's W ranks at once). Arrays are ``[B, rows, heads, dim]`` (the LSE ``[B, rows, H]``); `rows` slices
     dim 1. A backend may update an array in place and return it."""
 
+    #: True: with segment ids, `attend`, `attend_vjp` and `when_visible` get a piece's mask as its parts (a
+    #: `commlib.blockwise.SegmentedMask`: the name or key mask and the rows' ids), which the backend masks one
+    #: key block at a time (JAX); False: the dense bool ``[B, 1, 1, Sq, Sk]`` of them (torch, the reference).
+    blocked_masks: bool
+
     @property
     def math(self) -> ArrayMath:
         """The array namespace of `commlib.blockwise.merge` / `delta`."""
@@ -454,17 +459,16 @@ def _at_step(
     return backend.switch(step, rule, *operands, *segments)
 
 
-def _piece_mask(math_: ArrayMath, mask: Any, segments: tuple[Any, Any] | None, rows: slice, keys: slice) -> Any:
+def _piece_mask(
+    math_: ArrayMath, mask: Any, segments: tuple[Any, Any] | None, rows: slice, keys: slice, blocked: bool = False
+) -> Any:
     """A piece's mask: its name (or the key mask of a "positions" piece) and, with segment ids, the bool array
-    ``[B, 1, 1, Sq, Sk]`` of the name's mask and `commlib.masks.segment_mask` of the piece's rows."""
+    ``[B, 1, 1, Sq, Sk]`` of the name's mask and `commlib.masks.segment_mask` of the piece's rows (`blocked`:
+    the `SegmentedMask` of them, never made dense)."""
     if segments is None:
         return mask
-    same = segment_mask(segments[0][:, rows], segments[1][:, keys])[:, None, None]
-    if not isinstance(mask, str):
-        return same & mask
-    if mask == "causal-diagonal":
-        return same & math_.causal_mask(same.shape[-1], same)
-    return same
+    parts = SegmentedMask(mask, segments[0][:, rows], segments[1][:, keys])
+    return parts if blocked else parts.dense(math_)
 
 
 def _forward_case(
@@ -484,7 +488,8 @@ def _forward_case(
     ids of the q rows and kv rows (segmented plans: a later piece that no query of it sees is skipped)."""
     for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
+        named = key_mask if piece.mask == "positions" else piece.mask
+        mask = _piece_mask(backend.math, named, segments, rows, keys, backend.blocked_masks)
 
         def merged(out: Any, lse: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask) -> tuple[Any, Any]:
             part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
@@ -561,7 +566,8 @@ def _backward_case(
     forward computed)."""
     for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        mask = _piece_mask(backend.math, key_mask if piece.mask == "positions" else piece.mask, segments, rows, keys)
+        named = key_mask if piece.mask == "positions" else piece.mask
+        mask = _piece_mask(backend.math, named, segments, rows, keys, backend.blocked_masks)
 
         def added(
             dq: Any, dk: Any, dv: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask

@@ -53,6 +53,7 @@ class SimulatedRanks:
     ``[r B, (r + 1) B)`` of the batch dim (W * B rows in all)."""
 
     math = NUMPY
+    blocked_masks = False
 
     def __init__(self, plan: ring.RingPlan) -> None:
         self.plan = plan

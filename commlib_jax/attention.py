@@ -4,7 +4,9 @@ Ulysses (any sequence length, any head count, GQA/MQA): the spec checks and plan
 (`commlib.layer_call.ulysses_call`, the padded layout: every rank runs the same program, so rank-dependent head
 counts are padded to the largest rank's) and walks its head groups (`commlib.ulysses.walk`); this module is the
 walk's backend (`_Backend`): one gather for the send buffer, `jax.lax` all-to-alls traced where the walk starts
-them (no group's all-to-all reads another group's attention, so XLA may overlap them), the attention in XLA.
+them (no group's all-to-all reads another group's attention, so XLA may overlap them), the attention
+`commlib_jax._kernels.local_attention` (the keys a block at a time, a hand-written backward from the saved LSE;
+cuDNN's fused kernel on a GPU where it serves) unless the caller gives an `attn_fn`.
 
 Ring and USP: `commlib_jax.ring` (the spec's walk of `commlib.ring`: k/v around the ring with `permute`, a
 hand-written backward).
@@ -19,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from commlib import attention as spec
+from commlib import blockwise
 from commlib.layer_call import ulysses_call
 from commlib.masks import segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, walk
+from commlib_jax import _kernels
 from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of
@@ -42,7 +46,9 @@ def attention(
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H //
     H_kv)``; `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``; `segment_ids`
     (integers ``[B, S]``): position i sees position j only when their ids are equal, a negative id (padding)
-    seeing and seen by nothing. The default `attn_fn` of `ulysses_attention`.
+    seeing and seen by nothing. The math of `ulysses_attention`'s default attention (which computes it over
+    the keys a block at a time, `commlib_jax._kernels.local_attention`: linear memory in S), here in one block
+    of ``[B, H, S, S]`` scores, differentiated by JAX.
 
     The spec's rules, which ``jax.nn.dot_product_attention`` does not keep (jax 0.10): a row that sees no key, or
     whose every score is -inf, outputs 0 with gradient 0 (it fills masked scores with a large finite negative, so
@@ -95,8 +101,8 @@ class _Backend(LayerFrontend):
     """`commlib.ulysses.UlyssesBackend` over mesh axes (and the call path's `LayerFrontend`): every collective is
     traced where the walk starts it (`Finished`) and XLA schedules."""
 
-    def __init__(self, axis_name: AxisName, attn_fn: AttentionFn | None) -> None:
-        self.axis_name, self.axes, self.attn_fn = axis_name, axes_of(axis_name), attn_fn
+    def __init__(self, axis_name: AxisName, attn_fn: AttentionFn | None, block_size: int) -> None:
+        self.axis_name, self.axes, self.attn_fn, self.block_size = axis_name, axes_of(axis_name), attn_fn, block_size
 
     def start_exchange(self, exchange: spec.Exchange, inputs: Mapping[str, Array], overlap: bool) -> Finished:
         """One all-to-all of the exchange's inputs, heads first, padded to the largest rank's count; the send
@@ -118,7 +124,11 @@ class _Backend(LayerFrontend):
             index = jnp.asarray(np.asarray(group.kv_index, dtype=np.int32))[rank(self.axes)]
             keys, values = jnp.take(keys, index, axis=0), jnp.take(values, index, axis=0)
         bshd = [jnp.transpose(x, (1, 2, 0, 3)) for x in (local["q"], keys, values)]
-        return (self.attn_fn or attention)(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+        if self.attn_fn is not None:
+            return self.attn_fn(*bshd, causal=plan.causal, scale=plan.scale, **masks)
+        return _kernels.local_attention(
+            *bshd, causal=plan.causal, scale=plan.scale, block_size=self.block_size, **masks
+        )
 
     def start_output(
         self, out: jax.Array, scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None, overlap: bool
@@ -142,6 +152,7 @@ def ulysses_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: Array | None = None,
     chunks: int = 1,
+    block_size: int | None = None,
 ) -> jax.Array:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
@@ -157,7 +168,8 @@ def ulysses_attention(
         scale: the softmax scale (default ``1 / sqrt(D)``).
         seq_sizes: W ints, every rank's valid row count (e.g. ``commlib.split_sizes(S, W)``); None: all equal.
         attn_fn: ``attn_fn(q, k, v, *, causal, scale) -> out`` on ``[B, S, h, D]`` / ``[B, S, h_kv, D]`` (q head i
-            using kv head ``i // (h // h_kv)``); default `attention` (``jax.nn.dot_product_attention``).
+            using kv head ``i // (h // h_kv)``); default: `attention`'s math over the keys `block_size` at a time
+            (`commlib_jax._kernels.local_attention`; cuDNN's fused kernel on a GPU where it serves).
         layout: "contiguous" (rank order, `seq_sizes` as given), or a `commlib.SequenceLayout` of W shards
             holding the sequence in rank order (``ring_size == 1`` or contiguous): ``seq_sizes=layout.sizes``,
             every shard padded to ``layout.max_size``.
@@ -176,11 +188,17 @@ def ulysses_attention(
             ``chunks=1``'s bit for bit; elsewhere a group attends with fewer q heads per kv head, XLA may round
             its dots otherwise, and they equal it to rounding. With MQA / GQA a kv head is sent once per group
             that uses it.
+        block_size: keys per block of the default attention (None: `commlib.blockwise.BLOCK_SIZE`): the
+            online softmax over blocks of keys forward, the blocks recomputed from the saved LSE backward, so a
+            rank holds ``[B, h, S, block_size]`` scores, never ``[B, h, S, S]``. Not used with `attn_fn`.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
     dim differs from q's), the output in one (per head group). Gradient: exact, through both all-to-alls, in every mode
-    (``convention="sum"``: rank r's loss is its own).
+    (``convention="sum"``: rank r's loss is its own). Reverse mode only (``jax.grad``, ``jax.vjp``): the
+    collectives and the default attention are ``jax.custom_vjp`` functions, so ``jax.jvp`` / ``jax.jacfwd`` do not
+    trace through the layer, with or without `attn_fn` (as before the blockwise attention: every commlib
+    collective is a ``custom_vjp``).
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, bad
@@ -206,7 +224,7 @@ def ulysses_attention(
         >>> bool(jnp.array_equal(chunked(2)(q, k, v), chunked(1)(q, k, v)))  # heads 0 and 2, then 1 and 3
         True
     """
-    backend = _Backend(axis_name, attn_fn)
+    backend = _Backend(axis_name, attn_fn, blockwise.check_block_size(spec.OP_NAME, block_size))
     plan = ulysses_call(
         backend,
         q,

@@ -26,8 +26,10 @@ import numpy as np
 
 from commlib import blockwise
 from commlib import ring as spec
+from commlib.blockwise import SegmentedMask
 from commlib.layer_call import ring_call
 from commlib.sequence import SequenceLayout
+from commlib_jax import _kernels
 from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
@@ -36,11 +38,17 @@ from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_
 
 __all__ = ["ring_attention", "usp_attention"]
 
-MATH = blockwise.ArrayMath(jnp)
+MATH = _kernels.MATH
 
 
 def _ring_on_axes(
-    plan: spec.RingPlan, axes: tuple, q: Array, k: Array, v: Array, segments: jax.Array | None = None
+    plan: spec.RingPlan,
+    axes: tuple,
+    block_size: int,
+    q: Array,
+    k: Array,
+    v: Array,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
     q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block (and its
@@ -51,17 +59,26 @@ def _ring_on_axes(
     if segments is not None:  # every ring block's ids [W, B, rows], gathered once (integers, no gradient)
         segments = all_gather(to_varying(segments, varying)[None], axes, 0)
         segments = to_varying(segments, varying)
-    return _ring(plan, axes, q, k, v, segments)
+    return _ring(plan, axes, block_size, q, k, v, segments)
+
+
+def _parts(mask: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A piece's mask and its q rows' and keys' segment ids (``()`` without), from the walk's `SegmentedMask`."""
+    if isinstance(mask, SegmentedMask):
+        return mask.mask, (mask.q_ids, mask.k_ids)
+    return mask, ()
 
 
 class _AxisBackend:
     """`commlib.ring.RingBackend` on this device's arrays: functional row updates, a ring step one `permute`
-    per array, the case of a step switched on the traced rank."""
+    per array, the case of a step switched on the traced rank; a piece is `commlib_jax._kernels`' (the keys
+    `block_size` at a time, or cuDNN's fused kernel where it serves)."""
 
     math = MATH
+    blocked_masks = True
 
-    def __init__(self, plan: spec.RingPlan, axes: tuple) -> None:
-        self.plan, self.axes = plan, axes
+    def __init__(self, plan: spec.RingPlan, axes: tuple, block_size: int) -> None:
+        self.plan, self.axes, self.block_size = plan, axes, block_size
 
     def compute(self, x: jax.Array) -> jax.Array:
         return x.astype(self.plan.compute_dtype)
@@ -74,7 +91,7 @@ class _AxisBackend:
         return to_varying(jnp.zeros(like.shape, self.plan.compute_dtype), tuple(varying_axes(like)))
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: str | jax.Array) -> tuple[jax.Array, jax.Array]:
-        return blockwise.attend(MATH, q, k, v, self.plan.scale, mask)
+        return _kernels.attend_piece(q, k, v, self.plan.scale, mask, self.block_size, self.plan.dtype)
 
     def attend_vjp(
         self,
@@ -87,7 +104,10 @@ class _AxisBackend:
         delta: jax.Array,
         mask: str | jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return blockwise.attend_vjp(MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask)
+        mask, ids = _parts(mask)
+        return blockwise.attend_blocks_vjp(
+            MATH, q, k, v, d_out, lse, delta, self.plan.scale, mask, self.block_size, *ids
+        )
 
     def set_rows(self, x: jax.Array, rows: slice, value: jax.Array) -> jax.Array:
         return x.at[:, rows].set(value)
@@ -129,27 +149,41 @@ class _AxisBackend:
         self, step: int, index: int, mask: jax.Array, function: Callable[..., Any], *operands: jax.Array
     ) -> Any:
         """``lax.cond`` on `commlib.ring.visible_pieces`' rule (some query of the piece sees some key, decided
-        on device): a skipped piece is the branch that returns its accumulators unchanged."""
-        return jax.lax.cond(jnp.any(mask), function, lambda *unchanged: unchanged, *operands)
+        on device, over the keys a block at a time: `commlib.blockwise.any_visible`): a skipped piece is the
+        branch that returns its accumulators unchanged."""
+        seen = blockwise.any_visible(MATH, mask, self.block_size) if isinstance(mask, SegmentedMask) else jnp.any(mask)
+        return jax.lax.cond(seen, function, lambda *unchanged: unchanged, *operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring(
-    plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+    plan: spec.RingPlan,
+    axes: tuple,
+    block_size: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
-    return spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)[0]
+    return spec.forward(plan, _AxisBackend(plan, axes, block_size), q, k, v, segments)[0]
 
 
 def _ring_forward(
-    plan: spec.RingPlan, axes: tuple, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+    plan: spec.RingPlan,
+    axes: tuple,
+    block_size: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple]:
-    out, lse = spec.forward(plan, _AxisBackend(plan, axes), q, k, v, segments)
+    out, lse = spec.forward(plan, _AxisBackend(plan, axes, block_size), q, k, v, segments)
     return out, (q, k, v, out, lse, segments)
 
 
-def _ring_backward(plan: spec.RingPlan, axes: tuple, residuals: tuple, cotangent: jax.Array) -> tuple:
+def _ring_backward(plan: spec.RingPlan, axes: tuple, block_size: int, residuals: tuple, cotangent: jax.Array) -> tuple:
     q, k, v, out, lse, segments = residuals
-    grads = spec.backward(plan, _AxisBackend(plan, axes), q, k, v, out, lse, cotangent, segments)
+    grads = spec.backward(plan, _AxisBackend(plan, axes, block_size), q, k, v, out, lse, cotangent, segments)
     no_gradient = None if segments is None else np.zeros(segments.shape, dtype=jax.dtypes.float0)  # integers
     return (*grads, no_gradient)
 
@@ -167,6 +201,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     segment_ids: Array | None = None,
+    block_size: int | None = None,
 ) -> jax.Array:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
@@ -191,11 +226,17 @@ def ring_attention(
             all-gathered once (``[W, B, S/W]``; nothing of them travels with k and v), and a (q, kv) piece none
             of whose queries sees any of its keys is skipped (`commlib.ring.visible_pieces`' rule, on device:
             ``lax.cond``). No gradient.
+        block_size: keys per block of a piece (None: `commlib.blockwise.BLOCK_SIZE`): each piece is computed
+            over its keys that many at a time with the online softmax, and recomputed so in the backward from
+            the saved LSE, so a piece holds ``[B, H, S/W, block_size]`` scores, never ``[B, H, S/W, S/W]``
+            (`commlib.blockwise.attend_blocks`); on a GPU, a piece cuDNN's fused kernel serves runs on it
+            (`commlib_jax._kernels.fused_serves`). The values do not depend on it beyond rounding.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
     hand-written backward that passes dk and dv around the ring (W hops) and recomputes each step's scores from
-    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W).
+    the saved LSE; what a rank saves for it is q, k, v, the output and the LSE ``[B, S/W, H]``: O(S/W). Reverse
+    mode only (a ``jax.custom_vjp``): ``jax.jvp`` does not trace through it.
 
     Four devices in a ring, each given its zigzag shard of the whole sequence (``commlib.shard_positions``),
     give the rows of attention on the whole sequence:
@@ -234,8 +275,9 @@ def ring_attention(
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
     plan = ring_call(LayerFrontend(), q, k, v, segment_ids, ring_size=size, causal=causal, scale=scale, layout=layout)
+    block_size = blockwise.check_block_size(spec.RING_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    return _ring_on_axes(plan, axes, q, k, v, segment_ids)
+    return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids)
 
 
 def _heads_out(plan: spec.RingPlan, q: Array, k: Array, v: Array, ulysses_axis: AxisName) -> tuple[Array, ...]:
@@ -268,6 +310,7 @@ def usp_attention(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     segment_ids: Array | None = None,
+    block_size: int | None = None,
 ) -> jax.Array:
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
@@ -282,6 +325,7 @@ def usp_attention(
             (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
         segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
             `ulysses_axis` into ring block r's ids, then every ring block's over `ring_axis` (once).
+        block_size: as in `ring_attention`.
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
@@ -320,8 +364,9 @@ def usp_attention(
         scale=scale,
         layout=layout,
     )
+    block_size = blockwise.check_block_size(spec.USP_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     q, k, v = _heads_out(plan, q, k, v, ulysses_axis)
     if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
         segment_ids = all_gather(segment_ids, ulysses_axis, 1)
-    return all_to_all_4d(_ring_on_axes(plan, ring_axes, q, k, v, segment_ids), ulysses_axis, 1, 2)
+    return all_to_all_4d(_ring_on_axes(plan, ring_axes, block_size, q, k, v, segment_ids), ulysses_axis, 1, 2)

@@ -268,6 +268,7 @@ class _RankBackend:
     by the rank."""
 
     math = _MATH
+    blocked_masks = False
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["DOCUMENTS", "QUOTES", "ROOT", "check", "quoted", "write"]
+__all__ = ["DOCUMENTS", "QUOTES", "ROOT", "check", "memory_table", "quoted", "write"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/*.md")
@@ -133,9 +133,35 @@ def _moe_bench(path: str) -> str:
     return "\n" + "\n".join(lines) + "\n"
 
 
+def memory_table(rows: list[dict]) -> str:
+    """``benchmarks/memory.py``'s rows as a markdown table (the bench prints it too)."""
+    lines = ["| framework | layer | S | block | temp MiB | peak RSS MiB | RSS before MiB | s (fwd+bwd) |"]
+    lines.append("|---" * 8 + "|")
+    for row in rows:
+        cells = [row["framework"], row["layer"], f"{row['seq']:,}", str(row.get("block_size") or "default")]
+        cells += [f"{row[key]:,.0f}" if key in row else "-" for key in ("temp_mib", "peak_rss_mib", "rss_before_mib")]
+        cells.append(f"{row['seconds']:.2f}" if "seconds" in row else row.get("error", "-"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _memory(path: str, key: str = "rows") -> str:
+    return "\n" + memory_table(_json(path)[key]) + "\n"
+
+
+def _memory_speed(path: str) -> str:
+    """The speed ratios a stored ``benchmarks/memory.py --baseline-path`` run gives, one per layer."""
+    parts = []
+    for entry in _json(path)["speed"]:
+        this, baseline = entry["this"]["seconds"], entry["baseline"]["seconds"]
+        parts.append(f"{entry['layer']} {entry['ratio']:.2f}x ({this:.2f} s / {baseline:.2f} s)")
+    return ", ".join(parts)
+
+
 _TARGET = "benchmarks/results/cpu-2026-11-30/target-0138.json"
 _MASKS = "benchmarks/results/cpu-2026-12-01-masks"
 _FULL = "benchmarks/results/cpu-2026-11-30/full.json"
+_MEMORY = "benchmarks/results/cpu-2026-12-07-memory"
 
 #: NAME -> the text its stored result gives.
 QUOTES: dict[str, Callable[[], str]] = {
@@ -167,6 +193,11 @@ QUOTES: dict[str, Callable[[], str]] = {
     "all-ones-mask": lambda: _all_ones_mask(f"{_MASKS}/all_ones_mask.json"),
     "moe-bench": lambda: _moe_bench("benchmarks/results/cpu-2026-12-07-moe/moe.json"),
     "moe-bench-small": lambda: _moe_bench("benchmarks/results/cpu-2026-12-07-moe/moe-small.json"),
+    "memory-table": lambda: _memory(f"{_MEMORY}/memory.json"),
+    "memory-baseline": lambda: _memory(f"{_MEMORY}/baseline.json", "baseline_rows"),
+    "memory-speed": lambda: _memory_speed(f"{_MEMORY}/baseline.json"),
+    "memory-speed-ulysses": lambda: _memory_speed(f"{_MEMORY}/baseline_ulysses_4096.json"),
+    "memory-block-size": lambda: _memory(f"{_MEMORY}/block_size.json"),
 }
 
 
