@@ -24,6 +24,7 @@ MODULES = {
     "torch": (
         "commlib_torch.functional",
         "commlib_torch.attention",
+        "commlib_torch.cross_attention",
         "commlib_torch.communicator",
         "commlib_torch.ring",
         "commlib_torch.sequence",
@@ -36,6 +37,7 @@ MODULES = {
     "jax": (
         "commlib_jax.functional",
         "commlib_jax.attention",
+        "commlib_jax.cross_attention",
         "commlib_jax.communicator",
         "commlib_jax.moe",
         "commlib_jax.ring",

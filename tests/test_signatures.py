@@ -70,6 +70,7 @@ def test_both_frontends_have_the_same_public_functions():
     torch_names, jax_names = set(_signatures("torch")), set(_signatures("jax"))
     assert torch_names == jax_names
     assert {"all_reduce", "attention.ulysses_attention", "communicator.all_to_all_4D", "moe.route"} <= torch_names
+    assert {"attention.cross_attention"} <= torch_names
 
 
 def _differences(torch_parameters: list, jax_parameters: list) -> list[str]:
