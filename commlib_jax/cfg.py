@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from commlib import cfg as spec
 from commlib.frontend_errors import wrong_type
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
-from commlib_jax._vma import axes_of
+from commlib_jax._vma import axes_of, axis_arg, shared_axes
 from commlib_jax.functional import all_gather, shard
 
 __all__ = ["cfg_split", "cfg_combine"]
@@ -27,6 +28,8 @@ def cfg_split(uncond: Array, cond: Array, axis_name: AxisName, *, dim: int = 0) 
     `cond`; over 1 rank, ``concatenate([uncond, cond], dim)`` (the batch of both passes). One formula,
     ``shard(concatenate([uncond, cond], dim), axis_name, dim)``: no communication forward; gradient: the
     cotangents all-gathered (both ranks get the full gradient of `uncond` and `cond`, replicated over the axis).
+    Inputs typed invariant over the axis (``in_specs=P()`` under ``check_vma=True``), whose gradient JAX sums
+    over the ranks itself, are sliced at ``lax.axis_index`` instead (no second sum): the same full gradient.
 
     Args:
         uncond, cond: the same shape and dtype on both ranks.
@@ -41,8 +44,7 @@ def cfg_split(uncond: Array, cond: Array, axis_name: AxisName, *, dim: int = 0) 
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import Mesh, PartitionSpec as P
         >>> mesh = Mesh(jax.devices()[:2], ("cfg",))
-        >>> f = jax.shard_map(lambda u, c: cfg_split(u, c, "cfg"), mesh=mesh, in_specs=P(), out_specs=P("cfg"),
-        ...                   check_vma=False)  # shared inputs as `shard` takes them (check_vma=True: see shard)
+        >>> f = jax.shard_map(lambda u, c: cfg_split(u, c, "cfg"), mesh=mesh, in_specs=P(), out_specs=P("cfg"))
         >>> f(jnp.zeros((1, 3)), jnp.ones((1, 3)))  # rank 0's row, then rank 1's
         Array([[0., 0., 0.],
                [1., 1., 1.]], dtype=float32)
@@ -50,7 +52,12 @@ def cfg_split(uncond: Array, cond: Array, axis_name: AxisName, *, dim: int = 0) 
     _arrays(spec.SPLIT_OP, uncond=uncond, cond=cond)
     size = axis_size(spec.SPLIT_OP, axes_of(axis_name))
     axis = spec.check_split(spec.SPLIT_OP, uncond.shape, cond.shape, size, dim)
-    return shard(jnp.concatenate([uncond, cond], axis=axis), axis_name, axis)
+    both, axes = jnp.concatenate([uncond, cond], axis=axis), axes_of(axis_name)
+    if size > 1 and shared_axes(both, axes) == tuple(name for name in axes if lax.axis_size(name) > 1):
+        # typed invariant (check_vma=True): JAX sums the gradient of a shared value itself, so take the slice
+        rows = both.shape[axis] // size
+        return lax.dynamic_slice_in_dim(both, lax.axis_index(axis_arg(axes)) * rows, rows, axis)
+    return shard(both, axis_name, axis)
 
 
 def cfg_combine(

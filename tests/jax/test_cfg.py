@@ -65,6 +65,34 @@ def _step(arrays, cfg_size, check_vma, scale=SCALE):
     return np.asarray(guided), [np.asarray(g) for g in grads]
 
 
+def _shared_gradient(arrays):
+    """d uncond, d cond of the CFG-parallel step with uncond and cond given once, ``P()`` (typed invariant under
+    check_vma=True: JAX sums their gradient over the ranks)."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("cfg", "sp"))
+    rows = np.split(np.arange(ROWS), 2)
+    x = np.stack([arrays["x"][:, rows[rank % 2]] for rank in range(4)])
+    cot = np.stack([arrays["cotangent"][:, rows[rank % 2]] for rank in range(4)])
+    weights = {name: jnp.asarray(value) for name, value in arrays["weights"].items()}
+
+    def body(x, cot, uncond, cond):
+        out = _block(x[0], cfg_split(uncond, cond, "cfg"), weights)
+        return (cfg_combine(out, SCALE, "cfg", convention="replicated") * cot[0]).sum()[None]
+
+    per_rank = P(("cfg", "sp"))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(per_rank, per_rank, P(), P()), out_specs=per_rank)
+    loss = lambda uncond, cond: mapped(x, cot, uncond, cond).sum()  # noqa: E731
+    return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(arrays["uncond"], arrays["cond"])]
+
+
+def test_shared_embeddings_get_the_one_group_gradient():
+    """Embeddings given once (``P()``, check_vma=True): their gradient is the one-group step's, counted once."""
+    arrays = _arrays()
+    _, (_, single_du, single_dc) = _step(arrays, 1, True)
+    du, dc = _shared_gradient(arrays)
+    np.testing.assert_allclose(du, single_du[0], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(dc, single_dc[0], rtol=0, atol=1e-13)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_cfg_parallel_equals_the_one_group_step(check_vma):
     arrays = _arrays()
