@@ -25,10 +25,11 @@ from commlib.ulysses import Finished, Pending, walk
 from commlib_torch._checked import LayerFrontend
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
+from commlib_torch.cross_attention import cross_attention
 from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
 from commlib_torch.ring import nan_free, nan_rows, ring_attention, usp_attention
 
-__all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention"]
+__all__ = ["attention", "ulysses_attention", "ring_attention", "usp_attention", "cross_attention"]
 
 AttentionFn = Callable[..., torch.Tensor]
 

@@ -24,6 +24,8 @@ MODULES = {
     "torch": (
         "commlib_torch.functional",
         "commlib_torch.attention",
+        "commlib_torch.cross_attention",
+        "commlib_torch.cfg",
         "commlib_torch.communicator",
         "commlib_torch.ring",
         "commlib_torch.sequence",
@@ -36,6 +38,8 @@ MODULES = {
     "jax": (
         "commlib_jax.functional",
         "commlib_jax.attention",
+        "commlib_jax.cross_attention",
+        "commlib_jax.cfg",
         "commlib_jax.communicator",
         "commlib_jax.moe",
         "commlib_jax.ring",

@@ -47,6 +47,9 @@ for name in attention.__all__:
 sequence = importlib.import_module(f"commlib_{frontend}.sequence")
 for name in ("shard_tokens", "shard_sequence", "gather_sequence", "position_ids", "cross_entropy"):
     found[f"sequence.{name}"] = parameters(getattr(sequence, name))
+cfg = importlib.import_module(f"commlib_{frontend}.cfg")
+for name in ("cfg_split", "cfg_combine"):
+    found[f"cfg.{name}"] = parameters(getattr(cfg, name))
 moe = importlib.import_module(f"commlib_{frontend}.moe")
 for name in ("route", "dispatch", "combine"):
     found[f"moe.{name}"] = parameters(getattr(moe, name))
@@ -75,6 +78,7 @@ def test_both_frontends_have_the_same_public_functions():
     torch_names, jax_names = set(_signatures("torch")), set(_signatures("jax"))
     assert torch_names == jax_names
     assert {"all_reduce", "attention.ulysses_attention", "communicator.all_to_all_4D", "moe.route"} <= torch_names
+    assert {"attention.cross_attention", "cfg.cfg_split", "cfg.cfg_combine"} <= torch_names
 
 
 def _differences(torch_parameters: list, jax_parameters: list) -> list[str]:

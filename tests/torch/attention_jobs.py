@@ -40,7 +40,8 @@ def _counting(calls: list):
         def counted(*args, **kwargs):
             output = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if name == "batch_isend_irecv":  # what its irecvs receive
-                output = torch.cat([op.tensor.reshape(-1) for op in args[0] if op.op is dist.irecv])
+                received = [op.tensor.reshape(-1) for op in args[0] if op.op is dist.irecv]
+                output = torch.cat(received) if received else None  # a rank that receives nothing (an empty shard)
             calls.append((name, 0 if output is None else output.numel() * output.element_size()))
             return original(*args, **kwargs)
 
