@@ -1,4 +1,4 @@
-"""`ulysses_attention(..., chunks=)` on simulated CPU devices (issue 26 item 2, DESIGN "Overlap"): head groups
+"""`ulysses_attention(..., chunks=)` on simulated CPU devices (DESIGN "Overlap"): head groups
 give chunks=1's output and dq, dk, dv bit for bit where no kv head serves q heads of two groups
 (`tests.attention_cases.kv_exact`: MHA, GQA whose groups keep a kv head's q heads together), else to rounding
 (a group's GQA shape differs and XLA may round its dots otherwise), every rank, with check_vma on and off, and
