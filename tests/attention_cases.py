@@ -25,7 +25,7 @@ __all__ = [
 
 
 def handed_case(causal: bool = False) -> Case:
-    """Issue 9's case: W=4, B=1, S=10, H=6, H_kv=2, D=4, float64, seq_sizes (3, 3, 2, 2)."""
+    """The handed uneven case: W=4, B=1, S=10, H=6, H_kv=2, D=4, float64, seq_sizes (3, 3, 2, 2)."""
     return attention_case(4, (1, 10, 6, 4), kv_heads=2, seq_sizes=(3, 3, 2, 2), causal=causal)
 
 

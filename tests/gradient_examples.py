@@ -3,7 +3,7 @@ tests/jax/test_conventions.py (plain Python data: neither framework is imported 
 
 Each example: rank r's loss is ``sum(cotangents[r] * op(xs[r], **kwargs))`` and the objective is the sum of
 the ranks' losses; `gradients[r]` is the gradient of xs[r] the op must give (W = len(xs)). `SCALAR_ALL_REDUCE`:
-issue 3's scalar all_reduce examples, shared by both frontends' test_examples.py.
+the scalar all_reduce examples, shared by both frontends' test_examples.py.
 """
 
 C = [[1.0], [10.0]]  # W = 2 cotangents: rank 0's loss is 1 * sum(y_0), rank 1's is 10 * sum(y_1)
@@ -102,7 +102,7 @@ EXAMPLES = [
 ]
 
 
-#: Issue 3's worked examples of all_reduce on one scalar per rank (W = 4), each rank's loss the sum of its output:
+#: The worked examples of all_reduce on one scalar per rank (W = 4), each rank's loss the sum of its output:
 #: (op, one scalar per rank, convention, expected output on every rank, expected input gradients). Shared by
 #: tests/torch/test_examples.py and tests/jax/test_examples.py.
 SCALAR_ALL_REDUCE = [

@@ -1,4 +1,4 @@
-"""Segment-mask cases shared by tests/spec, tests/torch and tests/jax (issue 22): the handed case, whole float64
+"""Segment-mask cases shared by tests/spec, tests/torch and tests/jax: the handed case, whole float64
 inputs, their shards in any layout and the unsharded masked reference (`commlib.attention.attention`)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ HANDED = [
     ("usp_attention", SequenceLayout(40, ring_size=2, ulysses_size=2, layout="zigzag"), "zigzag"),
 ]
 TOLERANCE = 1e-10
-#: (op, layout) of issue 23 item 5's rows (`nan_or_blind`): W = 2, S = 16.
+#: (op, layout) of the NaN-in-q rows (`nan_or_blind`): W = 2, S = 16.
 NAN_LAYOUTS = [
     ("ulysses_attention", SequenceLayout(16, ulysses_size=2)),
     ("ring_attention", SequenceLayout(16, ring_size=2)),
@@ -134,7 +134,7 @@ def random_documents(world_size: int) -> tuple[np.ndarray, list, list[tuple[str,
 
 
 def nan_or_blind(row: str, value_dim: int = 4) -> list:
-    """Issue 23 item 5's inputs ``[1, 16]``, 2 heads, 1 kv head: every key positive in dim 0; ``row="nan"``: a
+    """The NaN-in-q inputs ``[1, 16]``, 2 heads, 1 kv head: every key positive in dim 0; ``row="nan"``: a
     NaN in q's row 3; ``"blind"``: q's row 9 -inf in dim 0, so its every score is -inf."""
     whole = whole_inputs(1, 16, 2, 1, 4, value_dim=value_dim)
     whole[1][..., 0] = np.abs(whole[1][..., 0]) + 0.5
@@ -146,7 +146,7 @@ def nan_or_blind(row: str, value_dim: int = 4) -> list:
 
 
 def check_nan_or_blind(out: np.ndarray, dq: np.ndarray, whole: list, row: str, float64: bool) -> None:
-    """Issue 23 item 5's assertions on the whole output and dq of `nan_or_blind` inputs (causal): NaN exactly where
+    """The NaN-in-q assertions on the whole output and dq of `nan_or_blind` inputs (causal): NaN exactly where
     the reference has it (q's row 3 for "nan"); the blind row 9 exactly 0 with dq exactly 0; every other row
     within 1e-10 of the reference (float32: 1e-5)."""
     want_out = expected(whole, None, True)[0]
@@ -160,7 +160,7 @@ def check_nan_or_blind(out: np.ndarray, dq: np.ndarray, whole: list, row: str, f
 
 
 def _nan_k_settings() -> list[tuple[str, SequenceLayout]]:
-    """(op, layout) of issue 34 item 2's rows: W = 1, 2, 4; S = 1, 4 (one row per rank at W = 4), 13 (uneven
+    """(op, layout) of the NaN-in-k rows: W = 1, 2, 4; S = 1, 4 (one row per rank at W = 4), 13 (uneven
     shards) and 16; Ulysses, ring in both layouts, USP (W = 4: 2 x 2)."""
     settings = []
     for seq in (1, 16):
@@ -184,7 +184,7 @@ def _nan_k_settings() -> list[tuple[str, SequenceLayout]]:
     return settings
 
 
-#: (op, layout) of issue 34 item 2's NaN-in-k rows (`nan_in_k`).
+#: (op, layout) of the NaN-in-k rows (`nan_in_k`).
 NAN_K_SETTINGS = _nan_k_settings()
 #: The settings the JAX test runs (each row compiles its own program).
 NAN_K_JAX_SETTINGS = [
@@ -219,7 +219,7 @@ def _nan_k_ids(seq: int) -> np.ndarray:
 
 
 def nan_in_k(seq: int, where: str, segmented: bool, value_dim: int) -> tuple[list, np.ndarray | None]:
-    """Issue 34 item 2's inputs: whole float64 ``[q, k, v, cotangent]`` (B = 2, H = 4, H_kv = 2, D = 4) with NaNs in
+    """The NaN-in-k inputs: whole float64 ``[q, k, v, cotangent]`` (B = 2, H = 4, H_kv = 2, D = 4) with NaNs in
     k, and the segment ids (None: not `segmented`). "visible": batch 0's key S // 2 NaN in one dim of kv head 0,
     batch 1's key 0 NaN in every dim of kv head 1; "padding": the last key of each row (segment id -1), NaN in
     kv head 1 (batch 0, every dim) and kv head 0 (batch 1, one dim)."""
@@ -238,7 +238,7 @@ def nan_in_k(seq: int, where: str, segmented: bool, value_dim: int) -> tuple[lis
 def check_nan_in_k(
     got: list, whole: list, ids, causal: bool, where: str, layout: SequenceLayout, gradients: bool = True
 ) -> None:
-    """Issue 34 item 2's assertions on every rank's ``[out, dq, dk, dv]`` (`got`, exact rows) of `nan_in_k` inputs:
+    """The NaN-in-k assertions on every rank's ``[out, dq, dk, dv]`` (`got`, exact rows) of `nan_in_k` inputs:
     the output NaN exactly where the float64 reference's is (the rows that see a NaN key) and within `TOLERANCE`
     of it elsewhere, padding rows exactly 0; "padding": no NaN anywhere, and the output and gradients those of
     the same call with the padding keys 0 (what a key no query sees holds is ignored; its gradient exactly 0)."""

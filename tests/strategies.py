@@ -238,7 +238,7 @@ def uneven_case(call, dtype: str = "float64", transposed: bool = False) -> Case:
     return Case(name, op, W, shape, dtype, tuple(kwargs.items()), transposed)
 
 
-# ---- the fuzz loop (issue 23) ------------------------------------------------------------------------------
+# ---- the fuzz loop ------------------------------------------------------------------------------
 
 #: Ops that move data without arithmetic: bool and integers run forward through them.
 MOVING_OPS = ("all_gather", "gather", "scatter", "broadcast", "all_to_all", "all_to_all_4d", "permute")
@@ -247,7 +247,7 @@ MOVING_OPS = ("all_gather", "gather", "scatter", "broadcast", "all_to_all", "all
 @st.composite
 def fuzz_cases(draw, space: Space):
     """Any op, even or with uneven sizes, in one of `space`'s floating dtypes or float32, or (ops that only move
-    data) bool or int32: the mix the fuzz loop that found issue 23's items 1-2 drew from."""
+    data) bool or int32: the mix the fuzz loop that found the stride-2 and bool-scatter bugs drew from."""
     if draw(st.booleans()):
         op = draw(st.sampled_from(UNEVEN_OPS))
         case = uneven_case(

@@ -1,4 +1,4 @@
-"""``python examples/port_check.py --bug none --bug local-positions`` (issue 25 item 6): the transformers Llama
+"""``python examples/port_check.py --bug none --bug local-positions``: the transformers Llama
 (4 gloo ranks) against its Flax port (4 CPU devices) under Ulysses, float64, one torch run against both ports.
 The faithful port agrees (logits, loss, every gradient within 1e-10 relative, the traces call for call); the
 port whose RoPE is fed local positions is reported at layer 0's attention call, q and k on ranks 1-3, not at

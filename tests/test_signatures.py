@@ -129,7 +129,7 @@ def test_a_different_keyword_is_found():
 
 
 def test_attention_docstrings_name_only_their_parameters():
-    """Issue 23 item 8: ``ulysses_attention``'s docstring spoke of "x's dtype", and it has no `x`. Every
+    """``ulysses_attention``'s docstring spoke of "x's dtype", and it has no `x`. Every
     "NAME's dtype" / "NAME's shape" in the layers' docstrings names one of their parameters (read from the
     source: no import)."""
     import ast

@@ -175,7 +175,7 @@ def attention_shards(case: Case, whole: np.ndarray) -> list[np.ndarray]:
 
 def _uneven_cases(W: int) -> list[Case]:
     """Uneven sizes in both Ulysses directions and every op that takes them, zero-size ranks included; at W = 4
-    the first row is issue 9's handed case (S = 63, H = 6: seq 16, 16, 16, 15 and heads 2, 2, 1, 1)."""
+    the first row is the handed uneven case (S = 63, H = 6: seq 16, 16, 16, 15 and heads 2, 2, 1, 1)."""
     S, H = 16 * W - 1, W + 2
     seq, heads = split_sizes(S, W), split_sizes(H, W)
     zeroed = (0, *split_sizes(2 * W - 1, W - 1)) if W > 1 else (3,)  # rank 0 holds nothing

@@ -4,7 +4,7 @@ A quoted number sits in README.md or docs/*.md between two markers, ``<!-- quote
 (invisible once rendered; TEXT may be a code span, the markers outside its backticks). `QUOTES` makes each
 NAME's TEXT from a stored result in the repository (a command's output or JSON under ``docs/results/`` or
 ``benchmarks/results/``). Without ``--write`` it exits 1 and names each quote whose text differs from what its
-result gives (``tests/spec/test_docs_numbers.py`` checks the same); ``--write`` puts the results' text into the
+result gives (``tests/tools/test_docs_numbers.py`` checks the same); ``--write`` puts the results' text into the
 docs. To refresh a number: rerun the command named beside it in the docs into its result file, then
 ``--write``. A number that is no quote is stated as an example, with the command that gives it. Reads the
 docs of a clone (the repository around this package).

@@ -82,7 +82,7 @@ def _gradients(program, inputs, cotangent):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_handed_case_padding(causal):
-    """Issue 9's case within 1e-10 of the reference, with NaN in every padded row of q, k, v and the
+    """The handed uneven case within 1e-10 of the reference, with NaN in every padded row of q, k, v and the
     cotangent: those rows are never read (every valid value is finite), their gradients are exactly 0 and the
     output rows there are zeros."""
     case = handed_case(causal)

@@ -1,4 +1,4 @@
-"""Issue 11's corners on simulated CPU devices (shard_map with check_vma, and pmap): NaN under max/min,
+"""The corners on simulated CPU devices (shard_map with check_vma, and pmap): NaN under max/min,
 half-precision averages whose sum overflows, complex avg, the spec's float8 rules, int16, and the errors of an
 op called outside shard_map/pmap (or over an axis no map binds) or given a list."""
 
@@ -122,7 +122,7 @@ def test_an_op_outside_shard_map_or_pmap(op):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_wrong_axis_name_inside_a_map_lists_the_bound_axes(mode):
-    """Issue 23 item 8: inside a shard_map / pmap, a wrong name lists the names bound there (not the text of a
+    """Inside a shard_map / pmap, a wrong name lists the names bound there (not the text of a
     call outside every map)."""
     with pytest.raises(CommError) as raised:
         _mapped(lambda x: commlib_jax.all_reduce(x, "j"), 2, mode)(jnp.ones((2, 2)))
@@ -166,7 +166,7 @@ def test_an_op_given_a_list(op):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sizes", [None, (3, 0, 2, 1)])
 def test_scatter_of_bool(mode, sizes):
-    """Issue 23 item 2: scatter of bool (even and with sizes) gives src's chunks, as torch and the reference
+    """Scatter of bool (even and with sizes) gives src's chunks, as torch and the reference
     (psum_scatter has no bool)."""
     world_size, rows = 4, 2 if sizes is None else max(sizes)
     rng = np.random.default_rng(23)
@@ -181,7 +181,7 @@ def test_scatter_of_bool(mode, sizes):
 
 
 def test_permute_with_a_partial_perm_under_vmap():
-    """Issue 23 item 7: under ``jax.vmap(axis_name=...)`` a partial perm gives what it gives under shard_map:
+    """Under ``jax.vmap(axis_name=...)`` a partial perm gives what it gives under shard_map:
     src's row at each dst, zeros at ranks that are no dst; the gradient is the inverse permute."""
     perm = ((0, 1), (1, 2))
     xs = np.arange(8.0).reshape(4, 2)

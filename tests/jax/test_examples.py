@@ -1,4 +1,4 @@
-"""Issue 3's worked examples on simulated CPU devices, in every mode of `parity_runner.modes_for(W)`, each
+"""The worked examples on simulated CPU devices, in every mode of `parity_runner.modes_for(W)`, each
 rank's loss being the sum of its output (cotangent 1): exact max/min/product gradients, the two conventions,
 accum_dtype, integer tensors; then `Communicator` against the functional ops, world size 1, tuple axis
 names in either order, an op over one axis of a 2 x 2 mesh, jit and grad in either order, and a
@@ -69,7 +69,7 @@ def test_two_conventions(convention, gradient, mode):
     assert [grad.tolist() for grad in grads["x"]] == [[gradient], [gradient]]
 
 
-# --- issue 14: shard, reduce, all_to_all on one dim ---------------------------------------------------------
+# --- shard, reduce, all_to_all on one dim ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)

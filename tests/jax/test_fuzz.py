@@ -1,4 +1,4 @@
-"""The fuzz loop that found issue 23's items 1-2, part of the suite (JAX side): seeded (hypothesis,
+"""The fuzz loop that found the stride-2 and bool-scatter bugs, part of the suite (JAX side): seeded (hypothesis,
 derandomized) and bounded (`EXAMPLES` cases, ~15 s on 2 cores: each compiles). Every op, even or with uneven
 sizes (zeros included, the padded layout), on 4 simulated devices, float64 / float32, bool and int32 through
 the ops that only move data, both conventions, one random mode per case (shard_map with check_vma True or

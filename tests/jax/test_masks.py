@@ -1,8 +1,8 @@
 """Segment masks (``segment_ids=``) in `ulysses_attention`, `ring_attention` and `usp_attention` on simulated CPU
-devices (issue 22): the handed case within 1e-10 of the unsharded masked reference on every rank (outputs and
+devices: the handed case within 1e-10 of the unsharded masked reference on every rank (outputs and
 dq/dk/dv, ``jax.grad`` of per-rank losses under ``shard_map``, check_vma True and False), padding rows exactly
 0 with gradient exactly 0; documents of random lengths at any length (every shard padded to ``max_size``);
-bad segment ids refused by name; and issue 23 item 5: a NaN in q gives NaN rows and a query whose every score is
+bad segment ids refused by name; and a NaN in q gives NaN rows and a query whose every score is
 -inf gives 0 (gradient 0) through JAX's default attention and the ring (JAX's ring gave NaN)."""
 
 import jax
@@ -132,7 +132,7 @@ def test_list_inputs_are_refused(op, argument):
 @pytest.mark.parametrize(("op", "layout"), masks.NAN_LAYOUTS)
 @pytest.mark.parametrize("row", ["nan", "blind"])
 def test_nan_rows_and_rows_that_see_no_finite_score(op, layout, dtype, row):
-    """Issue 23 item 5, causal: a NaN in q's row 3 gives a NaN output row, as the reference; row 9, whose every
+    """Causal: a NaN in q's row 3 gives a NaN output row, as the reference; row 9, whose every
     score is -inf ("blind"), gives exactly 0 and dq exactly 0 (JAX's ring gave NaN, its default attention the
     average of the keys the causal mask hides); the other rows equal the reference."""
     whole = masks.nan_or_blind(row)
@@ -151,7 +151,7 @@ def test_default_attention_masks():
 
 @pytest.mark.parametrize(("op", "layout"), masks.NAN_K_JAX_SETTINGS, ids=masks.setting_id)
 def test_nan_in_k_reaches_the_rows_that_see_it_and_no_other(op, layout):
-    """Issue 34 item 2, the torch rows (`masks.NAN_K_CASES`) at a few of its settings: a NaN key makes exactly the
+    """The torch rows (`masks.NAN_K_CASES`) at a few of its settings: a NaN key makes exactly the
     rows that see it NaN, as the float64 reference; a NaN at a padding key changes no output (JAX's dq is NaN
     there, as the reference VJP's: torch's test checks the gradients)."""
     failed = []

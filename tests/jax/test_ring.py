@@ -112,7 +112,7 @@ def _table_row(case: cases.Case) -> parity.Row:
 
 
 def test_handed_case():
-    """Issue 12's case, the first row of the parity table at W=4: B=2, S=16, H=4, H_kv=2, D=3, float64, causal,
+    """The ring's handed case, the first row of the parity table at W=4: B=2, S=16, H=4, H_kv=2, D=3, float64, causal,
     zigzag; rank 0 holds positions 0, 1, 14, 15. Outputs and dq/dk/dv within 1e-10 of unsharded causal GQA
     attention at those positions: printed as `commlib parity` shows them (relative to max(1, max |reference|)) and
     as absolute errors."""

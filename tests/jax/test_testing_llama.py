@@ -1,4 +1,4 @@
-"""`commlib.testing.ParameterMap` on the handed case of issue 25: the transformers Llama of
+"""`commlib.testing.ParameterMap` on the handed case of the port check: the transformers Llama of
 examples/transformers_llama.py (its config) against the Flax nnx decoder of examples/flax_llama.py. The two
 architectures match (pre-norm RMSNorm with eps 1e-6, GQA 8/2 heads with rotate-half RoPE at theta 1e4, SwiGLU, no
 biases, untied head) but for precision: transformers computes RMSNorm and RoPE's cos and sin in float32 whatever the

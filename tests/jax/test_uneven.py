@@ -21,7 +21,7 @@ from commlib_jax.tools.parity_runner import modes_for
 from tests.jax import programs
 from tests.strategies import uneven_calls, uneven_case
 
-W, B, S, H, D = 4, 2, 63, 6, 3  # issue 9's handed case
+W, B, S, H, D = 4, 2, 63, 6, 3  # the handed uneven case
 SEQ, HEADS = split_sizes(S, W), split_sizes(H, W)
 
 

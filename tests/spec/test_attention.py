@@ -383,7 +383,7 @@ def test_errors(shapes, kwargs, error, message):
 
 @pytest.mark.parametrize("kv_shape", [(1, 2, 2, 4), (1, 2, 8, 4)])
 def test_a_q_in_sdpa_order_gets_a_layout_hint(kv_shape):
-    """Issue 23 item 8: q in SDPA's [B, H, S, D] order (k and v in either order) fails on seq with a hint of
+    """A q in SDPA's [B, H, S, D] order (k and v in either order) fails on seq with a hint of
     the layout, not a bare "k seq (2) must equal q seq (8)"."""
     q = (1, 8, 2, 4)
     with pytest.raises(CommError) as raised:

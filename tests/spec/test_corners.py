@@ -1,4 +1,4 @@
-"""Issue 11's corners on the spec and the numpy reference: NaN under max/min, half-precision averages whose
+"""The corners on the spec and the numpy reference: NaN under max/min, half-precision averages whose
 sum overflows, the carrier rule for dtypes a backend lacks, complex avg, and the messages of the calls only a
 frontend can detect (a rank outside the group, not an array, an unbound axis, send/recv plans)."""
 

@@ -1,4 +1,4 @@
-"""Segment masks in the spec (issue 22): `commlib.segment_ids`, the float64 reference with segment masks against
+"""Segment masks in the spec: `commlib.segment_ids`, the float64 reference with segment masks against
 attention run document by document (forward and VJP, causal, GQA), padding rows exactly 0 with gradient 0, the
 ring's walk with segment ids on W simulated ranks against the reference (hypothesis: random lengths, W 1-4,
 every layout), the skip rule's count, the validation of ``segment_ids``, and the NaN / -inf rules of a piece."""

@@ -174,7 +174,7 @@ def test_forward_of_plans_without_primal_is_the_walk(world_size):
 
 
 def test_caches_flush_past_their_byte_bound(monkeypatch):
-    """Issue 23 item 6: every plan built (and layout, VJP plan, walk) is charged its estimated bytes; past
+    """Every plan built (and layout, VJP plan, walk) is charged its estimated bytes; past
     MAX_BYTES every cache is flushed, so a stream of new shapes keeps a bounded heap, while repeated shapes
     keep hitting."""
     plan_cache.clear()

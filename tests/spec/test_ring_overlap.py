@@ -1,4 +1,4 @@
-"""The ring's overlap in the spec's walk (issue 26 item 1, DESIGN "Overlap"): `commlib.ring.forward` /
+"""The ring's overlap in the spec's walk (DESIGN "Overlap"): `commlib.ring.forward` /
 `backward` begin step t+1's send of k/v (and segment ids) before step t's pieces and wait for it after them
 (the backward's dk/dv, the step's sums, after the pieces), on a recording `SimulatedRanks`; and the overlapped
 walk gives what the sequential one (``overlap=False``) gives, bit for bit, W = 1-4, causal, layouts, segment ids,

@@ -128,7 +128,7 @@ def test_duals_are_uneven_and_involutive(call):
         assert plan.copies <= 2
 
 
-# ---------------------------------------------------------------- the handed case (issue 9)
+# ---------------------------------------------------------------- the handed case
 
 
 def test_handed_case_in_both_layouts():
@@ -252,7 +252,7 @@ def test_split_sizes_is_array_split():
     ],
 )
 def test_split_sizes_kind_errors(n, world_size, message):
-    """Issue 23 item 8: bools are no counts, and a float or str gets the house format."""
+    """Bools are no counts, and a float or str gets the house format."""
     with pytest.raises(TypeError) as raised:
         split_sizes(n, world_size)
     assert str(raised.value) == f"split_sizes: {message}"

@@ -26,7 +26,7 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def nan_extremum(ctx, op: str, convention: str):
-    """Issue 11's example (W=2: rank 0 [nan, 5], rank 1 [5, nan]) plus a third element with a plain extremum on
+    """The NaN example (W=2: rank 0 [nan, 5], rank 1 [5, nan]) plus a third element with a plain extremum on
     rank 1; cotangent ones. (output, input gradient)."""
     values = [[NAN, 5.0, 1.0], [5.0, NAN, 2.0 if op == "max" else 0.0]][ctx.rank]
     x = torch.tensor(values, dtype=torch.float64, requires_grad=True)

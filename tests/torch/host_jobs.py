@@ -84,7 +84,7 @@ def host_syncs(ctx) -> dict[str, list[str]]:
 
 
 def cache_memory(ctx, shapes: int = 4000) -> dict[str, object]:
-    """Issue 23 item 6: the Python heap the plan and walk caches keep after `shapes` reduce_scatter calls of
+    """The Python heap the plan and walk caches keep after `shapes` reduce_scatter calls of
     shapes never seen before (traced by tracemalloc, after a collection), and the plans a handful of
     training shapes builds per round afterwards (forward and backward; round one builds)."""
     import gc

@@ -243,7 +243,7 @@ def integer_forward(ctx: WorkerContext, op: str, dtype: str):
 
 
 def shard_example(ctx: WorkerContext, scale_grad: bool, via_communicator: bool):
-    """Issue 14's example: every rank holds arange(8), rank r's cotangent is (r+1)*[1, 10]. (output, gradient)."""
+    """The one-dim example: every rank holds arange(8), rank r's cotangent is (r+1)*[1, 10]. (output, gradient)."""
     x = torch.arange(8, dtype=torch.float64, requires_grad=True)
     if via_communicator:  # FastVideo's GroupCoordinator.shard -> communicator.slice(input_, dim, scale_grad=...)
         out = DeviceCommunicator(dist.group.WORLD).slice(x, -1, scale_grad=scale_grad)

@@ -102,7 +102,7 @@ def rejected_kind(ctx, op: str, argument: str, check: bool) -> str:
 
 
 def nan_in_k_rows(ctx, op: str, layout: SequenceLayout):
-    """Issue 34 item 2: this rank's ``[out, dq, dk, dv]`` (float64 numpy) for every row of `masks.NAN_K_CASES`
+    """This rank's ``[out, dq, dk, dv]`` (float64 numpy) for every row of `masks.NAN_K_CASES`
     (NaNs in k; `masks.nan_in_k`) of `op` on `layout`, in the table's order (padding rows skipped at S = 1)."""
     replies = []
     for where, causal, segmented, value_dim in masks.NAN_K_CASES:

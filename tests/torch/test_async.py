@@ -1,4 +1,4 @@
-"""``async_op=True`` (issue 26 item 3, DESIGN "Overlap") on real gloo ranks: every op that takes it, W = 1-4,
+"""``async_op=True`` (DESIGN "Overlap") on real gloo ranks: every op that takes it, W = 1-4,
 every row of the parity case table for those ops (float32 / bfloat16 with accum_dtype, uneven sizes, empty
 shards, non-contiguous inputs, the rejected calls; each valid float32 row in float64 too): outputs and
 gradients bit for bit the synchronous call's on every rank and within the reference's tolerance, the same error

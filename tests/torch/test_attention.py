@@ -52,7 +52,7 @@ def test_headless_ranks_join_every_exchange(pool, world_size, checked):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_handed_case(pool, causal):
-    """Issue 9's case within 1e-10 of the reference (outputs, dq, dk, dv) with non-contiguous inputs; one
+    """The handed uneven case within 1e-10 of the reference (outputs, dq, dk, dv) with non-contiguous inputs; one
     all-to-all for q, k, v and one for the output, each way; each rank receives exactly the kv heads it needs."""
     case = handed_case(causal)
     replies = pool(4).run(jobs.counted_call, case, cases.make_arrays(case, 0), transposed=True)

@@ -1,4 +1,4 @@
-"""`ulysses_attention(..., chunks=)` on real gloo ranks (issue 26 item 2, DESIGN "Overlap"): head groups in
+"""`ulysses_attention(..., chunks=)` on real gloo ranks (DESIGN "Overlap"): head groups in
 pipeline order give chunks=1's output bit for bit, every rank, W = 1-4, and its dq, dk, dv bit for bit where
 the arithmetic is the same -- SDPA's CPU backward computes a head alike whatever the head count in float32
 (not in float64: 1e-17 differences), and no kv head serves two groups (`tests.attention_cases.kv_exact`) --

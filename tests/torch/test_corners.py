@@ -1,4 +1,4 @@
-"""Issue 11's corners on real gloo groups: NaN under max/min, half-precision averages whose sum overflows,
+"""The corners on real gloo groups: NaN under max/min, half-precision averages whose sum overflows,
 dtypes gloo cannot carry, a rank outside the group, arguments that are not tensors, complex avg. Every value
 is the one the issue states, or the numpy reference's."""
 

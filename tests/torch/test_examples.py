@@ -1,4 +1,4 @@
-"""The worked examples of issue 3 on real gloo process groups, each rank's loss being the sum of its output:
+"""The worked examples on real gloo process groups, each rank's loss being the sum of its output:
 exact max/min/product gradients, the two conventions, accum_dtype, integer tensors, no autograd state where
 none is asked for, and double backward through the dual op."""
 
@@ -71,7 +71,7 @@ def test_integer_and_bool_tensors_forward_only(pool, op, dtype):
 @pytest.mark.parametrize("via_communicator", [False, True], ids=["shard", "DeviceCommunicator.slice"])
 @pytest.mark.parametrize(("scale_grad", "factor"), [(False, 1.0), (True, 0.25)])
 def test_shard_example(pool, scale_grad, factor, via_communicator):
-    """Issue 14: W=4, every rank holding arange(8), cotangent (r+1)*[1, 10] on rank r: rank r gets [2r, 2r+1];
+    """W=4, every rank holding arange(8), cotangent (r+1)*[1, 10] on rank r: rank r gets [2r, 2r+1];
     every rank's gradient is [1, 10, 2, 20, 3, 30, 4, 40] (a quarter of that with scale_grad)."""
     replies = pool(4).run(jobs.shard_example, scale_grad, via_communicator)
     assert [out for out, _ in replies] == [[2.0 * rank, 2.0 * rank + 1] for rank in range(4)]

@@ -1,4 +1,4 @@
-"""The fuzz loop that found issue 23's items 1-2, part of the suite: seeded (hypothesis, derandomized) and
+"""The fuzz loop that found the stride-2 and bool-scatter bugs, part of the suite: seeded (hypothesis, derandomized) and
 bounded (`EXAMPLES` cases, ~15 s on 2 cores). Every op, even or with uneven sizes (zeros included), on real
 gloo groups of W = 1-4, float64 / float32 / bfloat16, bool and int32 through the ops that only move data, both
 conventions, contiguous, transposed or stride-2 (``base[..., ::2]``) inputs and cotangents (a stride-2

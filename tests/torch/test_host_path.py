@@ -57,7 +57,7 @@ def test_walks_made_once_per_plan_and_forgotten_with_the_plans():
 
 
 def test_caches_are_bounded_by_bytes(pool):
-    """Issue 23 item 6: 4,000 new shapes leave a few MiB on the heap (the caches' byte bound,
+    """4,000 new shapes leave a few MiB on the heap (the caches' byte bound,
     `commlib.plan_cache.MAX_BYTES` = 4 MiB estimated, with room for the estimate's error; the count bound alone
     kept every walk and plan: ~14 MiB here, 131 MiB after 60,000), and a handful of training shapes still find
     every plan from their second round on."""

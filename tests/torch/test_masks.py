@@ -1,7 +1,7 @@
 """Segment masks (``segment_ids=``) in `ulysses_attention`, `ring_attention` and `usp_attention` on real gloo
-ranks (issue 22): the handed case within 1e-10 of the unsharded masked reference on every rank (outputs and
+ranks: the handed case within 1e-10 of the unsharded masked reference on every rank (outputs and
 dq/dk/dv), padding rows exactly 0 with gradient exactly 0; documents of random lengths at any length, W = 1-4;
-the pieces the ring skips; bad segment ids refused by name on every rank; and issue 23 item 5: a NaN in q gives
+the pieces the ring skips; bad segment ids refused by name on every rank; and a NaN in q gives
 NaN rows and a query whose every score is -inf gives 0 (gradient 0), through SDPA and the ring's flash kernels."""
 
 import numpy as np
@@ -89,7 +89,7 @@ def test_list_inputs_are_refused(pool, op, argument, check):
 @pytest.mark.parametrize("row", ["nan", "blind"])
 @pytest.mark.parametrize("value_dim", [4, 3])
 def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row, value_dim):
-    """Issue 23 item 5, causal: a NaN in q's row 3 gives a NaN output row (SDPA's and the ring's CPU flash kernels
+    """Causal: a NaN in q's row 3 gives a NaN output row (SDPA's and the ring's CPU flash kernels
     gave 0), as the reference; row 9, whose every score is -inf ("blind"), gives exactly 0 and dq exactly 0; the
     other rows equal the reference. ``D_v != D`` takes the ring's einsum rules and JAX's route in Ulysses."""
     whole = masks.nan_or_blind(row, value_dim)
@@ -101,7 +101,7 @@ def test_nan_rows_and_rows_that_see_no_finite_score(pool, op, layout, dtype, row
 
 @pytest.mark.parametrize(("op", "layout"), masks.NAN_K_SETTINGS, ids=masks.setting_id)
 def test_nan_in_k_reaches_the_rows_that_see_it_and_no_other(pool, op, layout):
-    """Issue 34 item 2, every row of `masks.NAN_K_CASES` (causal and not, segment ids with padding or none, the
+    """Every row of `masks.NAN_K_CASES` (causal and not, segment ids with padding or none, the
     flash kernels and the einsum rules): a NaN key makes exactly the rows that see it NaN, as the float64
     reference (torch gave S = 1's row, causal row 0 whose only key is NaN and a non-causal ring of one row per
     rank finite); a NaN at a padding key changes nothing (torch made real rows NaN, and the ring's padding

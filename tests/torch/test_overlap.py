@@ -1,4 +1,4 @@
-"""The ring's overlap (issue 26 item 1, DESIGN "Overlap") on real gloo ranks: `ring_attention` and
+"""The ring's overlap (DESIGN "Overlap") on real gloo ranks: `ring_attention` and
 `usp_attention` with step t+1's k/v (and segment ids) sent asynchronously while step t computes give the same
 outputs and dq/dk/dv, bit for bit, as the sequential order (each send completed before the step's pieces) --
 W = 2-4, contiguous and zigzag, causal or not, segment ids, uneven `SequenceLayout`\\ s, float32 and bfloat16,

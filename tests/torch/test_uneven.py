@@ -70,7 +70,7 @@ def test_checked_mode_ranks_that_disagree_on_sizes_all_raise(pool):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("viewed", ["every rank", "rank 1 only"])
 def test_stride_two_views_with_sizes(pool, world_size, viewed):
-    """Issue 23 item 1: a stride-2 input of all_gather and a stride-2 cotangent of reduce_scatter's backward,
+    """A stride-2 input of all_gather and a stride-2 cotangent of reduce_scatter's backward,
     with sizes, give the reference's values and gradients on every rank (no raw RuntimeError, and no rank
     left waiting when only some ranks hold views)."""
     views = tuple(range(world_size)) if viewed == "every rank" else (1,)

@@ -9,7 +9,7 @@ import torch
 import commlib_torch as cl
 from commlib import CommError, split_sizes
 
-W, B, S, H, D = 4, 2, 63, 6, 3  # issue 9's handed case
+W, B, S, H, D = 4, 2, 63, 6, 3  # the handed uneven case
 
 
 def _rows(full: torch.Tensor, sizes, dim: int, rank: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _strided(rows: int, columns: int, rng, view: bool) -> torch.Tensor:
 
 
 def strided_views(ctx, views: tuple[int, ...], seed: int = 23):
-    """Issue 23 item 1: ``all_gather(x[:, ::2], dim=0, sizes=...)`` on the ranks in `views` (a contiguous x
+    """``all_gather(x[:, ::2], dim=0, sizes=...)`` on the ranks in `views` (a contiguous x
     elsewhere) and ``reduce_scatter(..., sizes=...)`` whose backward gets a stride-2 cotangent there. Every rank
     draws every rank's tensors from one seed, so it knows the reference; returns this rank's max errors
     (all_gather value, its gradient, reduce_scatter value, its gradient)."""

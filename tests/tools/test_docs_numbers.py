@@ -12,7 +12,7 @@ def test_every_quoted_number_is_its_stored_results():
     names = {name for found in quotes.quoted().values() for name, _ in found}
     assert names == set(quotes.QUOTES)
     assert {"parity-ops", "train-example-torch", "parity-train", "bench-quick"} <= names
-    assert "dead-rank" in names  # issue 23 item 4: the claim about a killed rank is the measured distribution
+    assert "dead-rank" in names  # the claim about a killed rank is the measured distribution
 
 
 def test_a_number_that_drifted_is_named_and_write_puts_the_results_back(monkeypatch, tmp_path):
