@@ -9,28 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import commlib
 from commlib import CommError, SequenceLayout
-from commlib_jax.attention import attention, ring_attention, ulysses_attention, usp_attention
+from commlib_jax.attention import attention
 from tests import mask_cases as masks
-
-
-def _mesh(op, layout):
-    devices = np.array(jax.devices()[: layout.world_size])
-    if op == "usp_attention":
-        return Mesh(devices.reshape(layout.ring_size, layout.ulysses_size), ("ring", "ulysses")), P(("ring", "ulysses"))
-    return Mesh(devices, ("i",)), P("i")
-
-
-def _call(op, name, q, k, v, **kwargs):
-    if op == "usp_attention":
-        return usp_attention(q, k, v, "ulysses", "ring", layout=name, **kwargs)
-    if op == "ulysses_attention":
-        return ulysses_attention(q, k, v, "i", layout=name, **kwargs)
-    return ring_attention(q, k, v, "i", layout=name, **kwargs)
+from tests.jax.layer_meshes import call as _call
+from tests.jax.layer_meshes import mesh as _mesh
 
 
 def _run(op, layout, name, whole, ids, causal, check_vma=True, dtype=jnp.float64):
