@@ -15,11 +15,12 @@
   gather of a sequence, the loss over every rank's tokens): validation, index tables, float64 references;
 - `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
   that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
-  `commlib.ring_reference`: the float64 references (unsharded, and the ring on simulated numpy ranks);
+  `commlib.reference.ring`: the float64 references (unsharded, and the ring on simulated numpy ranks);
 - `commlib.moe`: expert parallelism's routing walk, both layouts and the VJP rules over a backend, with their
-  validation; `commlib.moe_reference`: `simulate_moe`, the float64 walk on simulated numpy ranks;
+  validation; `commlib.reference.moe`: `simulate_moe`, the float64 walk on simulated numpy ranks;
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
-- `commlib.reference`: every op on W simulated numpy ranks, outputs and VJPs;
+- `commlib.reference`: the float64 references, one module per family (every op on W simulated numpy ranks,
+  outputs and VJPs: `commlib.reference.collectives`, re-exported by the package; ring, Ulysses, MoE);
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
   CommFailure), `commlib.errors` (every exception and the message format);
 - `commlib.tools`: the parity table and the `commlib` command (tooling, not the library).

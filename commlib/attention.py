@@ -20,7 +20,7 @@ decides everything about that except the arithmetic:
   compare global positions (`causal_mask`), so a layout that is not in sequence order (zigzag, USP) only
   changes the positions, not the rule.
 - The reference: `attention` / `attention_vjp` (float64 GQA attention with masks over global positions,
-  forward and VJP); `commlib.ulysses_reference.simulate_ulysses` walks a plan on W simulated numpy ranks.
+  forward and VJP); `commlib.reference.ulysses.simulate_ulysses` walks a plan on W simulated numpy ranks.
 
 Layouts (the "Uneven sizes" rule of DESIGN.md): torch holds a sharded dim exactly (``layout="exact"``:
 rank r's q has ``seq_sizes[r]`` rows; the plan is per rank), JAX holds it padded to the maximum

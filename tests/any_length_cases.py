@@ -1,6 +1,6 @@
 """The any-length ring and USP cases both frontends' tests run: `commlib.SequenceLayout`\\ s at uneven lengths
 (S = 37, 5 and 3: shards that differ by a row, or hold none), causal and not, GQA (H = 8, H_kv = 2), batch 2, in
-float64, checked against unsharded float64 attention (`commlib.ring_reference.reference`)."""
+float64, checked against unsharded float64 attention (`commlib.reference.ring.reference`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 
 from commlib import SequenceLayout
-from commlib.ring_reference import reference
+from commlib.reference.ring import reference
 
 TOLERANCE = 1e-10
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 8, 2, 3

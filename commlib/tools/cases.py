@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from commlib import attention, plans, reference, ring, ring_reference, sequence, uneven
+from commlib import attention, plans, reference, ring, sequence, uneven
 from commlib.errors import CommError
 from commlib.reduce_op import is_floating
+from commlib.reference import ring as ring_reference
 from commlib.testing.parity import TOLERANCES
 from commlib.uneven import split_sizes
 

@@ -1,5 +1,5 @@
 """``commlib parity --workload moe``: expert parallelism's `route`, `dispatch` and `combine`, torch (layouts
-``exact`` and ``padded``) vs JAX (``padded``) vs the float64 reference `commlib.moe_reference.simulate_moe`.
+``exact`` and ``padded``) vs JAX (``padded``) vs the float64 reference `commlib.reference.moe.simulate_moe`.
 
 Every case of `cases` is one MoE layer on every rank: ``route(indices)``, ``d = dispatch(x)``, the experts
 ``y = tanh((1 + e / E) * d)`` (a different function per expert e, so a wrong ordering cannot pass; computed in
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from commlib.moe_reference import simulate_moe
+from commlib.reference.moe import simulate_moe
 from commlib.testing.parity import TOLERANCES
 from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 from commlib.tools.sequence_parity import SequenceResults, load, relative_error

@@ -35,7 +35,7 @@ def test_context_bench_variants_compute_the_reference():
     attention on the whole zigzag sequence and its gradients (the float64 reference), so their times compare the
     same work; the wire bytes are the spec's counts."""
     from commlib import shard_positions
-    from commlib.ring_reference import reference
+    from commlib.reference.ring import reference
     from commlib.tools.bench import context_rows, context_wire
     from commlib_jax.tools import bench_context
 

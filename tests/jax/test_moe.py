@@ -1,4 +1,4 @@
-"""`commlib_jax.moe` against the spec's float64 reference (`commlib.moe_reference.simulate_moe`, padded layout):
+"""`commlib_jax.moe` against the spec's float64 reference (`commlib.reference.moe.simulate_moe`, padded layout):
 every rank's dispatched rows, combined output, routing counts and the x / y / weights gradients, through
 per-expert nonlinear experts (expert e: ``tanh((e + 1) * row)``, so a wrong ordering cannot pass) with NaN
 written into the padded rows. Compiles dominate, so one jitted program runs every case of a mesh. The jnp
@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from commlib import CommError, moe, split_sizes
-from commlib.moe_reference import SimulatedMoeRanks, simulate_moe
+from commlib.reference.moe import SimulatedMoeRanks, simulate_moe
 from commlib_jax import moe as jmoe
 
 

@@ -1,5 +1,5 @@
 """`commlib_jax.attention.ring_attention` and `usp_attention` on simulated CPU devices: every rank's output and dq,
-dk, dv against the float64 reference (`commlib.ring_reference.reference`: unsharded GQA attention at the shards' global
+dk, dv against the float64 reference (`commlib.reference.ring.reference`: unsharded GQA attention at the shards' global
 positions), the handed case, the parity table's ring and USP rows, what the custom_vjp saves for backward, the
 collectives of the program and their shapes (k/v travel with H_kv heads) and the modes the table leaves out.
 Bad input: the table of tests/bad_input.py (tests/test_bad_input.py), the same text in both frontends.
@@ -13,7 +13,8 @@ from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from commlib import CommError, ring, ring_reference, shard_positions, shard_sequence
+from commlib import CommError, ring, shard_positions, shard_sequence
+from commlib.reference import ring as ring_reference
 from commlib.tools import cases, parity
 from commlib_jax.attention import ring_attention
 from commlib_jax.tools import parity_runner

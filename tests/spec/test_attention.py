@@ -1,7 +1,7 @@
 """`commlib.attention`: the head and position bookkeeping of Ulysses attention, its validation, and the float64
 reference -- against naive definitions written here (sets of heads, loops over queries, finite differences).
 
-`commlib.ulysses_reference.simulate_ulysses` runs the frontends' own walk (`commlib.ulysses.walk`: one send buffer
+`commlib.reference.ulysses.simulate_ulysses` runs the frontends' own walk (`commlib.ulysses.walk`: one send buffer
 per exchange, the all-to-all, the receive offsets, the kv indexing, attention per rank, the return all-to-all) on
 W simulated numpy ranks, so the plans themselves are checked against unsharded attention here, for both layouts,
 before any framework runs.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from commlib import CommError
 from commlib import attention as A
-from commlib.ulysses_reference import simulate_ulysses
+from commlib.reference.ulysses import simulate_ulysses
 
 WORLD_SIZES = (1, 2, 3, 4)
 

@@ -15,8 +15,8 @@ from commlib import CommError, SequenceLayout
 from commlib.attention import attention, attention_vjp, ulysses_plan
 from commlib.blockwise import NUMPY, attend
 from commlib.masks import segment_mask
+from commlib.reference.ring import SimulatedRanks, _ring_ids, simulate_ring
 from commlib.ring import pieces_computed, ring_plan
-from commlib.ring_reference import SimulatedRanks, _ring_ids, simulate_ring
 from commlib.sequence import SEQUENCE_LAYOUTS
 from tests import mask_cases as masks
 

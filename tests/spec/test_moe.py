@@ -1,4 +1,4 @@
-"""The MoE spec (`commlib.moe`, `commlib.moe_reference.simulate_moe`) against a brute-force float64 routing
+"""The MoE spec (`commlib.moe`, `commlib.reference.moe.simulate_moe`) against a brute-force float64 routing
 written here from the rules alone: ordering, capacity, layouts, the three VJP rules and every message."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 from commlib import CommError, layer_check, moe, split_sizes
-from commlib.moe_reference import SimulatedMoeRanks, _stack, simulate_moe
+from commlib.reference.moe import SimulatedMoeRanks, _stack, simulate_moe
 
 Case = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], int, tuple[int, ...]]
 

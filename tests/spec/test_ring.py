@@ -1,4 +1,4 @@
-"""`commlib.sequence`, `commlib.ring`, `commlib.blockwise`, `commlib.ring_reference`: the sequence layouts, the
+"""`commlib.sequence`, `commlib.ring`, `commlib.blockwise`, `commlib.reference.ring`: the sequence layouts, the
 ring schedule and its step rules, on W simulated numpy ranks.
 
 The layouts are checked against their definitions written here (chunk lists); the case table against the causal
@@ -16,8 +16,8 @@ import commlib
 from commlib import CommError
 from commlib import attention as A
 from commlib.blockwise import NUMPY, attend, attend_vjp, delta, merge
+from commlib.reference.ring import reference, simulate_ring
 from commlib.ring import USP_OP, ring_plan
-from commlib.ring_reference import reference, simulate_ring
 from commlib.sequence import SEQUENCE_LAYOUTS
 
 TOLERANCE = 1e-10

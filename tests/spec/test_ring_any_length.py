@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from commlib import CommError, SequenceLayout
 from commlib import attention as A
 from commlib.blockwise import NUMPY, attend, merge_masked
+from commlib.reference.ring import reference, simulate_ring
 from commlib.ring import USP_OP, ring_plan
-from commlib.ring_reference import reference, simulate_ring
 from commlib.sequence import SEQUENCE_LAYOUTS, ulysses_seq_sizes
 
 TOLERANCE = 1e-10

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from commlib import SequenceLayout, ring, segment_ids
-from commlib.ring_reference import SimulatedRanks, _ring_ids
+from commlib.reference.ring import SimulatedRanks, _ring_ids
 
 
 class _Recording(SimulatedRanks):

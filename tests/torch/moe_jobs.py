@@ -1,5 +1,5 @@
 """Pool jobs for tests/torch/test_moe.py: `commlib_torch.moe` on this rank against the float64 reference
-`commlib.moe_reference.simulate_moe` (over every rank's data, rebuilt from the seed on each rank), for every
+`commlib.reference.moe.simulate_moe` (over every rank's data, rebuilt from the seed on each rank), for every
 case of `cases` at the pool's world size, and the errors each rank raises."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from commlib import CommError, split_sizes
 from commlib import moe as spec
-from commlib.moe_reference import simulate_moe
+from commlib.reference.moe import simulate_moe
 from commlib_torch import checked, moe
 
 
