@@ -1,5 +1,9 @@
 """`commlib_jax.cfg`: a CFG step on a (cfg 2, sp 2) mesh of 4 CPU devices against the one-group step (a 1 x 1
-mesh, both passes as one batch), values and gradients (check_vma True and False); the validation."""
+mesh, both passes as one batch), values and gradients (check_vma True and False); the validation. Each step is one
+jitted program per mesh, mode and scale, its weights arguments (eager shard_map dispatches op by op: 6x the CPU
+seconds)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,29 +44,37 @@ def _block(x, emb, weights):
 def _step(arrays, cfg_size, check_vma, scale=SCALE):
     """Every rank's guided output and the gradients of x (its rows), uncond and cond (per-rank copies)."""
     sp_size = 2 if cfg_size == 2 else 1
-    mesh = Mesh(np.array(jax.devices()[: cfg_size * sp_size]).reshape(cfg_size, sp_size), ("cfg", "sp"))
     ranks = cfg_size * sp_size
     rows = np.split(np.arange(ROWS), sp_size)
     x = np.stack([arrays["x"][:, rows[rank % sp_size]] for rank in range(ranks)])
     cot = np.stack([arrays["cotangent"][:, rows[rank % sp_size]] for rank in range(ranks)])
     uncond, cond = (np.stack([arrays[name]] * ranks) for name in ("uncond", "cond"))
-    weights = {name: jnp.asarray(value) for name, value in arrays["weights"].items()}
+    (_, guided), grads = _step_program(cfg_size, check_vma, scale)(x, uncond, cond, cot, arrays["weights"])
+    return np.asarray(guided), [np.asarray(g) for g in grads]
+
+
+@functools.cache
+def _step_program(cfg_size, check_vma, scale):
+    """The jitted value and gradient of the step (one program per mesh, mode and scale; the weights are arguments,
+    so every seed's arrays run the same program)."""
+    sp_size = 2 if cfg_size == 2 else 1
+    mesh = Mesh(np.array(jax.devices()[: cfg_size * sp_size]).reshape(cfg_size, sp_size), ("cfg", "sp"))
     per_rank = P(("cfg", "sp"))
 
-    def body(x, uncond, cond, cot):
-        both_x = x[0] if cfg_size == 2 else jnp.concatenate([x[0], x[0]])
-        out = _block(both_x, cfg_split(uncond[0], cond[0], "cfg"), weights)
-        guided = cfg_combine(out, scale, "cfg", convention="replicated")
-        return guided[None], (guided * cot[0]).sum()[None]
+    def total(x, uncond, cond, cot, weights):
+        def body(x, uncond, cond, cot):
+            both_x = x[0] if cfg_size == 2 else jnp.concatenate([x[0], x[0]])
+            out = _block(both_x, cfg_split(uncond[0], cond[0], "cfg"), weights)
+            guided = cfg_combine(out, scale, "cfg", convention="replicated")
+            return guided[None], (guided * cot[0]).sum()[None]
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(per_rank,) * 4, out_specs=(per_rank,) * 2, check_vma=check_vma)
-
-    def total(x, uncond, cond):
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=(per_rank,) * 4, out_specs=(per_rank,) * 2, check_vma=check_vma
+        )
         guided, losses = mapped(x, uncond, cond, cot)
         return losses.sum(), guided
 
-    (_, guided), grads = jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True)(x, uncond, cond)
-    return np.asarray(guided), [np.asarray(g) for g in grads]
+    return jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True))
 
 
 def _shared_gradient(arrays):
@@ -81,7 +93,7 @@ def _shared_gradient(arrays):
     per_rank = P(("cfg", "sp"))
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(per_rank, per_rank, P(), P()), out_specs=per_rank)
     loss = lambda uncond, cond: mapped(x, cot, uncond, cond).sum()  # noqa: E731
-    return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(arrays["uncond"], arrays["cond"])]
+    return [np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(arrays["uncond"], arrays["cond"])]
 
 
 def test_shared_embeddings_get_the_one_group_gradient():
@@ -111,10 +123,13 @@ def test_cfg_parallel_equals_the_one_group_step(check_vma):
 
 def _alone(arrays, name):
     """The block on one device with `name`'s embedding: one pass, no CFG."""
+    return np.asarray(_alone_program()(arrays["x"], arrays[name], arrays["weights"]))
+
+
+@functools.cache
+def _alone_program():
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
-    weights = {key: jnp.asarray(value) for key, value in arrays["weights"].items()}
-    body = lambda x, emb: _block(x, emb, weights)  # noqa: E731
-    return np.asarray(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(arrays["x"], arrays[name]))
+    return jax.jit(jax.shard_map(_block, mesh=mesh, in_specs=P(), out_specs=P()))
 
 
 def test_the_passes_are_not_swapped():
