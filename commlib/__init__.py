@@ -6,13 +6,12 @@
   `Convention` enum, and the pack/unpack plans;
 - `commlib.steps`: the step kinds of a plan (`Step`): the collectives and the local steps;
 - `commlib.uneven`: uneven sizes (`split_sizes`, the exact and padded layouts);
-- `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`) and the float64
-  attention reference;
+- `commlib.attention`: the attention layers' head and position bookkeeping (`ulysses_plan`);
 - `commlib.masks`: segment masks (`segment_ids`, their validation and the mask of two id arrays);
 - `commlib.sequence`: the sequence layouts (`SequenceLayout` for any length; the even `shard_positions`,
   `shard_sequence`, `unshard_sequence`);
 - `commlib.sequence_helpers`: the whole model's sequence helpers (tokens, positions, global labels, the take and
-  gather of a sequence, the loss over every rank's tokens): validation, index tables, float64 references;
+  gather of a sequence, the loss over every rank's tokens): validation, index tables;
 - `commlib.ring`: the ring's schedule (`ring_plan`) and its one walk, forward and backward, over a backend
   that torch, JAX and the reference implement; `commlib.blockwise`: the online-softmax step rules;
   `commlib.reference.ring`: the float64 references (unsharded, and the ring on simulated numpy ranks);
@@ -20,7 +19,8 @@
   validation; `commlib.reference.moe`: `simulate_moe`, the float64 walk on simulated numpy ranks;
 - `commlib.gradients`: every gradient rule (the VJP plan of each plan, and the max/min/product rules);
 - `commlib.reference`: the float64 references, one module per family (every op on W simulated numpy ranks,
-  outputs and VJPs: `commlib.reference.collectives`, re-exported by the package; ring, Ulysses, MoE);
+  outputs and VJPs: `commlib.reference.collectives`, re-exported by the package; attention, ring, Ulysses,
+  cross-attention, the sequence helpers, MoE);
 - `commlib.check` (checked mode's fingerprints), `commlib.failures` (backend errors -> CommTimeout /
   CommFailure), `commlib.errors` (every exception and the message format);
 - `commlib.tools`: the parity table and the `commlib` command (tooling, not the library).

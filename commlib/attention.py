@@ -1,4 +1,4 @@
-"""Attention layers: the head and position bookkeeping both frontends walk, and the float64 numpy reference.
+"""Attention layers: the head and position bookkeeping both frontends walk.
 
 Ulysses (DeepSpeed-Ulysses) shards attention by sequence: rank r holds rows ``seq_sizes[r]`` of q, k, v
 (``[B, S_r, H, D]``, ``[B, S_r, H_kv, D]``), one all-to-all gives every rank the full sequence for a subset
@@ -19,8 +19,9 @@ decides everything about that except the arithmetic:
 - Positions: `contiguous_positions(seq_sizes)` gives the global positions of each rank's shard; causal masks
   compare global positions (`causal_mask`), so a layout that is not in sequence order (zigzag, USP) only
   changes the positions, not the rule.
-- The reference: `attention` / `attention_vjp` (float64 GQA attention with masks over global positions,
-  forward and VJP); `commlib.reference.ulysses.simulate_ulysses` walks a plan on W simulated numpy ranks.
+- The reference lives in `commlib.reference`: `commlib.reference.attention` (`attention` / `attention_vjp`,
+  float64 GQA attention with masks over global positions, forward and VJP; `causal_mask`), re-exported here,
+  and `commlib.reference.ulysses.simulate_ulysses`, which walks a plan on W simulated numpy ranks.
 
 Layouts (the "Uneven sizes" rule of DESIGN.md): torch holds a sharded dim exactly (``layout="exact"``:
 rank r's q has ``seq_sizes[r]`` rows; the plan is per rank), JAX holds it padded to the maximum
@@ -41,16 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
-
-import numpy as np
-import numpy.typing as npt
 
 from commlib import layer_names
 from commlib.errors import comm_error
 from commlib.frontend_errors import wrong_type
-from commlib.masks import check_segment_ids, segment_mask
+from commlib.masks import check_segment_ids
+from commlib.reference.attention import attention, attention_vjp, causal_mask  # re-exported: their documented path
 from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
@@ -324,16 +322,6 @@ def contiguous_positions(seq_sizes: Sequence[int]) -> tuple[range, ...]:
     return tuple(range(start, start + size) for start, size in zip(_offsets(seq_sizes), seq_sizes, strict=True))
 
 
-def causal_mask(q_positions: npt.ArrayLike, k_positions: npt.ArrayLike) -> np.ndarray:
-    """``[Sq, Sk]`` bool: query at global position p sees the keys at positions <= p.
-
-    >>> causal_mask([1, 2], [0, 2, 1]).astype(int)
-    array([[1, 0, 1],
-           [1, 1, 1]])
-    """
-    return np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]
-
-
 def _check_seq_sizes(
     seq_sizes: object, world_size: int, rank: int | None, rows: int, received: dict
 ) -> tuple[int, ...]:
@@ -476,6 +464,7 @@ def check_layer_inputs(
     the argument and the type received (`commlib.frontend_errors.wrong_type`). A Python list is refused
     everywhere, never converted.
 
+    >>> import numpy as np
     >>> check_layer_inputs("ring_attention", np.zeros(1), np.zeros(1), np.zeros(1), [0, 0], (np.ndarray,),
     ...                    "numpy.ndarray")
     Traceback (most recent call last):
@@ -530,125 +519,3 @@ def _out_runs(groups: tuple[HeadGroup, ...]) -> tuple[tuple[int, int, int], ...]
         for index, group in enumerate(groups)
         if group.heads.q_sizes[source]
     )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The float64 reference
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _visible(
-    q: np.ndarray,
-    k: np.ndarray,
-    causal: bool,
-    q_positions: npt.ArrayLike | None,
-    k_positions: npt.ArrayLike | None,
-    q_segments: npt.ArrayLike | None = None,
-    k_segments: npt.ArrayLike | None = None,
-) -> np.ndarray:
-    """Which keys each query sees: ``[Sq, Sk]`` bool (all, or the causal mask over global positions), and with
-    segment ids (``[B, Sq]``, ``[B, Sk]``) ``[B, 1, Sq, Sk]``: also only keys of the query's segment, padding
-    (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`)."""
-    if not causal:
-        visible = np.ones((q.shape[1], k.shape[1]), dtype=bool)
-    else:
-        query = np.arange(q.shape[1]) if q_positions is None else np.asarray(q_positions)
-        key = np.arange(k.shape[1]) if k_positions is None else np.asarray(k_positions)
-        visible = causal_mask(query, key)
-    if q_segments is None and k_segments is None:
-        return visible
-    q_segments = np.asarray(q_segments)
-    k_segments = q_segments if k_segments is None else np.asarray(k_segments)
-    return (visible & segment_mask(q_segments, k_segments))[:, None]
-
-
-def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
-    """Softmax weights ``[B, H, Sq, Sk]`` (k already has H heads); rows that see no key are all zero."""
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    scores = np.where(visible, scores, -np.inf)
-    top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
-    weights = np.where(visible, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
-    total = weights.sum(axis=-1, keepdims=True)
-    return weights / np.where(total > 0, total, 1.0)
-
-
-def _expanded(x: npt.ArrayLike, group: int) -> np.ndarray:
-    """kv heads repeated for the q heads that use them: ``[B, S, H_kv, D] -> [B, S, H, D]``."""
-    return np.repeat(np.asarray(x, dtype=np.float64), group, axis=2)
-
-
-def _prepared(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
-    causal: bool,
-    scale: float | None,
-    q_positions: npt.ArrayLike | None,
-    k_positions: npt.ArrayLike | None,
-    q_segments: npt.ArrayLike | None = None,
-    k_segments: npt.ArrayLike | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float, np.ndarray]:
-    q = np.asarray(q, dtype=np.float64)
-    group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
-    k_full, v_full = _expanded(k, group), _expanded(v, group)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    visible = _visible(q, k_full, causal, q_positions, k_positions, q_segments, k_segments)
-    probs = _probabilities(q, k_full, scale, visible)
-    return q, k_full, v_full, group, scale, probs
-
-
-def attention(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    q_positions: npt.ArrayLike | None = None,
-    k_positions: npt.ArrayLike | None = None,
-    q_segments: npt.ArrayLike | None = None,
-    k_segments: npt.ArrayLike | None = None,
-) -> np.ndarray:
-    """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
-    ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
-    ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
-    at positions <= p (positions default to ``0..S-1``); `q_segments` / `k_segments` (integers ``[B, Sq]`` /
-    ``[B, Sk]``; k's default to q's): a query sees only the keys of its segment, a negative id (padding) sees
-    and is seen by nothing. A query that sees no key gives zeros (and gradient 0); a NaN in q, k or v gives
-    NaN in the rows that see it.
-
-    >>> q = k = v = np.ones((1, 3, 1, 2))
-    >>> attention(q, k, v, q_segments=np.array([[0, 0, -1]]))[0, :, 0].tolist()  # the padding row: 0
-    [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
-    """
-    _, _, v_full, _, _, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments)
-    return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
-
-
-def attention_vjp(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
-    cotangent: npt.ArrayLike,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    q_positions: npt.ArrayLike | None = None,
-    k_positions: npt.ArrayLike | None = None,
-    q_segments: npt.ArrayLike | None = None,
-    k_segments: npt.ArrayLike | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64; the keywords as
-    `attention`'s); a kv head's gradient sums over the q heads that use it. A query that sees no key adds 0."""
-    q, k_full, v_full, group, scale, probs = _prepared(
-        q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments
-    )
-    cotangent = np.asarray(cotangent, dtype=np.float64)
-    dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cotangent)
-    dprobs = np.einsum("bqhd,bkhd->bhqk", cotangent, v_full)
-    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
-    dq = np.einsum("bhqk,bkhd->bqhd", dscores, k_full)
-    dk_full = np.einsum("bhqk,bqhd->bkhd", dscores, q)
-    kv_heads = np.shape(k)[2]  # named, not -1: an empty sequence (S = 0) has nothing to infer it from
-    fold = lambda x: x.reshape(*x.shape[:2], kv_heads, group, x.shape[-1]).sum(axis=3)  # noqa: E731
-    return dq, fold(dk_full), fold(dv_full)

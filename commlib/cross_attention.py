@@ -1,5 +1,5 @@
-"""Cross-attention for sequence-sharded queries (DESIGN.md "Video DiTs"): the plan, its one walk and the float64
-reference, both frontends' ``cross_attention`` walking them.
+"""Cross-attention for sequence-sharded queries (DESIGN.md "Video DiTs"): the plan and its one walk, both
+frontends' ``cross_attention`` walking them (the float64 reference: `commlib.reference.cross_attention`).
 
 A DiT's video tokens are sharded over the sequence group (q ``[B, Sq_r, H, D]``, as the layers' q); the keys and
 values come from elsewhere (a text encoder's states, an audio stream) and are either
@@ -35,17 +35,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
-from commlib import attention
 from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
 from commlib.masks import integer_dtype
 from commlib.uneven import Sizes, check_sizes
 from commlib.validators import check_attention_options
 
-__all__ = ["OP_NAME", "KV_MODES", "CrossPlan", "CrossBackend", "cross_attention_plan", "walk", "visible", "reference"]
+__all__ = ["OP_NAME", "KV_MODES", "CrossPlan", "CrossBackend", "cross_attention_plan", "walk", "visible"]
 
 OP_NAME = "cross_attention"
 #: "replicated": kv the same on every rank (local attention); "sharded": kv sharded over the group (gathered once).
@@ -199,6 +195,7 @@ def visible(q_ids: Any, kv_ids: Any) -> Any:
     """bool ``[B, Sq, S_kv]`` of any array module (numpy, torch, jax.numpy), or None when both ids are None: a
     query sees a key when neither id is negative and, when both are given, they are equal.
 
+    >>> import numpy as np
     >>> visible(np.array([[0, 1, -1]]), None).astype(int).tolist()  # q's padding row sees nothing
     [[[1], [1], [0]]]
     >>> visible(np.array([[0, 1]]), np.array([[1, -1, 0]])).astype(int).tolist()
@@ -212,37 +209,3 @@ def visible(q_ids: Any, kv_ids: Any) -> Any:
         return (kv_ids >= 0)[..., None, :]
     query = q_ids[..., :, None]
     return (query == kv_ids[..., None, :]) & (query >= 0)
-
-
-def reference(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
-    cotangent: npt.ArrayLike | None = None,
-    *,
-    scale: float | None = None,
-    q_ids: npt.ArrayLike | None = None,
-    kv_ids: npt.ArrayLike | None = None,
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
-    """float64 cross-attention of q ``[B, Sq, H, D]`` to the FULL k, v ``[B, S_kv, H_kv, D]`` with the `visible`
-    rule, and with a `cotangent` the VJP ``(dq, dk, dv)`` (else None): `commlib.attention.attention` with a mask
-    of different query and key lengths."""
-    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    mask = visible(None if q_ids is None else np.asarray(q_ids), None if kv_ids is None else np.asarray(kv_ids))
-    mask = np.ones((q64.shape[0], q64.shape[1], k64.shape[1]), dtype=bool) if mask is None else mask
-    mask = np.broadcast_to(mask, (q64.shape[0], q64.shape[1], k64.shape[1]))
-    group = q64.shape[2] // k64.shape[2]
-    k_full, v_full = attention._expanded(k64, group), attention._expanded(v64, group)
-    scale = 1.0 / np.sqrt(q64.shape[-1]) if scale is None else scale
-    probs = attention._probabilities(q64, k_full, scale, mask[:, None])
-    out = np.einsum("bhqk,bkhd->bqhd", probs, v_full)
-    if cotangent is None:
-        return out, None
-    cot = np.asarray(cotangent, dtype=np.float64)
-    dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cot)
-    dprobs = np.einsum("bqhd,bkhd->bhqk", cot, v_full)
-    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
-    dq = np.einsum("bhqk,bkhd->bqhd", dscores, k_full)
-    dk_full = np.einsum("bhqk,bqhd->bkhd", dscores, q64)
-    fold = lambda x: x.reshape(*x.shape[:2], k64.shape[2], group, x.shape[-1]).sum(axis=3)  # noqa: E731
-    return out, (dq, fold(dk_full), fold(dv_full))

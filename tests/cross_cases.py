@@ -3,7 +3,7 @@ tests/torch/test_cross_attention.py and tests/jax/test_cross_attention.py.
 
 A case holds every rank's q rows (any count, some ranks empty), the whole kv (replicated: every rank's copy;
 sharded: cut by ``kv_sizes``), the ids and a cotangent per rank. The expected values come from
-`commlib.cross_attention.reference` on the unsharded arrays: rank r's output and dq are its rows of the full
+`commlib.reference.cross_attention.reference` on the unsharded arrays: rank r's output and dq are its rows of the full
 result; a sharded kv's dk, dv on rank r are its rows of the full gradient (every rank's queries summed); a
 replicated kv's dk, dv on rank r are the gradient of rank r's own loss (its share).
 """
@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from commlib import cross_attention as spec
+from commlib.reference import cross_attention as spec
 from commlib.uneven import split_sizes
 
 

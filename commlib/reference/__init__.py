@@ -2,13 +2,19 @@
 
 - `commlib.reference.collectives` (re-exported here, so `commlib.reference.all_reduce(xs, op)` is the op):
   every public collective on W simulated numpy ranks, forward and VJP, walking the plan the frontends walk;
+- `commlib.reference.attention`: unsharded float64 GQA attention with masks over global positions and segment
+  ids, forward and VJP (`attention`, `attention_vjp`, `causal_mask`; `commlib.attention` re-exports them);
 - `commlib.reference.ring`: ring attention and USP, unsharded (`reference`) and the spec's ring walk on W
   simulated ranks (`simulate_ring`, `SimulatedRanks`);
 - `commlib.reference.ulysses`: the spec's Ulysses walk on W simulated ranks (`simulate_ulysses`);
+- `commlib.reference.cross_attention`: cross-attention of q to the full k, v, forward and VJP (`reference`);
+- `commlib.reference.sequence`: the whole-model sequence helpers on W simulated ranks (tokens, the take and
+  gather of a sequence, the loss over every rank's tokens);
 - `commlib.reference.moe`: the spec's MoE walk on W simulated ranks, both layouts (`simulate_moe`).
 
-A reference module imports the spec's rules (plans, schedules, walks) and never the reverse: no library
-module imports this package, so a rule cannot be "tested" against itself by accident.
+A reference imports the spec's rules (plans, schedules, walks, index tables) and never a frontend; the spec's
+modules do not import the references, except `commlib.attention`, which re-exports the attention reference at
+its documented path (`commlib.reference.attention` imports no layer module, so there is no cycle).
 """
 
 from commlib.reference.collectives import (

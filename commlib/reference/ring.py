@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from commlib import ring
-from commlib.attention import attention, attention_vjp
 from commlib.blockwise import NUMPY, attend, attend_vjp
+from commlib.reference.attention import attention, attention_vjp
 from commlib.sequence import SequenceLayout, shard_sequence, unshard_sequence
 
 __all__ = ["reference", "SimulatedRanks", "simulate_ring"]
@@ -34,7 +34,7 @@ def reference(
     """float64: every shard's output and ``(dq, dk, dv)`` of attention on the whole sequence (shards in the
     layout: shard ``r * U + u`` at index ``r * U + u``): ``(outs, dqs, dks, dvs)``, lists of W * U arrays.
     `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows. `segment_ids`: every
-    shard's ids ``[B, S_r]`` (as q), the segment masks of `commlib.attention.attention`."""
+    shard's ids ``[B, S_r]`` (as q), the segment masks of `commlib.reference.attention.attention`."""
     if isinstance(layout, SequenceLayout):
         unshard = lambda xs: layout.unshard(xs, 1)  # noqa: E731
     else:

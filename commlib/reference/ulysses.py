@@ -1,6 +1,6 @@
 """The Ulysses walk on W simulated numpy ranks (float64): `simulate_ulysses` runs the spec's own walk
 (`commlib.ulysses.walk`) once per rank, each in a thread, over a `UlyssesBackend` whose collectives meet at a
-barrier -- so the plan and the walk the frontends take are tested without a framework (as `commlib.ring_reference`
+barrier -- so the plan and the walk the frontends take are tested without a framework (as `commlib.reference.ring`
 does for the ring), and no second copy of the walk exists to drift from it.
 
 Each simulated collective is the op's definition: every rank posts what it sends to each destination, waits for
@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from commlib.attention import Exchange, HeadGroup, UlyssesPlan, _offsets, attention
+from commlib.attention import Exchange, HeadGroup, UlyssesPlan, _offsets
+from commlib.reference.attention import attention
 from commlib.ulysses import Finished, walk
 
 __all__ = ["simulate_ulysses"]

@@ -25,15 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from commlib.sequence import SequenceLayout
-from commlib.sequence_helpers import (
+from commlib.reference.sequence import (
     cross_entropy_reference,
     gather_sequence_reference,
-    next_token_labels,
-    position_table,
     shard_sequence_reference,
     shard_tokens_reference,
 )
+from commlib.sequence import SequenceLayout
+from commlib.sequence_helpers import next_token_labels, position_table
 from commlib.tools import progress
 from commlib.tools.parity import FRAMEWORKS, Row, run_workload
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
+from commlib.reference import sequence as reference
 from commlib_jax import sequence
 from commlib_jax.training import value_and_grad
 from tests.sequence_cases import IGNORE, B, D, V, data, documents, layouts, model_parameters
@@ -116,14 +117,14 @@ def test_every_helper_against_the_reference(layout, mode):
     inputs = _inputs(layout, case, rng)
     grads, outputs = _program(layout, mode)(*inputs[:6], tuple(inputs[6]))
     outputs, grads = [np.asarray(out) for out in outputs], [np.asarray(grad) for grad in grads]
-    tokens = spec.shard_tokens_reference(case["ids"], layout, IGNORE, padded=True)
-    shard_out, shard_grad = spec.shard_sequence_reference(case["x"], list(inputs[6][0]), layout, padded=True)
+    tokens = reference.shard_tokens_reference(case["ids"], layout, IGNORE, padded=True)
+    shard_out, shard_grad = reference.shard_sequence_reference(case["x"], list(inputs[6][0]), layout, padded=True)
     own = layout.shard(case["x"], 1, padded=True)
-    gather_sum = spec.gather_sequence_reference(own, list(inputs[6][1]), layout, padded=True)
-    gather_replicated = spec.gather_sequence_reference(
+    gather_sum = reference.gather_sequence_reference(own, list(inputs[6][1]), layout, padded=True)
+    gather_replicated = reference.gather_sequence_reference(
         own, list(inputs[6][2]), layout, convention="replicated", padded=True
     )
-    loss, logits_grad = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
+    loss, logits_grad = reference.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     for rank in range(layout.world_size):
         for got, expected in zip(outputs[:3], tokens[rank], strict=True):
             np.testing.assert_array_equal(got[rank], expected)
@@ -164,7 +165,7 @@ def _packed_documents(layout, mode, *, holes: bool) -> None:
     W = layout.world_size
     body = _per_rank(lambda i, s: sequence.shard_tokens(i, layout, "i", ignore_index=IGNORE, segment_ids=s), mode, W)
     got = jax.jit(body)(np.broadcast_to(ids, (W, *ids.shape)), np.broadcast_to(segments, (W, *segments.shape)))
-    expected = spec.shard_tokens_reference(ids, layout, IGNORE, padded=True, segment_ids=segments)
+    expected = reference.shard_tokens_reference(ids, layout, IGNORE, padded=True, segment_ids=segments)
     assert [part.dtype for part in got] == [jnp.int32, jnp.int32, jnp.int32, jnp.int16]
     for rank in range(W):
         for part, want in zip(got, expected[rank], strict=True):
@@ -199,7 +200,7 @@ def test_shard_sequence_of_a_shared_value():
         out_specs=P("i"),
     )
     grad = jax.grad(lambda x: mapped(x, cotangents).sum())(x)
-    expected = spec.shard_sequence_reference(x, list(cotangents), layout, padded=True)[1][0]
+    expected = reference.shard_sequence_reference(x, list(cotangents), layout, padded=True)[1][0]
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=0, atol=1e-14)
 
 
@@ -430,7 +431,7 @@ def test_helpers_on_a_dp_by_sp_mesh_reduce_over_the_sequence_axis_only():
     np.testing.assert_array_equal(np.asarray(whole), ids)
     np.testing.assert_array_equal(np.asarray(positions), [[0, 1, 2, 3, 4, 5, 6, 0]] * 4)  # the padding row 0
     for replica in range(2):
-        want, _ = spec.cross_entropy_reference(
+        want, _ = reference.cross_entropy_reference(
             weight[ids[replica]][None], spec.next_token_labels(ids[replica : replica + 1], IGNORE), IGNORE
         )
         np.testing.assert_allclose(np.asarray(losses)[2 * replica : 2 * replica + 2], want, rtol=0, atol=1e-12)

@@ -10,6 +10,7 @@ import pytest
 
 from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
+from commlib.reference import sequence as reference
 from tests.sequence_cases import IGNORE, V, data, documents, layouts
 
 ALL = [layout for world_size in (1, 2, 3, 4) for layout in layouts(world_size)]
@@ -42,20 +43,20 @@ def test_shard_orders_and_their_inverse(layout):
 @pytest.mark.parametrize("layout", ALL, ids=repr)
 def test_references(layout):
     case = data(layout)
-    tokens = spec.shard_tokens_reference(case["ids"], layout, IGNORE)
+    tokens = reference.shard_tokens_reference(case["ids"], layout, IGNORE)
     assert (
         np.concatenate([labels for _, _, labels in tokens], 1)[
             :, np.argsort(np.concatenate([layout.positions(i) for i in range(layout.world_size)]))
         ].tolist()
         == spec.next_token_labels(case["ids"], IGNORE).tolist()
     )
-    outputs, _ = spec.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
-    whole, _ = spec.gather_sequence_reference(outputs, case["gather_cotangents"], layout)
+    outputs, _ = reference.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
+    whole, _ = reference.gather_sequence_reference(outputs, case["gather_cotangents"], layout)
     assert all(np.array_equal(out, case["x"]) for out in whole)
-    loss, _ = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
+    loss, _ = reference.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     count = (case["labels"] != IGNORE).sum()
     shares = [
-        spec.cross_entropy_reference(logits, labels, IGNORE)[0] * (labels != IGNORE).sum() / count
+        reference.cross_entropy_reference(logits, labels, IGNORE)[0] * (labels != IGNORE).sum() / count
         for logits, labels in zip(layout.shard(case["logits"], 1), layout.shard(case["labels"], 1), strict=True)
         if (labels != IGNORE).any()
     ]
@@ -85,7 +86,7 @@ def _documents_by_token(ids: np.ndarray, segments: np.ndarray) -> tuple[np.ndarr
 def test_document_references(layout, padded):
     ids, segments = data(layout)["ids"], documents(layout)
     positions, labels = _documents_by_token(ids, segments)
-    got = spec.shard_tokens_reference(ids, layout, IGNORE, padded=padded, segment_ids=segments)
+    got = reference.shard_tokens_reference(ids, layout, IGNORE, padded=padded, segment_ids=segments)
     for rank, shards in enumerate(got):
         size = layout.sizes[rank]
         for part, whole, fill in zip(shards, (ids, positions, labels, segments), (0, 0, IGNORE, -1), strict=True):
@@ -130,15 +131,15 @@ def test_documents_in_a_handed_row():
 def test_cross_entropy_gradient_is_the_finite_difference():
     rng = np.random.default_rng(0)
     logits, labels = rng.standard_normal((2, 3, V)), np.array([[1, IGNORE, 4], [0, 2, IGNORE]])
-    _, grad = spec.cross_entropy_reference(logits, labels, IGNORE)
+    _, grad = reference.cross_entropy_reference(logits, labels, IGNORE)
     step, numeric = 1e-6, np.zeros_like(logits)
     for index in np.ndindex(*logits.shape):
         bumped = [logits.copy(), logits.copy()]
         bumped[0][index] += step
         bumped[1][index] -= step
         numeric[index] = (
-            spec.cross_entropy_reference(bumped[0], labels, IGNORE)[0]
-            - spec.cross_entropy_reference(bumped[1], labels, IGNORE)[0]
+            reference.cross_entropy_reference(bumped[0], labels, IGNORE)[0]
+            - reference.cross_entropy_reference(bumped[1], labels, IGNORE)[0]
         ) / (2 * step)
     np.testing.assert_allclose(grad, numeric, atol=1e-8)
     assert not grad[0, 1].any() and not grad[1, 2].any()

@@ -12,6 +12,7 @@ import torch
 
 from commlib import CommError, SequenceLayout
 from commlib import sequence_helpers as spec
+from commlib.reference import sequence as reference
 from commlib_torch import sequence
 from tests.sequence_cases import IGNORE, data, documents, layouts, model_parameters
 
@@ -24,7 +25,7 @@ def _error(got: torch.Tensor, expected) -> float:
 
 def _tokens(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
     got = sequence.shard_tokens(torch.from_numpy(case["ids"]), layout, ignore_index=IGNORE)
-    expected = spec.shard_tokens_reference(case["ids"], layout, IGNORE)[rank]
+    expected = reference.shard_tokens_reference(case["ids"], layout, IGNORE)[rank]
     return [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
         _error(sequence.position_ids(layout), layout.positions(rank))
     ]
@@ -40,7 +41,7 @@ def packed_tokens(ctx, seed: int = 0) -> dict[str, list[float]]:
         got = sequence.shard_tokens(
             torch.from_numpy(ids), layout, ignore_index=IGNORE, segment_ids=torch.from_numpy(segments)
         )
-        expected = spec.shard_tokens_reference(ids, layout, IGNORE, segment_ids=segments)[ctx.rank]
+        expected = reference.shard_tokens_reference(ids, layout, IGNORE, segment_ids=segments)[ctx.rank]
         dtypes = [str(part.dtype) for part in got]
         name = repr(layout) + (" holes" if holes else "")
         results[name] = [_error(part, want) for part, want in zip(got, expected, strict=True)] + [
@@ -65,7 +66,7 @@ def _shard(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
     x = torch.from_numpy(case["x"]).requires_grad_()
     out = sequence.shard_sequence(x, layout)
     (out * torch.from_numpy(case["shard_cotangents"][rank])).sum().backward()
-    outputs, grads = spec.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
+    outputs, grads = reference.shard_sequence_reference(case["x"], case["shard_cotangents"], layout)
     return [_error(out, outputs[rank]), _error(x.grad, grads[rank])]
 
 
@@ -74,12 +75,14 @@ def _gather(layout: SequenceLayout, case: dict, rank: int, convention: str) -> l
     x = torch.from_numpy(shards[rank]).requires_grad_()
     out = sequence.gather_sequence(x, layout, convention=convention)
     (out * torch.from_numpy(case["gather_cotangents"][rank])).sum().backward()
-    outputs, grads = spec.gather_sequence_reference(shards, case["gather_cotangents"], layout, convention=convention)
+    outputs, grads = reference.gather_sequence_reference(
+        shards, case["gather_cotangents"], layout, convention=convention
+    )
     return [_error(out, outputs[rank]), _error(x.grad, grads[rank])]
 
 
 def _cross_entropy(layout: SequenceLayout, case: dict, rank: int) -> list[float]:
-    loss, grad = spec.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
+    loss, grad = reference.cross_entropy_reference(case["logits"], case["labels"], IGNORE)
     logits = torch.from_numpy(layout.shard(case["logits"], 1)[rank]).requires_grad_()
     got = sequence.cross_entropy(logits, torch.from_numpy(layout.shard(case["labels"], 1)[rank]), ignore_index=IGNORE)
     got.backward()
