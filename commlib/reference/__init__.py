@@ -17,38 +17,7 @@ modules do not import the references, except `commlib.attention`, which re-expor
 its documented path (`commlib.reference.attention` imports no layer module, so there is no cycle).
 """
 
-from commlib.reference.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    all_to_all_4d,
-    broadcast,
-    forward,
-    gather,
-    permute,
-    reduce,
-    reduce_scatter,
-    run,
-    scatter,
-    shard,
-    sum_grad,
-    vjp,
-)
+from commlib.reference import collectives
+from commlib.reference.collectives import *  # noqa: F403 -- the ops, at `commlib.reference.<op>`
 
-__all__ = [
-    "forward",
-    "run",
-    "vjp",
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "all_to_all_4d",
-    "broadcast",
-    "gather",
-    "scatter",
-    "permute",
-    "sum_grad",
-    "shard",
-    "reduce",
-]
+__all__ = list(collectives.__all__)  # one list of the re-exported names: collectives' own
