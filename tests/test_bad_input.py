@@ -19,9 +19,12 @@ from tests import bad_input
 ROWS = bad_input.table()
 #: JAX modes each row runs in (the parity runner's names); pmap covers the other lowering path.
 JAX_MODES = ("shard_map[check_vma=True]", "pmap")
-#: Grad modes that JAX runs as "constant" (forward only): a ring/USP row in them compiles the same program again
-#: (a second or so each), so JAX runs those rows once.
+#: Grad modes that JAX runs as "constant" (forward only): a row in them compiles the constant row's program again
+#: (a compile each, a second or so for ring/USP), so JAX runs the constant rows only; channels_last rows likewise
+#: are torch's (JAX has no memory layouts: its runner holds every array contiguous).
 _TORCH_ONLY_GRAD_MODES = ("no_grad", "inference_mode")
+#: The rows JAX runs: contiguous, and grad or constant.
+JAX_ROWS = [row for row in ROWS if row.layout == "contiguous" and row.grad_mode not in _TORCH_ONLY_GRAD_MODES]
 
 
 def _arrays(row: bad_input.Row) -> dict[str, list[np.ndarray]]:
@@ -73,13 +76,11 @@ def test_torch(row, pool):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
+@pytest.mark.parametrize("row", JAX_ROWS, ids=lambda row: row.name)
 def test_jax(row, jax_cpu):
     from commlib import CommError
     from commlib_jax.tools.parity_runner import modes_for, run_case
 
-    if row.case.op in cases.CONTEXT_OPS and (row.layout != "contiguous" or row.grad_mode in _TORCH_ONLY_GRAD_MODES):
-        pytest.skip("the same JAX program as another row (JAX has no memory layouts, and one forward-only mode)")
     arrays = _arrays(row)
     if row.forward_only:
         arrays.pop("cotangent", None)  # the JAX runner then runs forward only

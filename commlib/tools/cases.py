@@ -53,6 +53,7 @@ __all__ = [
     "context_kwargs",
     "context_table",
     "parity_table",
+    "per_op",
 ]
 
 ATTENTION = "ulysses_attention"
@@ -664,3 +665,18 @@ def read(directory: Path) -> list[tuple[Case, dict[str, list[np.ndarray]]]]:
 def result_key(case: Case, mode: str, what: str, rank: int) -> str:
     """Key of a runner's result array: what = "out" or "grad_<input>"."""
     return _key(case.name, mode, what, rank)
+
+
+def per_op(table: Sequence[Case]) -> list[Case]:
+    """A few rows of `table` per op, for a wrapper of the ops (a communicator, sub-groups, checked mode, a
+    subclass) whose arithmetic the whole table proves through the functions: per op, the first row of each set of
+    keyword names it is called with (so every keyword a wrapper must forward, uneven sizes included) and its first
+    rejected row."""
+    seen: set[tuple[str, object]] = set()
+    rows = []
+    for case in table:
+        key = (case.op, "rejected" if error_text(case) is not None else frozenset(case.params))
+        if key not in seen:
+            seen.add(key)
+            rows.append(case)
+    return rows

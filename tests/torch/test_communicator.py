@@ -55,8 +55,10 @@ def test_device_group_is_the_one_used_when_given(pool):
 
 
 def _method_cases(W: int) -> list[cases.Case]:
-    """The parity table's cases of every differentiable method (`gather` is the seed's, tested below)."""
-    return [case for case in cases.case_table(W) if case.op not in (cases.ATTENTION, "gather")]
+    """A few of the parity table's cases per differentiable method (`cases.per_op`: every keyword each forwards,
+    and a rejected call; the table's arithmetic is tests/torch/test_ops.py's), `gather` aside (the seed's, tested
+    below)."""
+    return cases.per_op([case for case in cases.case_table(W) if case.op not in (cases.ATTENTION, "gather")])
 
 
 @pytest.mark.parametrize("members", WITH_SINGLE.values(), ids=WITH_SINGLE.keys())

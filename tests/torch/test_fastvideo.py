@@ -19,11 +19,13 @@ def _members(members):
 
 
 def _inherited_cases(style: str, world_size: int) -> list[cases.Case]:
-    """The parity table's valid cases of every method the subclass inherits (the seed's gather aside)."""
+    """A few of the parity table's valid cases per method the subclass inherits (`cases.per_op`: every keyword
+    each forwards; the table's arithmetic is tests/torch/test_ops.py's), the seed's gather aside."""
     overridden = fastvideo_jobs.SUBCLASSES[style].OVERRIDDEN
+    table = cases.per_op(cases.case_table(world_size))
     return [
         case
-        for case in cases.case_table(world_size)
+        for case in table
         if case.op not in (cases.ATTENTION, "gather", *overridden) and cases.error_text(case) is None
     ]
 

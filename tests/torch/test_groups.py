@@ -23,9 +23,10 @@ def _case(op_name, world_size, shape, dtype="float64", transposed=False, draw="n
 
 
 def group_cases(W: int) -> list[cases.Case]:
-    """The parity table at W (every op, its odd shapes and its rejected calls) plus rank arguments != 0 and
-    the reductions in both conventions."""
-    table = [case for case in cases.case_table(W) if case.op != cases.ATTENTION]
+    """A few of the parity table's cases per op at W (`cases.per_op`: every keyword each op takes, uneven sizes
+    included, and a rejected call; the table's arithmetic is tests/torch/test_ops.py's) plus rank arguments != 0
+    and the reductions in both conventions."""
+    table = cases.per_op([case for case in cases.case_table(W) if case.op != cases.ATTENTION])
     last = W - 1
     return [
         *table,
