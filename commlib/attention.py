@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from commlib import layer_names
 from commlib.errors import comm_error
@@ -51,6 +52,9 @@ from commlib.masks import check_segment_ids
 from commlib.reference.attention import attention, attention_vjp, causal_mask  # re-exported: their documented path
 from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
+
+if TYPE_CHECKING:
+    from commlib.joint import JointPlan
 
 __all__ = [
     "OP_NAME",
@@ -278,6 +282,7 @@ class UlyssesPlan:
     out_runs: tuple[tuple[int, int, int], ...] | None  # (group, start, stop): the heads of the groups' outputs
     #   that, concatenated in this order, make the result (source rank by source rank); None: one group
     segmented: bool = False  # segment ids given: all-gathered over the group (``seq_sizes``), the mask of attn_fn
+    joint: JointPlan | None = None  # joint_q, joint_k, joint_v given: where they go, the heads each group takes
 
     @property
     def chunks(self) -> int:

@@ -29,10 +29,11 @@ TypeError: ulysses_attention: k must be a numpy.ndarray, not list. Received: typ
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from commlib import attention, ring
+from commlib import attention, joint, ring
 from commlib.layer_check import LayerCall, attention_call
 from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 
@@ -86,10 +87,16 @@ def ulysses_call(
     attn_fn: Callable[..., Any] | None = None,
     layout: str | SequenceLayout = "contiguous",
     chunks: int = 1,
+    joint_qkv: Sequence[Any] = (None, None, None),
+    joint_position: object = "front",
 ) -> attention.UlyssesPlan:
     """The validated `UlyssesPlan` of ``ulysses_attention(q, k, v, ...)`` on `world_size` ranks: for `rank`
     (torch, ``layout="exact"``: rank r holds exactly ``seq_sizes[r]`` rows), or None for every rank (JAX,
-    ``layout="padded"``: every rank holds ``max(seq_sizes)`` rows)."""
+    ``layout="padded"``: every rank holds ``max(seq_sizes)`` rows). `joint_qkv`: ``(joint_q, joint_k,
+    joint_v)`` or three Nones (`commlib.joint`: the plan's ``joint``)."""
+    has_joint = joint.check_joint_inputs(
+        attention.OP_NAME, joint_qkv, joint_position, frontend.array_types, frontend.array_name
+    )
     options = dict(
         world_size=world_size,
         causal=causal,
@@ -100,8 +107,10 @@ def ulysses_call(
         segment_ids=segment_ids,
         chunks=chunks,
     )
+    if has_joint:  # (a call without them keeps its record, so checked mode's messages stay as they were)
+        options |= dict(joint_shapes=tuple(tuple(x.shape) for x in joint_qkv), joint_position=joint_position)
     dtypes, segment_type = check_call(frontend, attention.OP_NAME, q, k, v, segment_ids, options)
-    return attention.ulysses_plan(
+    plan = attention.ulysses_plan(
         q.shape,
         k.shape,
         v.shape,
@@ -115,6 +124,14 @@ def ulysses_call(
         segment_ids=segment_type,
         chunks=chunks,
     )
+    if not has_joint:
+        return plan
+    shapes = [tuple(x.shape) for x in joint_qkv]
+    joint_dtypes = dtypes + [frontend.dtype_name(x) for x in joint_qkv]
+    checked = joint.joint_plan(
+        attention.OP_NAME, q.shape, k.shape, v.shape, shapes, joint_dtypes, joint_position, segment_ids is not None
+    )
+    return dataclasses.replace(plan, joint=joint.ulysses_joint(checked, plan))
 
 
 def ring_call(

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from commlib.attention import Exchange, HeadGroup, UlyssesPlan
+from commlib.joint import JointPlan
 
 __all__ = ["Pending", "Finished", "UlyssesBackend", "walk"]
 
@@ -82,6 +83,18 @@ class UlyssesBackend(Protocol):
     def concat_heads(self, outputs: list[Any]) -> Any:
         """`outputs` ``[B, S_r, n_i, D_v]`` concatenated along heads (dim 2)."""
 
+    def joint_heads(self, x: Any, heads: tuple[tuple[int, ...], ...]) -> Any:
+        """Joint attention: ``[n, B, S_j, D]``, heads first, the heads `heads` gives this rank of the replicated
+        `x` ``[B, S_j, H, D]`` (one row: this rank's; a row per rank: the padded layout, where an index past
+        the last head is a head of zeros); differentiable."""
+
+    def concat_seq(self, parts: list[Any]) -> Any:
+        """Heads-first blocks ``[n, B, S_i, D]`` concatenated along the sequence (dim 2); differentiable."""
+
+    def gather_heads(self, x: Any, sizes: tuple[int, ...] | None) -> Any:
+        """``all_gather(x, dim=2, sizes=sizes)`` over the group (commlib's, VJP the reduce-scatter): the joint
+        output's heads of every rank, in rank order (`sizes`: every rank's heads; None: even)."""
+
 
 class Finished:
     """A collective already done (a frontend's synchronous `Pending`): ``wait()`` gives `result`."""
@@ -108,22 +121,59 @@ def _received(started: list[tuple[Exchange, Pending]]) -> dict[str, Any]:
     return local
 
 
+def _with_joint(
+    backend: UlyssesBackend, joint: JointPlan, index: int, local: dict[str, Any], inputs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`local` with group `index`'s heads of the joint tensors (``inputs["joint_q"]``, ...) concatenated at the
+    joint position along the sequence: ``[n, B, S + S_j, D]``."""
+    heads = joint.groups[index]
+    for name, rows in (("q", heads.q), ("k", heads.kv), ("v", heads.kv)):
+        piece = backend.joint_heads(inputs[f"joint_{name}"], rows)
+        local[name] = backend.concat_seq([piece, local[name]] if joint.front else [local[name], piece])
+    return local
+
+
+def _cut_joint(joint: JointPlan, out: Any) -> tuple[Any, Any]:
+    """A group's output ``[B, S + S_j, h, D_v]`` cut into (the sequence's rows, the joint rows)."""
+    if joint.front:
+        return out[:, joint.seq :], out[:, : joint.seq]
+    return out[:, : out.shape[1] - joint.seq], out[:, out.shape[1] - joint.seq :]
+
+
+def _result(backend: UlyssesBackend, plan: UlyssesPlan, outputs: list[Any]) -> Any:
+    """The groups' outputs (``[B, *, h_c, D_v]``, every source rank's heads in rank order) in head order."""
+    if plan.out_runs is None:
+        return outputs[0]
+    return backend.concat_heads([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs])
+
+
 def walk(backend: UlyssesBackend, plan: UlyssesPlan, inputs: Mapping[str, Any], segment_ids: Any) -> Any:
     """``[B, S_r, H, D_v]``: the plan's head groups walked in pipeline order (the module's steps) on `inputs`
-    ``{"q", "k", "v"}`` (this rank's ``[B, S_r, n, D]``), with `segment_ids` ``[B, S_r]`` or None."""
+    ``{"q", "k", "v"}`` (this rank's ``[B, S_r, n, D]``), with `segment_ids` ``[B, S_r]`` or None.
+
+    With ``plan.joint`` (`commlib.joint`), `inputs` also holds ``joint_q``, ``joint_k``, ``joint_v``
+    (``[B, S_j, n, D]``, replicated) and the result is ``(out, joint_out)``: each group takes its heads of the
+    joint tensors after its exchange, attends over the concatenation, sends the sequence's rows out as above
+    and all-gathers the joint rows along heads; the groups' joint outputs are put in head order as the
+    sequence's (`plan.out_runs`), ``[B, S_j, H, D_v]``, the same on every rank."""
     overlap = plan.chunks > 1  # one group: nothing to overlap with, every collective runs where it starts
     incoming = _start_group(backend, plan.groups[0], inputs, overlap)
     masks = {}
     if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
         masks["segment_ids"] = backend.gather_segments(segment_ids, plan.out_scatter_sizes)
-    outgoing = []
+    outgoing, joint_outputs = [], []
     for index, group in enumerate(plan.groups):
         local = _received(incoming)
         if index + 1 < plan.chunks:
             incoming = _start_group(backend, plan.groups[index + 1], inputs, overlap)
+        if plan.joint is not None:
+            local = _with_joint(backend, plan.joint, index, local, inputs)
         out = backend.attend(plan, group, local, masks)
+        if plan.joint is not None:
+            out, joint_out = _cut_joint(plan.joint, out)
+            joint_outputs.append(backend.gather_heads(joint_out, plan.joint.groups[index].out_gather_sizes))
         outgoing.append(backend.start_output(out, plan.out_scatter_sizes, group.out_gather_sizes, overlap))
-    outputs = [pending.wait() for pending in outgoing]
-    if plan.out_runs is None:
-        return outputs[0]
-    return backend.concat_heads([outputs[index][:, :, start:stop] for index, start, stop in plan.out_runs])
+    result = _result(backend, plan, [pending.wait() for pending in outgoing])
+    if plan.joint is None:
+        return result
+    return result, _result(backend, plan, joint_outputs)

@@ -15,6 +15,7 @@ hand-written backward).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,17 @@ class _Backend(LayerFrontend):
     def concat_heads(self, outputs: list[jax.Array]) -> jax.Array:
         return jnp.concatenate(outputs, axis=2)
 
+    def joint_heads(self, x: Array, heads: tuple[tuple[int, ...], ...]) -> jax.Array:
+        """This rank's row of the padded table (an index past the last head: zeros)."""
+        index = jnp.asarray(np.asarray(heads, dtype=np.int32))[rank(self.axes)]
+        return jnp.take(jnp.moveaxis(jnp.asarray(x), 2, 0), index, axis=0, mode="fill", fill_value=0)
+
+    def concat_seq(self, parts: list[jax.Array]) -> jax.Array:
+        return jnp.concatenate(parts, axis=2)
+
+    def gather_heads(self, x: jax.Array, sizes: tuple[int, ...] | None) -> jax.Array:
+        return all_gather(x, self.axis_name, 2, sizes=sizes)
+
 
 def ulysses_attention(
     q: Array,
@@ -154,10 +166,14 @@ def ulysses_attention(
     segment_ids: Array | None = None,
     chunks: int = 1,
     block_size: int | None = None,
-) -> jax.Array:
+    joint_q: Array | None = None,
+    joint_k: Array | None = None,
+    joint_v: Array | None = None,
+    joint_position: str = "front",
+) -> Any:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
-    concatenated along seq, cut back the same way.
+    concatenated along seq, cut back the same way. With `joint_q`, `joint_k`, `joint_v`: ``(out, joint_out)``.
 
     Args:
         q, k, v: this rank's rows of the sequence. With `seq_sizes`, every rank holds ``max(seq_sizes)`` rows
@@ -192,6 +208,20 @@ def ulysses_attention(
         block_size: keys per block of the default attention (None: `commlib.blockwise.BLOCK_SIZE`): the
             online softmax over blocks of keys forward, the blocks recomputed from the saved LSE backward, so a
             rank holds ``[B, h, S, block_size]`` scores, never ``[B, h, S, S]``. Not used with `attn_fn`.
+        joint_q, joint_k, joint_v: joint attention (MMDiT: SD3, Flux; `commlib.joint`): ``[B, S_j, H, D]``,
+            ``[B, S_j, H_kv, D]``, ``[B, S_j, H_kv, D_v]`` (the main tensors' heads and head dims), the same on
+            every rank (the text tokens), all three or none. The joint tokens attend and are attended as if
+            concatenated with the full sequence at `joint_position`; the call returns ``(out, joint_out)``,
+            ``joint_out`` ``[B, S_j, H, D_v]`` bit for bit the same on every rank. Each rank takes its q heads of
+            them (and the kv heads those use; padded to the largest rank's count with zero heads) after the
+            all-to-all, attends over the concatenation and all-gathers the joint rows of its heads
+            (``commlib.split_sizes(H, W)``, rank order). Gradient (``convention="sum"``, rank r's loss its own):
+            the cotangents of every rank's joint_out are summed; rank r's d joint_q is the gradient in the q
+            heads rank r attends with (0 in the others), its d joint_k, d joint_v what those heads give their kv
+            heads: summed over the ranks, the full gradient (a joint tensor given once, ``in_specs=P()``, is
+            summed by JAX itself). Not with `segment_ids`.
+        joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
+            (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
@@ -206,9 +236,11 @@ def ulysses_attention(
             `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), a `layout` of another world size,
             "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids not
             ``[B, S_r]``, `chunks` below 1 or above the most q heads a rank attends with (the message gives the
-            head counts).
+            head counts); joint tensors given without the others, whose batch, heads or head_dim differ from
+            q, k, v's or whose seq differ, whose dtype is not q's, with segment_ids, a `joint_position` not
+            "front" or "rear".
         TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, chunks not an
-            int).
+            int, joint tensors not arrays, joint_position not a str).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -223,6 +255,19 @@ def ulysses_attention(
         >>> chunked = lambda chunks: jax.shard_map(lambda q, k, v: ulysses_attention(q, k, v, "x", chunks=chunks),
         ...                                        mesh=pair, in_specs=P(None, "x"), out_specs=P(None, "x"))
         >>> bool(jnp.array_equal(chunked(2)(q, k, v), chunked(1)(q, k, v)))  # heads 0 and 2, then 1 and 3
+        True
+        >>> text = q[:, :3], k[:, :3], v[:, :3]  # 3 text tokens, the same on every rank
+        >>> def joint(q, k, v, *text):  # every rank's joint_out returned (stacked), to compare them
+        ...     out, joint_out = ulysses_attention(q, k, v, "x", joint_q=text[0], joint_k=text[1],
+        ...                                        joint_v=text[2], joint_position="rear")
+        ...     return out, joint_out[None]
+        >>> g = jax.shard_map(joint, mesh=mesh, in_specs=(P(None, "x"),) * 3 + (P(),) * 3,
+        ...                   out_specs=(P(None, "x"), P("x")))
+        >>> out, joint_outs = g(q, k, v, *text)
+        >>> whole = attention(*(jnp.concatenate([x, t], axis=1) for x, t in zip((q, k, v), text)))  # text last
+        >>> bool(jnp.allclose(out, whole[:, :8], atol=1e-5)), bool(jnp.allclose(joint_outs[0], whole[:, 8:], atol=1e-5))
+        (True, True)
+        >>> all(bool(jnp.array_equal(joint_outs[r], joint_outs[0])) for r in range(4))  # the same on every rank
         True
     """
     backend = _Backend(axis_name, attn_fn, blockwise.check_block_size(spec.OP_NAME, block_size))
@@ -240,6 +285,11 @@ def ulysses_attention(
         attn_fn=attn_fn,
         layout=layout,
         chunks=chunks,
+        joint_qkv=(joint_q, joint_k, joint_v),
+        joint_position=joint_position,
     )
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    return walk(backend, plan, {"q": q, "k": k, "v": v}, segment_ids)
+    inputs: dict[str, Array | None] = {"q": q, "k": k, "v": v}
+    if plan.joint is not None:
+        inputs |= {"joint_q": joint_q, "joint_k": joint_k, "joint_v": joint_v}
+    return walk(backend, plan, inputs, segment_ids)

@@ -166,6 +166,16 @@ class _Backend(LayerFrontend):
     def concat_heads(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(outputs, dim=2)
 
+    def joint_heads(self, x: torch.Tensor, heads: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        row = heads[0]  # the exact layout: this rank's heads, a contiguous run
+        return x.narrow(2, row[0] if row else 0, len(row)).permute(2, 0, 1, 3)
+
+    def concat_seq(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, dim=2)
+
+    def gather_heads(self, x: torch.Tensor, sizes: tuple[int, ...] | None) -> torch.Tensor:
+        return all_gather(x, 2, self.group, sizes=sizes)
+
 
 def _send_buffer(exchange: spec.Exchange, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The exchange's send buffer ``[C, B, S_r, D]``: the heads-first inputs' runs concatenated (one local pass)."""
@@ -188,10 +198,14 @@ def ulysses_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
     chunks: int = 1,
-) -> torch.Tensor:
+    joint_q: torch.Tensor | None = None,
+    joint_k: torch.Tensor | None = None,
+    joint_v: torch.Tensor | None = None,
+    joint_position: str = "front",
+) -> Any:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
-    concatenated along seq, cut back the same way.
+    concatenated along seq, cut back the same way. With `joint_q`, `joint_k`, `joint_v`: ``(out, joint_out)``.
 
     Args:
         q, k, v: this rank's rows of the sequence, rank r holding rows ``seq_sizes[r]`` (exactly: torch keeps a
@@ -219,6 +233,19 @@ def ulysses_attention(
             float64) and no kv head serves q heads of two groups (MHA; GQA whose groups keep a kv head's q
             heads together), else they equal it to rounding. With MQA / GQA a kv head is sent once per group
             that uses it.
+        joint_q, joint_k, joint_v: joint attention (MMDiT: SD3, Flux; `commlib.joint`): ``[B, S_j, H, D]``,
+            ``[B, S_j, H_kv, D]``, ``[B, S_j, H_kv, D_v]`` (the main tensors' heads and head dims), the same on
+            every rank (the text tokens), all three or none. The joint tokens attend and are attended as if
+            concatenated with the full sequence at `joint_position`; the call returns ``(out, joint_out)``,
+            ``joint_out`` ``[B, S_j, H, D_v]`` bit for bit the same on every rank. Each rank takes its q heads of
+            them (and the kv heads those use) locally after the all-to-all, attends over the concatenation and
+            all-gathers the joint rows of its heads (``commlib.split_sizes(H, W)``, rank order). Gradient
+            (``convention="sum"``): the cotangents of every rank's joint_out are summed; rank r's d joint_q is
+            the gradient in the q heads rank r attends with (0 in the others), its d joint_k, d joint_v what
+            those heads give their kv heads: summed over the ranks, the full gradient (``sync_gradients``).
+            Not with `segment_ids`.
+        joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
+            (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
@@ -230,9 +257,11 @@ def ulysses_attention(
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
             size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids
             not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist, `chunks` below 1 or above
-            the most q heads a rank attends with (the message gives the head counts).
-        TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
-            scale not a number, group, chunks not an int).
+            the most q heads a rank attends with (the message gives the head counts); joint tensors given
+            without the others, whose batch, heads or head_dim differ from q, k, v's or whose seq differ,
+            whose dtype is not q's, with segment_ids, a `joint_position` not "front" or "rear".
+        TypeError: wrong kinds (q, k, v, joint tensors, segment_ids not tensors, segment_ids not integers, causal
+            not a bool, scale not a number, group, chunks not an int, joint_position not a str).
 
     Example:
         >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
@@ -241,6 +270,11 @@ def ulysses_attention(
         True
         >>> torch.equal(ulysses_attention(q, k, v, causal=True, chunks=2), out)  # heads 0-1, then 2-3
         True
+        >>> text = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16)  # replicated
+        >>> out, joint_out = ulysses_attention(q, k, v, joint_q=text[0], joint_k=text[1], joint_v=text[2])
+        >>> whole = attention(*(torch.cat([t, x], dim=1) for t, x in zip(text, (q, k, v))))  # text first
+        >>> torch.allclose(joint_out, whole[:, :3], atol=1e-6), torch.allclose(out, whole[:, 3:], atol=1e-6)
+        (True, True)
     """
     group = resolve_group(spec.OP_NAME, group)
     backend = _Backend(group, q, attn_fn)
@@ -258,5 +292,10 @@ def ulysses_attention(
         attn_fn=attn_fn,
         layout=layout,
         chunks=chunks,
+        joint_qkv=(joint_q, joint_k, joint_v),
+        joint_position=joint_position,
     )
-    return walk(backend, plan, {"q": q, "k": k, "v": v}, segment_ids)
+    inputs: dict[str, torch.Tensor | None] = {"q": q, "k": k, "v": v}
+    if plan.joint is not None:
+        inputs |= {"joint_q": joint_q, "joint_k": joint_k, "joint_v": joint_v}
+    return walk(backend, plan, inputs, segment_ids)

@@ -92,6 +92,17 @@ class _SimulatedRank:
     def concat_heads(self, outputs: list[Any]) -> np.ndarray:
         return np.concatenate(outputs, axis=2)
 
+    def joint_heads(self, x: Any, heads: tuple[tuple[int, ...], ...]) -> np.ndarray:
+        padded = np.concatenate([np.moveaxis(x, 2, 0), np.zeros((1, *np.moveaxis(x, 2, 0).shape[1:]))])
+        return padded[list(heads[0 if self.plan.layout == "exact" else self.rank])]
+
+    def concat_seq(self, parts: list[Any]) -> np.ndarray:
+        return np.concatenate(parts, axis=2)
+
+    def gather_heads(self, x: Any, sizes: tuple[int, ...] | None) -> np.ndarray:
+        own = x if sizes is None else x[:, :, : sizes[self.rank]]
+        return np.concatenate(self.wire.exchange(self.rank, [own] * self.world_size), axis=2)
+
 
 def simulate_ulysses(
     plans: Sequence[UlyssesPlan],
@@ -99,11 +110,13 @@ def simulate_ulysses(
     ks: Sequence[Any],
     vs: Sequence[Any],
     segment_ids: Sequence[Any] | None = None,
-) -> list[np.ndarray]:
+    joint: Sequence[Any] | None = None,
+) -> list[Any]:
     """Every rank's output of `commlib.ulysses.walk` on W simulated numpy ranks (float64). ``plans[r]`` is rank
     r's plan (the padded layout: the same plan W times; inputs then hold ``max(seq_sizes)`` rows and rows past a
-    rank's size are never read); `segment_ids` every rank's ``[B, S_r]`` ids, or None. Outputs: exact
-    ``[B, seq_sizes[r], H, D_v]``.
+    rank's size are never read); `segment_ids` every rank's ``[B, S_r]`` ids, or None; `joint` (plans with a
+    ``joint``): ``(joint_q, joint_k, joint_v)``, the same on every rank. Outputs: exact ``[B, seq_sizes[r], H,
+    D_v]``; with `joint`, ``(out, joint_out)`` per rank.
 
     >>> from commlib.attention import ulysses_plan
     >>> q = np.random.default_rng(0).normal(size=(1, 6, 4, 8))
@@ -115,8 +128,10 @@ def simulate_ulysses(
     world_size = len(plans)
     wire = _Wire(world_size)
 
-    def run(rank: int) -> np.ndarray:
+    def run(rank: int) -> Any:
         inputs = {name: np.asarray(x[rank], dtype=np.float64) for name, x in (("q", qs), ("k", ks), ("v", vs))}
+        if joint is not None:
+            inputs |= {f"joint_{name}": np.asarray(x, dtype=np.float64) for name, x in zip("qkv", joint, strict=True)}
         try:
             ids = None if segment_ids is None else segment_ids[rank]
             return walk(_SimulatedRank(wire, rank, plans[rank]), plans[rank], inputs, ids)

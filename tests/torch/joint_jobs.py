@@ -1,0 +1,48 @@
+"""Job functions for tests/torch/test_joint.py (module-level: the pool's workers import them by name)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib_torch.attention import ulysses_attention
+from tests import joint_cases
+from tests.torch.attention_jobs import _counting
+
+NAMES = ("q", "k", "v", "joint_q", "joint_k", "joint_v")
+
+
+def joint_call(ctx, case: joint_cases.JointCase, arrays: dict, dtype: str = "float64"):
+    """This rank's out, joint_out, {name: gradient} of q, k, v and the joint tensors (as float64 numpy), and the
+    c10d calls of the forward."""
+    own = {name: arrays[name][ctx.rank] for name in "qkv"} | {name: arrays[name] for name in NAMES[3:]}
+    leaves = {name: torch.tensor(own[name], dtype=getattr(torch, dtype)).requires_grad_() for name in NAMES}
+    forward: list = []
+    with _counting(forward):
+        out, joint_out = ulysses_attention(
+            leaves["q"],
+            leaves["k"],
+            leaves["v"],
+            joint_q=leaves["joint_q"],
+            joint_k=leaves["joint_k"],
+            joint_v=leaves["joint_v"],
+            **case.kwargs(),
+        )
+    cotangents = [torch.tensor(arrays[name][ctx.rank], dtype=out.dtype) for name in ("cotangent", "joint_cotangent")]
+    ((out * cotangents[0]).sum() + (joint_out * cotangents[1]).sum()).backward()
+    grads = {
+        name: np.zeros(leaf.shape) if leaf.grad is None else leaf.grad.double().numpy() for name, leaf in leaves.items()
+    }
+    as_numpy = [x.detach().double().numpy() for x in (out, joint_out)]
+    return *as_numpy, grads, [name for name, _ in forward]
+
+
+def joint_error(ctx, joint_shapes, options: dict) -> str:
+    """The error text of a bad joint call on this rank (q [1, 4, 6, 8], k, v [1, 4, 2, 8])."""
+    q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, 4, 2, 8)
+    tensors = [None if shape is None else torch.zeros(shape) for shape in joint_shapes]
+    try:
+        ulysses_attention(q, k, k, joint_q=tensors[0], joint_k=tensors[1], joint_v=tensors[2], **options)
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
