@@ -50,7 +50,7 @@ import numpy.typing as npt
 from commlib import layer_names
 from commlib.errors import comm_error
 from commlib.frontend_errors import wrong_type
-from commlib.masks import check_segment_ids, segment_mask
+from commlib.masks import MaskRule, check_mask, check_segment_ids, rule_mask, segment_mask
 from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
@@ -280,6 +280,7 @@ class UlyssesPlan:
     out_runs: tuple[tuple[int, int, int], ...] | None  # (group, start, stop): the heads of the groups' outputs
     #   that, concatenated in this order, make the result (source rank by source rank); None: one group
     segmented: bool = False  # segment ids given: all-gathered over the group (``seq_sizes``), the mask of attn_fn
+    mask: MaskRule | None = None  # a rule on global positions (``mask=``), given to attn_fn as ``mask=``
 
     @property
     def chunks(self) -> int:
@@ -408,6 +409,7 @@ def ulysses_plan(
     layout: str = "exact",
     segment_ids: tuple[Sequence[int], str] | None = None,
     chunks: int = 1,
+    mask: object = None,
 ) -> UlyssesPlan:
     """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes, chunks)`` on `rank`
     (exact layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` /
@@ -417,7 +419,8 @@ def ulysses_plan(
     S_r = ``seq_sizes[rank]`` (exact) or ``max(seq_sizes)`` (padded); `seq_sizes` None: every rank S_r.
     `segment_ids`: ``(shape, dtype name)`` of the segment ids given (``[B, S_r]``, integers), None: none.
     `chunks`: head groups (`head_groups`), an int from 1 to the most q heads a rank attends with
-    (``ceil(H / W)``); 1 is one group of every head.
+    (``ceil(H / W)``); 1 is one group of every head. `mask`: a `commlib.masks.MaskRule` on the gathered
+    sequence's positions (`UlyssesPlan.positions`, ``0 .. S - 1``), None: none.
 
     >>> ulysses_plan((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4), 4, rank=0)
     Traceback (most recent call last):
@@ -442,6 +445,7 @@ def ulysses_plan(
     scale = check_attention_options(OP_NAME, tuple(dtypes), causal, scale, q[3], received)
     if segment_ids is not None:
         check_segment_ids(OP_NAME, shown(segment_ids[0]), str(segment_ids[1]), q, received)
+    rule = check_mask(OP_NAME, mask, received)
     split = head_split(q[2], checked["k"][2], world_size)
     chunks = _check_chunks(chunks, split, received)
     names = _INPUTS if v[3] == q[3] else ("q", "k")
@@ -464,6 +468,7 @@ def ulysses_plan(
         _even(sizes),
         _out_runs(groups),
         segment_ids is not None,
+        rule,
     )
 
 
@@ -545,15 +550,19 @@ def _visible(
     k_positions: npt.ArrayLike | None,
     q_segments: npt.ArrayLike | None = None,
     k_segments: npt.ArrayLike | None = None,
+    mask: MaskRule | None = None,
 ) -> np.ndarray:
     """Which keys each query sees: ``[Sq, Sk]`` bool (all, or the causal mask over global positions), and with
     segment ids (``[B, Sq]``, ``[B, Sk]``) ``[B, 1, Sq, Sk]``: also only keys of the query's segment, padding
-    (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`)."""
-    if not causal:
+    (a negative id) seeing and seen by nothing (`commlib.masks.segment_mask`); with a `mask` rule also its mask
+    of the positions (`commlib.masks.rule_mask`)."""
+    query = np.arange(q.shape[1]) if q_positions is None else np.asarray(q_positions)
+    key = np.arange(k.shape[1]) if k_positions is None else np.asarray(k_positions)
+    if mask is not None:
+        visible = rule_mask(query, key, causal, mask)
+    elif not causal:
         visible = np.ones((q.shape[1], k.shape[1]), dtype=bool)
     else:
-        query = np.arange(q.shape[1]) if q_positions is None else np.asarray(q_positions)
-        key = np.arange(k.shape[1]) if k_positions is None else np.asarray(k_positions)
         visible = causal_mask(query, key)
     if q_segments is None and k_segments is None:
         return visible
@@ -587,12 +596,13 @@ def _prepared(
     k_positions: npt.ArrayLike | None,
     q_segments: npt.ArrayLike | None = None,
     k_segments: npt.ArrayLike | None = None,
+    mask: MaskRule | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float, np.ndarray]:
     q = np.asarray(q, dtype=np.float64)
     group = q.shape[2] // max(np.shape(k)[2], 1)  # 0 // 1: a rank with no heads
     k_full, v_full = _expanded(k, group), _expanded(v, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    visible = _visible(q, k_full, causal, q_positions, k_positions, q_segments, k_segments)
+    visible = _visible(q, k_full, causal, q_positions, k_positions, q_segments, k_segments, mask)
     probs = _probabilities(q, k_full, scale, visible)
     return q, k_full, v_full, group, scale, probs
 
@@ -608,20 +618,24 @@ def attention(
     k_positions: npt.ArrayLike | None = None,
     q_segments: npt.ArrayLike | None = None,
     k_segments: npt.ArrayLike | None = None,
+    mask: MaskRule | None = None,
 ) -> np.ndarray:
     """float64 GQA attention: ``softmax(q k^T * scale + mask) v`` per batch and q head, q head i using kv head
     ``i // (H // H_kv)``: q ``[B, Sq, H, D]``, k ``[B, Sk, H_kv, D]``, v ``[B, Sk, H_kv, D_v]`` ->
     ``[B, Sq, H, D_v]``. `scale` defaults to ``1 / sqrt(D)``; `causal`: query at global position p sees keys
     at positions <= p (positions default to ``0..S-1``); `q_segments` / `k_segments` (integers ``[B, Sq]`` /
     ``[B, Sk]``; k's default to q's): a query sees only the keys of its segment, a negative id (padding) sees
-    and is seen by nothing. A query that sees no key gives zeros (and gradient 0); a NaN in q, k or v gives
-    NaN in the rows that see it.
+    and is seen by nothing; `mask` (a `commlib.masks.MaskRule`: `BlockCausal`, `SlidingWindow`) on the global
+    positions, ANDed with the others. A query that sees no key gives zeros (and gradient 0); a NaN in q, k or v
+    gives NaN in the rows that see it.
 
     >>> q = k = v = np.ones((1, 3, 1, 2))
     >>> attention(q, k, v, q_segments=np.array([[0, 0, -1]]))[0, :, 0].tolist()  # the padding row: 0
     [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
     """
-    _, _, v_full, _, _, probs = _prepared(q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments)
+    _, _, v_full, _, _, probs = _prepared(
+        q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments, mask
+    )
     return np.einsum("bhqk,bkhd->bqhd", probs, v_full)
 
 
@@ -637,11 +651,12 @@ def attention_vjp(
     k_positions: npt.ArrayLike | None = None,
     q_segments: npt.ArrayLike | None = None,
     k_segments: npt.ArrayLike | None = None,
+    mask: MaskRule | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * cotangent)`` (float64; the keywords as
     `attention`'s); a kv head's gradient sums over the q heads that use it. A query that sees no key adds 0."""
     q, k_full, v_full, group, scale, probs = _prepared(
-        q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments
+        q, k, v, causal, scale, q_positions, k_positions, q_segments, k_segments, mask
     )
     cotangent = np.asarray(cotangent, dtype=np.float64)
     dv_full = np.einsum("bhqk,bqhd->bkhd", probs, cotangent)

@@ -86,6 +86,7 @@ def ulysses_call(
     attn_fn: Callable[..., Any] | None = None,
     layout: str | SequenceLayout = "contiguous",
     chunks: int = 1,
+    mask: object = None,
 ) -> attention.UlyssesPlan:
     """The validated `UlyssesPlan` of ``ulysses_attention(q, k, v, ...)`` on `world_size` ranks: for `rank`
     (torch, ``layout="exact"``: rank r holds exactly ``seq_sizes[r]`` rows), or None for every rank (JAX,
@@ -99,6 +100,7 @@ def ulysses_call(
         attn_fn=attn_fn,
         segment_ids=segment_ids,
         chunks=chunks,
+        mask=mask,
     )
     dtypes, segment_type = check_call(frontend, attention.OP_NAME, q, k, v, segment_ids, options)
     return attention.ulysses_plan(
@@ -114,6 +116,7 @@ def ulysses_call(
         layout="exact" if rank is not None else "padded",
         segment_ids=segment_type,
         chunks=chunks,
+        mask=mask,
     )
 
 
@@ -130,6 +133,7 @@ def ring_call(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     shard: int | None = None,
+    mask: object = None,
 ) -> ring.RingPlan:
     """The validated `RingPlan` of ``ring_attention`` on `ring_size` ranks (`ulysses_size` None) or of
     ``usp_attention`` on a `ulysses_size` x `ring_size` grid; `shard`: this rank's shard index in a
@@ -138,7 +142,7 @@ def ring_call(
     sizes: dict[str, object] = (
         dict(world_size=ring_size) if ulysses_size is None else dict(ulysses_size=ulysses_size, ring_size=ring_size)
     )
-    options = dict(**sizes, causal=causal, scale=scale, layout=layout, segment_ids=segment_ids)
+    options = dict(**sizes, causal=causal, scale=scale, layout=layout, segment_ids=segment_ids, mask=mask)
     dtypes, segment_type = check_call(frontend, layer, q, k, v, segment_ids, options)
     return ring.ring_plan(
         q.shape,
@@ -153,4 +157,5 @@ def ring_call(
         op_name=layer,
         shard=shard,
         segment_ids=segment_type,
+        mask=mask,
     )

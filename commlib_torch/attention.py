@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from commlib import attention as spec
 from commlib.layer_call import ulysses_call
-from commlib.masks import segment_mask
+from commlib.masks import MaskRule, rule_mask, segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, Pending, walk
 from commlib_torch._checked import LayerFrontend
@@ -42,15 +42,18 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    mask: MaskRule | None = None,
 ) -> torch.Tensor:
     """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
     to ``1 / sqrt(D)``; `segment_ids` (integers ``[B, S]``): position i sees position j only when their ids are
     equal, a negative id (padding) sees and is seen by nothing, and a row that sees nothing outputs 0 with
-    gradient 0. A NaN in q, or in a key a row sees, makes that row NaN (SDPA's CPU flash kernel alone would give
-    a row whose every score is NaN 0); a NaN in a key no row of it sees (padding, masked) changes nothing: the
-    kernel never sees it. The default `attn_fn` of `ulysses_attention`.
+    gradient 0; `mask` (a `commlib.masks.MaskRule`: `commlib.masks.BlockCausal`, `SlidingWindow`) masks by
+    the positions ``0 .. S - 1`` as well (ANDed). A NaN in q, or in a key a row sees, makes that row NaN
+    (SDPA's CPU flash kernel alone would give a row whose every score is NaN 0); a NaN in a key no row of it
+    sees (padding, masked) changes nothing: the kernel never sees it. The default `attn_fn` of
+    `ulysses_attention`.
 
     Example:
         >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
@@ -58,20 +61,25 @@ def attention(
         torch.Size([1, 4, 8, 32])
         >>> attention(q, k, v, segment_ids=torch.tensor([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
         [1.0, 1.0, 1.0, 0.0]
+        >>> from commlib.masks import SlidingWindow
+        >>> attention(q, k, v, mask=SlidingWindow(2)).shape  # position i sees i - 1 and i
+        torch.Size([1, 4, 8, 32])
     """
     query, key, value = (x.transpose(1, 2) for x in (*nan_free(q, k), v))  # NaNs put back by `nan_rows`
     gqa = q.shape[2] != k.shape[2]
-    if segment_ids is None:
+    if segment_ids is None and mask is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
         return nan_rows(q, k, "causal-diagonal" if causal else "full", out.transpose(1, 2))[0]
-    mask = segment_mask(segment_ids, segment_ids)  # [B, S, S]
-    if causal:
-        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-    seen = mask.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
+    positions = torch.arange(q.shape[1], device=q.device)
+    visible = rule_mask(positions, positions, causal, mask)[None]  # [1, S, S]
+    if segment_ids is not None:
+        visible = visible & segment_mask(segment_ids, segment_ids)  # [B, S, S]
+    allowed = visible
+    seen = allowed.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=(mask | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
+        query, key, value, attn_mask=(allowed | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
     )
-    return nan_rows(q, k, mask, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
+    return nan_rows(q, k, allowed, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
 
 
 def _select(runs: tuple[tuple[int, int, int], ...], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -188,6 +196,7 @@ def ulysses_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
     chunks: int = 1,
+    mask: MaskRule | None = None,
 ) -> torch.Tensor:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
@@ -219,6 +228,10 @@ def ulysses_attention(
             float64) and no kv head serves q heads of two groups (MHA; GQA whose groups keep a kv head's q
             heads together), else they equal it to rounding. With MQA / GQA a kv head is sent once per group
             that uses it.
+        mask: a rule on global positions (`commlib.masks.BlockCausal`: frame-causal; `SlidingWindow`: a causal
+            window, transformers' ``sliding_window``), ANDed with `causal` and `segment_ids`; the gathered
+            sequence holds the positions ``0 .. S - 1`` and `attn_fn` is given it as ``mask=``. Nothing of it
+            is sent.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
@@ -230,9 +243,10 @@ def ulysses_attention(
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
             size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids
             not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist, `chunks` below 1 or above
-            the most q heads a rank attends with (the message gives the head counts).
+            the most q heads a rank attends with (the message gives the head counts), a mask rule's block_size
+            or window below 1.
         TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
-            scale not a number, group, chunks not an int).
+            scale not a number, group, chunks not an int, mask not a `commlib.masks.MaskRule`).
 
     Example:
         >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
@@ -258,5 +272,6 @@ def ulysses_attention(
         attn_fn=attn_fn,
         layout=layout,
         chunks=chunks,
+        mask=mask,
     )
     return walk(backend, plan, {"q": q, "k": k, "v": v}, segment_ids)
