@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from commlib import layer_names
 from commlib.errors import comm_error
 from commlib.frontend_errors import wrong_type
-from commlib.masks import check_segment_ids
+from commlib.masks import MaskRule, check_mask, check_segment_ids
 from commlib.reference.attention import attention, attention_vjp, causal_mask  # re-exported: their documented path
 from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
@@ -283,6 +283,7 @@ class UlyssesPlan:
     #   that, concatenated in this order, make the result (source rank by source rank); None: one group
     segmented: bool = False  # segment ids given: all-gathered over the group (``seq_sizes``), the mask of attn_fn
     joint: JointPlan | None = None  # joint_q, joint_k, joint_v given: where they go, the heads each group takes
+    mask: MaskRule | None = None  # a rule on global positions (``mask=``), given to attn_fn as ``mask=``
 
     @property
     def chunks(self) -> int:
@@ -401,6 +402,7 @@ def ulysses_plan(
     layout: str = "exact",
     segment_ids: tuple[Sequence[int], str] | None = None,
     chunks: int = 1,
+    mask: object = None,
 ) -> UlyssesPlan:
     """The `UlyssesPlan` of ``ulysses_attention(q, k, v, ..., causal, scale, seq_sizes, chunks)`` on `rank`
     (exact layout, torch) or on every rank (``layout="padded"``, JAX; `rank` unused), or `CommError` /
@@ -410,7 +412,8 @@ def ulysses_plan(
     S_r = ``seq_sizes[rank]`` (exact) or ``max(seq_sizes)`` (padded); `seq_sizes` None: every rank S_r.
     `segment_ids`: ``(shape, dtype name)`` of the segment ids given (``[B, S_r]``, integers), None: none.
     `chunks`: head groups (`head_groups`), an int from 1 to the most q heads a rank attends with
-    (``ceil(H / W)``); 1 is one group of every head.
+    (``ceil(H / W)``); 1 is one group of every head. `mask`: a `commlib.masks.MaskRule` on the gathered
+    sequence's positions (`UlyssesPlan.positions`, ``0 .. S - 1``), None: none.
 
     >>> ulysses_plan((1, 3, 6, 4), (1, 3, 4, 4), (1, 3, 4, 4), 4, rank=0)
     Traceback (most recent call last):
@@ -435,6 +438,7 @@ def ulysses_plan(
     scale = check_attention_options(OP_NAME, tuple(dtypes), causal, scale, q[3], received)
     if segment_ids is not None:
         check_segment_ids(OP_NAME, shown(segment_ids[0]), str(segment_ids[1]), q, received)
+    rule = check_mask(OP_NAME, mask, received)
     split = head_split(q[2], checked["k"][2], world_size)
     chunks = _check_chunks(chunks, split, received)
     names = _INPUTS if v[3] == q[3] else ("q", "k")
@@ -457,6 +461,7 @@ def ulysses_plan(
         _even(sizes),
         _out_runs(groups),
         segment_ids is not None,
+        mask=rule,
     )
 
 

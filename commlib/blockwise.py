@@ -7,8 +7,9 @@ Dao 2023, Algorithm 2): ``dS = P * (dP - rowsum(dO * O))`` (`delta`).
 `attend_blocks` / `attend_blocks_vjp` are the same rules walked over the keys `block_size` at a time (a loop the
 `ArrayMath` runs: numpy's a Python loop, JAX's ``lax.fori_loop``): the forward keeps the online softmax's
 running max, sum and output, the backward recomputes each block's probabilities from the saved LSE, so what a
-piece holds is ``[B, H, Sq, block_size]`` scores, never ``[B, H, Sq, Sk]``. Segment ids (`q_ids`, `k_ids`) are
-turned into each block's mask inside the loop (never a ``[Sq, Sk]`` array).
+piece holds is ``[B, H, Sq, block_size]`` scores, never ``[B, H, Sq, Sk]``. Segment ids (`q_ids`, `k_ids`) and a
+mask rule on positions (`rule`, a `commlib.masks.MaskRule` over the positions ``0 .. Sq - 1`` and ``0 .. Sk - 1``)
+are turned into each block's mask inside the loop (never a ``[Sq, Sk]`` array).
 
 >>> q = k = v = np.eye(2).reshape(1, 2, 1, 2)
 >>> out, lse = attend(NUMPY, q, k, v, 1.0, "causal-diagonal")
@@ -288,8 +289,10 @@ class SegmentedMask(NamedTuple):
 class _Blocks:
     """A piece's keys cut into `count` blocks of `size` (the last padded: zeros in k and v, masked out)."""
 
-    def __init__(self, math_: ArrayMath, k: Any, v: Any, mask: Any, k_ids: Any, block_size: int) -> None:
-        self.keys = k.shape[1]
+    def __init__(
+        self, math_: ArrayMath, k: Any, v: Any, mask: Any, k_ids: Any, block_size: int, rule: Any = None
+    ) -> None:
+        self.keys, self.rule = k.shape[1], rule
         self.size = max(1, min(block_size, self.keys))
         self.count = -(-self.keys // self.size)
         self.padding = self.count * self.size - self.keys
@@ -312,6 +315,10 @@ class _Blocks:
                 parts.append(math_.arange(rows)[:, None] >= columns[None, :])
             elif self.padding:
                 parts.append(columns < self.keys)
+            if self.rule is not None:  # the rule's mask of the block's positions (and its padding keys)
+                parts.append(self.rule.visible(math_.arange(rows), columns))
+                if self.padding and self.mask == "causal-diagonal":
+                    parts.append(columns < self.keys)
         else:
             parts.append(math_.block(self.dense, start, self.size, -1))
         if q_ids is not None:
@@ -342,11 +349,13 @@ def attend_blocks(
     block_size: int,
     q_ids: Any = None,
     k_ids: Any = None,
+    rule: Any = None,
 ) -> tuple[Any, Any]:
     """`attend` walked over the keys `block_size` at a time with the online softmax (the same ``(out [B, Sq, H,
     D_v], lse [B, Sq, H])``, rows that see no key output 0 with LSE -inf, a NaN score a NaN row, to rounding).
     `mask` as `attend`'s (a dense bool array is read one block of columns at a time); `q_ids` ``[B, Sq]``,
-    `k_ids` ``[B, Sk]``: segment ids (`commlib.masks.segment_mask`) masking each block as well.
+    `k_ids` ``[B, Sk]``: segment ids (`commlib.masks.segment_mask`) masking each block as well; `rule` (with a
+    `mask` name): a `commlib.masks.MaskRule` on the positions ``0 .. Sq - 1`` and ``0 .. Sk - 1``, the same.
 
     >>> q, k, v = np.random.default_rng(0).normal(size=(3, 1, 5, 2, 4))
     >>> out, lse = attend_blocks(NUMPY, q, k, v, 0.5, "causal-diagonal", 2)
@@ -355,7 +364,7 @@ def attend_blocks(
     """
     batch, rows, heads, _ = q.shape
     kv_heads, group = k.shape[2], heads // k.shape[2]
-    blocks = _Blocks(math_, k, v, mask, k_ids, block_size)
+    blocks = _Blocks(math_, k, v, mask, k_ids, block_size, rule)
     q5 = _grouped(q, kv_heads)
     like = tuple(x for x in (q, k, v, mask, q_ids, k_ids) if x is not None and not isinstance(x, str))
     row_shape = (batch, kv_heads, group, rows)
@@ -397,12 +406,13 @@ def attend_blocks_vjp(
     block_size: int,
     q_ids: Any = None,
     k_ids: Any = None,
+    rule: Any = None,
 ) -> tuple[Any, Any, Any]:
     """`attend_vjp` walked over the keys `block_size` at a time: each block's probabilities recomputed from the
     final `lse`, its dk and dv written in place, dq summed over the blocks (the same ``(dq, dk, dv)``, to
     rounding). Arguments as `attend_vjp`'s and `attend_blocks`'."""
     kv_heads = k.shape[2]
-    blocks = _Blocks(math_, k, v, mask, k_ids, block_size)
+    blocks = _Blocks(math_, k, v, mask, k_ids, block_size, rule)
     q5, d_out5 = _grouped(q, kv_heads), _grouped(d_out, kv_heads)
     shift = _finite(math_, math_.einsum("bqng->bngq", _grouped_rows(lse, kv_heads)))[..., None]
     rowsums = math_.einsum("bqng->bngq", _grouped_rows(delta, kv_heads))[..., None]

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from commlib import attention, joint, ring
+from commlib.errors import comm_error
 from commlib.layer_check import LayerCall, attention_call
 from commlib.sequence import SequenceLayout, ulysses_seq_sizes
 
@@ -89,6 +90,7 @@ def ulysses_call(
     chunks: int = 1,
     joint_qkv: Sequence[Any] = (None, None, None),
     joint_position: object = "front",
+    mask: object = None,
 ) -> attention.UlyssesPlan:
     """The validated `UlyssesPlan` of ``ulysses_attention(q, k, v, ...)`` on `world_size` ranks: for `rank`
     (torch, ``layout="exact"``: rank r holds exactly ``seq_sizes[r]`` rows), or None for every rank (JAX,
@@ -106,6 +108,7 @@ def ulysses_call(
         attn_fn=attn_fn,
         segment_ids=segment_ids,
         chunks=chunks,
+        mask=mask,
     )
     if has_joint:  # (a call without them keeps its record, so checked mode's messages stay as they were)
         options |= dict(joint_shapes=tuple(tuple(x.shape) for x in joint_qkv), joint_position=joint_position)
@@ -123,9 +126,17 @@ def ulysses_call(
         layout="exact" if rank is not None else "padded",
         segment_ids=segment_type,
         chunks=chunks,
+        mask=mask,
     )
     if not has_joint:
         return plan
+    if mask is not None:
+        raise comm_error(
+            attention.OP_NAME,
+            "mask cannot be given with joint_q (a rule's positions would be the concatenation's: not supported)",
+            mask=mask,
+            joint_position=joint_position,
+        )
     shapes = [tuple(x.shape) for x in joint_qkv]
     joint_dtypes = dtypes + [frontend.dtype_name(x) for x in joint_qkv]
     checked = joint.joint_plan(
@@ -147,6 +158,7 @@ def ring_call(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     shard: int | None = None,
+    mask: object = None,
 ) -> ring.RingPlan:
     """The validated `RingPlan` of ``ring_attention`` on `ring_size` ranks (`ulysses_size` None) or of
     ``usp_attention`` on a `ulysses_size` x `ring_size` grid; `shard`: this rank's shard index in a
@@ -155,7 +167,7 @@ def ring_call(
     sizes: dict[str, object] = (
         dict(world_size=ring_size) if ulysses_size is None else dict(ulysses_size=ulysses_size, ring_size=ring_size)
     )
-    options = dict(**sizes, causal=causal, scale=scale, layout=layout, segment_ids=segment_ids)
+    options = dict(**sizes, causal=causal, scale=scale, layout=layout, segment_ids=segment_ids, mask=mask)
     dtypes, segment_type = check_call(frontend, layer, q, k, v, segment_ids, options)
     return ring.ring_plan(
         q.shape,
@@ -170,4 +182,5 @@ def ring_call(
         op_name=layer,
         shard=shard,
         segment_ids=segment_type,
+        mask=mask,
     )

@@ -23,6 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from commlib.errors import CommError, comm_error, kind_error
+from commlib.masks import SlidingWindow
 from commlib.sequence import SequenceLayout
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "parallel_plan",
     "positions_error",
     "refused_elsewhere_error",
+    "window_rule",
 ]
 
 OP_NAME = "parallel"
@@ -219,8 +221,12 @@ def check_call(
     holds every shard padded to ``layout.max_size``. `mask` / `bias`: whether one was given (commlib owns the
     causal mask only).
 
+    `sliding_window`: a model's window (transformers' ``sliding_window``, a causal window of that many
+    positions), which the layer masks by (`window_rule`).
+
     Raises:
-        CommError: a dense mask, a bias, dropout > 0, a sliding window, softcapping, q rows not the layout's.
+        CommError: a dense mask, a bias, dropout > 0, a sliding window not an int >= 1, softcapping, q rows not
+            the layout's.
     """
     refused = [
         (
@@ -231,18 +237,39 @@ def check_call(
         ),
         (bias, "an attention bias is not supported"),
         (dropout != 0.0, f"dropout ({dropout}) must be 0"),
-        (sliding_window is not None, f"sliding_window ({sliding_window}) is not supported"),
         (softcap is not None, f"softcap ({softcap}) is not supported"),
     ]
     for refuse, message in refused:
         if refuse:
             raise comm_error(CALL_OP, message, attention=plan.attention, layout=plan.layout)
+    window_rule(sliding_window, plan)
     want = plan.layout.max_size if shard is None else plan.layout.sizes[shard]
     if rows != want:
         where = "layout.max_size" if shard is None else f"layout.sizes[{shard}]"
         raise comm_error(
             CALL_OP, f"query rows ({rows}) must be {where} ({want})", layout=plan.layout, attention=plan.attention
         )
+
+
+def window_rule(sliding_window: object, plan: ParallelPlan | None = None) -> SlidingWindow | None:
+    """The layer's ``mask=`` of a model's ``sliding_window`` (transformers 5.x: key k seen by query q iff
+    ``q - sliding_window < k <= q``, `commlib.masks.SlidingWindow`'s rule); None for None.
+
+    >>> window_rule(4096)
+    SlidingWindow(window=4096)
+    >>> window_rule(0)
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: commlib attention: sliding_window (0) must be an int >= 1. Received: sliding_window=0
+    """
+    if sliding_window is None:
+        return None
+    valid = isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, (bool, np.bool_))
+    if not valid or sliding_window < 1:  # type: ignore[operator]
+        where = {} if plan is None else dict(attention=plan.attention, layout=plan.layout)
+        message = f"sliding_window ({sliding_window}) must be an int >= 1"
+        raise comm_error(CALL_OP, message, **where, sliding_window=sliding_window)
+    return SlidingWindow(int(sliding_window))  # type: ignore[call-overload]
 
 
 def _listed(values: np.ndarray) -> str:

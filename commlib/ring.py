@@ -13,6 +13,14 @@ do not travel with k/v), every piece is masked by them as well, and a piece none
 keys is skipped: `visible_pieces` decides it for every step and piece of a rank at once, from the gathered ids
 (`RingBackend.when_visible` applies it; `pieces_computed` counts what is left).
 
+With a rule on global positions (``mask=``, `commlib.masks.MaskRule`: frame-causal, a sliding window) the cases
+come from the rule instead: every (q block, kv block) pair is cut into the runs of consecutive positions its
+blocks hold (one each in the contiguous layout, two in zigzag), and each pair of runs is classified on the host
+when the plan is built (`commlib.masks.classify_runs`): a pair the rule (and causal) masks entirely is no piece,
+a pair it leaves whole a "full" piece, the rest a "positions" piece masked by the rule's dense mask of the two
+blocks (`RingPlan.key_masks`). Step 0 (a rank's own block) is one "positions" piece over every row. Nothing is
+decided on device, so the skip is static in torch and in JAX (`pieces_computed` counts it).
+
 The walk decides nothing per framework: a backend attends a piece (and its VJP), writes rows, starts and waits
 the send of a list of arrays one ring step (step t+1's k/v begun before step t's pieces and waited after them:
 the DESIGN's Overlap; torch sends asynchronously, JAX and the reference complete at once), and picks the case of a step for its rank (torch and the reference know the rank; JAX
@@ -37,7 +45,7 @@ import numpy as np
 from commlib import layer_names
 from commlib.blockwise import NUMPY, ArrayMath, SegmentedMask, delta, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
-from commlib.masks import check_segment_ids
+from commlib.masks import MaskRule, check_mask, check_segment_ids, classify_runs, position_runs, rule_mask
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
 
@@ -116,6 +124,14 @@ class RingPlan:
     # Segment ids given (``segment_ids=``): every ring block's ids gathered once, every piece masked by them too,
     # and a piece none of whose queries sees any of its keys skipped (`visible_pieces`; `pieces_computed`).
     segmented: bool = False
+    # A rule on global positions (``mask=``): the cases are the rule's (`_rule_cases`), every "positions" piece
+    # masked by `key_masks` (the rule's and causal's mask of the two blocks' positions, sliced to the piece).
+    mask: MaskRule | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether "positions" pieces take their mask from `key_masks` (an uneven layout or a mask rule)."""
+        return self.sequence is not None or self.mask is not None
 
     @property
     def perm(self) -> tuple[tuple[int, int], ...]:
@@ -171,9 +187,10 @@ class RingPlan:
 
     @property
     def block_positions(self) -> np.ndarray:
-        """Masked plans: int64 ``[W, rows]``, every ring block's global positions as the ring walks them (shards
-        r*U .. r*U+U-1, each padded to ``max_size``), -1 for padding. The frontends build the masks from it."""
-        assert self.sequence is not None, "only masked plans hold padded blocks"
+        """int64 ``[W, rows]``, every ring block's global positions as the ring walks them (masked plans: shards
+        r*U .. r*U+U-1, each padded to ``max_size``, -1 for padding). The frontends build the masks from it."""
+        if self.sequence is None:
+            return _even_positions(self.rows * self.ring_size, self.ring_size, self.layout)
         return _block_positions(self.sequence)
 
     def valid_rows(self) -> np.ndarray:
@@ -182,14 +199,59 @@ class RingPlan:
 
     def key_masks(self, step: int) -> np.ndarray:
         """bool ``[W, rows, rows]``: ``[r, i, j]`` whether q row i of rank r sees kv row j of the block it holds at
-        `step` (`commlib.blockwise.position_mask` of the two blocks' positions; O(W rows^2), built when asked)."""
+        `step` (`position_mask` of the two blocks' positions; O(W rows^2), built when asked)."""
         held = self.block_positions
         blocks = [self.kv_block(step, rank) for rank in range(self.ring_size)]
-        return position_mask(held, held[blocks], self.causal)
+        return self.position_mask(held, held[blocks])
+
+    def position_mask(self, q_positions: Any, k_positions: Any) -> Any:
+        """bool ``[..., Sq, Sk]`` of a "positions" piece from its rows' global positions (any array module):
+        both real (not padding), causal when the plan is, and the mask rule's (`commlib.masks.rule_mask`)."""
+        if self.mask is None:
+            return position_mask(q_positions, k_positions, self.causal)
+        return rule_mask(q_positions, k_positions, self.causal, self.mask)
 
     def wire_elements(self) -> int:
         """Elements of k and v one rank sends per forward step: ``B * rows * H_kv * (D + D_v)`` (GQA: unrepeated)."""
         return self.batch * self.rows * self.kv_heads * (self.head_dim + self.value_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _even_positions(seq_len: int, ring_size: int, layout: str) -> np.ndarray:
+    """int64 ``[W, S / W]``: ring block r's global positions in a layout string's even cut."""
+    held = np.asarray(positions(seq_len, ring_size, layout, 1), dtype=np.int64)
+    held.setflags(write=False)
+    return held
+
+
+def _rule_cases(
+    held: np.ndarray, causal: bool, rule: MaskRule
+) -> tuple[tuple[tuple[str, tuple[Piece, ...]], ...], tuple[tuple[int, ...], ...]]:
+    """The cases of a mask rule and ``case_index[step][rank]``, from every ring block's positions `held`
+    (``[W, rows]``, -1 padding): step 0 one "positions" piece over every row (it starts the accumulators);
+    later steps a piece for each pair of position runs (`commlib.masks.position_runs`) the rule does not mask
+    entirely -- "full" where it masks nothing, else "positions"."""
+    ring_size, rows = held.shape
+    runs = [position_runs(block) for block in held]
+    named: dict[tuple[Piece, ...], int] = {(Piece((0, rows), (0, rows), "positions"),): 0}
+    index = []
+    for step in range(ring_size):
+        row = []
+        for rank in range(ring_size):
+            pieces: tuple[Piece, ...] = (Piece((0, rows), (0, rows), "positions"),)
+            if step:
+                found = []
+                for q_run in runs[rank]:
+                    for k_run in runs[(rank - step) % ring_size]:
+                        state = classify_runs(q_run, k_run, causal, rule)
+                        if state != "none":
+                            mask = "full" if state == "all" else "positions"
+                            found.append(Piece(q_run[:2], k_run[:2], mask))
+                pieces = tuple(found)
+            row.append(named.setdefault(pieces, len(named)))
+        index.append(tuple(row))
+    names = ("positions", *(f"rule-{number}" for number in range(1, len(named))))
+    return tuple(zip(names, named, strict=True)), tuple(index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -254,6 +316,7 @@ def ring_plan(
     op_name: str = RING_OP,
     shard: int | None = None,
     segment_ids: tuple[Sequence[int], str] | None = None,
+    mask: object = None,
 ) -> RingPlan:
     """The `RingPlan` of ``ring_attention(q, k, v, causal, scale, layout)`` over `ring_size` ranks, or of
     ``usp_attention`` (``op_name=USP_OP``, `ulysses_size` U) -- or `CommError` / `TypeError`.
@@ -266,7 +329,8 @@ def ring_plan(
     where the length is one the layout string cuts evenly the plan is that string's, else the ring walks ``U *
     max_size`` rows (every shard padded) with masks from global positions (`RingPlan.key_masks`).
     `segment_ids`: ``(shape, dtype name)`` of the segment ids this rank holds (``[B, S_r]``, integers: checked
-    here, `commlib.masks.check_segment_ids`), None: none.
+    here, `commlib.masks.check_segment_ids`), None: none. `mask`: a `commlib.masks.MaskRule` (ANDed with
+    `causal` and the segment ids; its cases are `_rule_cases`'), None: none.
 
     >>> ring_plan((1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4), 2, layout="zigzag")
     Traceback (most recent call last):
@@ -299,7 +363,12 @@ def ring_plan(
     scale = check_attention_options(op_name, tuple(dtypes), causal, scale, q[3], received)
     if segment_ids is not None:
         check_segment_ids(op_name, shown(segment_ids[0]), str(segment_ids[1]), q, received)
-    if sequence is None:
+    rule = check_mask(op_name, mask, received)
+    if rule is not None:
+        rows = q[1] * ulysses_size if sequence is None else ulysses_size * sequence.max_size
+        held = _even_positions(rows * ring_size, ring_size, layout) if sequence is None else _block_positions(sequence)
+        named, index = _rule_cases(held, causal, rule)
+    elif sequence is None:
         rows = q[1] * ulysses_size
         named = _cases(rows, causal, layout)
         index = tuple(
@@ -331,6 +400,7 @@ def ring_plan(
         shared,
         sequence,
         segment_ids is not None,
+        rule,
     )
 
 
@@ -443,20 +513,28 @@ def _at_step(
     plans: always, with this rank's mask of the step). `segments`: the ids of this rank's q rows and of the kv
     block it holds (segmented plans)."""
     shared = plan.shared_case[step]
-    if plan.masked:
-        return function(
-            backend, plan.cases[0], *operands, key_mask=backend.key_mask(step), segments=segments, step=step
-        )
+    key_mask = backend.key_mask(step) if plan.keyed else None
     if shared is not None:
-        return function(backend, plan.cases[shared], *operands, segments=segments, step=step)
-    if segments is None:
+        return function(backend, plan.cases[shared], *operands, key_mask=key_mask, segments=segments, step=step)
+    if segments is None and key_mask is None:
         return backend.switch(step, lambda pieces, *arrays: function(backend, pieces, *arrays), *operands)
+    # the key mask and ids go in as operands: a backend may split every operand by rank (the reference's
+    # simulated ranks)
+    extra = ([] if key_mask is None else [key_mask]) + ([] if segments is None else list(segments))
+    count = len(operands)
 
-    # the ids go in as operands: a backend may split every operand by rank (the reference's simulated ranks)
     def rule(pieces, *arrays):
-        return function(backend, pieces, *arrays[:-2], segments=arrays[-2:], step=step)
+        mask = arrays[count] if key_mask is not None else None
+        ids = arrays[count + (key_mask is not None) :] or None
+        return function(backend, pieces, *arrays[:count], key_mask=mask, segments=ids, step=step)
 
-    return backend.switch(step, rule, *operands, *segments)
+    return backend.switch(step, rule, *operands, *extra)
+
+
+def _named(piece: Piece, key_mask: Any, rows: slice, keys: slice) -> Any:
+    """A piece's mask before segment ids: its name, or for a "positions" piece its rows and keys of the step's
+    key mask (``[..., rows, rows]``)."""
+    return key_mask[..., rows, keys] if piece.mask == "positions" else piece.mask
 
 
 def _piece_mask(
@@ -488,8 +566,9 @@ def _forward_case(
     ids of the q rows and kv rows (segmented plans: a later piece that no query of it sees is skipped)."""
     for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        named = key_mask if piece.mask == "positions" else piece.mask
-        mask = _piece_mask(backend.math, named, segments, rows, keys, backend.blocked_masks)
+        mask = _piece_mask(
+            backend.math, _named(piece, key_mask, rows, keys), segments, rows, keys, backend.blocked_masks
+        )
 
         def merged(out: Any, lse: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask) -> tuple[Any, Any]:
             part_out, part_lse = backend.attend(q[:, rows], k[:, keys], v[:, keys], mask)
@@ -566,8 +645,9 @@ def _backward_case(
     forward computed)."""
     for index, piece in enumerate(pieces):
         rows, keys = slice(*piece.q), slice(*piece.kv)
-        named = key_mask if piece.mask == "positions" else piece.mask
-        mask = _piece_mask(backend.math, named, segments, rows, keys, backend.blocked_masks)
+        mask = _piece_mask(
+            backend.math, _named(piece, key_mask, rows, keys), segments, rows, keys, backend.blocked_masks
+        )
 
         def added(
             dq: Any, dk: Any, dv: Any, rows: slice = rows, keys: slice = keys, mask: Any = mask
@@ -654,12 +734,11 @@ def visible_pieces(
     table: list[list[Any]] = []
     for step in range(plan.ring_size):
         ids = (blocks[rank], blocks[plan.kv_block(step, rank)])
-        mask_of_step = key_mask(step) if plan.masked else None
+        mask_of_step = key_mask(step) if plan.keyed else None
         row = []
-        for index, piece in enumerate(plan.cases[0 if plan.masked else plan.case_index[step][rank]]):
-            mask = _piece_mask(
-                math_, mask_of_step if piece.mask == "positions" else piece.mask, ids, slice(*piece.q), slice(*piece.kv)
-            )
+        for index, piece in enumerate(plan.cases[plan.case_index[step][rank]]):
+            rows, keys = slice(*piece.q), slice(*piece.kv)
+            mask = _piece_mask(math_, _named(piece, mask_of_step, rows, keys), ids, rows, keys)
             seen = math_.xp.any(mask)
             row.append(seen | True if step == 0 and index == 0 else seen)
         table.append(row)
@@ -677,9 +756,7 @@ def pieces_computed(plan: RingPlan, segments: Any) -> tuple[int, int]:
     (2, 3)
     """
     scheduled = sum(
-        len(plan.cases[0 if plan.masked else plan.case_index[step][rank]])
-        for step in range(plan.ring_size)
-        for rank in range(plan.ring_size)
+        len(plan.cases[plan.case_index[step][rank]]) for step in range(plan.ring_size) for rank in range(plan.ring_size)
     )
     if segments is None:
         return scheduled, scheduled

@@ -72,7 +72,7 @@ class UlyssesBackend(Protocol):
     def attend(self, plan: UlyssesPlan, group: HeadGroup, local: Mapping[str, Any], masks: Mapping[str, Any]) -> Any:
         """`group`'s attention on this rank over the full sequence, ``[B, S, h, D_v]``, from its received heads
         ``{"q", "k", "v": [n, B, S, D]}`` (heads first; k and v indexed by ``group.kv_index`` where given), the
-        plan's causal and scale, and `masks` (``segment_ids`` when given) as keywords of the attention."""
+        plan's causal and scale, and `masks` (``segment_ids``, ``mask`` when given) as keywords of the attention."""
 
     def start_output(
         self, out: Any, scatter_sizes: tuple[int, ...] | None, gather_sizes: tuple[int, ...] | None, overlap: bool
@@ -161,6 +161,8 @@ def walk(backend: UlyssesBackend, plan: UlyssesPlan, inputs: Mapping[str, Any], 
     masks = {}
     if segment_ids is not None:  # the whole sequence's ids (integers: forward only)
         masks["segment_ids"] = backend.gather_segments(segment_ids, plan.out_scatter_sizes)
+    if plan.mask is not None:  # a rule on the gathered sequence's positions (0 .. S - 1): static, nothing sent
+        masks["mask"] = plan.mask
     outgoing, joint_outputs = [], []
     for index, group in enumerate(plan.groups):
         local = _received(incoming)

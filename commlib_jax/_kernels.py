@@ -107,28 +107,28 @@ def _mask(causal: bool) -> str:
     return "causal-diagonal" if causal else "full"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))  # options: (causal, scale, block_size, mask rule)
 def _local(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None, options: tuple) -> jax.Array:
     return _local_forward(q, k, v, ids, options)[0]
 
 
 def _local_forward(q: Any, k: Any, v: Any, ids: Any, options: tuple) -> tuple[jax.Array, tuple]:
-    causal, scale, block_size = options
+    causal, scale, block_size, rule = options
     dtype = _compute_dtype(q)
     query, keys, values = (x.astype(dtype) for x in (q, k, v))
-    out, lse = blockwise.attend_blocks(MATH, query, keys, values, scale, _mask(causal), block_size, ids, ids)
+    out, lse = blockwise.attend_blocks(MATH, query, keys, values, scale, _mask(causal), block_size, ids, ids, rule)
     out = out.astype(v.dtype)
     return out, (q, k, v, ids, out, lse)
 
 
 def _local_backward(options: tuple, residuals: tuple, d_out: jax.Array) -> tuple:
-    causal, scale, block_size = options
+    causal, scale, block_size, rule = options
     q, k, v, ids, out, lse = residuals
     dtype = _compute_dtype(q)
     query, keys, values, d_out_c = (x.astype(dtype) for x in (q, k, v, d_out))
     rowsums = blockwise.delta(MATH, out.astype(dtype), d_out_c)
     grads = blockwise.attend_blocks_vjp(
-        MATH, query, keys, values, d_out_c, lse, rowsums, scale, _mask(causal), block_size, ids, ids
+        MATH, query, keys, values, d_out_c, lse, rowsums, scale, _mask(causal), block_size, ids, ids, rule
     )
     no_gradient = None if ids is None else np.zeros(ids.shape, dtype=jax.dtypes.float0)  # integers
     return (*(grad.astype(x.dtype) for grad, x in zip(grads, (q, k, v), strict=True)), no_gradient)
@@ -146,13 +146,15 @@ def local_attention(
     scale: float | None,
     block_size: int,
     segment_ids: jax.Array | None = None,
+    mask: Any = None,
 ) -> jax.Array:
     """Attention over the whole sequence on ``[B, S, h, D]`` (q head i using kv head ``i // (h // h_kv)``):
     `commlib_jax.attention.attention`'s values and gradients (the spec's rules: a row that sees no key outputs 0
     with gradient 0, a NaN a NaN row, float64 stays float64), computed blockwise in a ``jax.custom_vjp`` (what it
-    saves for backward: q, k, v, the output and the LSE); cuDNN where `fused_serves`."""
+    saves for backward: q, k, v, the output and the LSE); `mask` a `commlib.masks.MaskRule` on the positions
+    ``0 .. S - 1``, built a key block at a time; cuDNN where `fused_serves` (never with a rule)."""
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
     dtype = jnp.dtype(q.dtype).name
-    if fused_serves(dtype, q.shape, k.shape, v.shape[-1], _mask(causal), segment_ids):
+    if mask is None and fused_serves(dtype, q.shape, k.shape, v.shape[-1], _mask(causal), segment_ids):
         return _fused(q, k, v, scale, causal, dtype, False)
-    return _local(q, k, v, segment_ids, (causal, scale, block_size))
+    return _local(q, k, v, segment_ids, (causal, scale, block_size, mask))

@@ -24,7 +24,7 @@ import numpy as np
 from commlib import attention as spec
 from commlib import blockwise
 from commlib.layer_call import ulysses_call
-from commlib.masks import segment_mask
+from commlib.masks import MaskRule, rule_mask, segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, walk
 from commlib_jax import _kernels
@@ -42,15 +42,23 @@ AttentionFn = Callable[..., jax.Array]
 
 
 def attention(
-    q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None, segment_ids: Array | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    segment_ids: Array | None = None,
+    mask: MaskRule | None = None,
 ) -> jax.Array:
     """GQA attention on ``[B, S, H, D]`` (``jax.nn.dot_product_attention``'s layout and grouping): q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head ``i // (H //
     H_kv)``; `causal`: position i sees positions <= i; `scale` defaults to ``1 / sqrt(D)``; `segment_ids`
     (integers ``[B, S]``): position i sees position j only when their ids are equal, a negative id (padding)
-    seeing and seen by nothing. The math of `ulysses_attention`'s default attention (which computes it over
-    the keys a block at a time, `commlib_jax._kernels.local_attention`: linear memory in S), here in one block
-    of ``[B, H, S, S]`` scores, differentiated by JAX.
+    seeing and seen by nothing; `mask` (a `commlib.masks.MaskRule`: `commlib.masks.BlockCausal`, `SlidingWindow`)
+    masks by the positions ``0 .. S - 1`` as well (ANDed). The math of `ulysses_attention`'s default attention
+    (which computes it over the keys a block at a time, `commlib_jax._kernels.local_attention`: linear memory in
+    S), here in one block of ``[B, H, S, S]`` scores, differentiated by JAX.
 
     The spec's rules, which ``jax.nn.dot_product_attention`` does not keep (jax 0.10): a row that sees no key, or
     whose every score is -inf, outputs 0 with gradient 0 (it fills masked scores with a large finite negative, so
@@ -65,11 +73,18 @@ def attention(
         >>> attention(q, k, v, segment_ids=jnp.array([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
         [1.0, 1.0, 1.0, 0.0]
     """
-    return _grouped_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
+    return _grouped_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids, mask=mask)
 
 
 def _grouped_attention(
-    q: Array, k: Array, v: Array, *, causal: bool, scale: float | None, segment_ids: Array | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool,
+    scale: float | None,
+    segment_ids: Array | None = None,
+    mask: MaskRule | None = None,
 ) -> jax.Array:
     """GQA attention in plain XLA: q head i of ``[B, T, H, D]`` with kv head ``i // (H // H_kv)``; logits and
     softmax in float32 or wider (as ``jax.nn.dot_product_attention``), float64 stays float64. Masked scores are
@@ -80,6 +95,8 @@ def _grouped_attention(
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     logits = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=logits_dtype) * scale
     visible = jnp.tril(jnp.ones((length, k.shape[1]), dtype=bool)) if causal else None
+    if mask is not None:
+        visible = rule_mask(jnp.arange(length), jnp.arange(k.shape[1]), causal, mask)
     if segment_ids is not None:
         same = segment_mask(segment_ids, segment_ids)[:, None, None]  # [B, 1, 1, T, S]
         visible = same if visible is None else same & visible
@@ -170,6 +187,7 @@ def ulysses_attention(
     joint_k: Array | None = None,
     joint_v: Array | None = None,
     joint_position: str = "front",
+    mask: MaskRule | None = None,
 ) -> Any:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
@@ -219,9 +237,13 @@ def ulysses_attention(
             the cotangents of every rank's joint_out are summed; rank r's d joint_q is the gradient in the q
             heads rank r attends with (0 in the others), its d joint_k, d joint_v what those heads give their kv
             heads: summed over the ranks, the full gradient (a joint tensor given once, ``in_specs=P()``, is
-            summed by JAX itself). Not with `segment_ids`.
+            summed by JAX itself). Not with `segment_ids` or `mask`.
         joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
             (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions.
+        mask: a rule on global positions (`commlib.masks.BlockCausal`: frame-causal; `SlidingWindow`: a causal
+            window, transformers' ``sliding_window``), ANDed with `causal` and `segment_ids`; the gathered
+            sequence holds the positions ``0 .. S - 1``, the default attention builds the rule's mask a key
+            block at a time, and `attn_fn` is given it as ``mask=``. Nothing of it is sent.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it (padded to the largest count) and
     receives the kv heads those use (padded likewise). q, k and v travel in one all-to-all (two when v's head
@@ -236,11 +258,11 @@ def ulysses_attention(
             `seq_sizes` (length, negative, seq not ``max(seq_sizes)``), a `layout` of another world size,
             "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids not
             ``[B, S_r]``, `chunks` below 1 or above the most q heads a rank attends with (the message gives the
-            head counts); joint tensors given without the others, whose batch, heads or head_dim differ from
-            q, k, v's or whose seq differ, whose dtype is not q's, with segment_ids, a `joint_position` not
-            "front" or "rear".
+            head counts), a mask rule's block_size or window below 1; joint tensors given without the others,
+            whose batch, heads or head_dim differ from q, k, v's or whose seq differ, whose dtype is not q's,
+            with segment_ids or mask, a `joint_position` not "front" or "rear".
         TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, chunks not an
-            int, joint tensors not arrays, joint_position not a str).
+            int, mask not a `commlib.masks.MaskRule`, joint tensors not arrays, joint_position not a str).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -287,6 +309,7 @@ def ulysses_attention(
         chunks=chunks,
         joint_qkv=(joint_q, joint_k, joint_v),
         joint_position=joint_position,
+        mask=mask,
     )
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     inputs: dict[str, Array | None] = {"q": q, "k": k, "v": v}

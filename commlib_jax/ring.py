@@ -28,6 +28,7 @@ from commlib import blockwise
 from commlib import ring as spec
 from commlib.blockwise import SegmentedMask
 from commlib.layer_call import ring_call
+from commlib.masks import MaskRule
 from commlib.sequence import SequenceLayout
 from commlib_jax import _kernels
 from commlib_jax._checked import LayerFrontend
@@ -127,7 +128,7 @@ class _AxisBackend:
         """This rank's mask of `step`, from the positions of its block and of the block it holds (the plan's
         ``[W, rows]`` table indexed by the traced rank)."""
         held, mine = jnp.asarray(self.plan.block_positions), rank(self.axes)
-        return blockwise.position_mask(held[mine], held[(mine - step) % self.plan.ring_size], self.plan.causal)
+        return self.plan.position_mask(held[mine], held[(mine - step) % self.plan.ring_size])
 
     def real_rows(self, x: jax.Array) -> jax.Array:
         real = jnp.asarray(self.plan.valid_rows())[rank(self.axes)]
@@ -202,6 +203,7 @@ def ring_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: Array | None = None,
     block_size: int | None = None,
+    mask: MaskRule | None = None,
 ) -> jax.Array:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
@@ -231,6 +233,12 @@ def ring_attention(
             the saved LSE, so a piece holds ``[B, H, S/W, block_size]`` scores, never ``[B, H, S/W, S/W]``
             (`commlib.blockwise.attend_blocks`); on a GPU, a piece cuDNN's fused kernel serves runs on it
             (`commlib_jax._kernels.fused_serves`). The values do not depend on it beyond rounding.
+        mask: a rule on global positions (`commlib.masks.BlockCausal`: frame-causal with a block size;
+            `commlib.masks.SlidingWindow`: a causal window, transformers' ``sliding_window``), ANDed with
+            `causal` and `segment_ids`. The plan classifies every pair of position runs of a (q block, kv block)
+            pair when it is built (`commlib.ring.ring_plan`, static): the pairs it masks entirely are not in
+            the program, those it leaves whole run unmasked, the rest are masked by the rule's mask of the
+            pair's positions.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -269,12 +277,15 @@ def ring_attention(
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
             by W (contiguous) or 2W (zigzag), an unknown layout, a `SequenceLayout` whose ring_size is not W or
             whose max_size is not the seq held, unequal dtypes, segment_ids not ``[B, S/W]``; `axis_name` not
-            bound.
-        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, axis names).
+            bound; a mask rule's block_size or window below 1.
+        TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, axis names,
+            mask not a `commlib.masks.MaskRule`).
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
-    plan = ring_call(LayerFrontend(), q, k, v, segment_ids, ring_size=size, causal=causal, scale=scale, layout=layout)
+    plan = ring_call(
+        LayerFrontend(), q, k, v, segment_ids, ring_size=size, causal=causal, scale=scale, layout=layout, mask=mask
+    )
     block_size = blockwise.check_block_size(spec.RING_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
     return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids)
@@ -311,6 +322,7 @@ def usp_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: Array | None = None,
     block_size: int | None = None,
+    mask: MaskRule | None = None,
 ) -> jax.Array:
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
@@ -321,7 +333,7 @@ def usp_attention(
             ``commlib.shard_positions(S, R, layout, ulysses_size=U)[r * U + u]``. H and H_kv divisible by U.
         ulysses_axis: the mesh axis (or tuple of axes) of the U ranks of one Ulysses group.
         ring_axis: the mesh axis (or tuple of axes) of the R ranks of one ring.
-        causal, scale, layout: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
+        causal, scale, layout, mask: as in `ring_attention` (the layout of the ring blocks); a `commlib.SequenceLayout`
             (``ring_size == R``, ``ulysses_size == U``) for any length, every shard padded to ``layout.max_size``.
         segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
             `ulysses_axis` into ring block r's ids, then every ring block's over `ring_axis` (once).
@@ -363,6 +375,7 @@ def usp_attention(
         causal=causal,
         scale=scale,
         layout=layout,
+        mask=mask,
     )
     block_size = blockwise.check_block_size(spec.USP_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)

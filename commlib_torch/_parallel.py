@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from commlib import CommError
 from commlib import parallel as spec
+from commlib.masks import MaskRule
 from commlib_torch import _failures
 from commlib_torch._checked import is_checked
 from commlib_torch._groups import ResolvedGroup, group_rank, resolve_group, world_size
@@ -76,9 +77,11 @@ class Parallel:
         causal: bool,
         scale: float | None,
         segment_ids: torch.Tensor | None = None,
+        mask: MaskRule | None = None,
     ) -> torch.Tensor:
         """The plan's layer on this rank's ``[B, S_r, H, D]`` / ``[B, S_r, H_kv, D]`` shards (and segment ids
-        ``[B, S_r]``; None: no segment mask); one call of a `commlib_torch.testing.record()` trace while recording."""
+        ``[B, S_r]``; None: no segment mask; `mask` a rule on global positions, None: none); one call of a
+        `commlib_torch.testing.record()` trace while recording."""
         if ACTIVE:
             return recorded_layer(
                 f"{self.plan.attention}_attention",
@@ -89,8 +92,9 @@ class Parallel:
                 causal=causal,
                 scale=scale,
                 segment_ids=segment_ids,
+                **({} if mask is None else {"mask": mask}),
             )
-        return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
+        return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids, mask=mask)
 
     def _layer(
         self,
@@ -101,8 +105,11 @@ class Parallel:
         causal: bool,
         scale: float | None,
         segment_ids: torch.Tensor | None = None,
+        mask: MaskRule | None = None,
     ) -> torch.Tensor:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
+        if mask is not None:
+            keywords = {**keywords, "mask": mask}
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":

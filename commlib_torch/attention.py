@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from commlib import attention as spec
 from commlib.layer_call import ulysses_call
-from commlib.masks import segment_mask
+from commlib.masks import MaskRule, rule_mask, segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, Pending, walk
 from commlib_torch._checked import LayerFrontend
@@ -42,15 +42,18 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    mask: MaskRule | None = None,
 ) -> torch.Tensor:
     """SDPA (``torch.nn.functional.scaled_dot_product_attention``) on ``[B, S, H, D]``: q ``[B, S, H, D]``,
     k ``[B, S, H_kv, D]``, v ``[B, S, H_kv, D_v]`` -> ``[B, S, H, D_v]``, q head i using kv head
     ``i // (H // H_kv)`` (SDPA's ``enable_gqa``); `causal`: position i sees positions <= i; `scale` defaults
     to ``1 / sqrt(D)``; `segment_ids` (integers ``[B, S]``): position i sees position j only when their ids are
     equal, a negative id (padding) sees and is seen by nothing, and a row that sees nothing outputs 0 with
-    gradient 0. A NaN in q, or in a key a row sees, makes that row NaN (SDPA's CPU flash kernel alone would give
-    a row whose every score is NaN 0); a NaN in a key no row of it sees (padding, masked) changes nothing: the
-    kernel never sees it. The default `attn_fn` of `ulysses_attention`.
+    gradient 0; `mask` (a `commlib.masks.MaskRule`: `commlib.masks.BlockCausal`, `SlidingWindow`) masks by
+    the positions ``0 .. S - 1`` as well (ANDed). A NaN in q, or in a key a row sees, makes that row NaN
+    (SDPA's CPU flash kernel alone would give a row whose every score is NaN 0); a NaN in a key no row of it
+    sees (padding, masked) changes nothing: the kernel never sees it. The default `attn_fn` of
+    `ulysses_attention`.
 
     Example:
         >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
@@ -58,20 +61,25 @@ def attention(
         torch.Size([1, 4, 8, 32])
         >>> attention(q, k, v, segment_ids=torch.tensor([[0, 0, 1, -1]]))[0, :, 0, 0].tolist()  # padding: 0
         [1.0, 1.0, 1.0, 0.0]
+        >>> from commlib.masks import SlidingWindow
+        >>> attention(q, k, v, mask=SlidingWindow(2)).shape  # position i sees i - 1 and i
+        torch.Size([1, 4, 8, 32])
     """
     query, key, value = (x.transpose(1, 2) for x in (*nan_free(q, k), v))  # NaNs put back by `nan_rows`
     gqa = q.shape[2] != k.shape[2]
-    if segment_ids is None:
+    if segment_ids is None and mask is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
         return nan_rows(q, k, "causal-diagonal" if causal else "full", out.transpose(1, 2))[0]
-    mask = segment_mask(segment_ids, segment_ids)  # [B, S, S]
-    if causal:
-        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-    seen = mask.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
+    positions = torch.arange(q.shape[1], device=q.device)
+    visible = rule_mask(positions, positions, causal, mask)[None]  # [1, S, S]
+    if segment_ids is not None:
+        visible = visible & segment_mask(segment_ids, segment_ids)  # [B, S, S]
+    allowed = visible
+    seen = allowed.any(-1)  # a row that sees nothing is given every key (finite, harmless), then zeroed
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=(mask | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
+        query, key, value, attn_mask=(allowed | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
     )
-    return nan_rows(q, k, mask, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
+    return nan_rows(q, k, allowed, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
 
 
 def _select(runs: tuple[tuple[int, int, int], ...], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -202,6 +210,7 @@ def ulysses_attention(
     joint_k: torch.Tensor | None = None,
     joint_v: torch.Tensor | None = None,
     joint_position: str = "front",
+    mask: MaskRule | None = None,
 ) -> Any:
     """Attention over the full sequence for sequence-sharded inputs (Ulysses): q ``[B, S_r, H, D]``, k ``[B, S_r,
     H_kv, D]``, v ``[B, S_r, H_kv, D_v]`` -> ``[B, S_r, H, D_v]``, q's dtype; equal to `attention` on the inputs
@@ -243,9 +252,13 @@ def ulysses_attention(
             (``convention="sum"``): the cotangents of every rank's joint_out are summed; rank r's d joint_q is
             the gradient in the q heads rank r attends with (0 in the others), its d joint_k, d joint_v what
             those heads give their kv heads: summed over the ranks, the full gradient (``sync_gradients``).
-            Not with `segment_ids`.
+            Not with `segment_ids` or `mask`.
         joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
             (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions.
+        mask: a rule on global positions (`commlib.masks.BlockCausal`: frame-causal; `SlidingWindow`: a causal
+            window, transformers' ``sliding_window``), ANDed with `causal` and `segment_ids`; the gathered
+            sequence holds the positions ``0 .. S - 1`` and `attn_fn` is given it as ``mask=``. Nothing of it
+            is sent.
 
     Rank r attends with the q heads ``commlib.split_sizes(H, W)`` gives it and receives exactly the kv heads
     those use (a kv head shared by two ranks' q heads goes to both). q, k and v travel in one all-to-all (two
@@ -257,11 +270,13 @@ def ulysses_attention(
             `seq_sizes` (length, negative, this rank's seq not ``seq_sizes[rank]``), a `layout` of another world
             size, "zigzag" or not in rank order, or whose sizes are not `seq_sizes`, unequal dtypes, segment_ids
             not ``[B, S_r]``, a rank outside `group`, a mesh dim that does not exist, `chunks` below 1 or above
-            the most q heads a rank attends with (the message gives the head counts); joint tensors given
-            without the others, whose batch, heads or head_dim differ from q, k, v's or whose seq differ,
-            whose dtype is not q's, with segment_ids, a `joint_position` not "front" or "rear".
+            the most q heads a rank attends with (the message gives the head counts), a mask rule's block_size
+            or window below 1; joint tensors given without the others, whose batch, heads or head_dim differ
+            from q, k, v's or whose seq differ, whose dtype is not q's, with segment_ids or mask, a
+            `joint_position` not "front" or "rear".
         TypeError: wrong kinds (q, k, v, joint tensors, segment_ids not tensors, segment_ids not integers, causal
-            not a bool, scale not a number, group, chunks not an int, joint_position not a str).
+            not a bool, scale not a number, group, chunks not an int, mask not a `commlib.masks.MaskRule`,
+            joint_position not a str).
 
     Example:
         >>> q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)  # this rank's rows
@@ -294,6 +309,7 @@ def ulysses_attention(
         chunks=chunks,
         joint_qkv=(joint_q, joint_k, joint_v),
         joint_position=joint_position,
+        mask=mask,
     )
     inputs: dict[str, torch.Tensor | None] = {"q": q, "k": k, "v": v}
     if plan.joint is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from commlib import Plan, blockwise, frontend_errors, plans
 from commlib import ring as spec
 from commlib.layer_call import ring_call
+from commlib.masks import MaskRule
 from commlib.sequence import SequenceLayout
 from commlib_torch._c10d import Started
 from commlib_torch._checked import LayerFrontend, exchange, is_checked
@@ -289,7 +290,7 @@ class _RankBackend:
     def key_mask(self, step: int) -> torch.Tensor:
         held = (self.plan.positions(block) for block in (self.rank, self.plan.kv_block(step, self.rank)))
         query, key = (torch.from_numpy(positions.copy()).to(self.device) for positions in held)
-        return blockwise.position_mask(query, key, self.plan.causal)
+        return self.plan.position_mask(query, key)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x  # `_padded` pads with zeros, and autograd's cotangent of the padding is zeros
@@ -557,6 +558,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
+    mask: MaskRule | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
     H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
@@ -581,6 +583,12 @@ def ring_attention(
             on the ids' device, read to the host once per call: the backward reuses it) and skipped; under
             ``torch.compile`` such a piece is computed and discarded (``torch.where``: no graph break, the same
             values). No gradient.
+        mask: a rule on global positions (`commlib.masks.BlockCausal`: frame-causal with a block size;
+            `commlib.masks.SlidingWindow`: a causal window, transformers' ``sliding_window``), ANDed with
+            `causal` and `segment_ids`. The plan classifies every pair of position runs of a (q block, kv block)
+            pair on the host once (`commlib.ring.ring_plan`): the pairs it masks entirely are skipped, those it
+            leaves whole run unmasked, the rest masked by the rule's dense mask of the pair (no host read per
+            call, no graph break).
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -615,9 +623,9 @@ def ring_attention(
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
             layout, an odd shard in the zigzag layout, a `SequenceLayout` whose ring_size is not W or whose
             ``sizes[rank]`` is not this rank's seq, unequal dtypes, segment_ids not ``[B, S/W]``, a rank outside
-            `group`.
+            `group`, a mask rule's block_size or window below 1.
         TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
-            scale not a number, group).
+            scale not a number, group, mask not a `commlib.masks.MaskRule`).
     """
     group = resolve_group(spec.RING_OP, group)
     rank = group_rank(group)
@@ -632,6 +640,7 @@ def ring_attention(
         scale=scale,
         layout=layout,
         shard=_shard_index(layout, rank),
+        mask=mask,
     )
     if not plan.masked:
         return _ring(q, k, v, plan, group, rank, segment_ids)
@@ -672,6 +681,7 @@ def usp_attention(
     scale: float | None = None,
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
+    mask: MaskRule | None = None,
 ) -> torch.Tensor:
     """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
     `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
@@ -687,7 +697,8 @@ def usp_attention(
     exactly ``layout.sizes[r * U + u]`` rows; the shards travel padded to ``layout.max_size`` (the all-to-all
     then gathers ring block r as U padded pieces) with the padding masked. `segment_ids` (integers ``[B, S/(W U)]``
     laid out as q) as in `ring_attention`: all-gathered over `ulysses_group` into ring block r's ids, then
-    every ring block's over `ring_group` (once per call).
+    every ring block's over `ring_group` (once per call). `mask` as in `ring_attention` (on the global positions:
+    the ring's blocks are classified as ring block r's positions).
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -720,6 +731,7 @@ def usp_attention(
         scale=scale,
         layout=layout,
         shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)),
+        mask=mask,
     )
     segments = segment_ids
     rows = q.shape[1]

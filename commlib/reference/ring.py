@@ -30,19 +30,21 @@ def reference(
     layout: str | SequenceLayout = "contiguous",
     ulysses_size: int = 1,
     segment_ids: Sequence[Any] | None = None,
+    mask: Any = None,
 ) -> tuple[list[np.ndarray], ...]:
     """float64: every shard's output and ``(dq, dk, dv)`` of attention on the whole sequence (shards in the
     layout: shard ``r * U + u`` at index ``r * U + u``): ``(outs, dqs, dks, dvs)``, lists of W * U arrays.
     `layout` a `SequenceLayout` (any length): shards of exactly ``layout.sizes`` rows. `segment_ids`: every
-    shard's ids ``[B, S_r]`` (as q), the segment masks of `commlib.reference.attention.attention`."""
+    shard's ids ``[B, S_r]`` (as q), the segment masks of `commlib.reference.attention.attention`; `mask` a
+    `commlib.masks.MaskRule` on the global positions."""
     if isinstance(layout, SequenceLayout):
         unshard = lambda xs: layout.unshard(xs, 1)  # noqa: E731
     else:
         unshard = lambda xs: unshard_sequence(xs, 1, ring_size, layout, ulysses_size)  # noqa: E731
     whole = [unshard(xs).astype(np.float64) for xs in (qs, ks, vs, cotangents)]
     ids = None if segment_ids is None else unshard([np.asarray(x)[..., None, None] for x in segment_ids])[..., 0, 0]
-    out = attention(*whole[:3], causal=causal, scale=scale, q_segments=ids)
-    grads = attention_vjp(*whole, causal=causal, scale=scale, q_segments=ids)
+    out = attention(*whole[:3], causal=causal, scale=scale, q_segments=ids, mask=mask)
+    grads = attention_vjp(*whole, causal=causal, scale=scale, q_segments=ids, mask=mask)
     if isinstance(layout, SequenceLayout):
         return tuple(layout.shard(x, 1) for x in (out, *grads))
     return tuple(shard_sequence(x, 1, ring_size, layout, ulysses_size) for x in (out, *grads))

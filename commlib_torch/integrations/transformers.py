@@ -82,7 +82,10 @@ def attention_forward(
     `commlib_torch.sequence.parallel` context's layer: query ``[B, H, S_r, D]``, key and value ``[B, H_kv, S_r,
     D]`` (this rank's rows; GQA by head counts, ``H % H_kv == 0``) -> ``([B, S_r, H, D], None)``, query's dtype.
 
-    Causal from `is_causal`, else the module's ``is_causal`` (default True); `scaling` the softmax scale. The
+    Causal from `is_causal`, else the module's ``is_causal`` (default True); `scaling` the softmax scale; a
+    layer's ``sliding_window`` (Mistral, Qwen2, Gemma's sliding layers: transformers passes it to the attention)
+    becomes the layer's ``mask=commlib.masks.SlidingWindow(sliding_window)``, transformers' own rule (key k seen
+    by query q iff ``q - sliding_window < k <= q``) on global positions, so the ring skips what it hides. The
     model's ``position_ids`` (transformers passes them to the attention) must be the global positions of this
     rank's shard, ``layout.positions(shard)`` (RoPE fed local positions is silently wrong); in a
     ``parallel(..., packed=True)`` context, positions of packed documents (``shard_tokens(..., segment_ids=)``'
@@ -97,7 +100,8 @@ def attention_forward(
 
     Raises:
         CommError: outside a `parallel` context; a custom (not 2-D padding) attention mask, dropout > 0, a sliding
-            window, softcapping, attention sinks, a position bias; query rows not ``layout.sizes[shard]``;
+            window not an int >= 1, softcapping, attention sinks, a position bias; query rows not
+            ``layout.sizes[shard]``;
             ``position_ids`` not the shard's global positions, or (packed) not packed documents' (negative,
             past the global position, a step other than +1 or a restart at 0, or the local positions 0..n-1
             transformers makes when given none): the first differing ones shown; a padding mask not ``[B, S_r]``;
@@ -135,6 +139,7 @@ def attention_forward(
         causal=bool(causal),
         scale=scaling,
         segment_ids=segment_ids,
+        mask=spec.window_rule(kwargs.get("sliding_window")),  # checked by `_check`
     )
     return out, None
 

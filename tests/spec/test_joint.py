@@ -8,7 +8,7 @@ import pytest
 
 from commlib import CommError, joint
 from commlib.layer_call import ulysses_call
-from commlib.ulysses_reference import simulate_ulysses
+from commlib.reference.ulysses import simulate_ulysses
 from tests import joint_cases
 
 

@@ -66,7 +66,7 @@ def refusals(ctx) -> dict[str, str]:
         "mask": _error(lambda: call(attention_mask=torch.ones(1, 1, rows, 7, dtype=torch.bool))),
         "padding shape": _error(lambda: call(attention_mask=torch.ones(1, rows + 1, dtype=torch.bool))),
         "dropout": _error(lambda: call(dropout=0.1)),
-        "sliding_window": _error(lambda: call(sliding_window=4)),
+        "sliding_window": _error(lambda: call(sliding_window=0)),
         "softcap": _error(lambda: call(softcap=30.0)),
         "sinks": _error(lambda: call(s_aux=torch.zeros(4))),
         "local positions": _error(lambda: call(position_ids=torch.arange(rows)[None] + 1)),
@@ -424,3 +424,48 @@ def skip_the_mask_decision(ctx, checked: bool) -> str:
     except Exception as error:  # what reaches the user: the type is the test's point
         return f"{type(error).__name__}: {error}"
     return "returned"
+
+
+def sliding_window_model(ctx, arch: str, attention: str, seq_len: int, window: int) -> list[float]:
+    """A tiny transformers model whose layers have a sliding window (``"mistral"``: every layer; ``"qwen2"``: a
+    full layer then a sliding one), float64, seeded, built with ``attn_implementation="commlib"`` and run
+    sharded in a `parallel` context (`attention`: "ulysses" or "ring", zigzag): the largest |difference| of
+    this rank's logits from the unsharded SDPA model's (whose mask is transformers' own sliding-window mask),
+    and of every parameter's gradient of ``sum(logits * cotangent)`` (summed over the ranks) from the
+    unsharded model's."""
+    import copy
+
+    import torch.distributed as dist
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    integration.register()
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2, vocab_size=64, sliding_window=window)
+    if arch == "mistral":
+        config, model = MistralConfig(**sizes, head_dim=8), MistralForCausalLM
+    else:
+        config, model = Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1), Qwen2ForCausalLM
+    torch.manual_seed(0)
+    reference = model._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    sharded = model._from_config(copy.deepcopy(config), attn_implementation="commlib", dtype=torch.float64)
+    sharded.load_state_dict(reference.state_dict())
+    if attention == "ring":
+        layout = commlib.SequenceLayout(seq_len, ring_size=ctx.world_size, layout="zigzag")
+    else:
+        layout = commlib.SequenceLayout(seq_len, ulysses_size=ctx.world_size)
+    ids = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    cotangent = torch.randn(2, seq_len, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    positions = torch.as_tensor(layout.positions(ctx.rank))
+    with parallel(layout, attention=attention):
+        logits = sharded(
+            input_ids=ids[:, positions], position_ids=positions[None].expand(2, -1), use_cache=False
+        ).logits
+    (logits * cotangent[:, positions]).sum().backward()
+    want = reference(input_ids=ids, use_cache=False).logits
+    (want * cotangent).sum().backward()
+    errors = [float((logits - want[:, positions]).abs().max())]
+    for mine, theirs in zip(sharded.parameters(), reference.parameters(), strict=True):
+        grad = mine.grad.clone()
+        dist.all_reduce(grad)
+        errors.append(float((grad - theirs.grad).abs().max()))
+    return errors

@@ -49,17 +49,30 @@ def masked_call(
     causal: bool,
     dtype: str = "float64",
     segments: bool = True,
+    rule=None,
 ):
-    """This rank's output, dq, dk, dv (float64 numpy) of `op` with segment ids on its exact shard, and the pieces
-    the ring attended (forward and backward)."""
+    """This rank's output, dq, dk, dv (float64 numpy) of `op` with segment ids on its exact shard (and the mask
+    rule `rule`, None: none), and the pieces the ring attended (forward and backward)."""
     shard = [masks.shards(x, layout)[ctx.rank] for x in whole]
     leaves = [torch.tensor(x, dtype=getattr(torch, dtype)).requires_grad_() for x in shard[:3]]
     segment_ids = torch.tensor(masks.shards(ids, layout)[ctx.rank]) if segments and ids is not None else None
     counts: list = []
     with _counting_pieces(counts):
-        out = _call(op, layout, name, *leaves, causal=causal, segment_ids=segment_ids)
+        extra = {} if rule is None else {"mask": rule}
+        out = _call(op, layout, name, *leaves, causal=causal, segment_ids=segment_ids, **extra)
         (out * torch.tensor(shard[3], dtype=out.dtype)).sum().backward()
     return [out.detach().double().numpy(), *(leaf.grad.double().numpy() for leaf in leaves)], len(counts)
+
+
+def rejected_rule(ctx, op: str, rule) -> str:
+    """The error text of a call with a bad mask rule on this rank (nothing communicated before it)."""
+    q = torch.zeros((1, 3, 2, 4), dtype=torch.float64)
+    layout = SequenceLayout(3 * ctx.world_size, ring_size=ctx.world_size // 2, ulysses_size=2)
+    try:
+        _call(op, layout, "contiguous", q, q, q, mask=rule)
+    except (CommError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 def rejected(ctx, op: str, shape: tuple, ids_shape: tuple, ids_dtype: str) -> str:
@@ -111,3 +124,13 @@ def nan_in_k_rows(ctx, op: str, layout: SequenceLayout):
         whole, ids = masks.nan_in_k(layout.seq_len, where, segmented, value_dim)
         replies.append(masked_call(ctx, op, layout, layout, whole, ids, causal, segments=segmented)[0])
     return replies
+
+
+def rule_sweep(ctx, op: str, layout: SequenceLayout, name, whole: list, rules: list, ids=None) -> list:
+    """This rank's ``[out, dq, dk, dv]`` and the pieces the ring attended, for each rule of `rules` with causal
+    False then True (`masked_call` with ``mask=``), in that order."""
+    return [
+        masked_call(ctx, op, layout, name, whole, ids, causal, segments=ids is not None, rule=rule)
+        for rule in rules
+        for causal in (False, True)
+    ]

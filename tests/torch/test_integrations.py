@@ -69,7 +69,7 @@ def test_refusals(pool):
     assert "a dense attention mask is not supported" in first["mask"]
     assert "a padding attention_mask (1, 3) must be [batch, this rank's rows] (1, 2)" in first["padding shape"]
     assert "dropout (0.1) must be 0" in first["dropout"]
-    assert "sliding_window (4) is not supported" in first["sliding_window"]
+    assert "sliding_window (0) must be an int >= 1" in first["sliding_window"]
     assert "softcap (30.0) is not supported" in first["softcap"]
     assert "an attention bias is not supported" in first["sinks"]
     assert (
@@ -225,3 +225,16 @@ def test_packing_that_cannot_be_is_refused(pool):
     for rank, texts in enumerate(pool(2).run(jobs.not_a_packing)):
         for text in texts:
             assert f"position_ids must be the global positions of shard {rank}" in text, (rank, text)
+
+
+@pytest.mark.parametrize(
+    ("arch", "attention", "world_size", "seq_len"),
+    [("mistral", "ring", 4, 37), ("qwen2", "ring", 3, 24), ("mistral", "ulysses", 3, 13), ("qwen2", "ulysses", 2, 9)],
+)
+def test_sliding_window_models_are_the_unsharded_model(pool, arch, attention, world_size, seq_len):
+    """transformers models with ``sliding_window = 5`` (Mistral: every layer; Qwen2: a full layer then a sliding
+    one), float64, through ``attn_implementation="commlib"`` (each sliding layer's ``mask=SlidingWindow(5)``):
+    every rank's logits and every parameter's gradient (summed over the ranks) within 1e-10 of the unsharded
+    SDPA model's, whose mask is transformers' own. Refused before the rule existed."""
+    for errors in pool(world_size).run(jobs.sliding_window_model, arch, attention, seq_len, 5):
+        assert max(errors) <= TOLERANCE, errors
