@@ -15,6 +15,7 @@ array([ 0,  1, 14, 15])
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -160,6 +161,11 @@ class SequenceLayout:
       sum(seq_sizes[:i])`` (``layout="contiguous"`` only; entries may be 0): a text prefix and the image tokens
       cut where the model wants them, which ring and USP then take as they take any length.
 
+    - ``grid`` (a video DiT's ``(frames, height, width)`` token grid, or any other ints >= 1 whose product is
+      `seq_len`): position p is the token at ``numpy.unravel_index(p, grid)``, raster order, frames outermost;
+      ``grid_positions(i)`` gives shard i's ``(f, h, w)`` coordinates (3-D RoPE as Wan / HunyuanVideo's). Which
+      shard holds a token is the layout's rule above; the grid only names the tokens.
+
     For a `seq_len` the even layout divides, ``positions(i)`` is row i of `shard_positions`. Frozen and
     hashable: the attention layers and the sequence helpers take it as ``layout=``. torch holds shard i with
     exactly ``sizes[i]`` rows; JAX (one shape on every device) with `max_size` rows, the valid ones first.
@@ -174,12 +180,16 @@ class SequenceLayout:
     >>> text_and_image = SequenceLayout(10, ring_size=2, seq_sizes=(6, 4))  # rank 0: 5 text + 1 image token
     >>> [text_and_image.positions(i).tolist() for i in range(2)]
     [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    >>> video = SequenceLayout(2 * 2 * 3, ring_size=3, grid=(2, 2, 3))  # 2 frames of 2 x 3 tokens over 3 ranks
+    >>> video.positions(1).tolist(), video.grid_positions(1).tolist()  # shard 1: (f, h, w) of its 4 tokens
+    ([4, 5, 6, 7], [[0, 1, 1], [0, 1, 2], [1, 0, 0], [1, 0, 1]])
 
     Raises:
         CommError: `seq_len`, `ring_size` or `ulysses_size` < 1, an unknown `layout`; `seq_sizes` of a length
             other than ``ring_size * ulysses_size``, with a negative entry, not summing to `seq_len`, or with
-            ``layout="zigzag"``.
-        TypeError: `seq_len`, `ring_size` or `ulysses_size` not ints (bools refused), `seq_sizes` not ints.
+            ``layout="zigzag"``; a `grid` with an entry < 1 or whose product is not `seq_len`.
+        TypeError: `seq_len`, `ring_size` or `ulysses_size` not ints (bools refused), `seq_sizes` or `grid` not
+            ints.
     """
 
     seq_len: int
@@ -187,6 +197,7 @@ class SequenceLayout:
     ulysses_size: int = 1
     layout: str = "contiguous"
     seq_sizes: tuple[int, ...] | None = None  # rows of each shard, contiguous runs in shard order (None: the rule)
+    grid: tuple[int, ...] | None = None  # the token grid, e.g. (frames, height, width), raster order (None: none)
     # Derived when built: every shard's global positions, in the order the shard holds them.
     _positions: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -206,7 +217,26 @@ class SequenceLayout:
             raise comm_error(_LAYOUT_OP, message, **received)
         if self.seq_sizes is not None:
             object.__setattr__(self, "seq_sizes", self._checked_sizes(dict(received, seq_sizes=self.seq_sizes)))
+        if self.grid is not None:
+            object.__setattr__(self, "grid", self._checked_grid(dict(received, grid=self.grid)))
         object.__setattr__(self, "_positions", self._shards())
+
+    def _checked_grid(self, received: dict) -> tuple[int, ...]:
+        """`grid` as ints >= 1 whose product is `seq_len`."""
+        values = self.grid if isinstance(self.grid, tuple | list) else None
+        if not values or any(isinstance(value, bool) or not hasattr(value, "__index__") for value in values):
+            raise kind_error(
+                _LAYOUT_OP, "grid must be a non-empty sequence of ints, e.g. (frames, height, width)", **received
+            )
+        grid = tuple(int(value) for value in values)
+        for index, value in enumerate(grid):
+            if value < 1:
+                raise comm_error(_LAYOUT_OP, f"grid[{index}] ({value}) must be >= 1", **received)
+        if math.prod(grid) != self.seq_len:
+            raise comm_error(
+                _LAYOUT_OP, f"prod(grid) ({math.prod(grid)}) must equal seq_len ({self.seq_len})", **received
+            )
+        return grid
 
     def _checked_sizes(self, received: dict) -> tuple[int, ...]:
         """`seq_sizes` as W ints >= 0 summing to `seq_len`, of a contiguous layout."""
@@ -232,7 +262,9 @@ class SequenceLayout:
 
     def __repr__(self) -> str:
         shown = [f"{name}={getattr(self, name)!r}" for name in ("seq_len", "ring_size", "ulysses_size", "layout")]
-        shown += [] if self.seq_sizes is None else [f"seq_sizes={self.seq_sizes!r}"]
+        shown += [
+            f"{name}={getattr(self, name)!r}" for name in ("seq_sizes", "grid") if getattr(self, name) is not None
+        ]
         return f"SequenceLayout({', '.join(shown)})"
 
     @property
@@ -266,6 +298,17 @@ class SequenceLayout:
         """int64 ``[sizes[index]]``: the global positions shard `index` holds, in the order it holds them."""
         index = self._index(index, "positions")
         return np.asarray(self._positions[index], dtype=np.int64)
+
+    def grid_positions(self, index: int) -> np.ndarray:
+        """int64 ``[sizes[index], len(grid)]``: the grid coordinates (``(f, h, w)`` of a video grid) of the tokens
+        shard `index` holds, in the order it holds them (``numpy.unravel_index`` of `positions`); CommError
+        without a `grid`."""
+        index = self._index(index, "grid_positions")
+        if self.grid is None:
+            message = "the layout has no grid (build it with grid=(frames, height, width))"
+            raise comm_error(f"{_LAYOUT_OP}.grid_positions", message, layout=self)
+        coordinates = np.unravel_index(self.positions(index), self.grid)
+        return np.stack(coordinates, axis=-1).astype(np.int64).reshape(-1, len(self.grid))
 
     def shard(self, x: npt.ArrayLike, dim: int = 1, *, padded: bool = False) -> list[np.ndarray]:
         """numpy: the `world_size` shards of a whole sequence `x` (``x.shape[dim] == seq_len``) along `dim`; with
