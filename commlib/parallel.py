@@ -68,8 +68,7 @@ class ParallelPlan:
 def _names_even_layout(layout: SequenceLayout) -> bool:
     """Whether the layout's string name (``"contiguous"`` / ``"zigzag"``) gives the same shards: the even rule
     of `commlib.shard_positions` (S divisible by R * U, by 2 * R * U for zigzag)."""
-    chunks = layout.ring_size * layout.ulysses_size * (2 if layout.layout == "zigzag" else 1)
-    return layout.seq_len % chunks == 0
+    return layout.names_even
 
 
 def _keywords(layout: SequenceLayout, attention: str) -> dict:

@@ -356,7 +356,7 @@ def ring_plan(
     _check_heads(op_name, q[2], k[2], ulysses_size, received)
     if sequence is not None:
         _check_shard_rows(op_name, sequence, shard, q[1], received)
-        if _is_even(sequence):
+        if sequence.names_even:
             sequence = None  # the string's plan: the same positions, no padding, no masks
     if sequence is None:
         check_layout(op_name, q[1] * ring_size * ulysses_size, ring_size, layout, ulysses_size, received)
@@ -402,12 +402,6 @@ def ring_plan(
         segment_ids is not None,
         rule,
     )
-
-
-def _is_even(sequence: SequenceLayout) -> bool:
-    """Whether the layout's string cuts `sequence`'s length evenly (then its positions are `shard_positions`)."""
-    unit = sequence.world_size * (2 if sequence.layout == "zigzag" else 1)
-    return sequence.seq_len % unit == 0
 
 
 def _check_sequence(op_name: str, sequence: SequenceLayout, ring_size: int, ulysses_size: int, received: dict) -> None:

@@ -15,13 +15,14 @@ array([ 0,  1, 14, 15])
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from commlib.errors import comm_error, kind_error
-from commlib.uneven import split_sizes
+from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_int
 
 __all__ = [
@@ -155,6 +156,16 @@ class SequenceLayout:
     - Ulysses index u holds piece u of ``split_sizes(len(block), ulysses_size)`` of its ring block's
       positions, in order; shard ``i = r * ulysses_size + u`` (ring index r, Ulysses index u).
 
+    - ``seq_sizes`` (W ints, the keyword and the meaning of ``ulysses_attention``'s `seq_sizes`): shard i holds
+      exactly ``seq_sizes[i]`` rows, the contiguous run ``[offset_i, offset_i + seq_sizes[i])`` with ``offset_i =
+      sum(seq_sizes[:i])`` (``layout="contiguous"`` only; entries may be 0): a text prefix and the image tokens
+      cut where the model wants them, which ring and USP then take as they take any length.
+
+    - ``grid`` (a video DiT's ``(frames, height, width)`` token grid, or any other ints >= 1 whose product is
+      `seq_len`): position p is the token at ``numpy.unravel_index(p, grid)``, raster order, frames outermost;
+      ``grid_positions(i)`` gives shard i's ``(f, h, w)`` coordinates (3-D RoPE as Wan / HunyuanVideo's). Which
+      shard holds a token is the layout's rule above; the grid only names the tokens.
+
     For a `seq_len` the even layout divides, ``positions(i)`` is row i of `shard_positions`. Frozen and
     hashable: the attention layers and the sequence helpers take it as ``layout=``. torch holds shard i with
     exactly ``sizes[i]`` rows; JAX (one shape on every device) with `max_size` rows, the valid ones first.
@@ -166,16 +177,27 @@ class SequenceLayout:
     (2, 1, 1, 1)
     >>> SequenceLayout(3, ring_size=4).sizes  # a shard may hold none
     (1, 1, 1, 0)
+    >>> text_and_image = SequenceLayout(10, ring_size=2, seq_sizes=(6, 4))  # rank 0: 5 text + 1 image token
+    >>> [text_and_image.positions(i).tolist() for i in range(2)]
+    [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    >>> video = SequenceLayout(2 * 2 * 3, ring_size=3, grid=(2, 2, 3))  # 2 frames of 2 x 3 tokens over 3 ranks
+    >>> video.positions(1).tolist(), video.grid_positions(1).tolist()  # shard 1: (f, h, w) of its 4 tokens
+    ([4, 5, 6, 7], [[0, 1, 1], [0, 1, 2], [1, 0, 0], [1, 0, 1]])
 
     Raises:
-        CommError: `seq_len`, `ring_size` or `ulysses_size` < 1, an unknown `layout`.
-        TypeError: `seq_len`, `ring_size` or `ulysses_size` not ints (bools refused).
+        CommError: `seq_len`, `ring_size` or `ulysses_size` < 1, an unknown `layout`; `seq_sizes` of a length
+            other than ``ring_size * ulysses_size``, with a negative entry, not summing to `seq_len`, or with
+            ``layout="zigzag"``; a `grid` with an entry < 1 or whose product is not `seq_len`.
+        TypeError: `seq_len`, `ring_size` or `ulysses_size` not ints (bools refused), `seq_sizes` or `grid` not
+            ints.
     """
 
     seq_len: int
     ring_size: int = 1
     ulysses_size: int = 1
     layout: str = "contiguous"
+    seq_sizes: tuple[int, ...] | None = None  # rows of each shard, contiguous runs in shard order (None: the rule)
+    grid: tuple[int, ...] | None = None  # the token grid, e.g. (frames, height, width), raster order (None: none)
     # Derived when built: every shard's global positions, in the order the shard holds them.
     _positions: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -193,11 +215,64 @@ class SequenceLayout:
         if self.layout not in SEQUENCE_LAYOUTS:
             message = f"layout ({self.layout!r}) must be one of {', '.join(SEQUENCE_LAYOUTS)}"
             raise comm_error(_LAYOUT_OP, message, **received)
-        shards = []
+        if self.seq_sizes is not None:
+            object.__setattr__(self, "seq_sizes", self._checked_sizes(dict(received, seq_sizes=self.seq_sizes)))
+        if self.grid is not None:
+            object.__setattr__(self, "grid", self._checked_grid(dict(received, grid=self.grid)))
+        object.__setattr__(self, "_positions", self._shards())
+
+    def _checked_grid(self, received: dict) -> tuple[int, ...]:
+        """`grid` as ints >= 1 whose product is `seq_len`."""
+        values = self.grid if isinstance(self.grid, tuple | list) else None
+        if not values or any(isinstance(value, bool) or not hasattr(value, "__index__") for value in values):
+            raise kind_error(
+                _LAYOUT_OP, "grid must be a non-empty sequence of ints, e.g. (frames, height, width)", **received
+            )
+        grid = tuple(int(value) for value in values)
+        for index, value in enumerate(grid):
+            if value < 1:
+                raise comm_error(_LAYOUT_OP, f"grid[{index}] ({value}) must be >= 1", **received)
+        if math.prod(grid) != self.seq_len:
+            raise comm_error(
+                _LAYOUT_OP, f"prod(grid) ({math.prod(grid)}) must equal seq_len ({self.seq_len})", **received
+            )
+        return grid
+
+    def _checked_sizes(self, received: dict) -> tuple[int, ...]:
+        """`seq_sizes` as W ints >= 0 summing to `seq_len`, of a contiguous layout."""
+        sizes = check_sizes(_LAYOUT_OP, Sizes("seq_sizes", self.seq_sizes, "seq"), self.world_size, received)
+        if sum(sizes) != self.seq_len:
+            message = f"sum(seq_sizes) ({sum(sizes)}) must equal seq_len ({self.seq_len})"
+            raise comm_error(_LAYOUT_OP, message, **received)
+        if self.layout != "contiguous":
+            message = f"seq_sizes needs layout 'contiguous' (shard i holds one run of rows), not {self.layout!r}"
+            raise comm_error(_LAYOUT_OP, message, **received)
+        return sizes
+
+    def _shards(self) -> tuple[tuple[int, ...], ...]:
+        """Every shard's global positions, in the order the shard holds them."""
+        if self.seq_sizes is not None:
+            starts = np.cumsum((0, *self.seq_sizes)).tolist()
+            return tuple(tuple(range(starts[i], starts[i + 1])) for i in range(self.world_size))
+        shards: list[tuple[int, ...]] = []
         for block in _blocks(self.seq_len, self.ring_size, self.layout):
             starts = np.cumsum((0, *split_sizes(len(block), self.ulysses_size)))
             shards += [tuple(block[starts[u] : starts[u + 1]]) for u in range(self.ulysses_size)]
-        object.__setattr__(self, "_positions", tuple(shards))
+        return tuple(shards)
+
+    def __repr__(self) -> str:
+        shown = [f"{name}={getattr(self, name)!r}" for name in ("seq_len", "ring_size", "ulysses_size", "layout")]
+        shown += [
+            f"{name}={getattr(self, name)!r}" for name in ("seq_sizes", "grid") if getattr(self, name) is not None
+        ]
+        return f"SequenceLayout({', '.join(shown)})"
+
+    @property
+    def names_even(self) -> bool:
+        """Whether the layout string's even rule (`shard_positions`) gives these shards: `seq_len` divisible by
+        ``world_size`` (``2 * world_size`` for zigzag) and every shard of one size."""
+        unit = self.world_size * (2 if self.layout == "zigzag" else 1)
+        return self.seq_len % unit == 0 and self.is_even
 
     @property
     def world_size(self) -> int:
@@ -223,6 +298,17 @@ class SequenceLayout:
         """int64 ``[sizes[index]]``: the global positions shard `index` holds, in the order it holds them."""
         index = self._index(index, "positions")
         return np.asarray(self._positions[index], dtype=np.int64)
+
+    def grid_positions(self, index: int) -> np.ndarray:
+        """int64 ``[sizes[index], len(grid)]``: the grid coordinates (``(f, h, w)`` of a video grid) of the tokens
+        shard `index` holds, in the order it holds them (``numpy.unravel_index`` of `positions`); CommError
+        without a `grid`."""
+        index = self._index(index, "grid_positions")
+        if self.grid is None:
+            message = "the layout has no grid (build it with grid=(frames, height, width))"
+            raise comm_error(f"{_LAYOUT_OP}.grid_positions", message, layout=self)
+        coordinates = np.unravel_index(self.positions(index), self.grid)
+        return np.stack(coordinates, axis=-1).astype(np.int64).reshape(-1, len(self.grid))
 
     def shard(self, x: npt.ArrayLike, dim: int = 1, *, padded: bool = False) -> list[np.ndarray]:
         """numpy: the `world_size` shards of a whole sequence `x` (``x.shape[dim] == seq_len``) along `dim`; with

@@ -221,9 +221,14 @@ def shard_sequence(
         >>> f(jnp.arange(8.0))  # rank r: positions r and 7 - r
         Array([0., 7., 1., 6., 2., 5., 3., 4.], dtype=float32)
     """
-    x = _check_array("shard_sequence", x)
-    layout, axes = _layout("shard_sequence", layout, axis_name)
-    dim = spec.check_sequence("shard_sequence", x.shape, dim, layout.seq_len, "layout.seq_len")
+    return _shard_sequence("shard_sequence", x, layout, axis_name, dim)
+
+
+def _shard_sequence(op_name: str, x, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int) -> jax.Array:
+    """`shard_sequence` as helper `op_name` (its errors name it)."""
+    x = _check_array(op_name, x)
+    layout, axes = _layout(op_name, layout, axis_name)
+    dim = spec.check_sequence(op_name, x.shape, dim, layout.seq_len, "layout.seq_len")
     if shared_axes(x, axes):  # one shared value: JAX's transpose of the sharing sums the gradient
         return jnp.take(x, _rows(spec.position_table(layout), layout, axes), axis=dim, mode="fill", fill_value=0)
     order = spec.shard_order(layout, padded=True)
@@ -260,9 +265,16 @@ def gather_sequence(
         >>> f(jnp.array([0.0, 7, 1, 6, 2, 5, 3, 4]))[:8]  # rank 0's output: natural order
         Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
-    x = _check_array("gather_sequence", x)
-    layout, axes = _layout("gather_sequence", layout, axis_name)
-    dim = spec.check_sequence("gather_sequence", x.shape, dim, layout.max_size, "layout.max_size")
+    return _gather_sequence("gather_sequence", x, layout, axis_name, dim, convention)
+
+
+def _gather_sequence(
+    op_name: str, x, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int, convention: str
+) -> jax.Array:
+    """`gather_sequence` as helper `op_name` (its errors name it)."""
+    x = _check_array(op_name, x)
+    layout, axes = _layout(op_name, layout, axis_name)
+    dim = spec.check_sequence(op_name, x.shape, dim, layout.max_size, "layout.max_size")
     whole = all_gather(x, axes, dim, convention=convention, sizes=spec.gather_sizes(layout))
     order = spec.gather_order(layout)
     return whole if order is None else jnp.take(whole, jnp.asarray(order.astype(np.int32)), axis=dim)

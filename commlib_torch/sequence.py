@@ -208,9 +208,16 @@ def shard_sequence(
         >>> shard_sequence(torch.arange(6.0).reshape(1, 3, 2), SequenceLayout(3)).shape  # W = 1: all of it
         torch.Size([1, 3, 2])
     """
-    x = check_tensor("shard_sequence", x)
-    layout, resolved, rank = _rank_layout("shard_sequence", layout, group)
-    dim = spec.check_sequence("shard_sequence", tuple(x.shape), dim, layout.seq_len, "layout.seq_len")
+    return _shard_sequence("shard_sequence", x, layout, group, dim)
+
+
+def _shard_sequence(
+    op_name: str, x: torch.Tensor, layout: SequenceLayout | None, group: GroupArgument, dim: int
+) -> torch.Tensor:
+    """`shard_sequence` as helper `op_name` (its errors name it)."""
+    x = check_tensor(op_name, x)
+    layout, resolved, rank = _rank_layout(op_name, layout, group)
+    dim = spec.check_sequence(op_name, tuple(x.shape), dim, layout.seq_len, "layout.seq_len")
     if spec.shard_order(layout, padded=not layout.is_even) is not None:
         if not layout.is_even:  # a zero row at index S stands for every padding row
             x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))], dim)
@@ -244,17 +251,22 @@ def gather_sequence(
         >>> gather_sequence(torch.arange(3.0).reshape(1, 3), SequenceLayout(3))  # W = 1: as it is
         tensor([[0., 1., 2.]])
     """
-    x = check_tensor("gather_sequence", x)
-    layout, resolved, rank = _rank_layout("gather_sequence", layout, group)
+    return _gather_sequence("gather_sequence", x, layout, group, dim, convention)
+
+
+def _gather_sequence(
+    op_name: str, x: torch.Tensor, layout: SequenceLayout | None, group: GroupArgument, dim: int, convention: str
+) -> torch.Tensor:
+    """`gather_sequence` as helper `op_name` (its errors, and checked mode's comparison, name it)."""
+    x = check_tensor(op_name, x)
+    layout, resolved, rank = _rank_layout(op_name, layout, group)
     if is_checked() and not torch.compiler.is_compiling():  # the ranks compare the options first
         exchange_layer(
-            sequence_call(
-                "gather_sequence", x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim, convention=convention
-            ),
+            sequence_call(op_name, x.shape, dim, dtype_name(x.dtype), layout=layout, dim=dim, convention=convention),
             (resolved,),
             x.device,
         )
-    dim = spec.check_sequence("gather_sequence", tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
+    dim = spec.check_sequence(op_name, tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
     whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
     if spec.gather_order(layout) is None:
         return whole
