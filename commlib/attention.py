@@ -43,18 +43,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from commlib import layer_names
 from commlib.errors import comm_error
 from commlib.frontend_errors import wrong_type
+from commlib.joint import JointHeads, JointPlan
 from commlib.masks import MaskRule, check_mask, check_segment_ids
 from commlib.reference.attention import attention, attention_vjp, causal_mask  # re-exported: their documented path
 from commlib.uneven import Sizes, check_sizes, split_sizes
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
-
-if TYPE_CHECKING:
-    from commlib.joint import JointPlan
 
 __all__ = [
     "OP_NAME",
@@ -66,6 +63,7 @@ __all__ = [
     "head_split",
     "head_groups",
     "ulysses_plan",
+    "ulysses_joint",
     "check_layer_inputs",
     "contiguous_positions",
     "causal_mask",
@@ -529,3 +527,28 @@ def _out_runs(groups: tuple[HeadGroup, ...]) -> tuple[tuple[int, int, int], ...]
         for index, group in enumerate(groups)
         if group.heads.q_sizes[source]
     )
+
+
+def ulysses_joint(joint: JointPlan, plan: UlyssesPlan) -> JointPlan:
+    """A joint attention plan (`commlib.joint`) `joint` with the heads each of `plan`'s head groups takes (`JointHeads`): the group's q heads of this
+    rank (exact layout) or of every rank (padded), and the kv heads those use -- the heads the group's
+    all-to-all delivers, so the joint heads line up with the received ones.
+
+    >>> plan = ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, layout="padded")
+    >>> heads = ulysses_joint(JointPlan("front", 2), plan).groups[0]
+    >>> heads.q, heads.kv, heads.out_gather_sizes  # heads 6 (q) and 2 (kv): zeros
+    (((0, 1), (2, 3), (4, 6), (5, 6)), ((0, 2), (0, 1), (1, 2), (1, 2)), (2, 2, 1, 1))
+    """
+    return dataclasses.replace(joint, groups=tuple(_group_heads(group, plan) for group in plan.groups))
+
+
+def _group_heads(group: HeadGroup, plan: UlyssesPlan) -> JointHeads:
+    split = group.heads
+    ranks = range(split.world_size) if plan.rank is None else (plan.rank,)
+    widths = (group.local_heads, group.local_kv_heads)
+    fills = (split.heads, split.kv_heads)
+    rows: list[tuple[tuple[int, ...], ...]] = []
+    for ranges, width, fill in zip((split.q_ranges, split.kv_ranges), widths, fills, strict=True):
+        heads = [tuple(range(*ranges[rank])) for rank in ranks]
+        rows.append(tuple(row + (fill,) * (width - len(row)) for row in heads))
+    return JointHeads(rows[0], rows[1], group.out_gather_sizes)

@@ -1,5 +1,5 @@
 """Joint attention (MMDiT: SD3, Flux; DESIGN.md "Video DiTs"): the rules of ``joint_q``, ``joint_k``, ``joint_v``
-on the attention layers, the heads each rank takes of them, and the float64 reference of the concatenation.
+on the attention layers, the heads each rank takes of them (the float64 reference: `commlib.reference.joint`).
 
 A DiT's video tokens are sharded over the sequence group as the layers' q, k, v; its text tokens ``joint_q``,
 ``joint_k``, ``joint_v`` (``[B, S_j, H, D]``, ``[B, S_j, H_kv, D]``, ``[B, S_j, H_kv, D_v]``: the main tensors'
@@ -40,19 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import numpy.typing as npt
 
 from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
 from commlib.validators import shown
 
-if TYPE_CHECKING:
-    from commlib.attention import HeadGroup, UlyssesPlan
-
-__all__ = ["POSITIONS", "JointPlan", "JointHeads", "check_joint_inputs", "joint_plan", "ulysses_joint", "reference"]
+__all__ = ["POSITIONS", "JointPlan", "JointHeads", "check_joint_inputs", "joint_plan"]
 
 #: Where the joint tokens stand in the concatenation: before the sequence or after it.
 POSITIONS = ("front", "rear")
@@ -91,6 +84,7 @@ def check_joint_inputs(
     that is not a frontend array, `CommError` when some but not all are given; `position` checked with or
     without them (a bogus one is refused, never ignored). First of all, with q, k, v's.
 
+    >>> import numpy as np
     >>> try:
     ...     check_joint_inputs("ulysses_attention", (np.zeros(1), None, None), "front", (np.ndarray,), "numpy.ndarray")
     ... except ValueError as error:
@@ -169,81 +163,3 @@ def _check_shape(layer: str, name: str, shape: object, main: Sequence[int], rece
         if shape[axis] != main[axis]:
             message = f"{name} {quantity} ({shape[axis]}) must equal {main_name} {quantity} ({main[axis]})"
             raise comm_error(layer, message, **received)
-
-
-def ulysses_joint(joint: JointPlan, plan: UlyssesPlan) -> JointPlan:
-    """`joint` with the heads each of `plan`'s head groups takes (`JointHeads`): the group's q heads of this
-    rank (exact layout) or of every rank (padded), and the kv heads those use -- the heads the group's
-    all-to-all delivers, so the joint heads line up with the received ones.
-
-    >>> from commlib.attention import ulysses_plan
-    >>> plan = ulysses_plan((1, 3, 6, 4), (1, 3, 2, 4), (1, 3, 2, 4), 4, layout="padded")
-    >>> heads = ulysses_joint(JointPlan("front", 2), plan).groups[0]
-    >>> heads.q, heads.kv, heads.out_gather_sizes  # heads 6 (q) and 2 (kv): zeros
-    (((0, 1), (2, 3), (4, 6), (5, 6)), ((0, 2), (0, 1), (1, 2), (1, 2)), (2, 2, 1, 1))
-    """
-    return dataclasses.replace(joint, groups=tuple(_group_heads(group, plan) for group in plan.groups))
-
-
-def _group_heads(group: HeadGroup, plan: UlyssesPlan) -> JointHeads:
-    split = group.heads
-    ranks = range(split.world_size) if plan.rank is None else (plan.rank,)
-    widths = (group.local_heads, group.local_kv_heads)
-    fills = (split.heads, split.kv_heads)
-    rows: list[tuple[tuple[int, ...], ...]] = []
-    for ranges, width, fill in zip((split.q_ranges, split.kv_ranges), widths, fills, strict=True):
-        heads = [tuple(range(*ranges[rank])) for rank in ranks]
-        rows.append(tuple(row + (fill,) * (width - len(row)) for row in heads))
-    return JointHeads(rows[0], rows[1], group.out_gather_sizes)
-
-
-def concatenated(x: npt.ArrayLike, joint: npt.ArrayLike, position: str) -> np.ndarray:
-    """float64 ``[B, S + S_j, ...]``: `joint` before (front) or after (rear) `x` along dim 1."""
-    parts = [np.asarray(x, dtype=np.float64), np.asarray(joint, dtype=np.float64)]
-    return np.concatenate(parts[::-1] if position == "front" else parts, axis=1)
-
-
-def reference(
-    q: npt.ArrayLike,
-    k: npt.ArrayLike,
-    v: npt.ArrayLike,
-    joint: Sequence[npt.ArrayLike],
-    position: str = "front",
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    cotangents: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
-) -> tuple[np.ndarray, np.ndarray, Any]:
-    """float64 joint attention of the FULL sequence q, k, v ``[B, S, *, D]`` and the joint tensors `joint`
-    (``(joint_q, joint_k, joint_v)``, ``[B, S_j, *, D]``): `commlib.attention.attention` of the concatenation
-    at `position` (causal over its positions), cut back into ``(out [B, S, H, D_v], joint_out [B, S_j, H, D_v],
-    grads)``; with `cotangents` ``(of out, of joint_out)`` ``grads`` = the VJP ``(dq, dk, dv, d joint_q,
-    d joint_k, d joint_v)``, else None.
-
-    >>> q = np.random.default_rng(0).normal(size=(1, 3, 2, 4))
-    >>> out, joint_out, _ = reference(q, q, q, (q[:, :1],) * 3, "rear", causal=True)
-    >>> from commlib.attention import attention
-    >>> keys = np.concatenate([q, q[:, :1]], axis=1)  # [sequence | joint]
-    >>> bool(np.allclose(joint_out, attention(q[:, :1], keys, keys)))  # the last position sees every key
-    True
-    """
-    from commlib.attention import attention, attention_vjp
-
-    seq = np.shape(q)[1]
-    inputs = [concatenated(x, joint_x, position) for x, joint_x in zip((q, k, v), joint, strict=True)]
-    full = attention(*inputs, causal=causal, scale=scale)
-    split = _splitter(seq, np.shape(joint[0])[1], position)
-    out, joint_out = split(full)
-    if cotangents is None:
-        return out, joint_out, None
-    cotangent = concatenated(cotangents[0], cotangents[1], position)
-    grads = attention_vjp(inputs[0], inputs[1], inputs[2], cotangent, causal=causal, scale=scale)
-    pieces = [split(grad) for grad in grads]
-    return out, joint_out, tuple(piece[0] for piece in pieces) + tuple(piece[1] for piece in pieces)
-
-
-def _splitter(seq: int, joint_seq: int, position: str) -> Any:
-    """``x [B, S + S_j, ...] -> (x's sequence rows, x's joint rows)``."""
-    if position == "front":
-        return lambda x: (x[:, joint_seq:], x[:, :joint_seq])
-    return lambda x: (x[:, :seq], x[:, seq:])

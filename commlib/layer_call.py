@@ -142,7 +142,7 @@ def ulysses_call(
     checked = joint.joint_plan(
         attention.OP_NAME, q.shape, k.shape, v.shape, shapes, joint_dtypes, joint_position, segment_ids is not None
     )
-    return dataclasses.replace(plan, joint=joint.ulysses_joint(checked, plan))
+    return dataclasses.replace(plan, joint=attention.ulysses_joint(checked, plan))
 
 
 def ring_call(

@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from commlib.errors import comm_error, kind_error
+from commlib.reference.sequence import gather_sequence_reference, shard_sequence_reference
 from commlib.sequence import SequenceLayout
-from commlib.sequence_helpers import gather_sequence_reference, shard_sequence_reference
 
 __all__ = [
     "check_grid",

@@ -1,10 +1,10 @@
 """Seeded cases of joint attention (``joint_q``, ``joint_k``, ``joint_v``; numpy only) and their float64 reference
 per rank, shared by tests/spec/test_joint.py, tests/torch/test_joint.py and tests/jax/test_joint.py.
 
-The expected values come from `commlib.joint.reference` (attention of the concatenation) on the unsharded arrays,
-with the cotangent of the sequence's output concatenated over the ranks and the joint output's cotangent summed
-over them (``convention="sum"``: every rank's loss is its own, and each rank's joint_out feeds it). Rank r's out,
-dq, dk, dv are its rows of the full result; joint_out is the same on every rank; rank r's d joint_q is the full
+The expected values come from `commlib.reference.joint.reference` (attention of the concatenation) on the unsharded
+arrays, with the cotangent of the sequence's output concatenated over the ranks and the joint output's cotangent
+summed over them (``convention="sum"``: every rank's loss is its own, and each rank's joint_out feeds it). Rank r's
+out, dq, dk, dv are its rows of the full result; joint_out is the same on every rank; rank r's d joint_q is the full
 d joint_q in the q heads rank r attends with (``split_sizes(H, W)``) and 0 elsewhere, its d joint_k, d joint_v the
 part of the full gradient its q heads give (from a reference whose kv heads are expanded to one per q head).
 """
@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from commlib import joint
 from commlib.attention import head_split
+from commlib.reference import joint as joint_reference
 from commlib.uneven import split_sizes
 
 
@@ -86,10 +86,12 @@ def arrays(case: JointCase) -> dict:
     total = (sum(joint_cots), cot)[::-1]
     main = (full["q"], full["k"], full["v"])
     tensors = (full["joint_q"], full["joint_k"], full["joint_v"])
-    out, joint_out, grads = joint.reference(*main, tensors, case.position, causal=case.causal, cotangents=total)
+    out, joint_out, grads = joint_reference.reference(
+        *main, tensors, case.position, causal=case.causal, cotangents=total
+    )
     group = h // hkv
     expanded = [np.repeat(x, group, axis=2) for x in (full["k"], full["v"], full["joint_k"], full["joint_v"])]
-    _, _, per_head = joint.reference(
+    _, _, per_head = joint_reference.reference(
         full["q"], *expanded[:2], (full["joint_q"], *expanded[2:]), case.position, causal=case.causal, cotangents=total
     )
     split = head_split(h, hkv, case.world_size)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from commlib import SequenceLayout
-from commlib.reference.attention import attention, attention_vjp
 from commlib.masks import BlockCausal, MaskRule, SlidingWindow
+from commlib.reference.attention import attention, attention_vjp
 
 __all__ = ["RULES", "SEQ", "SHAPE", "settings", "expected", "whole_inputs"]
 

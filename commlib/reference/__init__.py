@@ -10,6 +10,8 @@
 - `commlib.reference.cross_attention`: cross-attention of q to the full k, v, forward and VJP (`reference`);
 - `commlib.reference.sequence`: the whole-model sequence helpers on W simulated ranks (tokens, the take and
   gather of a sequence, the loss over every rank's tokens);
+- `commlib.reference.joint`: joint attention (MMDiT), the full sequence and the joint tokens concatenated
+  (`reference`, `concatenated`);
 - `commlib.reference.moe`: the spec's MoE walk on W simulated ranks, both layouts (`simulate_moe`).
 
 A reference imports the spec's rules (plans, schedules, walks, index tables) and never a frontend; the spec's

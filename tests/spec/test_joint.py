@@ -6,8 +6,9 @@ layer, the argument and both numbers, before any communication)."""
 import numpy as np
 import pytest
 
-from commlib import CommError, joint
+from commlib import CommError
 from commlib.layer_call import ulysses_call
+from commlib.reference import joint as joint_reference
 from commlib.reference.ulysses import simulate_ulysses
 from tests import joint_cases
 
@@ -33,10 +34,10 @@ def test_reference_vjp_matches_finite_differences(position, causal):
     cots = (rng.standard_normal((1, 3, 4, 3)), rng.standard_normal((1, 2, 4, 3)))
 
     def loss(xs):
-        out, joint_out, _ = joint.reference(*xs[:3], xs[3:], position, causal=causal)
+        out, joint_out, _ = joint_reference.reference(*xs[:3], xs[3:], position, causal=causal)
         return float((out * cots[0]).sum() + (joint_out * cots[1]).sum())
 
-    _, _, grads = joint.reference(*inputs[:3], inputs[3:], position, causal=causal, cotangents=cots)
+    _, _, grads = joint_reference.reference(*inputs[:3], inputs[3:], position, causal=causal, cotangents=cots)
     step = 1e-6
     for index, x in enumerate(inputs):
         numeric = np.zeros_like(x)

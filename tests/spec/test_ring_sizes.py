@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from commlib import CommError, SequenceLayout
+from commlib.reference.ring import simulate_ring
 from commlib.ring import USP_OP, ring_plan
-from commlib.ring_reference import simulate_ring
 from commlib.sequence import ulysses_seq_sizes
 from tests import mask_cases as masks
 from tests import sized_cases as sized

@@ -11,8 +11,8 @@ import pytest
 from commlib import CommError, SequenceLayout, segment_ids
 from commlib.attention import ulysses_plan
 from commlib.masks import BlockCausal, SlidingWindow, check_mask, position_runs, rule_mask
-from commlib.ring import pieces_computed, ring_plan
 from commlib.reference.ring import reference, simulate_ring
+from commlib.ring import pieces_computed, ring_plan
 from tests import rule_mask_cases as rules
 
 
