@@ -78,17 +78,22 @@ def mask_kind(mask: str | torch.Tensor) -> MaskKind:
     return "array"
 
 
-def bias(seen: torch.Tensor, dtype: torch.dtype, heads: int, kernel: Kernel) -> torch.Tensor:
+def bias(seen: torch.Tensor, dtype: torch.dtype, kernel: Kernel) -> torch.Tensor:
     """A bool mask ``[B or 1, Sq, Sk]`` as the kernel's additive one: 0 where seen, -inf elsewhere, ``[B or 1, 1,
-    Sq, Sk]`` (the CPU kernel broadcasts it) or, for the efficient kernel, ``[B, H, Sq, Sk]`` expanded over the
-    heads, a view of rows padded to a multiple of 16 elements (its alignment)."""
+    Sq, Sk]`` (the kernels broadcast it; for the efficient kernel a view of rows padded to a multiple of 16
+    elements, its alignment, that `forward` / `backward` expand to ``[B, H, Sq, Sk]``)."""
     seen = seen.reshape(-1, 1, *seen.shape[-2:])
     if kernel != "efficient":
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
     keys = seen.shape[-1]
     padded = torch.zeros((*seen.shape[:-1], -(-keys // _ALIGN_BIAS) * _ALIGN_BIAS), dtype=dtype, device=seen.device)
     padded[..., :keys].masked_fill_(~seen, float("-inf"))
-    return padded[..., :keys].expand(seen.shape[0], heads, *seen.shape[-2:])
+    return padded[..., :keys]
+
+
+def _expanded(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The efficient kernel's bias as it reads it: ``[B, H, Sq, Sk]`` (a view, stride 0 where broadcast)."""
+    return None if bias is None else bias.expand(q.shape[0], q.shape[1], *bias.shape[-2:])
 
 
 def _philox(kernel: Kernel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +122,7 @@ def forward(
         out, lse, *_ = _compat.FLASH_CUDA(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
     assert kernel == "efficient" and _compat.EFFICIENT_CUDA is not None
-    out, lse, *_ = _compat.EFFICIENT_CUDA(q, k, v, bias, True, 0.0, causal, scale=scale)
+    out, lse, *_ = _compat.EFFICIENT_CUDA(q, k, v, _expanded(bias, q), True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]
 
 
@@ -151,7 +156,7 @@ def backward(
     padding = -(-q.shape[2] // _ALIGN_LSE) * _ALIGN_LSE - q.shape[2]
     lse = torch.nn.functional.pad(lse, (0, padding)).contiguous()
     dq, dk, dv, _ = _compat.EFFICIENT_CUDA_BACKWARD(
-        d_out, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        d_out, q, k, v, _expanded(bias, q), out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
     )
     return dq, dk, dv
 
@@ -202,7 +207,7 @@ class _Segmented(torch.autograd.Function):
             seen = block_seen(ids, block, causal)
             sees = seen.any(-1)  # [B, rows]: a row that sees nothing sees every key here, then is set
             out, lse = forward(
-                kernel, q[:, :, block], k, v, False, bias(seen | ~sees[..., None], q.dtype, q.shape[1], kernel), scale
+                kernel, q[:, :, block], k, v, False, bias(seen | ~sees[..., None], q.dtype, kernel), scale
             )
             outs.append(out.masked_fill(~sees[:, None, :, None], 0.0))
             lses.append(lse.masked_fill(~sees[:, None], float("-inf")))
@@ -221,7 +226,7 @@ class _Segmented(torch.autograd.Function):
         finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
         for start in range(0, q.shape[2], rows):
             block = slice(start, start + rows)
-            additive = bias(block_seen(ids, block, causal), q.dtype, q.shape[1], kernel)
+            additive = bias(block_seen(ids, block, causal), q.dtype, kernel)
             parts = (d_out[:, :, block].contiguous(), q[:, :, block], k, v, out[:, :, block], finite[:, :, block])
             dq_block, dk_block, dv_block = backward(kernel, *parts, False, additive, scale)
             dq[:, :, block] = dq_block

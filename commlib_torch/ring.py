@@ -128,7 +128,7 @@ def _attend(
         seen = visible.any(-1)[..., None]  # [B or 1, Sq, 1]
         if kernel != "flash-cpu":  # a row that sees nothing sees every key here (finite), and is set below
             visible = visible | ~seen
-        additive = _kernels.bias(visible, dtype, plan.heads, kernel)
+        additive = _kernels.bias(visible, dtype, kernel)
     query, key, value = (
         _heads_major(x, group).to(dtype) for x, group in ((query, 1), (key, plan.group), (v, plan.group))
     )
@@ -159,7 +159,7 @@ def _attend_vjp(
     if kernel == "einsum":
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
     dtype = _kernel_dtype(plan, kernel, q)
-    additive = None if isinstance(mask, str) else _kernels.bias(mask, dtype, plan.heads, kernel)
+    additive = None if isinstance(mask, str) else _kernels.bias(mask, dtype, kernel)
     finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
     d_o, query, key, value, o = (
         _heads_major(x, group).to(dtype)

@@ -78,7 +78,7 @@ def test_cpu_kernel_lse_convention(masked):
     seen = torch.rand(q.shape[2], q.shape[2], generator=torch.Generator().manual_seed(1)) > 0.3
     seen[:, 0] = True  # every row sees a key
     mask = {"full": "full", "causal": "causal-diagonal", "array": seen[None]}[masked]
-    additive = None if masked != "array" else _kernels.bias(seen[None], q.dtype, q.shape[1], "flash-cpu")
+    additive = None if masked != "array" else _kernels.bias(seen[None], q.dtype, "flash-cpu")
     out, lse = _kernels.forward("flash-cpu", q, k, v, masked == "causal", additive, scale)
     assert lse.shape == q.shape[:3]
     scores = scale * q @ k.transpose(-1, -2)
@@ -108,8 +108,9 @@ def test_cuda_calls_on_meta(kernel, causal):
     additive = None
     if kernel == "efficient" and not causal:
         seen = torch.ones(1, 70, 70, dtype=torch.bool)
-        additive = _kernels.bias(seen, dtype, 4, kernel)
-        assert additive.shape == (1, 4, 70, 70) and additive.stride(-2) % 16 == 0 and additive.stride(1) == 0
+        additive = _kernels.bias(seen, dtype, kernel)
+        assert additive.shape == (1, 1, 70, 70) and additive.stride(-2) % 16 == 0  # [B or 1, 1, Sq, Sk]
+        assert _kernels._expanded(additive, q).stride()[:2] == (0, 0)  # broadcast over batch and heads
         additive = additive.to("meta")
     out, lse = _kernels.forward(kernel, q, k, v, causal, additive, 0.125)
     assert out.shape == shape and lse.shape == shape[:3] and lse.dtype == torch.float32
