@@ -85,8 +85,9 @@ def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | 
     if run:
         keys = jax.random.split(jax.random.key(0), 3)
         q, k, v = (jax.random.normal(key, (1, seq, HEADS, DIM), jnp.float32) for key in keys)
+        start = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v))
-        times = []
+        times = [time.perf_counter() - start] if repeats == 0 else []  # --repeats 0: the first call timed
         for _ in range(repeats):
             start = time.perf_counter()
             jax.block_until_ready(compiled(q, k, v))
@@ -177,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--run-up-to", type=int, default=65536, help="run (RSS, seconds) only up to this S; JAX above it: compiled only"
     )
-    parser.add_argument("--repeats", type=int, default=1, help="timed JAX calls after the first (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed JAX calls after the first (median; 0: the first call timed)"
+    )
     parser.add_argument("--baseline-path", type=Path, help="another tree whose JAX layers run at --speed-seq")
     parser.add_argument("--speed-seq", type=int, default=8192)
     parser.add_argument("--speed-layers", nargs="+", choices=LAYERS, help="the layers timed against the baseline")
@@ -210,13 +213,36 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.block_sizes
     ]
     plan = [(f, layer, seq, b) for f, layer, seq, b in plan if f == "jax" or (seq <= args.run_up_to and not b)]
-    rows, speed = [], []
+    rows: list[dict] = []
+    baseline_rows: list[dict] = []
+    speed: list[dict] = []
     started = time.perf_counter()
+
+    def result(complete: bool) -> dict:
+        return {
+            "shape_B_H_D": [1, HEADS, DIM],
+            "world_size": WORLD,
+            "dtype": "float32",
+            "causal": True,
+            "command": " ".join(["python -m benchmarks.memory", *(argv if argv is not None else sys.argv[1:])]),
+            "load_average": os.getloadavg(),
+            "seconds": time.perf_counter() - started,
+            "complete": complete,  # False: written after a row, the run still going (or cut off there)
+            "rows": rows,
+            "baseline_rows": baseline_rows,
+            "speed": speed,
+        }
+
+    def write(complete: bool) -> None:
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result(complete), indent=1) + "\n")
+
     for framework, layer, seq, block_size in (bar := tqdm(plan, unit="run")):
         bar.set_description(f"{framework} {layer} S={seq}" + (f" block {block_size}" if block_size else ""))
         run = seq <= args.run_up_to
         rows.append(_measure(framework, layer, seq, run, args.repeats, ROOT, args.timeout, block_size))
-    baseline_rows = []
+        write(False)  # each row stored as it comes: a long run cut off keeps what it measured
     if args.baseline_path is not None:  # the baseline's compiled temp bytes at every size (compiled only)
         for layer, seq in (bar := tqdm([(layer, seq) for layer in args.layers for seq in args.sizes], unit="run")):
             bar.set_description(f"baseline jax {layer} S={seq}")
@@ -229,27 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             ]
             ratio = pair[0]["seconds"] / pair[1]["seconds"] if all("seconds" in x for x in pair) else None
             speed.append({"layer": layer, "seq": args.speed_seq, "this": pair[0], "baseline": pair[1], "ratio": ratio})
-    result = {
-        "shape_B_H_D": [1, HEADS, DIM],
-        "world_size": WORLD,
-        "dtype": "float32",
-        "causal": True,
-        "command": " ".join(["python -m benchmarks.memory", *(argv if argv is not None else sys.argv[1:])]),
-        "load_average": os.getloadavg(),
-        "seconds": time.perf_counter() - started,
-        "rows": rows,
-        "baseline_rows": baseline_rows,
-        "speed": speed,
-    }
     print(memory_table(rows))
     if baseline_rows:
         print(f"baseline {args.baseline_path}:")
         print(memory_table(baseline_rows))
     for entry in speed:
         print(f"speed at S={entry['seq']} {entry['layer']}: this / baseline = {entry['ratio']}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write(True)
     return 0
 
 

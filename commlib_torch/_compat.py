@@ -18,6 +18,10 @@ __all__ = [
     "COPY_COMPILED_OUTPUT",
     "FLASH_CPU",
     "FLASH_CPU_BACKWARD",
+    "FLASH_CUDA",
+    "FLASH_CUDA_BACKWARD",
+    "EFFICIENT_CUDA",
+    "EFFICIENT_CUDA_BACKWARD",
     "RELEASE",
     "all_gather_single",
     "c_apply",
@@ -124,4 +128,22 @@ FLASH_CPU: Callable[..., Any] | None = getattr(torch.ops.aten, "_scaled_dot_prod
 #: LSE it is given (private aten op, read on 2.11-2.13). None where absent: the spec's einsum rules.
 FLASH_CPU_BACKWARD: Callable[..., Any] | None = getattr(
     torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+#: torch's CUDA flash-attention forward (float16 / bfloat16), ``(q, k, v, dropout, causal, return_debug_mask,
+#: scale=) -> (out, lse [B, H, S] float32, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug)`` on
+#: ``[B, H, S, D]`` (private aten op, read on 2.11-2.13; `commlib_torch._kernels` calls it). None where absent.
+FLASH_CUDA: Callable[..., Any] | None = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+#: Its backward, ``(d_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout, causal, philox_seed,
+#: philox_offset, scale=) -> (dq, dk, dv)`` (private aten op, read on 2.11-2.13). None where absent.
+FLASH_CUDA_BACKWARD: Callable[..., Any] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None
+)
+#: torch's memory-efficient attention forward (CUDA: float16 / bfloat16 / float32, an additive ``attn_bias``),
+#: ``(q, k, v, attn_bias, compute_log_sumexp, dropout, causal, scale=) -> (out, lse [B, H, ceil(S / 32) * 32]
+#: float32, philox_seed, philox_offset)`` (private aten op, read on 2.11-2.13). None where absent.
+EFFICIENT_CUDA: Callable[..., Any] | None = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+#: Its backward, ``(d_out, q, k, v, attn_bias, out, lse, philox_seed, philox_offset, dropout, grad_input_mask[4],
+#: causal, scale=) -> (dq, dk, dv, d_bias)`` (private aten op, read on 2.11-2.13). None where absent.
+EFFICIENT_CUDA_BACKWARD: Callable[..., Any] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None
 )

@@ -22,7 +22,9 @@ from commlib.layer_call import ulysses_call
 from commlib.masks import MaskRule, rule_mask, segment_mask
 from commlib.sequence import SequenceLayout
 from commlib.ulysses import Finished, Pending, walk
+from commlib_torch import _kernels
 from commlib_torch._checked import LayerFrontend
+from commlib_torch._dtypes import dtype_name
 from commlib_torch._groups import GroupArgument, ResolvedGroup, resolve_group, world_size
 from commlib_torch._op import transforms_active
 from commlib_torch.cross_attention import cross_attention
@@ -53,7 +55,9 @@ def attention(
     the positions ``0 .. S - 1`` as well (ANDed). A NaN in q, or in a key a row sees, makes that row NaN
     (SDPA's CPU flash kernel alone would give a row whose every score is NaN 0); a NaN in a key no row of it
     sees (padding, masked) changes nothing: the kernel never sees it. The default `attn_fn` of
-    `ulysses_attention`.
+    `ulysses_attention`. On CUDA, segment ids without a `mask` rule run query block by query block on the
+    memory-efficient kernel (`commlib_torch._kernels.segment_attention`: one block's mask ``[B, rows, S]`` at a
+    time, never ``[B, S, S]``); elsewhere SDPA with the ``[B, S, S]`` mask.
 
     Example:
         >>> q, k, v = torch.ones(1, 4, 8, 16), torch.ones(1, 4, 2, 16), torch.ones(1, 4, 2, 32)  # 4 q heads per kv
@@ -65,6 +69,10 @@ def attention(
         >>> attention(q, k, v, mask=SlidingWindow(2)).shape  # position i sees i - 1 and i
         torch.Size([1, 4, 8, 32])
     """
+    if segment_ids is not None and mask is None:
+        kernel = _kernels.choose(q.device.type, dtype_name(q.dtype), q.shape[-1], v.shape[-1], "array")
+        if kernel in ("flash", "efficient"):  # CUDA: query blocks on the efficient kernel, never a [B, S, S] mask
+            return _segmented(q, k, v, segment_ids, causal, scale, kernel)
     query, key, value = (x.transpose(1, 2) for x in (*nan_free(q, k), v))  # NaNs put back by `nan_rows`
     gqa = q.shape[2] != k.shape[2]
     if segment_ids is None and mask is None:
@@ -80,6 +88,27 @@ def attention(
         query, key, value, attn_mask=(allowed | ~seen[..., None])[:, None], scale=scale, enable_gqa=gqa
     )
     return nan_rows(q, k, allowed, torch.where(seen[:, :, None, None], out.transpose(1, 2), 0.0))[0]
+
+
+def _segmented(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_ids: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    kernel: _kernels.Kernel,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """`attention` with segment ids on a fused kernel, query block by query block
+    (`commlib_torch._kernels.segment_attention`), the NaN rule applied per block too: what it holds is one
+    block's mask ``[B, rows, S]``, never ``[B, S, S]`` (the CUDA path; the CPU tests run it on the CPU kernel)."""
+    query, key = nan_free(q, k)
+    out = _kernels.segment_attention(query, key, v, segment_ids, causal=causal, scale=scale, kernel=kernel, rows=rows)
+    rows = _kernels.block_rows(q.shape[0], q.shape[1]) if rows is None else rows
+    blocks = [slice(start, start + rows) for start in range(0, q.shape[1], rows)]
+    seen = (_kernels.block_seen(segment_ids, block, causal) for block in blocks)
+    return torch.cat([nan_rows(q[:, b], k, s, out[:, b])[0] for b, s in zip(blocks, seen, strict=True)], 1)
 
 
 def _select(runs: tuple[tuple[int, int, int], ...], inputs: Sequence[torch.Tensor]) -> torch.Tensor:

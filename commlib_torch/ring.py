@@ -3,7 +3,8 @@
 The spec (`commlib.ring`) validates the call, owns the schedule (which k/v block each rank holds at each step,
 which pieces of each (q block, kv block) pair the causal mask leaves, the permute pairs) and walks it, forward
 and backward (`commlib.ring.forward` / `backward`); this module gives that walk its torch backend (`_RankBackend`:
-torch's fused CPU flash kernels where they apply, else `commlib.blockwise`'s einsum rules) inside one autograd
+torch's fused kernels where `commlib_torch._kernels.choose` says they serve, else `commlib.blockwise`'s einsum
+rules) inside one autograd
 Function whose backward is written by hand: dk/dv travel around the ring with k/v and the probabilities are
 recomputed blockwise from the saved log-sum-exp, so a rank saves q, k, v, the output and the LSE for backward
 -- O(S/W) -- and no k/v block or score matrix of any step. Every ring step sends one buffer per dtype of what
@@ -26,10 +27,9 @@ from commlib import ring as spec
 from commlib.layer_call import ring_call
 from commlib.masks import MaskRule
 from commlib.sequence import SequenceLayout
+from commlib_torch import _kernels
 from commlib_torch._c10d import Started
 from commlib_torch._checked import LayerFrontend, exchange, is_checked
-from commlib_torch._compat import FLASH_CPU as _FLASH_CPU
-from commlib_torch._compat import FLASH_CPU_BACKWARD as _FLASH_CPU_BACKWARD
 from commlib_torch._dtypes import dtype_name
 from commlib_torch._failures import translate
 from commlib_torch._groups import GroupArgument as Group
@@ -55,11 +55,13 @@ class _TorchMath(blockwise.ArrayMath):
 _MATH = _TorchMath()
 
 
-def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a piece runs on torch's fused CPU flash kernels (CPU tensors, ``D_v == D``) rather than the spec's
-    einsum rules: the same math (`commlib.blockwise.attend` / `attend_vjp`: the kernels return and take the LSE,
-    and their backward recomputes P from the LSE we pass, the final one), fused, about twice as fast."""
-    return _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+def piece_kernel(device_type: str, plan: spec.RingPlan, mask: str | torch.Tensor) -> _kernels.Kernel:
+    """The kernel of a piece of `plan` on `device_type` (`commlib_torch._kernels.choose`: torch's fused CPU
+    flash kernels where ``D_v == D``, on CUDA flash or the memory-efficient kernel in the inputs' dtype, else the
+    spec's einsum rules). The same math either way (`commlib.blockwise.attend` / `attend_vjp`: the kernels return
+    and take the LSE, and their backward recomputes P from the LSE we pass, the final one), fused."""
+    kind = _kernels.mask_kind(mask)
+    return _kernels.choose(device_type, plan.dtype, plan.head_dim, plan.value_dim, kind)
 
 
 def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
@@ -104,39 +106,38 @@ def nan_rows(
     return tuple(_strided_copy(x).masked_fill_(rows(x), float("nan")) for x in outputs)
 
 
-def _kernel_mask(mask: str | torch.Tensor, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-    """A piece's mask as the flash kernels take it: ``(causal, additive float mask [B or 1, 1, Sq, Sk] or None)``
-    (a bool array mask -- segments, or positions -- becomes 0 where seen, -inf elsewhere)."""
-    if isinstance(mask, str):
-        return mask == "causal-diagonal", None
-    seen = mask.reshape(-1, 1, *mask.shape[-2:])
-    return False, torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+def _kernel_dtype(plan: spec.RingPlan, kernel: _kernels.Kernel, x: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel runs in: the CPU kernel the compute dtype, the CUDA kernels the inputs' own (the
+    compute dtype holds their values exactly)."""
+    return x.dtype if kernel == "flash-cpu" else getattr(torch, plan.dtype)
 
 
 def _attend(
     plan: spec.RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the CPU flash kernel
-    where it applies (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf). The
-    kernels see no NaN of q or k (`nan_free`); the rows that see one are NaN (`nan_rows`)."""
+    """One piece's ``(out [B, Sq, H, D_v], lse [B, Sq, H])`` (`commlib.blockwise.attend`), on the fused kernel
+    `piece_kernel` chooses (a bool array mask as an additive one; a row it hides entirely: output 0, LSE -inf).
+    The kernels see no NaN of q or k (`nan_free`); the rows that see one are NaN (`nan_rows`)."""
     query, key = nan_free(q, k)
-    if _FLASH_CPU is None or not _flash(q, v):
+    kernel = piece_kernel(q.device.type, plan, mask)
+    if kernel == "einsum":
         out, lse = nan_rows(q, k, mask, *blockwise.attend(_MATH, query, key, v, plan.scale, mask))
         return out, lse
-    causal, additive = _kernel_mask(mask, q)
-    out, lse = _FLASH_CPU(
-        _heads_major(query),
-        _heads_major(key, plan.group),
-        _heads_major(v, plan.group),
-        0.0,
-        causal,
-        attn_mask=additive,
-        scale=plan.scale,
+    dtype, additive, seen = _kernel_dtype(plan, kernel, q), None, None
+    if isinstance(mask, torch.Tensor):
+        visible = mask.reshape(-1, *mask.shape[-2:])  # [B or 1, Sq, Sk]
+        seen = visible.any(-1)[..., None]  # [B or 1, Sq, 1]
+        if kernel != "flash-cpu":  # a row that sees nothing sees every key here (finite), and is set below
+            visible = visible | ~seen
+        additive = _kernels.bias(visible, dtype, kernel)
+    query, key, value = (
+        _heads_major(x, group).to(dtype) for x, group in ((query, 1), (key, plan.group), (v, plan.group))
     )
-    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    if isinstance(mask, torch.Tensor):  # the kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
-        seen = mask.reshape(-1, *mask.shape[-2:]).any(-1)[..., None]  # [B or 1, Sq, 1]
+    out, lse = _kernels.forward(kernel, query, key, value, mask == "causal-diagonal", additive, plan.scale)
+    out, lse = out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2).to(q.dtype)
+    if seen is not None:  # the CPU kernel gives a row that sees nothing LSE 0: the spec's rule is -inf
         lse = lse.masked_fill(~seen, float("-inf"))
+        out = out if kernel == "flash-cpu" else out.masked_fill(~seen[..., None], 0.0)
     out, lse = nan_rows(q, k, mask, out, lse)
     return out, lse
 
@@ -155,24 +156,20 @@ def _attend_vjp(
     """One piece's ``(dq, dk, dv)`` from the final output and LSE (`commlib.blockwise.attend_vjp`), q and k as
     `_attend` gave them to the kernels (`nan_free`: a NaN no query sees adds nothing, 0 * NaN included)."""
     q, k = nan_free(q, k)
-    if _FLASH_CPU_BACKWARD is None or not _flash(q, v):
+    kernel = piece_kernel(q.device.type, plan, mask)
+    if kernel == "einsum":
         return blockwise.attend_vjp(_MATH, q, k, v, d_out, lse, delta, plan.scale, mask)
-    causal, additive = _kernel_mask(mask, q)
+    dtype = _kernel_dtype(plan, kernel, q)
+    additive = None if isinstance(mask, str) else _kernels.bias(mask, dtype, kernel)
     finite = lse.masked_fill(~lse.isfinite(), 0.0)  # a row that saw no key: P = exp(-inf - 0) = 0 there
-    dq, dk, dv = _FLASH_CPU_BACKWARD(
-        _heads_major(d_out),
-        _heads_major(q),
-        _heads_major(k, plan.group),
-        _heads_major(v, plan.group),
-        _heads_major(out),
-        finite.transpose(1, 2),
-        0.0,
-        causal,
-        attn_mask=additive,
-        scale=plan.scale,
+    d_o, query, key, value, o = (
+        _heads_major(x, group).to(dtype)
+        for x, group in ((d_out, 1), (q, 1), (k, plan.group), (v, plan.group), (out, 1))
     )
-    fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2)  # noqa: E731
-    return dq.transpose(1, 2), fold(dk), fold(dv)
+    causal, lse_heads = mask == "causal-diagonal", finite.transpose(1, 2)
+    dq, dk, dv = _kernels.backward(kernel, d_o, query, key, value, o, lse_heads, causal, additive, plan.scale)
+    fold = lambda x: x.unflatten(1, (plan.kv_heads, plan.group)).sum(2).transpose(1, 2).to(q.dtype)  # noqa: E731
+    return dq.transpose(1, 2).to(q.dtype), fold(dk), fold(dv)
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
@@ -264,7 +261,7 @@ def _translated(
 
 
 class _RankBackend:
-    """`commlib.ring.RingBackend` on this rank's tensors: the pieces on the fused CPU flash kernels where they
+    """`commlib.ring.RingBackend` on this rank's tensors: the pieces on the fused kernels where they
     apply (`_attend`), rows written in place, a ring step one `permute` per dtype (`_pass`), the case picked
     by the rank."""
 

@@ -149,6 +149,11 @@ def _memory(path: str, key: str = "rows") -> str:
     return "\n" + memory_table(_json(path)[key]) + "\n"
 
 
+def _memory_files(*paths: str) -> str:
+    """The rows of several stored ``benchmarks/memory.py`` runs as one table, in order."""
+    return "\n" + memory_table([row for path in paths for row in _json(path)["rows"]]) + "\n"
+
+
 def _memory_speed(path: str) -> str:
     """The speed ratios a stored ``benchmarks/memory.py --baseline-path`` run gives, one per layer."""
     parts = []
@@ -198,6 +203,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "memory-speed": lambda: _memory_speed(f"{_MEMORY}/baseline.json"),
     "memory-speed-ulysses": lambda: _memory_speed(f"{_MEMORY}/baseline_ulysses_4096.json"),
     "memory-block-size": lambda: _memory(f"{_MEMORY}/block_size.json"),
+    "memory-torch": lambda: _memory_files(f"{_MEMORY}/torch_ulysses.json", f"{_MEMORY}/torch_ring_usp.json"),
+    "memory-65536": lambda: _memory_files(f"{_MEMORY}/torch_65536_ring.json"),
 }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from commlib.tools import cases
-from commlib_torch import ring
+from commlib_torch import _compat
 from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
 from commlib_torch.tools.parity_jobs import usp_groups
 from tests.torch.attention_jobs import _counting
@@ -84,12 +84,12 @@ def forward_only(ctx, case: cases.Case, arrays, mode: str):
 def spec_rules_call(ctx, case: cases.Case, arrays):
     """`counted_call` with every piece on the spec's einsum rules (the path CUDA and ``D_v != D`` take), not on
     torch's CPU flash kernels."""
-    saved = ring._FLASH_CPU
-    ring._FLASH_CPU = None
+    saved = _compat.FLASH_CPU
+    _compat.FLASH_CPU = None  # `commlib_torch._kernels.choose` then says "einsum" for every piece
     try:
         return counted_call(ctx, case, arrays)
     finally:
-        ring._FLASH_CPU = saved
+        _compat.FLASH_CPU = saved
 
 
 _MESHES: dict = {}
