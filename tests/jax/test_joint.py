@@ -55,7 +55,8 @@ def _run(case, arrays, check_vma=True, dtype=jnp.float64, once=False):
         out, joint_out, losses = mapped(*map(jnp.asarray, cots), *xs)
         return losses.sum(), (out, joint_out)
 
-    (_, (out, joint_out)), grads = jax.value_and_grad(total, argnums=tuple(range(6)), has_aux=True)(*main, *tensors)
+    step = jax.jit(jax.value_and_grad(total, argnums=tuple(range(6)), has_aux=True))  # one program, not op by op
+    (_, (out, joint_out)), grads = step(*main, *tensors)
     as_numpy = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     named = dict(zip(("q", "k", "v", *JOINT), map(as_numpy, grads), strict=True))
     return as_numpy(out), as_numpy(joint_out), named
