@@ -287,15 +287,19 @@ def _combine(static: tuple, y: jax.Array, weights: jax.Array | None, tables: dic
 
 
 def _combine_forward(static: tuple, y: jax.Array, weights: jax.Array | None, tables: dict) -> tuple[jax.Array, tuple]:
-    return _combine(static, y, weights, tables), (y, weights, tables)
+    plan, axes, accum = static
+    out, returned = spec.combine_rows(_Backend(axes, plan.top_k, accum), y, _tables(static, tables), weights)
+    # the weights' gradient reads the rows this forward brought back: saved, not exchanged again
+    return out.astype(y.dtype), (None if weights is None else returned, weights, tables)
 
 
 def _combine_backward(static: tuple, residuals: tuple, out_bar: jax.Array) -> tuple:
     plan, axes, accum = static
-    y, weights, tables = residuals
-    y_bar, w_bar = spec.combine_vjp(_Backend(axes, plan.top_k, accum), out_bar, y, _tables(static, tables), weights)
+    returned, weights, tables = residuals
+    backend = _Backend(axes, plan.top_k, accum)
+    y_bar, w_bar = spec.combine_vjp(backend, out_bar, None, _tables(static, tables), weights, returned)
     w_grad = None if weights is None or w_bar is None else w_bar.astype(weights.dtype)
-    return y_bar.astype(y.dtype), w_grad, _no_gradient(tables)
+    return y_bar.astype(out_bar.dtype), w_grad, _no_gradient(tables)  # out_bar has y's dtype
 
 
 _combine.defvjp(_combine_forward, _combine_backward)
