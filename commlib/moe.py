@@ -50,6 +50,8 @@ __all__ = [
     "route_plan",
     "bad_route",
     "bad_route_error",
+    "BAD_WHY",
+    "padded_bad_route",
     "check_indices",
     "local_routing",
     "RankTables",
@@ -417,6 +419,54 @@ def _exclusive(math: TableMath, counts: Any, axis: int = -1) -> Any:
     return math.cumsum(counts, axis) - counts
 
 
+#: `bad_route`'s reasons, by the index `padded_bad_route` gives.
+BAD_WHY = ("range", "twice")
+
+
+def _bad_entries(math: TableMath, index: Any, plan: RoutePlan) -> tuple[Any, Any]:
+    """``(outside, twice)`` ``[T, K]``: entries outside [-1, E), and entries in [0, E) given earlier in their
+    row (the later copy)."""
+    top_k = plan.top_k
+    outside = (index < -1) | (index >= plan.num_experts)
+    earlier = math.constant([[int(j < k) for j in range(top_k)] for k in range(top_k)]) > 0  # [k, j]: j < k
+    twice = math.any((index[:, :, None] == index[:, None, :]) & earlier, -1) & (index >= 0) & ~outside
+    return outside, twice
+
+
+def _first(math: TableMath, flags: Any) -> Any:
+    """The position of the first True of the 1-D bool `flags` (its length when none): the leading False."""
+    return math.total(math.cumsum(math.as_int(flags), 0) == 0)
+
+
+def padded_bad_route(math: TableMath, indices: Any, plan: RoutePlan) -> Any:
+    """`bad_route` with static shapes, on the indices' device: ``[found, token, value, why]`` (index dtype;
+    why indexes `BAD_WHY`; all 0 when every row is good), so that a frontend sends it with the counts and
+    reads only what it receives (torch's eager `padded` route).
+
+    >>> plan = route_plan((3, 3), "int64", 4, 1)
+    >>> padded_bad_route(NumpyTableMath(), np.array([[0, 1, -1], [3, 1, 3], [9, 0, 0]]), plan).tolist()
+    [1, 1, 3, 1]
+    >>> bad_route(np.array([[0, 1, -1], [3, 1, 3], [9, 0, 0]]), 4)
+    (1, 3, 'twice')
+    """
+    if plan.tokens == 0 or plan.top_k == 0:  # static: nothing to find
+        return math.constant([0, 0, 0, 0])
+    index = math.as_int(indices)
+    outside, twice = _bad_entries(math, index, plan)
+    token = _first(math, math.any(outside | twice, 1))
+    found = token < plan.tokens
+    row = math.minimum(token, plan.tokens - 1)  # a good row when none is found (masked below)
+    values, outside_row = index[row], outside[row]
+    in_range = values[math.minimum(_first(math, outside_row), plan.top_k - 1)]  # the first outside, k order
+    repeated = math.where(twice[row], values, plan.num_experts)  # bad_route's: the smallest repeated expert
+    given_twice = repeated[math.argsort(repeated)[0]]
+    is_range = math.any(outside_row, 0)
+    value = math.where(is_range, in_range, given_twice)
+    why = math.where(is_range, 0, 1)
+    parts = [found, math.where(found, token, 0), math.where(found, value, 0), math.where(found, why, 0)]
+    return math.concatenate([math.as_int(part).reshape(1) for part in parts])
+
+
 def padded_routing(math: TableMath, indices: Any, plan: RoutePlan) -> dict[str, Any]:
     """`local_routing` with static shapes, for indices ``[T, K]`` on a device: ``order`` (``[T * K]``, the flat
     copies sorted by expert, not-routed last), ``keep`` (``[T * K]``, in that order: the kept copies, so
@@ -440,9 +490,7 @@ def padded_routing(math: TableMath, indices: Any, plan: RoutePlan) -> dict[str, 
         [offsets[d] + e if e < plan.experts_per_rank[d] else experts for e in range(most)] for d in range(world)
     ]
     index = math.as_int(indices)
-    outside = (index < -1) | (index >= experts)
-    earlier = math.constant([[int(j < k) for j in range(top_k)] for k in range(top_k)]) > 0  # [k, j]: j < k
-    twice = math.any((index[:, :, None] == index[:, None, :]) & earlier, -1) & (index >= 0) & ~outside
+    outside, twice = _bad_entries(math, index, plan)
     bad = outside | twice
     flat = math.where(bad | (index < 0), experts, index).reshape(-1)  # E: not routed
     order = math.argsort(flat)

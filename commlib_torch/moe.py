@@ -9,11 +9,14 @@ carries each rank's first bad index and its T, so every rank raises the same `Co
 spec's `RankTables` as tensors on the indices' device.
 
 The exact layout reads the counts on the host once in `route` (the exchanged counts size the rows). The
-`padded` layout reads nothing on the host: `route` builds the spec's static-shape tables on the indices' device
-(`commlib.moe.padded_routing` / `commlib.moe.padded_tables`, as JAX), the rows travel in W equal chunks of
-``max(experts_per_rank) * (capacity or T)`` rows, bad entries are counted in `Routing.invalid` and dropped
-(checked mode raises them), and route + dispatch + combine compile with ``torch.compile(fullgraph=True)``,
-forward and backward, with no graph break (tests/torch/test_moe.py).
+`padded` layout builds the spec's static-shape tables on the indices' device (`commlib.moe.padded_routing` /
+`commlib.moe.padded_tables`, as JAX) and the rows travel in W equal chunks of
+``max(experts_per_rank) * (capacity or T)`` rows. Eager, its one host read is the flags received with the
+counts (each rank's first bad row, found on the device by `commlib.moe.padded_bad_route`, and its T), so every
+rank raises the same `CommError` for a bad index or a T that differs, before any row moves. Under
+``torch.compile`` it reads nothing on the host: bad entries are counted in `Routing.invalid` and dropped (as
+JAX inside jit), T is not compared, and route + dispatch + combine compile with
+``torch.compile(fullgraph=True)``, forward and backward, with no graph break (tests/torch/test_moe.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, gr
 
 __all__ = ["Routing", "TorchMoeBackend", "route", "dispatch", "combine"]
 
-_WHY = ("range", "twice")
 _HALF = (torch.float16, torch.bfloat16)  # accumulated in float32 by default
 _NOT_INDICES = ("send_sizes", "recv_sizes", "tokens_per_expert")  # the tables `take` does not read
 
@@ -45,7 +47,8 @@ class Routing:
     """What `route` gives: `tokens_per_expert` (int64 ``[this rank's experts]``: rows received per local
     expert), `rows` (valid rows
     of `dispatch`'s output), `dropped` (routes this rank dropped by capacity), `invalid` (bad entries of this
-    rank's indices, dropped: the padded layout; 0 in the exact one, which raises), the spec's `plan`, this
+    rank's indices, dropped: the padded layout under ``torch.compile``; 0 where route raises them: the exact
+    layout, the padded one eager), the spec's `plan`, this
     rank's `tables` (`commlib.moe.RankTables`, its index tables `_MaskedIndex` on the indices' device), the
     group and this rank. In the padded layout `rows`, `dropped` and `invalid` are 0-d int64 tensors on the
     indices' device (never read on the host); in the exact one, ints.
@@ -178,28 +181,35 @@ def route(
     `experts_per_rank`: W ints (None: E / W, refused when E % W != 0: pass ``split_sizes(E, W)``).
     `capacity`: most routes kept per (source rank, expert), in token-major (t, k) order; `capacity_factor` f
     gives ``ceil(T * K / E * f)``; both None: dropless. `layout`: ``"exact"`` (only valid rows) or
-    ``"padded"`` (``plan.padded_rows`` rows, zero past `rows`; every rank must have the same T; no host read:
-    `rows`, `dropped`, `invalid` are 0-d tensors, the tables are built on the device).
+    ``"padded"`` (``plan.padded_rows`` rows, zero past `rows`; every rank must have the same T; `rows`,
+    `dropped`, `invalid` are 0-d tensors, the tables are built on the device; eager, the one host read is the
+    flags received with the counts; under ``torch.compile``, none).
     Not differentiable (indices are integers): the router's gradient flows through `combine`'s weights.
 
     Errors, before any communication: TypeError for indices that are not an integer tensor, the spec's
     `route_plan` errors (shape, K > E, placement, capacity, layout). After the counts exchange, on every rank
     alike: the `CommError` of the first rank with a bad row (a value >= E or < -1, an expert twice in a row;
-    `commlib.moe.bad_route_error`). The padded layout reads nothing on the host: bad entries are counted in
-    `Routing.invalid` and dropped (as JAX), and raised, with `padded_tokens_error` where T differs, in checked
-    mode (which compares T first).
+    `commlib.moe.bad_route_error`), in both layouts; in the padded one, `commlib.moe.padded_tokens_error` where
+    the ranks' T differ (before any row moves; checked mode compares T first). Under ``torch.compile`` the
+    padded layout reads nothing on the host and raises neither (checked mode is eager only): bad entries are
+    counted in `Routing.invalid` and dropped, as JAX inside jit, and a T that differs is not seen (with
+    `capacity` the chunks do not hold T; without, the row all-to-all mismatches: gloo aborts a rank).
 
     Example:
         >>> routing = route(torch.tensor([[1, 0], [0, -1]]), 2)  # W = 1: both experts here
         >>> routing.tokens_per_expert.tolist(), routing.rows
         ([2, 1], 3)
-        >>> padded = route(torch.tensor([[1, 0], [0, -1]]), 2, layout="padded")  # no host read: tensors
+        >>> padded = route(torch.tensor([[1, 0], [0, -1]]), 2, layout="padded")  # device scalars
         >>> padded.rows, padded.plan.padded_rows, padded.invalid
         (tensor(3), 4, tensor(0))
         >>> route(torch.tensor([[1, 1]]), 2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         commlib.errors.CommError: route: indices[0] on rank 0 routes to expert 1 twice...
+        >>> route(torch.tensor([[0], [2]]), 2, layout="padded")  # eager: raised too  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: route: indices[1] on rank 0 holds expert 2, outside [-1, 2)...
     """
     indices = _check_integer(indices)
     resolved = resolve_group(spec.ROUTE_OP, group)
@@ -265,7 +275,7 @@ def _flags(bad: tuple[int, int, str] | None, plan: spec.RoutePlan) -> np.ndarray
     """The counts message's last columns, the same to every rank: (bad flag, token, value, why, T)."""
     flags = np.zeros((plan.world_size, 5), dtype=np.int64)
     if bad is not None:
-        flags[:, :4] = [1, bad[0], bad[1], _WHY.index(bad[2])]
+        flags[:, :4] = [1, bad[0], bad[1], spec.BAD_WHY.index(bad[2])]
     flags[:, 4] = plan.tokens
     return flags
 
@@ -285,7 +295,7 @@ def _raise_flagged(flags: np.ndarray, plan: spec.RoutePlan) -> None:
     for source in range(plan.world_size):
         if flags[source, 0]:
             token, value, why = (int(v) for v in flags[source, 1:4])
-            raise spec.bad_route_error(source, token, value, _WHY[why], plan.num_experts)
+            raise spec.bad_route_error(source, token, value, spec.BAD_WHY[why], plan.num_experts)
     if plan.layout == "padded" and len(set(flags[:, 4].tolist())) > 1:
         raise spec.padded_tokens_error(flags[:, 4].tolist())
 
@@ -340,19 +350,22 @@ def _masked(index: torch.Tensor) -> _MaskedIndex:
 
 
 def _route_padded(indices: torch.Tensor, plan: spec.RoutePlan, group: ResolvedGroup, rank: int) -> Routing:
-    """The padded layout's route on the indices' device, static shapes, no host read (so
-    ``torch.compile(fullgraph=True)`` traces it): the spec's `padded_routing` / `padded_tables`, one counts
-    exchange; bad entries are counted in `Routing.invalid` and dropped, as in JAX. Checked mode (eager) reads
-    the indices on the host and every rank raises the first bad rank's error, and `padded_tokens_error`."""
+    """The padded layout's route on the indices' device, static shapes: the spec's `padded_routing` /
+    `padded_tables`, one counts exchange. Eager, the message also carries this rank's first bad row
+    (`commlib.moe.padded_bad_route`, found on the device) and T, and the received flags are read on the host
+    once: every rank raises the first bad rank's error, or `padded_tokens_error`, before any row moves. Under
+    ``torch.compile`` nothing is read on the host: bad entries are counted in `Routing.invalid` and dropped,
+    as JAX inside jit."""
     math, width, world = _TableMath(indices.device), max(plan.experts_per_rank), plan.world_size
     local = spec.padded_routing(math, indices, plan)
-    checking = is_checked() and not torch.compiler.is_compiling()
+    eager = not torch.compiler.is_compiling()
     message = local["send"]
-    if checking:
-        bad = spec.bad_route(indices.detach().cpu().numpy().astype(np.int64), plan.num_experts)
-        message = torch.cat([message, torch.from_numpy(_flags(bad, plan)).to(indices.device)], dim=1)
+    if eager:  # (found, token, value, why, T) to every rank
+        tokens = math.constant([plan.tokens])
+        flags = torch.cat([spec.padded_bad_route(math, indices, plan), tokens]).expand(world, 5)
+        message = torch.cat([message, flags], dim=1)
     received = _exchange_counts(message, group, world)
-    if checking:
+    if eager:  # the one host read: every rank sees every rank's flags
         _raise_flagged(received[:, width:].cpu().numpy(), plan)
     tables = spec.padded_tables(math, plan, local, received[:, :width])
     tables["tokens_per_expert"] = tables["tokens_per_expert"][: plan.experts_per_rank[rank]]

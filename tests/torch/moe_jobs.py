@@ -360,23 +360,43 @@ def padded_compiled(ctx) -> dict[str, object]:
 
 
 def padded_bad_indices(ctx) -> list[object]:
-    """The padded layout reads nothing on the host: bad entries (>= E, < -1, an expert again in its row) on the
-    last rank are counted in `routing.invalid` and dropped (the routing equals the one of the cleaned indices);
-    in checked mode every rank raises the first bad rank's error."""
+    """Bad entries (>= E, < -1, an expert again in its row) on the last rank only, padded layout: eager, every
+    rank raises the first bad rank's error (the flag travels with the counts), checked mode too; under
+    ``torch.compile(fullgraph=True)`` nothing is read on the host: they are counted in `routing.invalid` and
+    dropped (the routing equals the one of the cleaned indices). Then a good eager route: no rank hangs."""
     world, last = ctx.world_size, ctx.world_size - 1
     good = torch.tensor([[0, 1], [1, -1], [-1, -1]])
+    x = torch.arange(6.0).reshape(3, 2)
+
+    def step(indices):
+        routing = moe.route(indices, 2 * world, layout="padded")
+        return moe.dispatch(x, routing), routing.rows, routing.invalid
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     found: list[object] = []
     for bad_row, clean_row in (([2 * world, 0], [-1, 0]), ([-2, 0], [-1, 0]), ([1, 1], [1, -1])):
         indices, clean = good.clone(), good.clone()
         if ctx.rank == last:
             indices[1], clean[1] = torch.tensor(bad_row), torch.tensor(clean_row)
-        routing = moe.route(indices, 2 * world, layout="padded")
-        cleaned = moe.route(clean, 2 * world, layout="padded")
-        x = torch.arange(6.0).reshape(3, 2)
-        same = torch.equal(moe.dispatch(x, routing), moe.dispatch(x, cleaned)) and int(routing.rows) == int(
-            cleaned.rows
-        )
-        found.append([int(routing.invalid), same])
+        found.append(_message(lambda indices=indices: moe.route(indices, 2 * world, layout="padded")))
         with checked():
             found.append(_message(lambda indices=indices: moe.route(indices, 2 * world, layout="padded")))
+        rows, count, invalid = compiled(indices)
+        cleaned_rows, cleaned_count, _ = step(clean)
+        found.append([int(invalid), torch.equal(rows, cleaned_rows) and int(count) == int(cleaned_count)])
+    found.append(str(step(good)[0].sum().item()))  # the ranks still agree after the errors
     return found
+
+
+def padded_tokens_mismatch(ctx) -> list[str]:
+    """The padded layout with another T on rank 0 (dropless, and with a capacity): eager, every rank raises
+    `padded_tokens_error` before any row moves (T travels with the counts); then a good route, no hang."""
+    tokens = 3 if ctx.rank == 0 else 2
+    indices = torch.zeros(tokens, 1, dtype=torch.int64)
+    messages = [
+        _message(lambda: moe.route(indices, 2 * ctx.world_size, layout="padded")),
+        _message(lambda: moe.route(indices, 2 * ctx.world_size, capacity=1, layout="padded")),
+    ]
+    routing = moe.route(torch.zeros(2, 1, dtype=torch.int64), 2 * ctx.world_size, layout="padded")
+    messages.append(str(moe.dispatch(torch.ones(2, 1), routing).sum().item()))
+    return messages

@@ -90,15 +90,28 @@ def test_padded_route_dispatch_and_combine_compile_with_no_graph_break(pool, wor
         assert found == {"graph_breaks": 0, "same": True}, found
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_padded_bad_indices_are_counted_and_raised_in_checked_mode(pool, world_size):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_padded_bad_indices_raise_on_every_rank_eager_and_are_counted_compiled(pool, world_size):
+    """A bad index on the last rank only: eager (checked or not) every rank raises its CommError, none hangs;
+    under torch.compile the entries are counted in routing.invalid and dropped."""
     last = world_size - 1
     expected = [
         spec.bad_route_error(last, 1, 2 * world_size, "range", 2 * world_size),
         spec.bad_route_error(last, 1, -2, "range", 2 * world_size),
         spec.bad_route_error(last, 1, 1, "twice", 2 * world_size),
     ]
-    for rank, found in enumerate(pool(world_size).run(moe_jobs.padded_bad_indices)):
+    results = pool(world_size).run(moe_jobs.padded_bad_indices, timeout=300)
+    for rank, found in enumerate(results):
         for number, error in enumerate(expected):
-            assert found[2 * number] == [1 if rank == last else 0, True], (rank, found)
-            assert found[2 * number + 1] == f"CommError: {error}", (rank, found)
+            assert found[3 * number] == f"CommError: {error}", (rank, found)
+            assert found[3 * number + 1] == f"CommError: {error}", (rank, found)
+            assert found[3 * number + 2] == [1 if rank == last else 0, True], (rank, found)
+        assert found[-1] == str(7.0 * world_size if rank == 0 else 0.0), found  # x rows 0, 0, 1 from each rank
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_padded_tokens_that_differ_raise_on_every_rank_eager(pool, world_size):
+    tokens = [3] + [2] * (world_size - 1)
+    error = f"CommError: {spec.padded_tokens_error(tokens)}"
+    for rank, messages in enumerate(pool(world_size).run(moe_jobs.padded_tokens_mismatch)):
+        assert messages == [error, error, str(2.0 * world_size if rank == 0 else 0.0)], messages
