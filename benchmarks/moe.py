@@ -101,7 +101,7 @@ def commlib_variant(s: Setup, layout: str) -> Callable[[], tuple]:
         routing = moe.route(indices, s.E, capacity_factor=cf, layout=layout)
         rows = moe.dispatch(x, routing)
         padded = None if layout == "exact" else rows.shape[0]
-        y = rows * s.expert_rows(routing.tokens_per_expert, routing.rows, padded)
+        y = rows * s.expert_rows(routing.tokens_per_expert, int(routing.rows), padded)  # padded: a 0-d tensor
         out = moe.combine(y, routing, weights)
         out.backward(s.g)
         return out, x, router

@@ -30,6 +30,7 @@ values, NaN included, are never read).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -49,10 +50,16 @@ __all__ = [
     "route_plan",
     "bad_route",
     "bad_route_error",
+    "BAD_WHY",
+    "padded_bad_route",
     "check_indices",
     "local_routing",
     "RankTables",
     "rank_tables",
+    "TableMath",
+    "NumpyTableMath",
+    "padded_routing",
+    "padded_tables",
     "padded_tokens_error",
     "check_weights",
     "check_rows",
@@ -85,7 +92,7 @@ class RoutePlan:
     @property
     def expert_offsets(self) -> tuple[int, ...]:
         """The first expert of each rank, then E (W + 1 ints)."""
-        return tuple(int(v) for v in np.concatenate([[0], np.cumsum(self.experts_per_rank)]))
+        return (0, *itertools.accumulate(self.experts_per_rank))  # pure Python: torch.compile traces it
 
     @property
     def slot(self) -> int:
@@ -274,6 +281,7 @@ class RankTables:
     For the numpy reference the array fields hold W arrays, one per rank (`stack`)."""
 
     send_copy: Any  # [S] flat copies t * K + k in send order (destination, expert, (t, k))
+    send_token: Any  # [S] the token t of each sent row (send_copy // K): dispatch gathers x's rows straight
     send_sizes: Any  # [W] rows sent to each rank
     recv_sizes: Any  # [W] rows received from each rank
     unpack: Any  # [R or padded_rows] receive-order position of each expert-major row, -1 past `rows`
@@ -311,6 +319,7 @@ def rank_tables(
     token_slot[order] = np.arange(order.size)
     return RankTables(
         order,
+        order // plan.top_k,
         send_sizes,
         recv_sizes,
         unpack,
@@ -319,6 +328,236 @@ def rank_tables(
         counts.sum(axis=0),
         rows,
         dropped,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The padded layout's tables with static shapes, on device (JAX, torch's `padded`): no host read
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TableMath(Protocol):
+    """The array operations `padded_routing` and `padded_tables` need beyond Python's operators (comparisons,
+    ``& | ~ + - * // %``, integer-array indexing, ``reshape``, ``.T``), bound by each frontend (`NumpyTableMath`
+    here); integers are the frontend's index dtype."""
+
+    def constant(self, values: Sequence[Any]) -> Any:
+        """Nested lists of Python ints as an array on the frontend's device, in its index dtype."""
+
+    def as_int(self, values: Any) -> Any:
+        """`values` in the index dtype."""
+
+    def arange(self, size: int) -> Any: ...
+
+    def argsort(self, values: Any) -> Any:
+        """Stable ascending argsort of a 1-D array."""
+
+    def searchsorted(self, ordered: Any, values: Any) -> Any:
+        """``side="right"`` positions of `values` in the ascending 1-D `ordered`."""
+
+    def cumsum(self, values: Any, axis: int) -> Any: ...
+
+    def concatenate(self, arrays: Sequence[Any]) -> Any: ...
+
+    def where(self, condition: Any, a: Any, b: Any) -> Any: ...
+
+    def minimum(self, a: Any, b: Any) -> Any: ...
+
+    def total(self, values: Any, axis: int | None = None) -> Any:
+        """Sum over `axis` (None: all), in the index dtype (bool arrays count their True entries)."""
+
+    def any(self, values: Any, axis: int) -> Any: ...
+
+    def scatter(self, size: int, index: Any, values: Any) -> Any:
+        """``[size]``: -1 everywhere, then ``out[index] = values``; entries with ``index == size`` are dropped
+        (`index` otherwise distinct)."""
+
+
+class NumpyTableMath:
+    """`TableMath` on numpy int64 arrays (the spec's tests of `padded_routing` / `padded_tables`)."""
+
+    def constant(self, values: Sequence[Any]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    def as_int(self, values: Any) -> np.ndarray:
+        return np.asarray(values).astype(np.int64)
+
+    def arange(self, size: int) -> np.ndarray:
+        return np.arange(size, dtype=np.int64)
+
+    def argsort(self, values: Any) -> np.ndarray:
+        return np.argsort(values, kind="stable")
+
+    def searchsorted(self, ordered: Any, values: Any) -> np.ndarray:
+        return np.searchsorted(ordered, values, side="right").astype(np.int64)
+
+    def cumsum(self, values: Any, axis: int) -> np.ndarray:
+        return np.cumsum(values, axis=axis)
+
+    def concatenate(self, arrays: Sequence[Any]) -> np.ndarray:
+        return np.concatenate(arrays)
+
+    def where(self, condition: Any, a: Any, b: Any) -> np.ndarray:
+        return np.where(condition, a, b)
+
+    def minimum(self, a: Any, b: Any) -> np.ndarray:
+        return np.minimum(a, b)
+
+    def total(self, values: Any, axis: int | None = None) -> np.ndarray:
+        return np.sum(values, axis=axis).astype(np.int64)
+
+    def any(self, values: Any, axis: int) -> np.ndarray:
+        return np.any(values, axis=axis)
+
+    def scatter(self, size: int, index: Any, values: Any) -> np.ndarray:
+        out = np.full(size + 1, -1, dtype=np.int64)
+        out[index] = values
+        return out[:size]
+
+
+def _exclusive(math: TableMath, counts: Any, axis: int = -1) -> Any:
+    return math.cumsum(counts, axis) - counts
+
+
+#: `bad_route`'s reasons, by the index `padded_bad_route` gives.
+BAD_WHY = ("range", "twice")
+
+
+def _bad_entries(math: TableMath, index: Any, plan: RoutePlan) -> tuple[Any, Any]:
+    """``(outside, twice)`` ``[T, K]``: entries outside [-1, E), and entries in [0, E) given earlier in their
+    row (the later copy)."""
+    top_k = plan.top_k
+    outside = (index < -1) | (index >= plan.num_experts)
+    earlier = math.constant([[int(j < k) for j in range(top_k)] for k in range(top_k)]) > 0  # [k, j]: j < k
+    twice = math.any((index[:, :, None] == index[:, None, :]) & earlier, -1) & (index >= 0) & ~outside
+    return outside, twice
+
+
+def _first(math: TableMath, flags: Any) -> Any:
+    """The position of the first True of the 1-D bool `flags` (its length when none): the leading False."""
+    return math.total(math.cumsum(math.as_int(flags), 0) == 0)
+
+
+def padded_bad_route(math: TableMath, indices: Any, plan: RoutePlan) -> Any:
+    """`bad_route` with static shapes, on the indices' device: ``[found, token, value, why]`` (index dtype;
+    why indexes `BAD_WHY`; all 0 when every row is good), so that a frontend sends it with the counts and
+    reads only what it receives (torch's eager `padded` route).
+
+    >>> plan = route_plan((3, 3), "int64", 4, 1)
+    >>> padded_bad_route(NumpyTableMath(), np.array([[0, 1, -1], [3, 1, 3], [9, 0, 0]]), plan).tolist()
+    [1, 1, 3, 1]
+    >>> bad_route(np.array([[0, 1, -1], [3, 1, 3], [9, 0, 0]]), 4)
+    (1, 3, 'twice')
+    """
+    if plan.tokens == 0 or plan.top_k == 0:  # static: nothing to find
+        return math.constant([0, 0, 0, 0])
+    index = math.as_int(indices)
+    outside, twice = _bad_entries(math, index, plan)
+    token = _first(math, math.any(outside | twice, 1))
+    found = token < plan.tokens
+    row = math.minimum(token, plan.tokens - 1)  # a good row when none is found (masked below)
+    values, outside_row = index[row], outside[row]
+    in_range = values[math.minimum(_first(math, outside_row), plan.top_k - 1)]  # the first outside, k order
+    repeated = math.where(twice[row], values, plan.num_experts)  # bad_route's: the smallest repeated expert
+    given_twice = repeated[math.argsort(repeated)[0]]
+    is_range = math.any(outside_row, 0)
+    value = math.where(is_range, in_range, given_twice)
+    why = math.where(is_range, 0, 1)
+    parts = [found, math.where(found, token, 0), math.where(found, value, 0), math.where(found, why, 0)]
+    return math.concatenate([math.as_int(part).reshape(1) for part in parts])
+
+
+def padded_routing(math: TableMath, indices: Any, plan: RoutePlan) -> dict[str, Any]:
+    """`local_routing` with static shapes, for indices ``[T, K]`` on a device: ``order`` (``[T * K]``, the flat
+    copies sorted by expert, not-routed last), ``keep`` (``[T * K]``, in that order: the kept copies, so
+    ``order[keep]`` is `local_routing`'s order), ``position`` (``[T * K]``: the kept copy's send-buffer
+    position, ``W * C`` for the others), ``counts`` (``[E]`` after capacity), ``send`` (``[W,
+    max(experts_per_rank)]``: the counts rank d receives, zero-padded), ``dropped`` and ``invalid`` (bad
+    entries: outside [-1, E), or an expert again in its row, the later copy; dropped). The send buffer holds W
+    chunks of ``C = max(experts_per_rank) * slot`` rows, destination d's rows first in its chunk.
+
+    >>> plan = route_plan((3, 2), "int64", 4, 2)
+    >>> local = padded_routing(NumpyTableMath(), np.array([[1, 0], [0, -1], [3, 0]]), plan)
+    >>> local["order"][local["keep"]].tolist(), local["counts"].tolist(), int(local["invalid"])
+    ([1, 2, 5, 0, 4], [3, 1, 0, 1], 0)
+    """
+    tokens, top_k, experts, world = plan.tokens, plan.top_k, plan.num_experts, plan.world_size
+    offsets, most = plan.expert_offsets, max(plan.experts_per_rank)
+    chunk = most * plan.slot
+    # host constants as Python lists (torch.compile traces this function: no numpy in it)
+    destination = [d for d in range(world) for _ in range(plan.experts_per_rank[d])] + [0]  # of each expert
+    table = [  # [d, local expert] -> expert (E: a zero count)
+        [offsets[d] + e if e < plan.experts_per_rank[d] else experts for e in range(most)] for d in range(world)
+    ]
+    index = math.as_int(indices)
+    outside, twice = _bad_entries(math, index, plan)
+    bad = outside | twice
+    flat = math.where(bad | (index < 0), experts, index).reshape(-1)  # E: not routed
+    order = math.argsort(flat)
+    sorted_experts = flat[order]
+    ends = math.searchsorted(sorted_experts, math.arange(experts + 1))  # copies with expert <= e
+    zero = math.constant([0])
+    counts = (ends - math.concatenate([zero, ends[:-1]]))[:experts]
+    starts = math.concatenate([_exclusive(math, counts), zero])
+    within = math.arange(tokens * top_k) - starts[sorted_experts]
+    keep = (sorted_experts < experts) & (within < plan.slot)
+    kept = math.minimum(counts, plan.slot)
+    before = math.concatenate([_exclusive(math, kept), zero])
+    first = math.constant([offsets[d] for d in destination])[sorted_experts]  # the first expert of its destination
+    in_chunk = before[sorted_experts] - before[first] + within
+    position = math.where(
+        keep, math.constant([d * chunk for d in destination])[sorted_experts] + in_chunk, world * chunk
+    )
+    send = math.concatenate([kept, zero])[math.constant(table)]
+    return dict(
+        order=order,
+        keep=keep,
+        position=math.as_int(position),
+        counts=kept,
+        send=send,
+        dropped=math.total(counts - kept),
+        invalid=math.total(bad),
+    )
+
+
+def padded_tables(math: TableMath, plan: RoutePlan, local: dict[str, Any], received: Any) -> dict[str, Any]:
+    """`rank_tables` with static shapes, in the padded layout (`padded_routing`'s chunks; receive position
+    ``s * C + j`` is source s's j-th row), from `padded_routing` and `received` ``[W, max(experts_per_rank)]``
+    (source s's kept counts of this rank's experts, zero-padded: what the counts exchange delivers). The
+    `RankTables` fields by name; index -1 reads a zero row.
+
+    >>> plan = route_plan((3, 1), "int64", 2, 1)
+    >>> local = padded_routing(NumpyTableMath(), np.array([[1], [0], [1]]), plan)
+    >>> tables = padded_tables(NumpyTableMath(), plan, local, local["send"])
+    >>> tables["send_copy"].tolist(), tables["unpack"].tolist(), tables["token_slot"][:, 0].tolist()
+    ([1, 0, 2, -1, -1, -1], [0, 1, 2, -1, -1, -1], [1, 0, 2])
+    """
+    world, most, tokens, top_k = plan.world_size, max(plan.experts_per_rank), plan.tokens, plan.top_k
+    chunk, length = most * plan.slot, plan.padded_rows
+    send_copy = math.scatter(world * chunk, local["position"], local["order"])
+    slot = math.where(local["keep"], local["position"], -1)
+    token_slot = math.scatter(tokens * top_k, local["order"], slot).reshape(tokens, top_k)
+    received = math.as_int(received)
+    recv_start = _exclusive(math, received, 1)  # [s, e]: within source s's chunk
+    major = received.T.reshape(-1)  # expert-major: expert, then source
+    major_end = math.cumsum(major, 0)
+    rows = major_end[-1]
+    row = math.arange(length)
+    group = math.minimum(math.searchsorted(major_end, row), most * world - 1)
+    expert, source = group // world, group % world
+    valid = row < rows
+    unpack = math.where(valid, source * chunk + recv_start[source, expert] + row - (major_end - major)[group], -1)
+    pack_back = math.scatter(world * chunk, math.where(valid, unpack, world * chunk), row)
+    return dict(
+        send_copy=send_copy,
+        send_token=math.where(send_copy >= 0, send_copy // top_k, -1),
+        send_sizes=math.total(local["send"], 1),
+        recv_sizes=math.total(received, 1),
+        unpack=math.as_int(unpack),
+        pack_back=pack_back,
+        token_slot=token_slot,
+        tokens_per_expert=math.total(received, 0),
+        rows=rows,
     )
 
 
@@ -397,9 +636,8 @@ class MoeBackend(Protocol):
         """``[T, K]``: ``<out_bar[t], rows[t, k]>`` over the features."""
 
 
-def _dispatch_copies(backend: MoeBackend, copies: Any, tables: RankTables) -> Any:
-    """Rows of `copies` (``[T * K, *F]``, one per copy) sent and reordered expert-major."""
-    send = backend.take(copies, tables.send_copy)
+def _send(backend: MoeBackend, send: Any, tables: RankTables) -> Any:
+    """The send buffer's rows exchanged and reordered expert-major."""
     return backend.take(backend.exchange(send, tables.send_sizes, tables.recv_sizes), tables.unpack)
 
 
@@ -411,8 +649,9 @@ def _returned(backend: MoeBackend, y: Any, tables: RankTables) -> Any:
 
 
 def dispatch(backend: MoeBackend, x: Any, tables: RankTables, top_k: int) -> Any:
-    """``x [T, *F] -> [R, *F]`` expert-major (padded: zero rows past `rows`)."""
-    return _dispatch_copies(backend, backend.spread(x, None) if top_k > 1 else x, tables)
+    """``x [T, *F] -> [R, *F]`` expert-major (padded: zero rows past `rows`). The send buffer is one gather of
+    x's rows (`RankTables.send_token`), never K copies of x."""
+    return _send(backend, backend.take(x, tables.send_token), tables)
 
 
 def combine(backend: MoeBackend, y: Any, tables: RankTables, weights: Any | None) -> Any:
@@ -446,7 +685,7 @@ def combine_vjp(
     row(t, k)>`` at the source (0 for dropped and -1 routes), None without weights or when `weights_grad` is
     False. `returned`: the rows the forward brought back (`combine_rows`): no exchange for w_bar; None brings
     `y`'s rows back again (one more exchange)."""
-    y_bar = _dispatch_copies(backend, backend.spread(out_bar, weights), tables)
+    y_bar = _send(backend, backend.take(backend.spread(out_bar, weights), tables.send_copy), tables)
     if weights is None or not weights_grad:
         return y_bar, None
     return y_bar, backend.inner(out_bar, _returned(backend, y, tables) if returned is None else returned)

@@ -3,9 +3,9 @@
 The spec (`commlib.moe`) owns the routing walk and the three VJP rules; this module implements its
 `commlib.moe.MoeBackend` on one rank's jax arrays and calls that walk. JAX is always ``layout="padded"``: one
 trace runs on every rank, so every shape is static (`commlib.moe.RoutePlan.padded_rows`) and the split sizes
-live on device. The spec's `commlib.moe.local_routing` / `commlib.moe.rank_tables` are host (numpy) code;
-their tables are computed here again with static-shape jnp ops (`traced_routing`, `traced_tables`), tested
-equal to the spec's on the valid entries. The padded layout of the tables: the send buffer holds W chunks of
+live on device: the tables are the spec's static-shape `commlib.moe.padded_routing` / `commlib.moe.padded_tables`
+on jnp (`traced_routing`, `traced_tables`), tested equal to `commlib.moe.rank_tables` on the valid entries.
+The padded layout of the tables: the send buffer holds W chunks of
 ``C = max(experts_per_rank) * slot`` rows, destination d's rows first in its chunk (the spec's send order), the
 rest zero; the row exchange is one dense all-to-all of it; receive position ``s * C + j`` is source s's j-th
 row (the spec's receive order within the chunk).
@@ -39,7 +39,7 @@ from commlib_jax.functional import all_to_all
 
 __all__ = ["Routing", "route", "dispatch", "combine", "traced_routing", "traced_tables"]
 
-_TABLE_FIELDS = ("send_copy", "send_sizes", "recv_sizes", "unpack", "pack_back", "token_slot")
+_TABLE_FIELDS = ("send_copy", "send_token", "send_sizes", "recv_sizes", "unpack", "pack_back", "token_slot")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -94,66 +94,68 @@ class Routing:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The routing tables with static shapes (the jnp twin of commlib.moe.local_routing / rank_tables)
+# The routing tables with static shapes: the spec's padded_routing / padded_tables on jnp
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _exclusive(counts: jax.Array, axis: int = -1) -> jax.Array:
-    return jnp.cumsum(counts, axis=axis) - counts
+class _TableMath:
+    """`commlib.moe.TableMath` on traced jnp arrays, int32 (the spec's `padded_routing` / `padded_tables`)."""
+
+    def constant(self, values: Any) -> jax.Array:
+        return jnp.asarray(values, jnp.int32)
+
+    def as_int(self, values: Any) -> jax.Array:
+        return jnp.asarray(values).astype(jnp.int32)
+
+    def arange(self, size: int) -> jax.Array:
+        return jnp.arange(size, dtype=jnp.int32)
+
+    def argsort(self, values: jax.Array) -> jax.Array:
+        return jnp.argsort(values, stable=True).astype(jnp.int32)
+
+    def searchsorted(self, ordered: jax.Array, values: jax.Array) -> jax.Array:
+        return jnp.searchsorted(ordered, values, side="right").astype(jnp.int32)
+
+    def cumsum(self, values: jax.Array, axis: int) -> jax.Array:
+        return jnp.cumsum(values, axis=axis)
+
+    def concatenate(self, arrays: Any) -> jax.Array:
+        return jnp.concatenate(arrays)
+
+    def where(self, condition: jax.Array, a: Any, b: Any) -> jax.Array:
+        return jnp.where(condition, a, b)
+
+    def minimum(self, a: Any, b: Any) -> jax.Array:
+        return jnp.minimum(a, b)
+
+    def total(self, values: jax.Array, axis: int | None = None) -> jax.Array:
+        return jnp.sum(values, axis=axis).astype(jnp.int32)
+
+    def any(self, values: jax.Array, axis: int) -> jax.Array:
+        return jnp.any(values, axis=axis)
+
+    def scatter(self, size: int, index: jax.Array, values: jax.Array) -> jax.Array:
+        return jnp.full(size, -1, jnp.int32).at[index].set(values.astype(jnp.int32), mode="drop")
+
+
+_MATH = _TableMath()
 
 
 def traced_routing(indices: jax.Array, plan: spec.RoutePlan) -> dict[str, jax.Array]:
-    """`commlib.moe.local_routing` with static shapes, for traced `indices` ``[T, K]``: ``order`` (``[T * K]``,
-    the flat copies sorted by expert, not-routed last), ``keep`` (``[T * K]``, in that order: the kept copies,
-    so ``order[keep]`` is the spec's order), ``position`` (``[T * K]``: the kept copy's send-buffer position,
-    ``W * C`` for the others), ``counts`` (``[E]`` after capacity), ``send`` (``[W, max(experts_per_rank)]``:
-    the counts rank d receives, zero-padded), ``dropped`` and ``invalid`` (bad entries, dropped).
+    """The spec's `commlib.moe.padded_routing` (`commlib.moe.local_routing` with static shapes) on traced
+    `indices` ``[T, K]``, int32.
 
     >>> plan = spec.route_plan((3, 2), "int64", 4, 2)
     >>> local = traced_routing(jnp.array([[1, 0], [0, -1], [3, 0]]), plan)
     >>> local["order"][local["keep"]].tolist(), local["counts"].tolist(), int(local["invalid"])
     ([1, 2, 5, 0, 4], [3, 1, 0, 1], 0)
     """
-    tokens, top_k, experts, world = plan.tokens, plan.top_k, plan.num_experts, plan.world_size
-    offsets, most = np.asarray(plan.expert_offsets), max(plan.experts_per_rank)
-    chunk = most * plan.slot
-    index = jnp.asarray(indices).astype(jnp.int32)
-    outside = (index < -1) | (index >= experts)
-    earlier = np.tril(np.ones((top_k, top_k), dtype=bool), -1)  # [k, j]: j < k
-    twice = ((index[:, :, None] == index[:, None, :]) & earlier).any(axis=-1) & (index >= 0) & ~outside
-    bad = outside | twice
-    flat = jnp.where(bad | (index < 0), experts, index).reshape(-1)  # E: not routed
-    order = jnp.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    counts = jnp.bincount(flat, length=experts + 1)[:experts].astype(jnp.int32)
-    starts = jnp.concatenate([_exclusive(counts), jnp.zeros(1, jnp.int32)])
-    within = jnp.arange(tokens * top_k, dtype=jnp.int32) - starts[sorted_experts]
-    keep = (sorted_experts < experts) & (within < plan.slot)
-    kept = jnp.minimum(counts, plan.slot)
-    destination = np.concatenate([np.repeat(np.arange(world), plan.experts_per_rank), [0]])  # of each expert
-    before = jnp.concatenate([_exclusive(kept), jnp.zeros(1, jnp.int32)])
-    first = jnp.asarray(offsets[destination])[sorted_experts]  # the first expert of the copy's destination
-    in_chunk = before[sorted_experts] - before[first] + within
-    position = jnp.where(keep, jnp.asarray(destination * chunk)[sorted_experts] + in_chunk, world * chunk)
-    table = np.full((world, most), experts)  # [d, local expert] -> expert (E: a zero count)
-    for d in range(world):
-        table[d, : plan.experts_per_rank[d]] = np.arange(offsets[d], offsets[d + 1])
-    send = jnp.concatenate([kept, jnp.zeros(1, jnp.int32)])[table]
-    return dict(
-        order=order.astype(jnp.int32),
-        keep=keep,
-        position=position.astype(jnp.int32),
-        counts=kept,
-        send=send,
-        dropped=(counts - kept).sum(),
-        invalid=bad.sum().astype(jnp.int32),
-    )
+    return spec.padded_routing(_MATH, indices, plan)
 
 
 def traced_tables(plan: spec.RoutePlan, local: dict[str, jax.Array], received: jax.Array) -> dict[str, jax.Array]:
-    """`commlib.moe.rank_tables` with static shapes, in the padded layout (module docstring), from
-    `traced_routing` and `received` ``[W, max(experts_per_rank)]`` (source s's kept counts of this rank's
-    experts, zero-padded: what the counts exchange delivers). Index -1 reads a zero row.
+    """The spec's `commlib.moe.padded_tables` (`commlib.moe.rank_tables` with static shapes, the padded
+    layout: module docstring) from `traced_routing` and `received` ``[W, max(experts_per_rank)]``.
 
     >>> plan = spec.route_plan((3, 1), "int64", 2, 1)
     >>> local = traced_routing(jnp.array([[1], [0], [1]]), plan)
@@ -161,32 +163,7 @@ def traced_tables(plan: spec.RoutePlan, local: dict[str, jax.Array], received: j
     >>> tables["send_copy"].tolist(), tables["unpack"].tolist(), tables["token_slot"][:, 0].tolist()
     ([1, 0, 2, -1, -1, -1], [0, 1, 2, -1, -1, -1], [1, 0, 2])
     """
-    world, most, tokens, top_k = plan.world_size, max(plan.experts_per_rank), plan.tokens, plan.top_k
-    chunk, length = most * plan.slot, plan.padded_rows
-    send_copy = jnp.full(world * chunk, -1, jnp.int32).at[local["position"]].set(local["order"], mode="drop")
-    slot = jnp.where(local["keep"], local["position"], -1)
-    token_slot = jnp.full(tokens * top_k, -1, jnp.int32).at[local["order"]].set(slot).reshape(tokens, top_k)
-    received = received.astype(jnp.int32)
-    recv_start = _exclusive(received, axis=1)  # [s, e]: within source s's chunk
-    major = received.T.reshape(-1)  # expert-major: expert, then source
-    major_end = jnp.cumsum(major)
-    rows = major_end[-1]
-    row = jnp.arange(length, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(major_end, row, side="right"), most * world - 1)
-    expert, source = group // world, group % world
-    valid = row < rows
-    unpack = jnp.where(valid, source * chunk + recv_start[source, expert] + row - (major_end - major)[group], -1)
-    pack_back = jnp.full(world * chunk, -1, jnp.int32).at[jnp.where(valid, unpack, world * chunk)].set(row, mode="drop")
-    return dict(
-        send_copy=send_copy,
-        send_sizes=local["send"].sum(axis=1),
-        recv_sizes=received.sum(axis=1),
-        unpack=unpack.astype(jnp.int32),
-        pack_back=pack_back,
-        token_slot=token_slot,
-        tokens_per_expert=received.sum(axis=0),
-        rows=rows,
-    )
+    return spec.padded_tables(_MATH, plan, local, received)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,15 +264,19 @@ def _combine(static: tuple, y: jax.Array, weights: jax.Array | None, tables: dic
 
 
 def _combine_forward(static: tuple, y: jax.Array, weights: jax.Array | None, tables: dict) -> tuple[jax.Array, tuple]:
-    return _combine(static, y, weights, tables), (y, weights, tables)
+    plan, axes, accum = static
+    out, returned = spec.combine_rows(_Backend(axes, plan.top_k, accum), y, _tables(static, tables), weights)
+    # the weights' gradient reads the rows this forward brought back: saved, not exchanged again
+    return out.astype(y.dtype), (None if weights is None else returned, weights, tables)
 
 
 def _combine_backward(static: tuple, residuals: tuple, out_bar: jax.Array) -> tuple:
     plan, axes, accum = static
-    y, weights, tables = residuals
-    y_bar, w_bar = spec.combine_vjp(_Backend(axes, plan.top_k, accum), out_bar, y, _tables(static, tables), weights)
+    returned, weights, tables = residuals
+    backend = _Backend(axes, plan.top_k, accum)
+    y_bar, w_bar = spec.combine_vjp(backend, out_bar, None, _tables(static, tables), weights, returned)
     w_grad = None if weights is None or w_bar is None else w_bar.astype(weights.dtype)
-    return y_bar.astype(y.dtype), w_grad, _no_gradient(tables)
+    return y_bar.astype(out_bar.dtype), w_grad, _no_gradient(tables)  # out_bar has y's dtype
 
 
 _combine.defvjp(_combine_forward, _combine_backward)

@@ -8,10 +8,15 @@ communication, sorts locally (`local_routing`), exchanges the per-expert counts 
 carries each rank's first bad index and its T, so every rank raises the same `CommError`), and builds the
 spec's `RankTables` as tensors on the indices' device.
 
-Both layouts read the counts on the host once in `route` (the exchanged counts size the rows); the `padded`
-layout gives static shapes (``plan.padded_rows`` rows, zero past `Routing.rows`, ignored on input). Its
-`dispatch` and `combine` compile with ``torch.compile(fullgraph=True)``, forward and backward, with no graph
-break (tests/torch/test_moe.py); `route` does not (that host read: 13 graph breaks at W = 1).
+The exact layout reads the counts on the host once in `route` (the exchanged counts size the rows). The
+`padded` layout builds the spec's static-shape tables on the indices' device (`commlib.moe.padded_routing` /
+`commlib.moe.padded_tables`, as JAX) and the rows travel in W equal chunks of
+``max(experts_per_rank) * (capacity or T)`` rows. Eager, its one host read is the flags received with the
+counts (each rank's first bad row, found on the device by `commlib.moe.padded_bad_route`, and its T), so every
+rank raises the same `CommError` for a bad index or a T that differs, before any row moves. Under
+``torch.compile`` it reads nothing on the host: bad entries are counted in `Routing.invalid` and dropped (as
+JAX inside jit), T is not compared, and route + dispatch + combine compile with
+``torch.compile(fullgraph=True)``, forward and backward, with no graph break (tests/torch/test_moe.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from commlib_torch._groups import GroupArgument, ResolvedGroup, check_tensor, gr
 
 __all__ = ["Routing", "TorchMoeBackend", "route", "dispatch", "combine"]
 
-_WHY = ("range", "twice")
 _HALF = (torch.float16, torch.bfloat16)  # accumulated in float32 by default
 _NOT_INDICES = ("send_sizes", "recv_sizes", "tokens_per_expert")  # the tables `take` does not read
 
@@ -41,9 +45,13 @@ _NOT_INDICES = ("send_sizes", "recv_sizes", "tokens_per_expert")  # the tables `
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """What `route` gives: `tokens_per_expert` (int64 ``[this rank's experts]``: rows received per local
-    expert), `rows` (valid rows of `dispatch`'s output), `dropped` (routes this rank dropped by capacity), the
-    spec's `plan`, this rank's `tables` (`commlib.moe.RankTables`, its index tables `_MaskedIndex` on the
-    indices' device), the group and this rank.
+    expert), `rows` (valid rows
+    of `dispatch`'s output), `dropped` (routes this rank dropped by capacity), `invalid` (bad entries of this
+    rank's indices, dropped: the padded layout under ``torch.compile``; 0 where route raises them: the exact
+    layout, the padded one eager), the spec's `plan`, this
+    rank's `tables` (`commlib.moe.RankTables`, its index tables `_MaskedIndex` on the indices' device), the
+    group and this rank. In the padded layout `rows`, `dropped` and `invalid` are 0-d int64 tensors on the
+    indices' device (never read on the host); in the exact one, ints.
 
     Example:
         >>> routing = route(torch.tensor([[0], [1], [-1]]), 2)
@@ -52,17 +60,18 @@ class Routing:
     """
 
     tokens_per_expert: torch.Tensor
-    rows: int
-    dropped: int
+    rows: int | torch.Tensor
+    dropped: int | torch.Tensor
     plan: spec.RoutePlan
     tables: spec.RankTables
     group: ResolvedGroup
     rank: int
+    invalid: int | torch.Tensor = 0
 
     @property
     def output_rows(self) -> int:
         """Rows of `dispatch`'s output (and of `combine`'s y): `rows` (exact) or ``plan.padded_rows`` (padded)."""
-        return self.rows if self.plan.layout == "exact" else self.plan.padded_rows
+        return int(self.rows) if self.plan.layout == "exact" else self.plan.padded_rows
 
 
 class _MaskedIndex(NamedTuple):
@@ -85,8 +94,10 @@ class TorchMoeBackend:
         [[2.0], [0.0], [1.0]]
     """
 
-    def __init__(self, group: ResolvedGroup, top_k: int, accum_dtype: torch.dtype | None = None) -> None:
-        self.group, self.top_k, self.accum_dtype = group, top_k, accum_dtype
+    def __init__(
+        self, group: ResolvedGroup, top_k: int, accum_dtype: torch.dtype | None = None, world_size: int = 1
+    ) -> None:
+        self.group, self.top_k, self.accum_dtype, self.world_size = group, top_k, accum_dtype, world_size
 
     def _accum(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.accum_dtype is None else x.to(self.accum_dtype)
@@ -104,6 +115,12 @@ class TorchMoeBackend:
         return torch.cat([x, zero]).index_select(0, safe).reshape(*index.shape, *x.shape[1:])
 
     def exchange(self, x: torch.Tensor, send_sizes: Any, recv_sizes: Any) -> torch.Tensor:
+        if send_sizes is None:  # the padded layout: W equal chunks (static shapes, no host sizes)
+            out = x.new_empty(x.shape)
+            if self.world_size == 1:
+                return out.copy_(x)
+            dist.all_to_all_single(out, x.contiguous(), group=self.group)
+            return out
         send, recv = [int(v) for v in send_sizes], [int(v) for v in recv_sizes]
         out = x.new_empty((sum(recv), *x.shape[1:]))
         if len(send) == 1:
@@ -164,22 +181,35 @@ def route(
     `experts_per_rank`: W ints (None: E / W, refused when E % W != 0: pass ``split_sizes(E, W)``).
     `capacity`: most routes kept per (source rank, expert), in token-major (t, k) order; `capacity_factor` f
     gives ``ceil(T * K / E * f)``; both None: dropless. `layout`: ``"exact"`` (only valid rows) or
-    ``"padded"`` (``plan.padded_rows`` rows, zero past `rows`; every rank must have the same T).
+    ``"padded"`` (``plan.padded_rows`` rows, zero past `rows`; every rank must have the same T; `rows`,
+    `dropped`, `invalid` are 0-d tensors, the tables are built on the device; eager, the one host read is the
+    flags received with the counts; under ``torch.compile``, none).
     Not differentiable (indices are integers): the router's gradient flows through `combine`'s weights.
 
     Errors, before any communication: TypeError for indices that are not an integer tensor, the spec's
     `route_plan` errors (shape, K > E, placement, capacity, layout). After the counts exchange, on every rank
     alike: the `CommError` of the first rank with a bad row (a value >= E or < -1, an expert twice in a row;
-    `commlib.moe.bad_route_error`), and `padded_tokens_error` where T differs in the padded layout.
+    `commlib.moe.bad_route_error`), in both layouts; in the padded one, `commlib.moe.padded_tokens_error` where
+    the ranks' T differ (before any row moves; checked mode compares T first). Under ``torch.compile`` the
+    padded layout reads nothing on the host and raises neither (checked mode is eager only): bad entries are
+    counted in `Routing.invalid` and dropped, as JAX inside jit, and a T that differs is not seen (with
+    `capacity` the chunks do not hold T; without, the row all-to-all mismatches: gloo aborts a rank).
 
     Example:
         >>> routing = route(torch.tensor([[1, 0], [0, -1]]), 2)  # W = 1: both experts here
         >>> routing.tokens_per_expert.tolist(), routing.rows
         ([2, 1], 3)
+        >>> padded = route(torch.tensor([[1, 0], [0, -1]]), 2, layout="padded")  # device scalars
+        >>> padded.rows, padded.plan.padded_rows, padded.invalid
+        (tensor(3), 4, tensor(0))
         >>> route(torch.tensor([[1, 1]]), 2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         commlib.errors.CommError: route: indices[0] on rank 0 routes to expert 1 twice...
+        >>> route(torch.tensor([[0], [2]]), 2, layout="padded")  # eager: raised too  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        commlib.errors.CommError: route: indices[1] on rank 0 holds expert 2, outside [-1, 2)...
     """
     indices = _check_integer(indices)
     resolved = resolve_group(spec.ROUTE_OP, group)
@@ -200,7 +230,9 @@ def route(
             (resolved,),
             indices.device,
         )
-    rank, device = group_rank(resolved), indices.device
+    rank = group_rank(resolved)
+    if plan.layout == "padded":
+        return _route_padded(indices, plan, resolved, rank)
     host = indices.detach().cpu().numpy().astype(np.int64)  # the one host read of the routing
     bad = spec.bad_route(host, num_experts)
     order, send_counts, dropped = (np.zeros(0, np.int64), np.zeros(num_experts, np.int64), 0)
@@ -208,27 +240,15 @@ def route(
         order, send_counts, dropped = spec.local_routing(host, plan)
     # one counts exchange: to each rank, the counts of its experts, then (bad flag, token, value, why, T)
     offsets, width = plan.expert_offsets, max(plan.experts_per_rank)
-    message = np.zeros((world, width + 5), dtype=np.int64)
+    message = np.zeros((world, width), dtype=np.int64)
     for destination in range(world):
         chunk = send_counts[offsets[destination] : offsets[destination + 1]]
         message[destination, : chunk.size] = chunk
-    if bad is not None:
-        message[:, width : width + 4] = [1, bad[0], bad[1], _WHY.index(bad[2])]
-    message[:, width + 4] = plan.tokens
-    sent = torch.from_numpy(message).to(device)
-    received = torch.empty_like(sent)
-    if world == 1:
-        received.copy_(sent)
-    else:
-        dist.all_to_all_single(received, sent, group=resolved)
-    got = received.cpu().numpy()  # [W sources, width + 5]
-    for source in range(world):  # every rank raises the first bad rank's error
-        if got[source, width]:
-            token, value, why = (int(v) for v in got[source, width + 1 : width + 4])
-            raise spec.bad_route_error(source, token, value, _WHY[why], num_experts)
-    if plan.layout == "padded" and len(set(got[:, width + 4].tolist())) > 1:
-        raise spec.padded_tokens_error(got[:, width + 4].tolist())
+    message = np.concatenate([message, _flags(bad, plan)], axis=1)
+    got = _exchange_counts(torch.from_numpy(message).to(indices.device), resolved, world).cpu().numpy()
+    _raise_flagged(got[:, width:], plan)
     tables = spec.rank_tables(plan, rank, order, send_counts, dropped, got[:, : plan.experts_per_rank[rank]])
+    device = indices.device
 
     def on_device(field: str, value: Any) -> Any:
         if not isinstance(value, np.ndarray):
@@ -251,6 +271,114 @@ def route(
     )
 
 
+def _flags(bad: tuple[int, int, str] | None, plan: spec.RoutePlan) -> np.ndarray:
+    """The counts message's last columns, the same to every rank: (bad flag, token, value, why, T)."""
+    flags = np.zeros((plan.world_size, 5), dtype=np.int64)
+    if bad is not None:
+        flags[:, :4] = [1, bad[0], bad[1], spec.BAD_WHY.index(bad[2])]
+    flags[:, 4] = plan.tokens
+    return flags
+
+
+def _exchange_counts(message: torch.Tensor, group: ResolvedGroup, world: int) -> torch.Tensor:
+    """The one counts exchange: row d of `message` to rank d; row s of the result from rank s."""
+    received = torch.empty_like(message)
+    if world == 1:
+        return received.copy_(message)
+    dist.all_to_all_single(received, message, group=group)
+    return received
+
+
+def _raise_flagged(flags: np.ndarray, plan: spec.RoutePlan) -> None:
+    """Every rank raises the first bad rank's error (`_flags` of each source, on the host), and the padded
+    layout's `padded_tokens_error` where T differs."""
+    for source in range(plan.world_size):
+        if flags[source, 0]:
+            token, value, why = (int(v) for v in flags[source, 1:4])
+            raise spec.bad_route_error(source, token, value, spec.BAD_WHY[why], plan.num_experts)
+    if plan.layout == "padded" and len(set(flags[:, 4].tolist())) > 1:
+        raise spec.padded_tokens_error(flags[:, 4].tolist())
+
+
+class _TableMath:
+    """`commlib.moe.TableMath` on int64 tensors of one device: the padded layout's tables, no host read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def constant(self, values: Sequence[Any]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def as_int(self, values: Any) -> torch.Tensor:
+        return values.to(torch.int64)
+
+    def arange(self, size: int) -> torch.Tensor:
+        return torch.arange(size, dtype=torch.int64, device=self.device)
+
+    def argsort(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.argsort(values, stable=True)
+
+    def searchsorted(self, ordered: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(ordered, values, right=True)
+
+    def cumsum(self, values: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.cumsum(values, dim=axis)
+
+    def concatenate(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(arrays))
+
+    def where(self, condition: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(condition, a, b)
+
+    def minimum(self, a: torch.Tensor, b: Any) -> torch.Tensor:
+        return torch.clamp(a, max=b) if isinstance(b, int) else torch.minimum(a, b)
+
+    def total(self, values: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+        return (values.sum() if axis is None else values.sum(dim=axis)).to(torch.int64)
+
+    def any(self, values: torch.Tensor, axis: int) -> torch.Tensor:
+        return values.any(dim=axis)
+
+    def scatter(self, size: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = torch.full((size + 1,), -1, dtype=torch.int64, device=self.device)
+        return out.index_put_((index,), values.to(torch.int64))[:size]
+
+
+def _masked(index: torch.Tensor) -> _MaskedIndex:
+    unrouted = index < 0
+    return _MaskedIndex(torch.where(unrouted, 0, index), unrouted)
+
+
+def _route_padded(indices: torch.Tensor, plan: spec.RoutePlan, group: ResolvedGroup, rank: int) -> Routing:
+    """The padded layout's route on the indices' device, static shapes: the spec's `padded_routing` /
+    `padded_tables`, one counts exchange. Eager, the message also carries this rank's first bad row
+    (`commlib.moe.padded_bad_route`, found on the device) and T, and the received flags are read on the host
+    once: every rank raises the first bad rank's error, or `padded_tokens_error`, before any row moves. Under
+    ``torch.compile`` nothing is read on the host: bad entries are counted in `Routing.invalid` and dropped,
+    as JAX inside jit."""
+    math, width, world = _TableMath(indices.device), max(plan.experts_per_rank), plan.world_size
+    local = spec.padded_routing(math, indices, plan)
+    eager = not torch.compiler.is_compiling()
+    message = local["send"]
+    if eager:  # (found, token, value, why, T) to every rank
+        tokens = math.constant([plan.tokens])
+        flags = torch.cat([spec.padded_bad_route(math, indices, plan), tokens]).expand(world, 5)
+        message = torch.cat([message, flags], dim=1)
+    received = _exchange_counts(message, group, world)
+    if eager:  # the one host read: every rank sees every rank's flags
+        _raise_flagged(received[:, width:].cpu().numpy(), plan)
+    tables = spec.padded_tables(math, plan, local, received[:, :width])
+    tables["tokens_per_expert"] = tables["tokens_per_expert"][: plan.experts_per_rank[rank]]
+    fields = {
+        name: value if name in _NOT_INDICES or name == "rows" else _masked(value) for name, value in tables.items()
+    }
+    rank_tables = spec.RankTables(**fields, dropped=local["dropped"])
+    rank_tables = dataclasses.replace(rank_tables, send_sizes=None, recv_sizes=None)  # W equal chunks
+    return Routing(
+        tables["tokens_per_expert"], tables["rows"], local["dropped"], plan, rank_tables, group, rank, local["invalid"]
+    )
+
+
 def _check_routing(op_name: str, routing: object) -> Routing:
     if not isinstance(routing, Routing):
         kind = type(routing).__name__
@@ -264,17 +392,21 @@ def _accum_dtype(dtype: torch.dtype, accum_dtype: torch.dtype | None) -> torch.d
     return torch.float32 if dtype in _HALF else None
 
 
+def _backend(routing: Routing, accum: torch.dtype | None) -> TorchMoeBackend:
+    return TorchMoeBackend(routing.group, routing.plan.top_k, accum, routing.plan.world_size)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         ctx.routing = routing
-        backend = TorchMoeBackend(routing.group, routing.plan.top_k, _accum_dtype(x.dtype, None))
+        backend = _backend(routing, _accum_dtype(x.dtype, None))
         return spec.dispatch(backend, x, routing.tables, routing.plan.top_k)
 
     @staticmethod
     def backward(ctx: Any, out_bar: torch.Tensor) -> tuple[torch.Tensor, None]:
         routing = ctx.routing
-        backend = TorchMoeBackend(routing.group, routing.plan.top_k, _accum_dtype(out_bar.dtype, None))
+        backend = _backend(routing, _accum_dtype(out_bar.dtype, None))
         return spec.dispatch_vjp(backend, out_bar.contiguous(), routing.tables), None
 
 
@@ -284,7 +416,7 @@ class _Combine(torch.autograd.Function):
         ctx: Any, y: torch.Tensor, weights: torch.Tensor | None, routing: Routing, accum: torch.dtype | None
     ) -> torch.Tensor:
         ctx.routing, ctx.accum, ctx.y_dtype = routing, accum, y.dtype
-        backend = TorchMoeBackend(routing.group, routing.plan.top_k, accum)
+        backend = _backend(routing, accum)
         out, returned = spec.combine_rows(backend, y, routing.tables, weights)
         # the weights' gradient reads the rows this forward brought back: saved, not exchanged again
         ctx.save_for_backward(returned if weights is not None and ctx.needs_input_grad[1] else None, weights)
@@ -294,7 +426,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx: Any, out_bar: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         returned, weights = ctx.saved_tensors
         routing = ctx.routing
-        backend = TorchMoeBackend(routing.group, routing.plan.top_k, ctx.accum)
+        backend = _backend(routing, ctx.accum)
         y_bar, w_bar = spec.combine_vjp(
             backend, out_bar.contiguous(), None, routing.tables, weights, returned, weights_grad=returned is not None
         )

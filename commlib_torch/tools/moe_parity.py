@@ -56,7 +56,9 @@ def layer(ctx, case: spec.MoeCase, seed: int, layout: str) -> dict[str, np.ndarr
     routing = moe.route(indices, case.num_experts, layout=layout, **spec.route_options(case, inputs["indices"]))
     d = moe.dispatch(x, routing)
     first = routing.plan.expert_offsets[ctx.rank]
-    scale = spec.expert_scales(routing.tokens_per_expert.tolist(), first, routing.rows, d.shape[0], case.num_experts)
+    scale = spec.expert_scales(
+        routing.tokens_per_expert.tolist(), first, int(routing.rows), d.shape[0], case.num_experts
+    )
     shape = (-1,) + (1,) * (d.ndim - 1)
     valid = (torch.arange(d.shape[0]) < routing.rows).reshape(shape)
     if layout == "padded":  # the padded rows' cotangent: NaN, never read

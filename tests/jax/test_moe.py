@@ -361,3 +361,21 @@ def test_checked_mode_raises_for_bad_indices(monkeypatch, bad, message, check_vm
     monkeypatch.setenv("COMMLIB_CHECK", "1")
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(program())(indices))
+
+
+def test_one_row_exchange_per_direction() -> None:
+    """jax.grad of route + dispatch + combine (weights and x): one all_to_all of the counts, then rows move once
+    per direction, forward and backward (4): combine's weights gradient reads the rows its forward brought back
+    (it exchanged y's rows a fifth time), as torch's `test_one_row_exchange_per_direction`."""
+
+    def body(x, i, w):
+        def loss(x, w):
+            routing = jmoe.route(i[0], 4, "i")
+            return jnp.sum(jmoe.combine(jnp.tanh(jmoe.dispatch(x, routing)), routing, w) ** 2)
+
+        return jax.tree.map(lambda g: g[None], jax.grad(loss, argnums=(0, 1))(x[0], w[0]))
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+    program = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    text = str(jax.make_jaxpr(program)(np.ones((2, 4, 3)), INDICES, np.ones((2, 4, 2))))
+    assert text.count("all_to_all[") == 1 + 4, text.count("all_to_all[")

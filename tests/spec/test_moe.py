@@ -343,6 +343,26 @@ def test_bad_indices_are_data_and_every_rank_raises_the_first() -> None:
     assert moe.bad_route(np.array([[-1, -1], [2, 1]]), 4) is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 5),
+    st.integers(0, 4),
+    st.integers(0, 3),
+    st.data(),
+)
+def test_padded_bad_route_finds_what_bad_route_finds(tokens: int, top_k: int, extra: int, data: Any) -> None:
+    """torch's eager padded route sends `padded_bad_route` (static shapes, on the device) with the counts: it must
+    name the same first bad row, value and reason as `bad_route` (values < -1, >= E, repeats, or none)."""
+    num_experts = max(top_k, 1) + extra
+    values = st.integers(-3, num_experts + 1)
+    rows = data.draw(st.lists(st.lists(values, min_size=top_k, max_size=top_k), min_size=tokens, max_size=tokens))
+    indices = np.array(rows, dtype=np.int64).reshape(tokens, top_k)
+    plan = moe.route_plan((tokens, top_k), "int64", num_experts, 1)
+    found = moe.bad_route(indices, num_experts)
+    want = [0, 0, 0, 0] if found is None else [1, found[0], found[1], moe.BAD_WHY.index(found[2])]
+    assert moe.padded_bad_route(moe.NumpyTableMath(), indices, plan).tolist() == want
+
+
 def test_padded_needs_the_same_tokens_on_every_rank() -> None:
     xs, indices, _ = _case(2, 2, 4, 1, [4, 3], (2,))
     with _raises(

@@ -218,8 +218,8 @@ def checked_mismatch(ctx) -> list[str]:
         routing = moe.route(indices, 2 * ctx.world_size)
         x = torch.ones(2, 3, dtype=torch.float32 if ctx.rank == 0 else torch.float64)
         messages.append(_message(lambda: moe.dispatch(x, routing)))
-    tokens = indices if ctx.rank == 0 else torch.tensor([[0]])
-    messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
+        tokens = indices if ctx.rank == 0 else torch.tensor([[0]])  # padded: T compared in checked mode
+        messages.append(_message(lambda: moe.route(tokens, 2 * ctx.world_size, layout="padded")))
     return messages
 
 
@@ -330,28 +330,73 @@ def ep_dp_gradients(ctx) -> dict[str, float]:
 
 
 def padded_compiled(ctx) -> dict[str, object]:
-    """The padded layout's dispatch and combine (a routing made eagerly) under ``torch.compile(fullgraph=True)``
-    (aot_eager): the graph breaks ``torch._dynamo.explain`` counts, and whether the output and the x / weights
-    gradients are eager's bit for bit. `route` itself is not traced: it reads the counts on the host."""
+    """The padded layout's route + dispatch + expert + combine under ``torch.compile(fullgraph=True)``
+    (aot_eager), route included (its tables are built on the device, no host read): the graph breaks
+    ``torch._dynamo.explain`` counts, and whether the output and the x / weights gradients are eager's bit for
+    bit."""
     import torch._dynamo as dynamo
 
     generator = torch.Generator().manual_seed(ctx.rank)
     x = torch.randn(6, 4, generator=generator, requires_grad=True)
     weights = torch.rand(6, 2, generator=generator, requires_grad=True)
     indices = torch.stack([torch.randperm(2 * ctx.world_size, generator=generator)[:2] for _ in range(6)])
-    routing = moe.route(indices, 2 * ctx.world_size, capacity=2, layout="padded")
+    indices[1, 1] = -1
 
-    def step(x, weights):
+    def step(x, weights, indices):
+        routing = moe.route(indices, 2 * ctx.world_size, capacity=2, layout="padded")
         return moe.combine(torch.tanh(moe.dispatch(x, routing)), routing, weights)
 
     dynamo.reset()
-    breaks = dynamo.explain(step)(x, weights).graph_break_count
+    breaks = dynamo.explain(step)(x, weights, indices).graph_break_count
     results = []
     for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
         x.grad = weights.grad = None
-        out = fn(x, weights)
+        out = fn(x, weights, indices)
         out.square().sum().backward()
         results.append((out.detach(), x.grad, weights.grad))
     dynamo.reset()
     same = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     return {"graph_breaks": breaks, "same": same}
+
+
+def padded_bad_indices(ctx) -> list[object]:
+    """Bad entries (>= E, < -1, an expert again in its row) on the last rank only, padded layout: eager, every
+    rank raises the first bad rank's error (the flag travels with the counts), checked mode too; under
+    ``torch.compile(fullgraph=True)`` nothing is read on the host: they are counted in `routing.invalid` and
+    dropped (the routing equals the one of the cleaned indices). Then a good eager route: no rank hangs."""
+    world, last = ctx.world_size, ctx.world_size - 1
+    good = torch.tensor([[0, 1], [1, -1], [-1, -1]])
+    x = torch.arange(6.0).reshape(3, 2)
+
+    def step(indices):
+        routing = moe.route(indices, 2 * world, layout="padded")
+        return moe.dispatch(x, routing), routing.rows, routing.invalid
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    found: list[object] = []
+    for bad_row, clean_row in (([2 * world, 0], [-1, 0]), ([-2, 0], [-1, 0]), ([1, 1], [1, -1])):
+        indices, clean = good.clone(), good.clone()
+        if ctx.rank == last:
+            indices[1], clean[1] = torch.tensor(bad_row), torch.tensor(clean_row)
+        found.append(_message(lambda indices=indices: moe.route(indices, 2 * world, layout="padded")))
+        with checked():
+            found.append(_message(lambda indices=indices: moe.route(indices, 2 * world, layout="padded")))
+        rows, count, invalid = compiled(indices)
+        cleaned_rows, cleaned_count, _ = step(clean)
+        found.append([int(invalid), torch.equal(rows, cleaned_rows) and int(count) == int(cleaned_count)])
+    found.append(str(step(good)[0].sum().item()))  # the ranks still agree after the errors
+    return found
+
+
+def padded_tokens_mismatch(ctx) -> list[str]:
+    """The padded layout with another T on rank 0 (dropless, and with a capacity): eager, every rank raises
+    `padded_tokens_error` before any row moves (T travels with the counts); then a good route, no hang."""
+    tokens = 3 if ctx.rank == 0 else 2
+    indices = torch.zeros(tokens, 1, dtype=torch.int64)
+    messages = [
+        _message(lambda: moe.route(indices, 2 * ctx.world_size, layout="padded")),
+        _message(lambda: moe.route(indices, 2 * ctx.world_size, capacity=1, layout="padded")),
+    ]
+    routing = moe.route(torch.zeros(2, 1, dtype=torch.int64), 2 * ctx.world_size, layout="padded")
+    messages.append(str(moe.dispatch(torch.ones(2, 1), routing).sum().item()))
+    return messages
