@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commlib_torch.attention import ulysses_attention
+from commlib_torch.attention import ring_attention, ulysses_attention, usp_attention
+from commlib_torch.tools.parity_jobs import usp_groups
 from tests import joint_cases
 from tests.torch.attention_jobs import _counting
 
@@ -43,6 +44,42 @@ def joint_error(ctx, joint_shapes, options: dict) -> str:
     tensors = [None if shape is None else torch.zeros(shape) for shape in joint_shapes]
     try:
         ulysses_attention(q, k, k, joint_q=tensors[0], joint_k=tensors[1], joint_v=tensors[2], **options)
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def ring_joint_call(ctx, case: joint_cases.RingJointCase, arrays: dict, dtype: str = "float64"):
+    """`joint_call` for a ring or USP case (tests/joint_cases.py's `ring_cases`): this rank's out, joint_out,
+    {name: gradient} (float64 numpy) and the c10d calls of the forward."""
+    own = {name: arrays[name][ctx.rank] for name in "qkv"} | {name: arrays[name] for name in NAMES[3:]}
+    leaves = {name: torch.tensor(own[name], dtype=getattr(torch, dtype)).requires_grad_() for name in NAMES}
+    joint = dict(joint_q=leaves["joint_q"], joint_k=leaves["joint_k"], joint_v=leaves["joint_v"])
+    groups = usp_groups(case.world_size, case.ulysses_size) if case.op == "usp_attention" else ()
+    layer = usp_attention if case.op == "usp_attention" else ring_attention
+    forward: list = []
+    with _counting(forward):
+        out, joint_out = layer(leaves["q"], leaves["k"], leaves["v"], *groups, **joint, **case.kwargs())
+    cotangents = [torch.tensor(arrays[name][ctx.rank], dtype=out.dtype) for name in ("cotangent", "joint_cotangent")]
+    ((out * cotangents[0]).sum() + (joint_out * cotangents[1]).sum()).backward()
+    grads = {
+        name: np.zeros(leaf.shape) if leaf.grad is None else leaf.grad.double().numpy() for name, leaf in leaves.items()
+    }
+    as_numpy = [x.detach().double().numpy() for x in (out, joint_out)]
+    return *as_numpy, grads, [name for name, _ in forward]
+
+
+def ring_joint_error(ctx, op: str, joint_shapes, options: dict) -> str:
+    """The error text of a bad joint call of ring or USP attention on this rank (q [1, 4, 6, 8], k, v [1, 4, 2,
+    8]; USP: a Ulysses group of every rank)."""
+    q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, 4, 2, 8)
+    tensors = [None if shape is None else torch.zeros(shape) for shape in joint_shapes]
+    joint = dict(joint_q=tensors[0], joint_k=tensors[1], joint_v=tensors[2])
+    try:
+        if op == "usp_attention":
+            usp_attention(q, k, k, *usp_groups(ctx.world_size, ctx.world_size), **joint, **options)
+        else:
+            ring_attention(q, k, k, **joint, **options)
     except (ValueError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
