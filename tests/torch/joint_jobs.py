@@ -83,3 +83,23 @@ def ring_joint_error(ctx, op: str, joint_shapes, options: dict) -> str:
     except (ValueError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def checked_ring_joint(ctx, op: str) -> list[str]:
+    """In checked mode, a ring (USP) joint call every rank agrees on (its error text: "ok"), then one where rank 0's
+    joint tokens are 3 and the others' 2 (every rank's error text)."""
+    from commlib_torch import checked
+
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+    groups = usp_groups(ctx.world_size, ctx.world_size) if op == "usp_attention" else ()
+    layer = usp_attention if op == "usp_attention" else ring_attention
+    texts = []
+    for joint_seq in (3, 3 if ctx.rank else 2):
+        text = dict(joint_q=torch.randn(1, joint_seq, 4, 8), joint_k=torch.randn(1, joint_seq, 2, 8))
+        try:
+            with checked():
+                layer(q, k, k, *groups, **text, joint_v=text["joint_k"], causal=True)
+            texts.append("ok")
+        except ValueError as error:
+            texts.append(f"{type(error).__name__}: {error}")
+    return texts

@@ -132,3 +132,10 @@ RING_BAD = [
 def test_bad_ring_calls_raise_on_every_rank_before_communicating(pool, op, joint_shapes, options, expected):
     messages = pool(2).run(jobs.ring_joint_error, op, joint_shapes, options)
     assert all(message.startswith(expected) for message in messages), messages
+
+
+@pytest.mark.parametrize("op", ["ring_attention", "usp_attention"])
+def test_checked_mode_compares_the_joint_tensors_on_every_rank(pool, op):
+    results = pool(2).run(jobs.checked_ring_joint, op)
+    assert all(texts[0] == "ok" for texts in results), results
+    assert all(texts[1].startswith(f"CommError: {op}") and "joint_shapes" in texts[1] for texts in results), results
