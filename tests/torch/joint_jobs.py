@@ -103,3 +103,31 @@ def checked_ring_joint(ctx, op: str) -> list[str]:
         except ValueError as error:
             texts.append(f"{type(error).__name__}: {error}")
     return texts
+
+
+def compiled_ring_joint(ctx, op: str) -> bool:
+    """Whether `op` with joint tensors (rear, causal: the joint partials gathered) under ``torch.compile(fullgraph=
+    True, backend="aot_eager")`` gives eager's out, joint_out and every gradient bit for bit on this rank."""
+    generator = torch.Generator().manual_seed(ctx.rank)
+    shapes = [(1, 4, 4, 8), (1, 4, 2, 8), (1, 4, 2, 8), (1, 3, 4, 8), (1, 3, 2, 8), (1, 3, 2, 8)]
+    inputs = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    text = [torch.randn(shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) for shape in shapes[3:]]
+    inputs[3:] = text  # the same on every rank
+    groups = usp_groups(ctx.world_size, 2) if op == "usp_attention" else ()
+    layer = usp_attention if op == "usp_attention" else ring_attention
+
+    def call(q, k, v, joint_q, joint_k, joint_v):
+        joint = dict(joint_q=joint_q, joint_k=joint_k, joint_v=joint_v)
+        return layer(q, k, v, *groups, causal=True, joint_position="rear", **joint)
+
+    def value_and_grads(fn) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out, joint_out = fn(*leaves)
+        (out.sum() + (joint_out * (ctx.rank + 1)).sum()).backward()
+        return [out.detach(), joint_out.detach(), *(leaf.grad for leaf in leaves)]
+
+    torch._dynamo.reset()
+    got = value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"))
+    want = value_and_grads(call)
+    torch._dynamo.reset()
+    return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
