@@ -159,17 +159,24 @@ def ring_call(
     layout: str | SequenceLayout = "contiguous",
     shard: int | None = None,
     mask: object = None,
+    joint_qkv: Sequence[Any] = (None, None, None),
+    joint_position: object = "front",
 ) -> ring.RingPlan:
     """The validated `RingPlan` of ``ring_attention`` on `ring_size` ranks (`ulysses_size` None) or of
     ``usp_attention`` on a `ulysses_size` x `ring_size` grid; `shard`: this rank's shard index in a
-    `SequenceLayout` (torch, which holds shards exactly), None where every rank holds the padded size (JAX)."""
+    `SequenceLayout` (torch, which holds shards exactly), None where every rank holds the padded size (JAX).
+    `joint_qkv`: ``(joint_q, joint_k, joint_v)`` or three Nones (`commlib.joint`: the plan's ``joint``; not with
+    `segment_ids`, `mask` or a layout whose shards are uneven)."""
     layer = ring.RING_OP if ulysses_size is None else ring.USP_OP
+    has_joint = joint.check_joint_inputs(layer, joint_qkv, joint_position, frontend.array_types, frontend.array_name)
     sizes: dict[str, object] = (
         dict(world_size=ring_size) if ulysses_size is None else dict(ulysses_size=ulysses_size, ring_size=ring_size)
     )
     options = dict(**sizes, causal=causal, scale=scale, layout=layout, segment_ids=segment_ids, mask=mask)
+    if has_joint:  # (a call without them keeps its record, so checked mode's messages stay as they were)
+        options |= dict(joint_shapes=tuple(tuple(x.shape) for x in joint_qkv), joint_position=joint_position)
     dtypes, segment_type = check_call(frontend, layer, q, k, v, segment_ids, options)
-    return ring.ring_plan(
+    plan = ring.ring_plan(
         q.shape,
         k.shape,
         v.shape,
@@ -184,3 +191,10 @@ def ring_call(
         segment_ids=segment_type,
         mask=mask,
     )
+    if not has_joint:
+        return plan
+    shapes = [tuple(x.shape) for x in joint_qkv]
+    joint_dtypes = dtypes + [frontend.dtype_name(x) for x in joint_qkv]
+    segmented = segment_ids is not None
+    checked = joint.joint_plan(layer, q.shape, k.shape, v.shape, shapes, joint_dtypes, joint_position, segmented)
+    return ring.with_joint(plan, checked, mask=mask)

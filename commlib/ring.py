@@ -45,6 +45,7 @@ import numpy as np
 from commlib import layer_names
 from commlib.blockwise import NUMPY, ArrayMath, SegmentedMask, delta, merge_masked, position_mask
 from commlib.errors import comm_error, kind_error
+from commlib.joint import JointPlan
 from commlib.masks import MaskRule, check_mask, check_segment_ids, classify_runs, position_runs, rule_mask
 from commlib.sequence import SEQUENCE_LAYOUTS, SequenceLayout, check_layout, positions
 from commlib.validators import check_attention_options, check_int, check_qkv_shapes, shown
@@ -57,6 +58,8 @@ __all__ = [
     "ring_plan",
     "second_order",
     "RingBackend",
+    "with_joint",
+    "joint_masks",
     "forward",
     "backward",
     "visible_pieces",
@@ -127,6 +130,10 @@ class RingPlan:
     # A rule on global positions (``mask=``): the cases are the rule's (`_rule_cases`), every "positions" piece
     # masked by `key_masks` (the rule's and causal's mask of the two blocks' positions, sliced to the piece).
     mask: MaskRule | None = None
+    # Joint attention (``joint_q=``, `commlib.joint`; `with_joint`): the joint tokens' position and count. The walk
+    # then attends this rank's q rows to the (replicated) joint k/v as one more piece, the joint q to this rank's
+    # k/v block and to the joint k/v, and merges the joint q's partials of every ring rank (`forward`).
+    joint: JointPlan | None = None
 
     @property
     def keyed(self) -> bool:
@@ -210,6 +217,12 @@ class RingPlan:
         if self.mask is None:
             return position_mask(q_positions, k_positions, self.causal)
         return rule_mask(q_positions, k_positions, self.causal, self.mask)
+
+    @property
+    def joint_head_starts(self) -> np.ndarray:
+        """int32 ``[U, 2]``: the first joint q head and the first joint kv head Ulysses rank u attends with (its
+        ``heads`` q heads and ``kv_heads`` kv heads from there: the heads its all-to-all delivers)."""
+        return np.asarray([(u * self.heads, u * self.kv_heads) for u in range(self.ulysses_size)], dtype=np.int32)
 
     def wire_elements(self) -> int:
         """Elements of k and v one rank sends per forward step: ``B * rows * H_kv * (D + D_v)`` (GQA: unrepeated)."""
@@ -425,6 +438,40 @@ def _check_shard_rows(op_name: str, sequence: SequenceLayout, shard: int | None,
         raise comm_error(op_name, f"seq ({rows}) must be {name} ({want})", **received)
 
 
+def with_joint(plan: RingPlan, joint: JointPlan, *, mask: object = None) -> RingPlan:
+    """`plan` with the joint tensors of `joint` (`commlib.joint.joint_plan`, checked against the user's q, k, v):
+    `CommError` naming the layer where the ring cannot take them -- with a mask rule (its positions would be the
+    concatenation's), or a `SequenceLayout` whose shards are uneven (padding rows: not supported with them).
+
+    >>> plan = ring_plan((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8), 2, causal=True)
+    >>> joint_masks(with_joint(plan, JointPlan("rear", 3)))  # the sequence sees no joint key; joint q sees it all
+    (None, 'full', 'causal-diagonal')
+    """
+    received: dict[str, object] = dict(joint_position=joint.position, joint_seq=joint.seq)
+    if mask is not None:
+        message = "mask cannot be given with joint_q (a rule's positions would be the concatenation's: not supported)"
+        raise comm_error(plan.op_name, message, mask=mask, **received)
+    if plan.masked:
+        assert plan.sequence is not None
+        message = (
+            f"joint_q cannot be given with a SequenceLayout whose shards are uneven (sizes {plan.sequence.sizes}): "
+            "cut the sequence evenly"
+        )
+        raise comm_error(plan.op_name, message, layout=plan.sequence, **received)
+    return dataclasses.replace(plan, joint=joint)
+
+
+def joint_masks(plan: RingPlan) -> tuple[str | None, str | None, str]:
+    """The masks of the joint pieces of a joint plan (None: the piece is hidden entirely, never computed):
+    (this rank's q rows -> the joint k/v, the joint q -> a ring block's k/v, the joint q -> the joint k/v). With
+    `causal` the concatenation's positions decide: front, the joint tokens come first (every query sees them,
+    they see only each other); rear, they come last (they see everything, nothing of the sequence sees them)."""
+    assert plan.joint is not None
+    if not plan.causal:
+        return "full", "full", "full"
+    return ("full", None, "causal-diagonal") if plan.joint.front else (None, "full", "causal-diagonal")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The walk
 # ---------------------------------------------------------------------------------------------------------
@@ -488,6 +535,13 @@ class RingBackend(Protocol):
     def block_ids(self, segments: Any, step: int) -> tuple[Any, Any]:
         """Segmented plans: ``(ids of this rank's q rows, ids of the kv block it holds at step)`` from
         `segments`, every ring block's ids as the frontend gathered them once (the backend's own layout)."""
+
+    def gather_ring(self, x: Any) -> Any:
+        """Joint plans: ``[W, *x.shape]``, every ring rank's `x` stacked in rank order (an all-gather over the
+        ring; forward only, inside the walk). The same array on every rank."""
+
+    def sum_ring(self, x: Any) -> Any:
+        """Joint plans: `x` summed over the ring's ranks (an all-reduce; inside the backward walk)."""
 
     def when_visible(self, step: int, index: int, mask: Any, function: Callable[..., Any], *operands: Any) -> Any:
         """Segmented plans: ``function(*operands)`` where piece `index` of this rank's case at `step` is visible
@@ -595,15 +649,27 @@ def _received(backend: RingBackend, pending: Any, overlap: bool, held: list[Any]
 
 
 def forward(
-    plan: RingPlan, backend: RingBackend, q: Any, k: Any, v: Any, segments: Any = None, *, overlap: bool = True
-) -> tuple[Any, Any]:
+    plan: RingPlan,
+    backend: RingBackend,
+    q: Any,
+    k: Any,
+    v: Any,
+    segments: Any = None,
+    *,
+    overlap: bool = True,
+    joint: tuple[Any, Any, Any] | None = None,
+) -> tuple[Any, ...]:
     """``(out [B, rows, H, D_v] in q's dtype, lse [B, rows, H] in the compute dtype)``: W steps of online
     softmax, W - 1 sends of k/v (in their own dtype: ``plan.wire_elements()`` a step). `segments` (segmented
     plans): every ring block's segment ids, gathered once by the frontend, laid out as its backend's
     `RingBackend.block_ids` reads them (torch and JAX: ``[W, B, rows]``); nothing of them is sent. `overlap`: step t+1's
     k/v send begins before step t's pieces and is waited after them (`RingBackend.start` / `wait`); False: sent
     and received before them (the sequential order; the same values bit for bit: only the order of the
-    communication differs)."""
+    communication differs).
+
+    `joint` (joint plans, `RingPlan.joint`): this rank's ``(joint_q, joint_k, joint_v)`` (``[B, S_j, *, D]``, the
+    heads the ring walks; the same on every ring rank), and the result is ``(out, lse, joint_out [B, S_j, H,
+    D_v] in joint_q's dtype, joint_lse [B, S_j, H])``: `_joint_forward`."""
     if plan.masked:
         q, k, v = (backend.real_rows(x) for x in (q, k, v))
     query = backend.compute(q)
@@ -615,7 +681,32 @@ def forward(
         ids = None if segments is None else backend.block_ids(segments, step)
         out, lse = _at_step(plan, backend, step, _forward_case, query, keys, values, out, lse, segments=ids)
         held = _received(backend, pending, overlap, held)
-    return backend.restore(out, q), lse
+    if joint is None:
+        return backend.restore(out, q), lse
+    keys, values = backend.compute(k), backend.compute(v)
+    out, lse, joint_out, joint_lse = _joint_forward(plan, backend, query, keys, values, out, lse, joint)
+    return backend.restore(out, q), lse, backend.restore(joint_out, joint[0]), joint_lse
+
+
+def _joint_forward(
+    plan: RingPlan, backend: RingBackend, query: Any, keys: Any, values: Any, out: Any, lse: Any, joint: Sequence[Any]
+) -> tuple[Any, Any, Any, Any]:
+    """The joint pieces (`joint_masks`; compute dtype): this rank's q rows attend the joint k/v, merged into its
+    (out, lse) like a ring step; the joint q attends the joint k/v, then this rank's own k/v block (`keys`,
+    `values`), whose partial ``(out, lse)`` is all-gathered over the ring (`RingBackend.gather_ring`: no
+    other communication) and merged in rank order after the joint piece -- the same arrays in the same order on
+    every rank, so the joint output is bit for bit the same on all of them."""
+    to_joint, to_sequence, among = joint_masks(plan)
+    joint_q, joint_k, joint_v = (backend.compute(x) for x in joint)
+    if to_joint is not None:
+        out, lse = merge_masked(backend.math, out, lse, *backend.attend(query, joint_k, joint_v, to_joint))
+    joint_out, joint_lse = backend.attend(joint_q, joint_k, joint_v, among)
+    if to_sequence is not None:
+        part_out, part_lse = backend.attend(joint_q, keys, values, to_sequence)
+        outs, lses = backend.gather_ring(part_out), backend.gather_ring(part_lse)
+        for rank in range(plan.ring_size):
+            joint_out, joint_lse = merge_masked(backend.math, joint_out, joint_lse, outs[rank], lses[rank])
+    return out, lse, joint_out, joint_lse
 
 
 def _backward_case(
@@ -671,12 +762,17 @@ def backward(
     segments: Any = None,
     *,
     overlap: bool = True,
-) -> tuple[Any, Any, Any]:
+    joint: tuple[Any, ...] | None = None,
+) -> tuple[Any, ...]:
     """``(dq, dk, dv)`` in q's, k's, v's dtypes: the forward's walk again from the saved `out` and `lse`, dk/dv
     (compute dtype) travelling behind k/v (`segments` as `forward`'s), one more send of dk/dv at the end to bring them
     home. Masked plans: what padding rows hold (of q, k, v and the cotangent) is ignored, and their gradients
     are 0. `overlap` as in `forward`: step t+1's k/v (and ids) are sent while step t computes; the dk/dv of a
-    step are its pieces' sums, so their send begins after them."""
+    step are its pieces' sums, so their send begins after them.
+
+    `joint` (joint plans): ``(joint_q, joint_k, joint_v, joint_out, joint_lse, d_joint_out)`` as the forward
+    took and gave them, with this rank's cotangent of joint_out; the result is then ``(dq, dk, dv, d joint_q,
+    d joint_k, d joint_v)`` (`_joint_backward`: ``convention="sum"``)."""
     if plan.masked:
         q, k, v, d_out = (backend.real_rows(x) for x in (q, k, v, d_out))
     query, d_out_c, out_c = backend.compute(q), backend.compute(d_out), backend.compute(out)
@@ -706,7 +802,57 @@ def backward(
         )
         dk, dv = backend.wait(backend.start([dk, dv]))
         held = _received(backend, pending, overlap, held)
-    return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v)
+    if joint is None:
+        return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v)
+    keys, values = backend.compute(k), backend.compute(v)
+    final = (out_c, d_out_c, lse, rowsums)
+    dq, dk, dv, joint_grads = _joint_backward(plan, backend, query, keys, values, final, dq, dk, dv, joint)
+    restored = [backend.restore(x, like) for x, like in zip(joint_grads, joint[:3], strict=True)]
+    return backend.restore(dq, q), backend.restore(dk, k), backend.restore(dv, v), *restored
+
+
+def _joint_backward(
+    plan: RingPlan,
+    backend: RingBackend,
+    query: Any,
+    keys: Any,
+    values: Any,
+    final: tuple[Any, Any, Any, Any],
+    dq: Any,
+    dk: Any,
+    dv: Any,
+    joint: Sequence[Any],
+) -> tuple[Any, Any, Any, tuple[Any, Any, Any]]:
+    """The joint pieces' VJPs from the final outputs and LSEs (`final`: this rank's out, d_out, lse and rowsums
+    of its q rows), the exact VJP of `_joint_forward` with every rank's copy of the joint tensors its own input
+    (``convention="sum"``): the piece of this rank's q rows against the joint k/v adds to dq and to this rank's
+    d joint_k, d joint_v; the joint q against the joint k/v (computed on every rank from its own copy) takes
+    this rank's cotangent of joint_out; the joint q against this rank's k/v block (every rank's merge reads it,
+    through the all-gather) takes the cotangents of every ring rank summed (`RingBackend.sum_ring`, the one
+    collective) and adds to this rank's dk, dv (home after the ring's last hop). Summed over the ranks, the
+    joint tensors' gradients are the full ones."""
+    to_joint, to_sequence, among = joint_masks(plan)
+    math_, every = backend.math, slice(None)
+    joint_q, joint_k, joint_v, joint_out, joint_lse, d_joint = joint
+    joint_q, joint_k, joint_v, joint_out, d_joint = (
+        backend.compute(x) for x in (joint_q, joint_k, joint_v, joint_out, d_joint)
+    )
+    grads = [backend.zeros(x) for x in (joint_q, joint_k, joint_v)]
+    if to_joint is not None:
+        out, d_out, lse, rowsums = final
+        part = backend.attend_vjp(query, joint_k, joint_v, out, d_out, lse, rowsums, to_joint)
+        dq = backend.add_rows(dq, every, part[0])
+        grads[1], grads[2] = backend.add_rows(grads[1], every, part[1]), backend.add_rows(grads[2], every, part[2])
+    rowsums = delta(math_, joint_out, d_joint)
+    part = backend.attend_vjp(joint_q, joint_k, joint_v, joint_out, d_joint, joint_lse, rowsums, among)
+    grads = [backend.add_rows(grad, every, value) for grad, value in zip(grads, part, strict=True)]
+    if to_sequence is not None:
+        total = backend.sum_ring(d_joint)
+        rowsums = delta(math_, joint_out, total)
+        part = backend.attend_vjp(joint_q, keys, values, joint_out, total, joint_lse, rowsums, to_sequence)
+        grads[0] = backend.add_rows(grads[0], every, part[0])
+        dk, dv = backend.add_rows(dk, every, part[1]), backend.add_rows(dv, every, part[2])
+    return dq, dk, dv, (grads[0], grads[1], grads[2])
 
 
 def visible_pieces(

@@ -35,7 +35,7 @@ from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
 from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
 from commlib_jax._walk import rank
-from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d, permute
+from commlib_jax.functional import Array, AxisName, all_gather, all_reduce, all_to_all, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]
 
@@ -50,13 +50,17 @@ def _ring_on_axes(
     k: Array,
     v: Array,
     segments: jax.Array | None = None,
-) -> jax.Array:
+    joint: tuple[Array, Array, Array] | None = None,
+) -> Any:
     """Rank's output ``[B, rows, H, D_v]`` (q's dtype) of the ring over `axes` (a tuple of mesh axis names):
     q ``[B, rows, H, D]``, k ``[B, rows, H_kv, D]``, v ``[B, rows, H_kv, D_v]`` this rank's ring block (and its
-    segment ids ``[B, rows]``)."""
-    arrays = [x for x in (q, k, v, segments) if x is not None]
+    segment ids ``[B, rows]``); with `joint` (the joint tensors' heads the ring walks): ``(out, joint_out)``."""
+    arrays = [x for x in (q, k, v, segments, *(joint or ())) if x is not None]
     varying = tuple(sorted(set(axes).union(*(varying_axes(x) for x in arrays)), key=str))
     q, k, v = (to_varying(x, varying) for x in (q, k, v))
+    if joint is not None:  # typed varying as q: JAX sums the shares of a joint tensor given once (its transpose)
+        joint_q, joint_k, joint_v = (to_varying(jnp.asarray(x), varying) for x in joint)
+        return _joint_ring(plan, axes, block_size, q, k, v, joint_q, joint_k, joint_v)
     if segments is not None:  # every ring block's ids [W, B, rows], gathered once (integers, no gradient)
         segments = all_gather(to_varying(segments, varying)[None], axes, 0)
         segments = to_varying(segments, varying)
@@ -146,6 +150,12 @@ class _AxisBackend:
         held = (here - step) % self.plan.ring_size
         return jnp.take(segments, here, axis=0), jnp.take(segments, held, axis=0)
 
+    def gather_ring(self, x: jax.Array) -> jax.Array:
+        return to_varying(all_gather(x[None], self.axes, 0), tuple(varying_axes(x)))
+
+    def sum_ring(self, x: jax.Array) -> jax.Array:
+        return to_varying(all_reduce(x, self.axes, "sum"), tuple(varying_axes(x)))
+
     def when_visible(
         self, step: int, index: int, mask: jax.Array, function: Callable[..., Any], *operands: jax.Array
     ) -> Any:
@@ -192,6 +202,31 @@ def _ring_backward(plan: spec.RingPlan, axes: tuple, block_size: int, residuals:
 _ring.defvjp(_ring_forward, _ring_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _joint_ring(plan: spec.RingPlan, axes: tuple, block_size: int, *arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(out, joint_out)`` of the ring walk with joint tensors: `arrays` q, k, v, joint_q, joint_k, joint_v."""
+    return _joint_ring_forward(plan, axes, block_size, *arrays)[0]
+
+
+def _joint_ring_forward(plan: spec.RingPlan, axes: tuple, block_size: int, *arrays: jax.Array) -> tuple:
+    q, k, v, joint_q, joint_k, joint_v = arrays
+    backend = _AxisBackend(plan, axes, block_size)
+    out, lse, joint_out, joint_lse = spec.forward(plan, backend, q, k, v, joint=(joint_q, joint_k, joint_v))
+    return (out, joint_out), (*arrays, out, lse, joint_out, joint_lse)
+
+
+def _joint_ring_backward(
+    plan: spec.RingPlan, axes: tuple, block_size: int, residuals: tuple, cotangents: tuple
+) -> tuple[jax.Array, ...]:
+    q, k, v, joint_q, joint_k, joint_v, out, lse, joint_out, joint_lse = residuals
+    d_out, d_joint_out = cotangents
+    joint = (joint_q, joint_k, joint_v, joint_out, joint_lse, d_joint_out)
+    return spec.backward(plan, _AxisBackend(plan, axes, block_size), q, k, v, out, lse, d_out, joint=joint)
+
+
+_joint_ring.defvjp(_joint_ring_forward, _joint_ring_backward)
+
+
 def ring_attention(
     q: Array,
     k: Array,
@@ -204,10 +239,15 @@ def ring_attention(
     segment_ids: Array | None = None,
     block_size: int | None = None,
     mask: MaskRule | None = None,
-) -> jax.Array:
+    joint_q: Array | None = None,
+    joint_k: Array | None = None,
+    joint_v: Array | None = None,
+    joint_position: str = "front",
+) -> Any:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around the ring of
     `axis_name`: q ``[B, S/W, H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``,
-    q's dtype; equal to `attention` on the whole sequence, cut back the same way.
+    q's dtype; equal to `attention` on the whole sequence, cut back the same way. With `joint_q`, `joint_k`,
+    `joint_v`: ``(out, joint_out)``.
 
     Args:
         q, k, v: this rank's shard of the sequence: the global positions ``commlib.shard_positions(S, W,
@@ -239,6 +279,22 @@ def ring_attention(
             pair when it is built (`commlib.ring.ring_plan`, static): the pairs it masks entirely are not in
             the program, those it leaves whole run unmasked, the rest are masked by the rule's mask of the
             pair's positions.
+        joint_q, joint_k, joint_v: joint attention (MMDiT: SD3, Flux; `commlib.joint`): ``[B, S_j, H, D]``,
+            ``[B, S_j, H_kv, D]``, ``[B, S_j, H_kv, D_v]`` (q, k, v's heads, head dims and dtype), the same on every
+            rank (the text tokens), all three or none. The joint tokens attend and are attended as if
+            concatenated with the full sequence at `joint_position`; the call returns ``(out, joint_out)``,
+            ``joint_out`` ``[B, S_j, H, D_v]`` bit for bit the same on every rank. Each rank attends its q rows to
+            the joint k/v locally (one more piece of the online softmax, nothing sent), and the joint q to its own
+            k/v block and to the joint k/v; the joint q's partials ``(out, lse)`` are all-gathered over the axis
+            and merged in rank order, the same on every rank (`commlib.ring.forward`). Gradient
+            (``convention="sum"``, rank r's loss its own): the cotangents of every rank's joint_out are summed
+            (one psum) for the joint q's attention to the k/v blocks; rank r's d joint_q, d joint_k, d joint_v are
+            its part (its q rows' attention to the joint k/v, and the joint q's attention to the joint k/v with
+            its own cotangent): summed over the ranks, the full gradient (a joint tensor given once,
+            ``in_specs=P()``, is summed by JAX itself). Not with `segment_ids`, `mask` or an uneven
+            `commlib.SequenceLayout`.
+        joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
+            (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions.
 
     W-1 `permute` steps of k and v (H_kv heads, never repeated), online softmax with the log-sum-exp merge in
     float32 (float64 stays float64). Gradient: exact (``convention="sum"``: rank r's loss is its own), by a
@@ -277,18 +333,33 @@ def ring_attention(
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, S not divisible
             by W (contiguous) or 2W (zigzag), an unknown layout, a `SequenceLayout` whose ring_size is not W or
             whose max_size is not the seq held, unequal dtypes, segment_ids not ``[B, S/W]``; `axis_name` not
-            bound; a mask rule's block_size or window below 1.
+            bound; a mask rule's block_size or window below 1; joint tensors given without the others, whose
+            batch, heads or head_dim differ from q, k, v's or whose seq differ, whose dtype is not q's, with
+            segment_ids, mask or an uneven layout, a `joint_position` not "front" or "rear".
         TypeError: wrong kinds (causal not a bool, scale not a number, segment_ids not integers, axis names,
-            mask not a `commlib.masks.MaskRule`).
+            mask not a `commlib.masks.MaskRule`, joint tensors not arrays, joint_position not a str).
     """
     axes = axes_of(axis_name)
     size = axis_size(spec.RING_OP, axes)
+    joint = (joint_q, joint_k, joint_v)
     plan = ring_call(
-        LayerFrontend(), q, k, v, segment_ids, ring_size=size, causal=causal, scale=scale, layout=layout, mask=mask
+        LayerFrontend(),
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_size=size,
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        mask=mask,
+        joint_qkv=joint,
+        joint_position=joint_position,
     )
     block_size = blockwise.check_block_size(spec.RING_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids)
+    given = None if plan.joint is None else joint
+    return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids, given)  # type: ignore[arg-type]
 
 
 def _heads_out(plan: spec.RingPlan, q: Array, k: Array, v: Array, ulysses_axis: AxisName) -> tuple[Array, ...]:
@@ -323,7 +394,11 @@ def usp_attention(
     segment_ids: Array | None = None,
     block_size: int | None = None,
     mask: MaskRule | None = None,
-) -> jax.Array:
+    joint_q: Array | None = None,
+    joint_k: Array | None = None,
+    joint_v: Array | None = None,
+    joint_position: str = "front",
+) -> Any:
     """USP (Ulysses inside a group, ring across groups, as yunchang's LongContextAttention): q ``[B, S/(R U), H,
     D]``, k ``[B, S/(R U), H_kv, D]``, v ``[B, S/(R U), H_kv, D_v]`` -> ``[B, S/(R U), H, D_v]``, q's dtype; equal
     to `attention` on the whole sequence, cut back the same way.
@@ -338,6 +413,12 @@ def usp_attention(
         segment_ids: integers ``[B, S/(R U)]`` laid out as q, as in `ring_attention`: all-gathered over
             `ulysses_axis` into ring block r's ids, then every ring block's over `ring_axis` (once).
         block_size: as in `ring_attention`.
+        joint_q, joint_k, joint_v, joint_position: as in `ring_attention` (``(out, joint_out)``): after the
+            all-to-all Ulysses rank u takes the same heads of the replicated joint tensors (``[u H/U, (u+1) H/U)``
+            and their kv heads: no communication), the ring runs with them over `ring_axis`, and the joint
+            output's heads are all-gathered over `ulysses_axis` (rank order; its VJP the reduce-scatter).
+            Gradient (``convention="sum"``): rank (u, r)'s d joint_* is its part, 0 outside its heads; summed over
+            every rank, the full gradient.
 
     ``all_to_all_4d`` of q, k, v over `ulysses_axis` (``[B, S/(R U), H, D] -> [B, S/R, H/U, D]``: ring block r,
     H/U heads), `ring_attention` over `ring_axis`, the inverse ``all_to_all_4d``. Gradient: exact, through all
@@ -358,8 +439,8 @@ def usp_attention(
     True
 
     Raises:
-        CommError: as `ring_attention` (S divisible by R U, or 2 R U for zigzag), and U larger than H or not
-            dividing H and H_kv.
+        CommError: as `ring_attention` (S divisible by R U, or 2 R U for zigzag; its joint refusals), and U
+            larger than H or not dividing H and H_kv.
         TypeError: as `ring_attention`.
     """
     ulysses_axes, ring_axes = axes_of(ulysses_axis), axes_of(ring_axis)
@@ -376,10 +457,30 @@ def usp_attention(
         scale=scale,
         layout=layout,
         mask=mask,
+        joint_qkv=(joint_q, joint_k, joint_v),
+        joint_position=joint_position,
     )
     block_size = blockwise.check_block_size(spec.USP_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    if plan.joint is not None:
+        joint = _joint_heads(plan, (joint_q, joint_k, joint_v), ulysses_axes)  # type: ignore[arg-type]
+        local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_axis)
+        out, joint_out = _ring_on_axes(plan, ring_axes, block_size, local_q, local_k, local_v, None, joint)
+        return all_to_all_4d(out, ulysses_axis, 1, 2), all_gather(joint_out, ulysses_axis, 2)
     q, k, v = _heads_out(plan, q, k, v, ulysses_axis)
     if segment_ids is not None and ulysses_size > 1:  # ring block r's ids: the U (padded) shards' in order
         segment_ids = all_gather(segment_ids, ulysses_axis, 1)
     return all_to_all_4d(_ring_on_axes(plan, ring_axes, block_size, q, k, v, segment_ids), ulysses_axis, 1, 2)
+
+
+def _joint_heads(plan: spec.RingPlan, joint: tuple[Array, Array, Array], ulysses_axes: tuple) -> tuple:
+    """This Ulysses rank's heads of the joint tensors (`commlib.ring.RingPlan.joint_head_starts`, indexed with the
+    traced axis index), each typed varying over `ulysses_axes` first."""
+    starts = jnp.asarray(plan.joint_head_starts)[rank(ulysses_axes)]
+    counts = (plan.heads, plan.kv_heads, plan.kv_heads)
+    taken = []
+    for x, start, count in zip(joint, (starts[0], starts[1], starts[1]), counts, strict=True):
+        x = jnp.asarray(x)
+        varying = tuple(sorted(set(ulysses_axes) | set(varying_axes(x)), key=str))
+        taken.append(jax.lax.dynamic_slice_in_dim(to_varying(x, varying), start, count, axis=2))
+    return tuple(taken)

@@ -36,7 +36,7 @@ from commlib_torch._groups import GroupArgument as Group
 from commlib_torch._groups import backend_dtypes, global_rank, group_rank, resolve_group, world_size
 from commlib_torch._op import at_boundary, transforms_active
 from commlib_torch._walk import run
-from commlib_torch.functional import all_gather, all_to_all, all_to_all_4d
+from commlib_torch.functional import all_gather, all_reduce, all_to_all, all_to_all_4d
 
 __all__ = ["ring_attention", "usp_attention"]
 
@@ -343,6 +343,12 @@ class _RankBackend:
         """This rank's ids and those of the kv block it holds at `step`, from every block's ``[W, B, rows]``."""
         return segments[self.rank], segments[self.plan.kv_block(step, self.rank)]
 
+    def gather_ring(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather(x[None], 0, self.group)
+
+    def sum_ring(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x, "sum", self.group)
+
     def when_visible(
         self, step: int, index: int, mask: torch.Tensor, function: Callable[..., tuple], *operands: torch.Tensor
     ) -> tuple:
@@ -492,6 +498,64 @@ class _FunctorchRing(_Ring):
         return _Ring.backward(ctx, d_out)
 
 
+class _JointRing(torch.autograd.Function):
+    """The ring walk with joint tensors (`commlib.ring.forward`'s ``joint``): ``(out, lse, joint_out,
+    joint_lse)``, the LSEs not differentiable; backward `commlib.ring.backward` from the saved inputs, outputs
+    and LSEs (the form torch.func's transforms take, forward and setup_context apart)."""
+
+    @staticmethod
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        joint_q: torch.Tensor,
+        joint_k: torch.Tensor,
+        joint_v: torch.Tensor,
+        plan: spec.RingPlan,
+        group: dist.ProcessGroup | None,
+        rank: int,
+    ) -> tuple[torch.Tensor, ...]:
+        backend = _RankBackend(plan, group, rank, q.device)
+        return spec.forward(plan, backend, q, k, v, joint=(joint_q, joint_k, joint_v))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        *tensors, plan, group, rank = inputs
+        out, lse, joint_out, joint_lse = output
+        ctx.mark_non_differentiable(lse, joint_lse)
+        ctx.plan, ctx.group, ctx.rank = plan, group, rank
+        ctx.save_for_backward(*tensors, out, lse, joint_out, joint_lse)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor, d_lse: Any, d_joint_out: torch.Tensor, d_joint_lse: Any) -> tuple:
+        q, k, v, joint_q, joint_k, joint_v, out, lse, joint_out, joint_lse = ctx.saved_tensors
+        backend = _RankBackend(ctx.plan, ctx.group, ctx.rank, q.device)
+        with torch.no_grad():  # the walk is not differentiated: its in-place sums need no graph
+            joint = (joint_q, joint_k, joint_v, joint_out, joint_lse, d_joint_out)
+            grads = spec.backward(ctx.plan, backend, q, k, v, out, lse, d_out, joint=joint)
+        if torch.is_grad_enabled():  # a graph of the gradient is recorded: a second order must not come out zero
+            inputs = (q, k, v, joint_q, joint_k, joint_v, d_out, d_joint_out)
+            grads = (
+                *_FirstOrderOnly.apply(ctx.plan.op_name, *grads[:3], *inputs),
+                *_FirstOrderOnly.apply(ctx.plan.op_name, *grads[3:], *inputs),
+            )
+        return (*grads, None, None, None)
+
+
+def _joint_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    plan: spec.RingPlan,
+    group: dist.ProcessGroup | None,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, joint_out)`` of the ring over `group` with the joint tensors `joint` (the heads it walks)."""
+    out, _, joint_out, _ = _JointRing.apply(q, k, v, *joint, plan, group, rank)
+    return out, joint_out
+
+
 def _visibility(
     plan: spec.RingPlan, segments: torch.Tensor | None, group: dist.ProcessGroup | None, rank: int
 ) -> list[list[bool]] | None:
@@ -556,9 +620,14 @@ def ring_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
     mask: MaskRule | None = None,
-) -> torch.Tensor:
+    joint_q: torch.Tensor | None = None,
+    joint_k: torch.Tensor | None = None,
+    joint_v: torch.Tensor | None = None,
+    joint_position: str = "front",
+) -> Any:
     """Attention over the whole sequence for sequence-sharded inputs, k and v passed around a ring: q ``[B, S/W,
-    H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype.
+    H, D]``, k ``[B, S/W, H_kv, D]``, v ``[B, S/W, H_kv, D_v]`` -> ``[B, S/W, H, D_v]``, q's dtype. With
+    `joint_q`, `joint_k`, `joint_v`: ``(out, joint_out)``.
 
     Args:
         q, k, v: this rank's shard of the sequence: rank r holds the global positions
@@ -586,6 +655,24 @@ def ring_attention(
             pair on the host once (`commlib.ring.ring_plan`): the pairs it masks entirely are skipped, those it
             leaves whole run unmasked, the rest masked by the rule's dense mask of the pair (no host read per
             call, no graph break).
+        joint_q, joint_k, joint_v: joint attention (MMDiT: SD3, Flux; `commlib.joint`): ``[B, S_j, H, D]``,
+            ``[B, S_j, H_kv, D]``, ``[B, S_j, H_kv, D_v]`` (q, k, v's heads and head dims and dtype), the same on
+            every rank (the text tokens), all three or none. The joint tokens attend and are attended as if
+            concatenated with the full sequence at `joint_position`; the call returns ``(out, joint_out)``,
+            ``joint_out`` ``[B, S_j, H, D_v]`` bit for bit the same on every rank. Each rank attends its q rows to
+            the joint k/v locally (one more piece of the online softmax, nothing sent), and the joint q to its own
+            k/v block and to the joint k/v; the joint q's partials ``(out, lse)`` are all-gathered over the group
+            and merged in rank order, the same on every rank (`commlib.ring.forward`). Gradient
+            (``convention="sum"``, rank r's loss its own): the cotangents of every rank's joint_out are summed
+            (one all-reduce) for the joint q's attention to the k/v blocks; rank r's d joint_q, d joint_k,
+            d joint_v are its part -- its q rows' attention to the joint k/v, and the joint q's attention to the
+            joint k/v with rank r's own cotangent -- so summed over the ranks they are the full gradient
+            (``sync_gradients`` of the replicated text branch). Not with `segment_ids`, `mask` or an uneven
+            `commlib.SequenceLayout`.
+        joint_position: "front" (``[joint | sequence]``, text first as SD3 and Flux) or "rear"
+            (``[sequence | joint]``); with `causal` the mask follows the concatenation's positions (front: every
+            query sees the joint tokens, which see only each other; rear: they see everything, the sequence
+            none of them).
 
     W steps: at step t a rank attends with the k/v block of rank ``r - t`` (skipping the pieces the causal
     mask hides, `commlib.ring.ring_plan`) and merges with the log-sum-exp (in float32 for half inputs,
@@ -615,14 +702,21 @@ def ring_attention(
     >>> out = ring_attention(q, k, v, causal=True, segment_ids=ids)
     >>> torch.allclose(out, attention(q, k, v, causal=True, segment_ids=ids), atol=1e-5), bool((out[:, 6] == 0).all())
     (True, True)
+    >>> text = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)  # replicated
+    >>> out, joint_out = ring_attention(q, k, v, causal=True, joint_q=text[0], joint_k=text[1], joint_v=text[2])
+    >>> whole = attention(*(torch.cat([t, x], dim=1) for t, x in zip(text, (q, k, v))), causal=True)  # text first
+    >>> torch.allclose(joint_out, whole[:, :3], atol=1e-5), torch.allclose(out, whole[:, 3:], atol=1e-5)
+    (True, True)
 
     Raises:
         CommError: ndim != 4, q/k/v batch, seq or head_dim that disagree, H not divisible by H_kv, an unknown
             layout, an odd shard in the zigzag layout, a `SequenceLayout` whose ring_size is not W or whose
             ``sizes[rank]`` is not this rank's seq, unequal dtypes, segment_ids not ``[B, S/W]``, a rank outside
-            `group`, a mask rule's block_size or window below 1.
-        TypeError: wrong kinds (q, k, v, segment_ids not tensors, segment_ids not integers, causal not a bool,
-            scale not a number, group, mask not a `commlib.masks.MaskRule`).
+            `group`, a mask rule's block_size or window below 1; joint tensors given without the others, whose
+            batch, heads or head_dim differ from q, k, v's or whose seq differ, whose dtype is not q's, with
+            segment_ids, mask or an uneven layout, a `joint_position` not "front" or "rear".
+        TypeError: wrong kinds (q, k, v, joint tensors, segment_ids not tensors, segment_ids not integers, causal
+            not a bool, scale not a number, group, mask not a `commlib.masks.MaskRule`, joint_position not a str).
     """
     group = resolve_group(spec.RING_OP, group)
     rank = group_rank(group)
@@ -638,7 +732,12 @@ def ring_attention(
         layout=layout,
         shard=_shard_index(layout, rank),
         mask=mask,
+        joint_qkv=(joint_q, joint_k, joint_v),
+        joint_position=joint_position,
     )
+    if plan.joint is not None:
+        assert joint_q is not None and joint_k is not None and joint_v is not None
+        return _joint_ring(q, k, v, (joint_q, joint_k, joint_v), plan, group, rank)
     if not plan.masked:
         return _ring(q, k, v, plan, group, rank, segment_ids)
     segments = None if segment_ids is None else _padded(segment_ids, plan.rows)
@@ -679,7 +778,11 @@ def usp_attention(
     layout: str | SequenceLayout = "contiguous",
     segment_ids: torch.Tensor | None = None,
     mask: MaskRule | None = None,
-) -> torch.Tensor:
+    joint_q: torch.Tensor | None = None,
+    joint_k: torch.Tensor | None = None,
+    joint_v: torch.Tensor | None = None,
+    joint_position: str = "front",
+) -> Any:
     """USP (yunchang's LongContextAttention): Ulysses inside `ulysses_group` (U ranks), ring attention across
     `ring_group` (W ranks): q ``[B, S/(W U), H, D]``, k ``[B, S/(W U), H_kv, D]``, v ``[B, S/(W U), H_kv, D_v]``
     -> ``[B, S/(W U), H, D_v]``, q's dtype.
@@ -695,7 +798,12 @@ def usp_attention(
     then gathers ring block r as U padded pieces) with the padding masked. `segment_ids` (integers ``[B, S/(W U)]``
     laid out as q) as in `ring_attention`: all-gathered over `ulysses_group` into ring block r's ids, then
     every ring block's over `ring_group` (once per call). `mask` as in `ring_attention` (on the global positions:
-    the ring's blocks are classified as ring block r's positions).
+    the ring's blocks are classified as ring block r's positions). `joint_q`, `joint_k`, `joint_v` and
+    `joint_position` as in `ring_attention` (``(out, joint_out)``): after the all-to-all Ulysses rank u takes
+    the same heads of the replicated joint tensors (``[u H/U, (u+1) H/U)`` and their kv heads: no
+    communication), the ring runs with them over `ring_group`, and the joint output's heads are all-gathered
+    over `ulysses_group` (rank order; its VJP the reduce-scatter). Gradient (``convention="sum"``): rank (u, r)'s
+    d joint_* is its part, 0 outside its heads; summed over every rank of both groups, the full gradient.
 
     On one rank (Ulysses group and ring both WORLD of size 1) it is attention on the whole sequence, gradients
     included:
@@ -710,8 +818,8 @@ def usp_attention(
     (True, True)
 
     Raises:
-        CommError: as `ring_attention`, and a Ulysses group larger than H, or H or H_kv not divisible by U, a
-            `SequenceLayout` whose ulysses_size is not U.
+        CommError: as `ring_attention` (its joint refusals included), and a Ulysses group larger than H, or H or
+            H_kv not divisible by U, a `SequenceLayout` whose ulysses_size is not U.
         TypeError: wrong kinds.
     """
     ulysses_group, ring_group = (resolve_group(spec.USP_OP, g) for g in (ulysses_group, ring_group))
@@ -729,7 +837,12 @@ def usp_attention(
         layout=layout,
         shard=_shard_index(layout, ring_rank, group_rank(ulysses_group)),
         mask=mask,
+        joint_qkv=(joint_q, joint_k, joint_v),
+        joint_position=joint_position,
     )
+    if plan.joint is not None:
+        assert joint_q is not None and joint_k is not None and joint_v is not None
+        return _joint_usp(plan, (q, k, v), (joint_q, joint_k, joint_v), ulysses_group, ring_group)
     segments = segment_ids
     rows = q.shape[1]
     if plan.masked:  # every shard padded to max_size: the all-to-all gathers ring block r as the plan walks it
@@ -741,3 +854,25 @@ def usp_attention(
     out = _ring(local_q, local_k, local_v, plan, ring_group, ring_rank, segments)
     out = out if plan.ulysses_size == 1 else all_to_all_4d(out, 1, 2, ulysses_group)
     return out[:, :rows] if plan.masked else out
+
+
+def _joint_usp(
+    plan: spec.RingPlan,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """USP with joint tensors: the all-to-all, this Ulysses rank's heads of the joint tensors
+    (`commlib.ring.RingPlan.joint_head_starts`), the joint ring, the all-to-all back and the joint output's heads
+    all-gathered over `ulysses_group`."""
+    q_start, kv_start = plan.joint_head_starts[group_rank(ulysses_group)].tolist()
+    heads = (plan.heads, plan.kv_heads, plan.kv_heads)
+    starts = (q_start, kv_start, kv_start)
+    joint_q, joint_k, joint_v = (x.narrow(2, start, n) for x, start, n in zip(joint, starts, heads, strict=True))
+    mine = (joint_q, joint_k, joint_v)
+    local_q, local_k, local_v = _heads_out(plan, *qkv, ulysses_group)
+    out, joint_out = _joint_ring(local_q, local_k, local_v, mine, plan, ring_group, group_rank(ring_group))
+    if plan.ulysses_size == 1:
+        return out, joint_out
+    return all_to_all_4d(out, 1, 2, ulysses_group), all_gather(joint_out, 2, ulysses_group)

@@ -116,6 +116,15 @@ class SimulatedRanks:
         """What `start` sent: received already."""
         return pending
 
+    def gather_ring(self, x: np.ndarray) -> np.ndarray:
+        """Every rank's `x` stacked in rank order (``[W, B, ...]``), on every rank's batch rows: ``[W, W B, ...]``."""
+        stacked = np.stack(self.split(x))
+        return np.concatenate([stacked] * self.plan.ring_size, axis=1)
+
+    def sum_ring(self, x: np.ndarray) -> np.ndarray:
+        """The ranks' `x` summed, on every rank's batch rows."""
+        return np.concatenate([sum(self.split(x))] * self.plan.ring_size)
+
     def key_mask(self, step: int) -> np.ndarray:
         """Every rank's mask of `step`, rank r's on its batch rows: ``[W * B, 1, 1, rows, rows]``."""
         return np.repeat(self.plan.key_masks(step), self.plan.batch, axis=0)[:, None, None]

@@ -1,16 +1,22 @@
 """Joint attention in the spec (`commlib.joint`): the float64 reference's VJP against central finite differences,
 the spec's Ulysses walk with joint tensors on W simulated numpy ranks (`simulate_ulysses`, exact and padded
-layouts) against the reference of the concatenation on every rank, and the call path's refusals (naming the
-layer, the argument and both numbers, before any communication)."""
+layouts) against the reference of the concatenation on every rank, the ring / USP cases' per-rank gradient parts
+against the full reference (their sum), and the call path's refusals (Ulysses, ring, USP: naming the layer, the
+argument and both numbers, before any communication)."""
 
 import numpy as np
 import pytest
 
-from commlib import CommError
-from commlib.layer_call import ulysses_call
+from commlib import CommError, SequenceLayout, ring
+from commlib.layer_call import ring_call, ulysses_call
+from commlib.masks import SlidingWindow
 from commlib.reference import joint as joint_reference
+from commlib.reference.ring import SimulatedRanks
 from commlib.reference.ulysses import simulate_ulysses
+from commlib.sequence import shard_positions
 from tests import joint_cases
+
+JOINT = ("joint_q", "joint_k", "joint_v")
 
 
 class _Numpy:  # the call path's frontend of numpy arrays, never in checked mode
@@ -139,3 +145,99 @@ def test_a_bogus_position_is_refused_without_joint_tensors_too():
     assert _call((None, None, None)).joint is None
     with pytest.raises(CommError, match=r"joint_position \('middle'\) must be one of 'front', 'rear'"):
         _call((None, None, None), joint_position="middle")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_cases_parts_sum_to_the_reference(world_size):
+    """Every rank's expected d joint_* of a ring / USP case (tests/joint_cases.py: its part, in its heads) summed
+    over the ranks is the full float64 gradient of the concatenation -- the "sum" convention's promise."""
+    for case in joint_cases.ring_cases(world_size):
+        arrays = joint_cases.ring_arrays(case)
+        cotangent = np.concatenate(arrays["cotangent"], axis=1)
+        order = np.argsort(np.concatenate([x.reshape(-1) for x in _held(case)]))
+        tensors = [arrays[name] for name in ("joint_q", "joint_k", "joint_v")]
+        full = [np.concatenate(arrays[name], axis=1)[:, order] for name in "qkv"]
+        cotangents = (cotangent[:, order], sum(arrays["joint_cotangent"]))
+        _, _, grads = joint_reference.reference(
+            *full, tensors, case.position, causal=case.causal, cotangents=cotangents
+        )
+        for index, name in enumerate(("djoint_q", "djoint_k", "djoint_v")):
+            np.testing.assert_allclose(sum(arrays[name]), grads[3 + index], atol=1e-12, err_msg=f"{case.name} {name}")
+
+
+def _held(case):
+    return shard_positions(case.seq, case.ring_size, case.layout, case.ulysses_size)
+
+
+def _ring_call(joint_qkv, op="ring_attention", **options):
+    q = np.zeros((1, 4, 6, 8))
+    k = np.zeros((1, 4, 2, 8))
+    sizes = dict(ring_size=2) if op == "ring_attention" else dict(ring_size=1, ulysses_size=2)
+    segment_ids = options.pop("segment_ids", None)
+    return ring_call(_Numpy(), q, k, k, segment_ids, **sizes, joint_qkv=joint_qkv, **options)
+
+
+RING_BAD = [
+    ((TEXT[0], None, TEXT[2]), {}, CommError, r"ring_attention: joint_q, joint_k and joint_v must be given "
+     r"together \(joint_k is None\)"),
+    ((TEXT[0], np.zeros((1, 2, 2, 8)), TEXT[2]), {}, CommError,
+     r"ring_attention: joint_k seq \(2\) must equal joint_q seq \(3\)"),
+    ((np.zeros((1, 3, 4, 8)), *TEXT[1:]), {"op": "usp_attention"}, CommError,
+     r"usp_attention: joint_q heads \(4\) must equal q heads \(6\)"),
+    (TEXT, {"joint_position": "middle"}, CommError,
+     r"ring_attention: joint_position \('middle'\) must be one of 'front', 'rear'"),
+    (TEXT, {"joint_position": 0}, TypeError, r"ring_attention: joint_position must be a str, not int"),
+    ((TEXT[0].astype(np.float32), *TEXT[1:]), {}, CommError,
+     r"ring_attention: joint_q, joint_k, joint_v dtypes \(float32, float64, float64\) must equal q's \(float64\)"),
+    (TEXT, {"segment_ids": np.zeros((1, 4), dtype=np.int32)}, CommError,
+     r"ring_attention: segment_ids cannot be given with joint_q"),
+    (TEXT, {"mask": SlidingWindow(2)}, CommError, r"ring_attention: mask cannot be given with joint_q"),
+    (TEXT, {"layout": SequenceLayout(7, ring_size=2), "shard": 0}, CommError,
+     r"ring_attention: joint_q cannot be given with a SequenceLayout whose shards are uneven \(sizes \(4, 3\)\)"),
+    ((TEXT[0], [0], TEXT[2]), {"op": "usp_attention"}, TypeError,
+     r"usp_attention: joint_k must be a numpy.ndarray, not list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("joint_qkv", "options", "error", "match"), RING_BAD)
+def test_bad_ring_joint_calls_name_the_layer_and_both_numbers(joint_qkv, options, error, match):
+    with pytest.raises(error, match=match):
+        _ring_call(joint_qkv, **options)
+
+
+def test_ring_joint_plan_and_an_even_sequence_layout():
+    assert _ring_call((None, None, None)).joint is None
+    plan = _ring_call(TEXT, layout=SequenceLayout(8, ring_size=2), shard=1, joint_position="rear")
+    assert (plan.joint.position, plan.joint.seq) == ("rear", 3)
+    with pytest.raises(CommError, match=r"ring_attention: joint_position \('middle'\) must be one of"):
+        _ring_call((None, None, None), joint_position="middle")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_simulated_ring_walk_gives_the_reference_on_every_rank(world_size):
+    """The spec's ring walk with joint tensors (`commlib.ring.forward` / `backward`) on W simulated numpy ranks
+    (`SimulatedRanks`: rank r's arrays on its batch rows) against tests/joint_cases.py's ring cases: out, joint_out
+    (bit for bit the same on every rank) and every rank's gradients, its d joint_* its part."""
+    failed = []
+    for case in (case for case in joint_cases.ring_cases(world_size) if case.ulysses_size == 1):
+        arrays = joint_cases.ring_arrays(case)
+        q, k, v = (np.concatenate(arrays[name]) for name in "qkv")
+        plan = ring_call(_Numpy(), arrays["q"][0], arrays["k"][0], arrays["v"][0], None, ring_size=world_size,
+                         joint_qkv=[arrays[name] for name in JOINT], **case.kwargs())  # fmt: skip
+        ranks = SimulatedRanks(plan)
+        joint = tuple(np.concatenate([arrays[name]] * world_size) for name in JOINT)
+        out, lse, joint_out, joint_lse = ring.forward(plan, ranks, q, k, v, joint=joint)
+        d_out, d_joint = (np.concatenate(arrays[name]) for name in ("cotangent", "joint_cotangent"))
+        grads = ring.backward(plan, ranks, q, k, v, out, lse, d_out, joint=(*joint, joint_out, joint_lse, d_joint))
+        names = ("out", "joint_out", "dq", "dk", "dv", *(f"d{n}" for n in JOINT))
+        got = dict(zip(names, (out, joint_out, *grads), strict=True))
+        for name, value in got.items():
+            for rank, mine in enumerate(ranks.split(value)):
+                want = arrays[name] if name == "joint_out" else arrays[name][rank]
+                error = np.abs(mine - want).max(initial=0.0)
+                if error > 1e-12:
+                    failed.append(f"{case.name} rank {rank} {name}: {error}")
+        parts = ranks.split(joint_out)
+        if not all(np.array_equal(part, parts[0]) for part in parts):
+            failed.append(f"{case.name}: joint_out differs between ranks")
+    assert not failed, "\n".join(failed)
