@@ -69,9 +69,9 @@ def _rows(case: JointCase) -> list[slice]:
     return [slice(cuts[r], cuts[r + 1]) for r in range(case.world_size)]
 
 
-def arrays(case: JointCase) -> dict:
-    """Inputs (per rank: q, k, v, cotangent, joint_cotangent; replicated: joint_q, joint_k, joint_v) and the
-    expected results per rank: out, joint_out, dq, dk, dv, djoint_q, djoint_k, djoint_v."""
+def _draw(case: JointCase) -> tuple[dict, np.ndarray, list]:
+    """The seeded float64 inputs of `case`: the whole q, k, v and joint tensors, the sequence's cotangent and
+    every rank's cotangent of joint_out."""
     rng = np.random.default_rng(case.seed)
     b, s, sj, h, hkv = case.batch, case.seq, case.joint_seq, case.heads, case.kv_heads
     shapes = dict(
@@ -85,6 +85,14 @@ def arrays(case: JointCase) -> dict:
     full = {name: rng.standard_normal(shape) for name, shape in shapes.items()}
     cot = rng.standard_normal((b, s, h, case.v_dim))
     joint_cots = [rng.standard_normal((b, sj, h, case.v_dim)) for _ in range(case.world_size)]
+    return full, cot, joint_cots
+
+
+def arrays(case: JointCase) -> dict:
+    """Inputs (per rank: q, k, v, cotangent, joint_cotangent; replicated: joint_q, joint_k, joint_v) and the
+    expected results per rank: out, joint_out, dq, dk, dv, djoint_q, djoint_k, djoint_v."""
+    full, cot, joint_cots = _draw(case)
+    b, sj, h, hkv = case.batch, case.joint_seq, case.heads, case.kv_heads
     total = (sum(joint_cots), cot)[::-1]
     main = (full["q"], full["k"], full["v"])
     tensors = (full["joint_q"], full["joint_k"], full["joint_v"])
@@ -215,19 +223,8 @@ def ring_arrays(case: RingJointCase) -> dict:
     only -- the joint q's attention to ring block r's keys with every rank's cotangent summed, plus the joint
     q's attention to the joint keys and ring block r's queries' attention to them with the cotangents of
     ring index r (joint_out's summed over its Ulysses group, the sequence's its rows')."""
-    rng = np.random.default_rng(case.seed)
+    full, cot, joint_cots = _draw(case)
     b, s, sj, h, hkv = case.batch, case.seq, case.joint_seq, case.heads, case.kv_heads
-    shapes = dict(
-        q=(b, s, h, case.head_dim),
-        k=(b, s, hkv, case.head_dim),
-        v=(b, s, hkv, case.v_dim),
-        joint_q=(b, sj, h, case.head_dim),
-        joint_k=(b, sj, hkv, case.head_dim),
-        joint_v=(b, sj, hkv, case.v_dim),
-    )
-    full = {name: rng.standard_normal(shape) for name, shape in shapes.items()}
-    cot = rng.standard_normal((b, s, h, case.v_dim))
-    joint_cots = [rng.standard_normal((b, sj, h, case.v_dim)) for _ in range(case.world_size)]
     total = sum(joint_cots)
     main = (full["q"], full["k"], full["v"])
     tensors = (full["joint_q"], full["joint_k"], full["joint_v"])
