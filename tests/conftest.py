@@ -2,7 +2,8 @@
 
 Hypothesis profiles, chosen by the HYPOTHESIS_PROFILE environment variable: "default" (25 examples per property,
 for a quick local run) and "slow" (200), the profile CI and the README's test command run
-(``HYPOTHESIS_PROFILE=slow python -m pytest -q``, .ci/run). A property whose examples each cost a compile caps its
+(``HYPOTHESIS_PROFILE=slow python -m pytest -q -n 2 --dist loadfile``, .ci/run: two pytest-xdist workers,
+each running whole files). A property whose examples each cost a compile caps its
 own count under "slow" and says which other test covers the rest (tests/jax/test_properties.py, test_uneven.py).
 
 Inductor compiles in the worker processes (tests/torch/test_compile.py) run with one compile thread: each rank
