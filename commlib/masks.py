@@ -44,6 +44,7 @@ import numpy as np
 
 from commlib.dtypes import kind
 from commlib.errors import comm_error, kind_error
+from commlib.validators import iterable
 
 __all__ = [
     "SEGMENT_OP",
@@ -110,10 +111,10 @@ def check_segment_ids(op_name: str, shape: object, dtype: str, q_shape: tuple[in
     if not integer_dtype(dtype):
         raise kind_error(op_name, f"segment_ids dtype ({dtype}) must be an integer dtype", **received)
     want = tuple(q_shape[:2])
-    if tuple(shape) != want:  # type: ignore[arg-type]
+    if tuple(iterable(shape)) != want:
         raise comm_error(
             op_name,
-            f"segment_ids shape {tuple(shape)} must be q's [batch, seq] {want}",  # type: ignore[arg-type]
+            f"segment_ids shape {tuple(iterable(shape))} must be q's [batch, seq] {want}",
             **received,
         )
 

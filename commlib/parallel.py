@@ -263,12 +263,15 @@ def window_rule(sliding_window: object, plan: ParallelPlan | None = None) -> Sli
     """
     if sliding_window is None:
         return None
-    valid = isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, (bool, np.bool_))
-    if not valid or sliding_window < 1:  # type: ignore[operator]
+    if (
+        not isinstance(sliding_window, (int, np.integer))
+        or isinstance(sliding_window, (bool, np.bool_))
+        or sliding_window < 1
+    ):
         where = {} if plan is None else dict(attention=plan.attention, layout=plan.layout)
         message = f"sliding_window ({sliding_window}) must be an int >= 1"
         raise comm_error(CALL_OP, message, **where, sliding_window=sliding_window)
-    return SlidingWindow(int(sliding_window))  # type: ignore[call-overload]
+    return SlidingWindow(int(sliding_window))
 
 
 def _listed(values: np.ndarray) -> str:

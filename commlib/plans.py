@@ -54,7 +54,7 @@ from commlib.steps import (
     Slice,
     Step,
 )
-from commlib.validators import check_int
+from commlib.validators import check_int, iterable
 
 __all__ = [
     "CONVENTIONS",
@@ -106,7 +106,7 @@ ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 
 def _check_shape(op_name: str, shape: object) -> tuple[int, ...]:
     try:
-        dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+        dims = tuple(operator.index(size) for size in iterable(shape))
     except TypeError:
         raise kind_error(op_name, "shape must be a sequence of ints", shape=shape) from None
     if any(size < 0 for size in dims):
@@ -219,7 +219,7 @@ def check_rank(op_name: str, name: str, rank: object, world_size: int, received:
 
 def _check_pairs(op_name: str, perm: object, world_size: int, received: dict) -> tuple[tuple[int, int], ...]:
     try:
-        pairs = tuple((source, destination) for source, destination in perm)  # type: ignore[attr-defined]
+        pairs = tuple((source, destination) for source, destination in iterable(perm))
     except (TypeError, ValueError):
         raise kind_error(op_name, "perm must be a sequence of (src, dst) pairs", **received) from None
     for source, destination in pairs:

@@ -35,7 +35,7 @@ import numpy.typing as npt
 from commlib.errors import CommError, comm_error, kind_error
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
-from commlib.validators import check_int
+from commlib.validators import check_int, iterable
 
 __all__ = [
     "check_layout",
@@ -93,7 +93,7 @@ def check_layout(op_name: str, layout: object, world_size: int) -> SequenceLayou
 
 def _dims(op_name: str, shape: object, received: dict) -> tuple[int, ...]:
     try:
-        return tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+        return tuple(operator.index(size) for size in iterable(shape))
     except TypeError:
         raise kind_error(op_name, "shape must be a sequence of ints", **received) from None
 

@@ -74,6 +74,7 @@ from commlib.steps import (
     gathered_dim,
     scattered_dim,
 )
+from commlib.validators import iterable
 
 __all__ = [
     "Sizes",
@@ -305,7 +306,7 @@ class Sizes:
     def shown(self) -> object:
         """The value as messages show it: a tuple of ints where it is one."""
         try:
-            return tuple(operator.index(value) for value in self.value)  # type: ignore[attr-defined]
+            return tuple(operator.index(value) for value in iterable(self.value))
         except TypeError:
             return self.value
 
@@ -320,9 +321,9 @@ def check_sizes(op_name: str, sizes: Sizes, world_size: int, received: dict) -> 
     commlib.errors.CommError: all_gather: sizes[1] (-1) must be >= 0.
     """
     try:
-        if any(isinstance(value, bool) for value in sizes.value):  # type: ignore[attr-defined]
+        if any(isinstance(value, bool) for value in iterable(sizes.value)):
             raise TypeError
-        values = tuple(operator.index(value) for value in sizes.value)  # type: ignore[attr-defined]
+        values = tuple(operator.index(value) for value in iterable(sizes.value))
     except TypeError:
         raise kind_error(op_name, f"{sizes.keyword} must be a sequence of ints", **received) from None
     if len(values) != world_size:

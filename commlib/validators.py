@@ -7,12 +7,29 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from commlib.errors import comm_error, kind_error
 from commlib.reduce_op import FLOAT_DTYPES, is_floating
 
-__all__ = ["check_attention_options", "check_int", "check_qkv_shapes", "shown"]
+__all__ = ["check_attention_options", "check_int", "check_qkv_shapes", "iterable", "shown"]
+
+
+def iterable(value: object) -> Iterable[Any]:
+    """`value` itself where it is iterable, else the TypeError iterating it would raise (the callers' kind
+    checks catch it), so a user's shape, sizes or pairs are iterated typed.
+
+    >>> list(iterable((2, 3)))
+    [2, 3]
+    >>> iterable(4)
+    Traceback (most recent call last):
+    ...
+    TypeError: 'int' object is not iterable
+    """
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{type(value).__name__!r} object is not iterable")
+    return value
 
 
 def check_int(op_name: str, name: str, value: object, received: dict) -> int:
@@ -51,7 +68,7 @@ def check_qkv_shapes(op_name: str, shapes: dict[str, object], received: dict) ->
     checked: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         try:
-            dims = tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+            dims = tuple(operator.index(size) for size in iterable(shape))
         except TypeError:
             raise kind_error(op_name, f"{name} shape must be a sequence of ints", **received) from None
         if len(dims) != 4:
@@ -110,6 +127,6 @@ def shown(shape: object) -> object:
     ((2, 3), 'q')
     """
     try:
-        return tuple(int(size) for size in shape)  # type: ignore[attr-defined]
+        return tuple(int(size) for size in iterable(shape))
     except (TypeError, ValueError):
         return shape

@@ -29,6 +29,7 @@ import numpy.typing as npt
 from commlib.errors import comm_error, kind_error
 from commlib.reference.sequence import gather_sequence_reference, shard_sequence_reference
 from commlib.sequence import SequenceLayout
+from commlib.validators import iterable
 
 __all__ = [
     "check_grid",
@@ -59,7 +60,7 @@ def check_grid(op_name: str, layout: SequenceLayout) -> tuple[int, ...]:
 
 def _dims(op_name: str, name: str, shape: object, received: dict) -> tuple[int, ...]:
     try:
-        return tuple(operator.index(size) for size in shape)  # type: ignore[attr-defined]
+        return tuple(operator.index(size) for size in iterable(shape))
     except TypeError:
         raise kind_error(op_name, f"{name} shape must be a sequence of ints", **received) from None
 

@@ -21,6 +21,7 @@ from jax.experimental import io_callback
 from commlib import parallel as spec
 from commlib_jax._compat import JitKeyedState
 from commlib_jax._op import axis_size
+from commlib_jax._types import Array
 from commlib_jax._vma import axes_of, axis_arg, to_varying
 from commlib_jax.attention import ring_attention, ulysses_attention, usp_attention
 from commlib_jax.functional import AxisName
@@ -63,7 +64,7 @@ class Parallel:
             return _axes(self.ring_axis) + _axes(self.ulysses_axis)
         return _axes(self.axis_name)
 
-    def check_positions(self, positions: jax.Array) -> None:
+    def check_positions(self, positions: Array) -> None:
         """Refuse, on every rank, a model's `positions` ``[..., max_size]`` whose valid rows are not the global
         positions of the rank's shard (RoPE fed local positions, tokens sharded by another layout). The shape is
         checked when traced; the values when the step runs: the ranks' positions are all-gathered over the
@@ -77,13 +78,13 @@ class Parallel:
 
     def attend(
         self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
+        q: Array,
+        k: Array,
+        v: Array,
         *,
         causal: bool,
         scale: float | None,
-        segment_ids: jax.Array | None = None,
+        segment_ids: Array | None = None,
     ) -> jax.Array:
         """The plan's layer on this rank's ``[B, max_size, H, D]`` / ``[B, max_size, H_kv, D]`` shards (and
         segment ids ``[B, max_size]``, None: no segment mask); one call of a `commlib_jax.testing.record()` trace
@@ -109,13 +110,13 @@ class Parallel:
 
     def _layer(
         self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
+        q: Array,
+        k: Array,
+        v: Array,
         *,
         causal: bool,
         scale: float | None,
-        segment_ids: jax.Array | None = None,
+        segment_ids: Array | None = None,
     ) -> jax.Array:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
         axis_name, ulysses_axis, ring_axis = (

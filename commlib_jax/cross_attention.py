@@ -56,7 +56,9 @@ class _Backend:
     def split(self, kv: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
         return kv[..., :head_dim], kv[..., head_dim:]
 
-    def attend(self, q, k, v, scale, q_ids, kv_ids) -> jax.Array:  # type: ignore[no-untyped-def]
+    def attend(
+        self, q: Array, k: Array, v: Array, scale: float, q_ids: Array | None, kv_ids: Array | None
+    ) -> jax.Array:
         return _attend(q, k, v, scale, q_ids, kv_ids)
 
 

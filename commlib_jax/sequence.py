@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from commlib import sequence_helpers as spec
 from commlib_jax import _parallel
 from commlib_jax._checked import checks_data
 from commlib_jax._op import axis_size
-from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
+from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array
 from commlib_jax._vma import axes_of, axis_arg, shared_axes, to_varying
 from commlib_jax._walk import dtype_name, rank
 from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[SequenceLayout, tuple]:
+def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[SequenceLayout, tuple[str, ...]]:
     """The layout and axes a helper runs on: the given ones, or inside a `parallel` context its layout and
     sequence axes where None (given ones must be the context's: the spec refuses others); the layout's world
     size checked against the axes'."""
@@ -65,17 +66,17 @@ def _layout(op_name: str, layout: object, axis_name: AxisName | None) -> tuple[S
     return spec.check_layout(op_name, layout, axis_size(op_name, axes)), axes
 
 
-def _rows(table: np.ndarray, layout: SequenceLayout, axes: tuple) -> jax.Array:
+def _rows(table: np.ndarray, layout: SequenceLayout, axes: tuple[str, ...]) -> jax.Array:
     """This rank's row of a ``[W, max_size]`` table, -1 (padding) replaced by ``seq_len`` (out of bounds: a
     take with ``mode="fill"`` gives the fill value there)."""
     return jnp.asarray(np.where(table < 0, layout.seq_len, table).astype(np.int32))[rank(axes)]
 
 
-def _check_array(op_name: str, x, name: str = "x"):
+def _check_array(op_name: str, x: object, name: str = "x") -> Array:
     """`x` itself if it is an array; else the spec's TypeError naming the argument and the type received."""
     if not isinstance(x, (*ARRAY_TYPES, np.generic)):
         raise frontend_errors.wrong_type(op_name, name, x, ARRAY_NAME)
-    return x
+    return cast(Array, x)  # ARRAY_TYPES are Array's kinds (a numpy scalar taken as a 0-d array)
 
 
 def position_ids(layout: SequenceLayout | None = None, axis_name: AxisName | None = None) -> jax.Array:
@@ -102,12 +103,12 @@ def position_ids(layout: SequenceLayout | None = None, axis_name: AxisName | Non
 
 
 def shard_tokens(
-    input_ids,
+    input_ids: Array,
     layout: SequenceLayout | None = None,
     axis_name: AxisName | None = None,
     *,
     ignore_index: int = -100,
-    segment_ids=None,
+    segment_ids: Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """This rank's part of the full tokens ``[B, S]`` every rank holds: ``(ids, position_ids, labels)``, each
     ``[B, layout.max_size]`` (ids and labels in input_ids' dtype, positions int32).
@@ -180,7 +181,7 @@ class _JaxDocuments(spec.DocumentMath):
 _JAX_DOCUMENTS = _JaxDocuments()
 
 
-def _shard_documents(input_ids, segment_ids, rows: jax.Array, ignore: int) -> tuple[jax.Array, ...]:
+def _shard_documents(input_ids: Array, segment_ids: Array, rows: jax.Array, ignore: int) -> tuple[jax.Array, ...]:
     """`shard_tokens` of packed documents (`spec.document_tables`: a run of one id, padding inside it a hole) at
     `rows` (``seq_len``: a padding row)."""
     spec.check_token_segments("shard_tokens", segment_ids.shape, dtype_name(segment_ids.dtype), input_ids.shape)
@@ -194,7 +195,7 @@ def _shard_documents(input_ids, segment_ids, rows: jax.Array, ignore: int) -> tu
 
 
 def shard_sequence(
-    x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1
+    x: Array, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1
 ) -> jax.Array:
     """Differentiable take of this rank's positions of a replicated `x`: ``[.., S, ..] -> [.., max_size, ..]``
     along `dim` (``S == layout.seq_len``; rows past ``sizes[rank]`` are zeros), x's dtype; no communication
@@ -224,7 +225,9 @@ def shard_sequence(
     return _shard_sequence("shard_sequence", x, layout, axis_name, dim)
 
 
-def _shard_sequence(op_name: str, x, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int) -> jax.Array:
+def _shard_sequence(
+    op_name: str, x: Array, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int
+) -> jax.Array:
     """`shard_sequence` as helper `op_name` (its errors name it)."""
     x = _check_array(op_name, x)
     layout, axes = _layout(op_name, layout, axis_name)
@@ -239,7 +242,12 @@ def _shard_sequence(op_name: str, x, layout: SequenceLayout | None, axis_name: A
 
 
 def gather_sequence(
-    x, layout: SequenceLayout | None = None, axis_name: AxisName | None = None, *, dim: int = 1, convention: str = "sum"
+    x: Array,
+    layout: SequenceLayout | None = None,
+    axis_name: AxisName | None = None,
+    *,
+    dim: int = 1,
+    convention: str = "sum",
 ) -> jax.Array:
     """The inverse of `shard_sequence`: every rank's shard ``[.., max_size, ..]`` (its first ``sizes[r]`` rows
     valid) gathered into the whole sequence ``[.., S, ..]`` in natural position order along `dim`, on every
@@ -269,7 +277,7 @@ def gather_sequence(
 
 
 def _gather_sequence(
-    op_name: str, x, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int, convention: str
+    op_name: str, x: Array, layout: SequenceLayout | None, axis_name: AxisName | None, dim: int, convention: str
 ) -> jax.Array:
     """`gather_sequence` as helper `op_name` (its errors name it)."""
     x = _check_array(op_name, x)
@@ -280,7 +288,7 @@ def _gather_sequence(
     return whole if order is None else jnp.take(whole, jnp.asarray(order.astype(np.int32)), axis=dim)
 
 
-def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -100) -> jax.Array:
+def cross_entropy(logits: Array, labels: Array, axis_name: AxisName, *, ignore_index: int = -100) -> jax.Array:
     """The mean cross entropy over EVERY rank's non-ignored tokens, the same value on every rank of `axis_name`:
     logits ``[*s, V]`` (this rank's tokens, padding rows included), labels ``[*s]`` -> a scalar in
     ``promote(logits.dtype, float32)``.
@@ -338,7 +346,7 @@ def cross_entropy(logits, labels, axis_name: AxisName, *, ignore_index: int = -1
     return total[0] / jax.lax.stop_gradient(total[1]) * _poisoned(jax.lax.stop_gradient(total[2]))
 
 
-def _refuse_labels(labels, bad, axes: tuple, vocab: int, ignore: int) -> None:
+def _refuse_labels(labels: Array, bad: jax.Array, axes: tuple[str, ...], vocab: int, ignore: int) -> None:
     """Checked mode: every rank's count of labels outside ``[0, V)`` and its first one, all-gathered over
     `axes`; a host callback on every device raises the spec's error where any rank has one."""
     flat, flat_bad = jnp.ravel(jnp.asarray(labels)), jnp.ravel(bad)
@@ -348,7 +356,7 @@ def _refuse_labels(labels, bad, axes: tuple, vocab: int, ignore: int) -> None:
     io_callback(functools.partial(_raise_labels, vocab, ignore), None, everyone, ordered=False)
 
 
-def _raise_labels(vocab: int, ignore: int, everyone) -> None:
+def _raise_labels(vocab: int, ignore: int, everyone: Any) -> None:
     """Host side of `_refuse_labels`: the same error on every device (`spec.labels_out_of_range_error`)."""
     rows = np.asarray(everyone).tolist()
     counts = [int(count) for count, _ in rows]
@@ -368,7 +376,12 @@ def _poisoned(bad_count: jax.Array) -> jax.Array:
 
 @contextlib.contextmanager
 def parallel(
-    layout: SequenceLayout, axis_name=None, *, attention: str = "ulysses", ulysses_axis=None, ring_axis=None
+    layout: SequenceLayout,
+    axis_name: AxisName | None = None,
+    *,
+    attention: str = "ulysses",
+    ulysses_axis: AxisName | None = None,
+    ring_axis: AxisName | None = None,
 ) -> Iterator[parallel_spec.ParallelPlan]:
     """A context in which `dot_product_attention` runs commlib's `attention` layer on this rank's shard of
     `layout` (enter it around the code that traces the model: the jitted step, or inside the shard_map body).
@@ -414,17 +427,17 @@ def parallel(
 
 
 def dot_product_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: object = None,
+    mask: object = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    positions=None,
-    segment_ids=None,
-):
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+) -> jax.Array:
     """``jax.nn.dot_product_attention``'s signature and layout, run by the innermost `parallel` context's layer on
     this rank's shard: query ``[B, T, N, H]``, key and value ``[B, T, K, H]`` (``T = layout.max_size``; GQA by head
     counts, ``N % K == 0``) -> ``[B, T, N, H]``, query's dtype; rows past this shard's own are zeros.

@@ -62,7 +62,15 @@ class _Backend:
     def split(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return kv[..., :head_dim], kv[..., head_dim:]
 
-    def attend(self, q, k, v, scale, q_ids, kv_ids) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        q_ids: torch.Tensor | None,
+        kv_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         return _attend(q, k, v, scale, q_ids, kv_ids)
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ TARGETS = (
 )
 
 
-def train_step_config(nbytes: int, sp: int):
+def train_step_config(nbytes: int, sp: int) -> train_block.BlockConfig:
     """The float32 training block of the train-step case whose activations ``x [1, S/SP, 256]`` on each of `sp`
     sequence ranks take `nbytes`: 8 heads of 32, MLP width 1024.
 
@@ -145,7 +146,7 @@ def _spread(seconds: list[float]) -> float:
     return (quartiles[2] - quartiles[0]) / statistics.median(seconds)
 
 
-def rows(records: list[dict], targets=TARGETS) -> list[Row]:
+def rows(records: list[dict], targets: Sequence[Target] = TARGETS) -> list[Row]:
     """Runner records -> one row per (record, baseline), with the target that applies to it."""
     result = []
     for record in records:
@@ -172,7 +173,7 @@ def rows(records: list[dict], targets=TARGETS) -> list[Row]:
                 row.subject_wire_mib, row.baseline_wire_mib = wire[subject] / 2**20, wire[baseline] / 2**20
             for target in targets:
                 if target.applies(row):
-                    row.target, row.met = target.limit, row.ratio <= target.limit
+                    row.target, row.met = target.limit, mine / theirs <= target.limit  # row.ratio
             result.append(row)
     return result
 
@@ -268,11 +269,11 @@ def case_names(framework: str, runner: str = "bench_runner", timeout: float = 30
 
 
 def run(
-    world_sizes=(2, 4),
-    sizes_mib=(1, 4, 16, 64),
+    world_sizes: Sequence[int] = (2, 4),
+    sizes_mib: Sequence[float] = (1, 4, 16, 64),
     repeats: int = 7,
     warmup: int = 1,
-    frameworks=FRAMEWORKS,
+    frameworks: Sequence[str] = FRAMEWORKS,
     quick: bool = False,
     cases: list[str] | None = None,
     timeout: float = 3600.0,
@@ -400,7 +401,9 @@ def _series(result: list[Row]) -> dict[tuple[str, str], dict[tuple[str, int], li
     return dict(sorted(panels.items(), key=lambda item: (order.index(item[0][0]), item[0][1] != "torch")))
 
 
-def _panel(axis, legend, series: dict[tuple[str, int], list[Row]], markers: dict[int, str], title: str) -> None:
+def _panel(
+    axis: Any, legend: Any, series: dict[tuple[str, int], list[Row]], markers: dict[int, str], title: str
+) -> None:
     """One panel: a colour per case, a marker per world size; its legend (one entry a case) in `legend`."""
     from matplotlib.lines import Line2D
 

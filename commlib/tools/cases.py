@@ -56,6 +56,9 @@ __all__ = [
     "per_op",
 ]
 
+#: Every rank's arrays by name (inputs, "cotangent"): `make_arrays`' result, what the runners read back.
+Arrays = dict[str, list[np.ndarray]]
+
 ATTENTION = "ulysses_attention"
 #: Keywords of an attention case that shape its inputs (the others are `ulysses_attention`'s own).
 ATTENTION_SHAPE_KEYS = ("kv_heads", "value_dim")
@@ -90,10 +93,11 @@ class Case:
         return is_floating(self.dtype)
 
     @property
-    def params(self) -> dict[str, object]:
+    def params(self) -> dict[str, Any]:
+        """The keyword arguments by name (JSON values: what each one is, the op's keyword says)."""
         return dict(self.kwargs)
 
-    def plan(self):
+    def plan(self) -> plans.Plan:
         """The spec's plan for this case (raises the spec's error for invalid cases)."""
         return getattr(plans, self.op)(self.shape, self.world_size, dtype=self.dtype, **self.params)
 
@@ -102,11 +106,11 @@ class Case:
             batch, seq, heads, head_dim = self.shape
             layout = context_sequence(self)
             rows = seq // self.world_size if layout is None else layout.max_size
-            return batch, rows, heads, int(self.params.get("value_dim", head_dim))  # type: ignore[call-overload]
+            return batch, rows, heads, int(self.params.get("value_dim", head_dim))
         return self.plan().out_shape
 
 
-def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> Case:
+def _case(op_name: str, world_size: int, shape: Sequence[int], tag: str = "", /, **kwargs: Any) -> Case:
     dtype = kwargs.pop("dtype", "float32")
     transposed = kwargs.pop("transposed", False)
     inputs = kwargs.pop("inputs", ("x",))
@@ -119,7 +123,7 @@ def _case(op_name: str, world_size: int, shape, tag: str = "", /, **kwargs) -> C
 
 
 def attention_case(
-    world_size: int, shape, tag: str = "", /, *, kv_heads: int, dtype: str = "float64", **kwargs
+    world_size: int, shape: Sequence[int], tag: str = "", /, *, kv_heads: int, dtype: str = "float64", **kwargs: Any
 ) -> Case:
     """A `ulysses_attention` row: global q of `shape` ``[B, S, H, D]``, k and v with `kv_heads` heads (v's head
     dim `value_dim` if given); `seq_sizes` "split" means ``split_sizes(S, W)``."""
@@ -148,7 +152,7 @@ def attention_rows(case: Case) -> tuple[int, ...]:
 
 def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
     batch, seq, heads, head_dim = case.shape
-    kv_heads, value_dim = int(case.params["kv_heads"]), int(case.params.get("value_dim", head_dim))  # type: ignore[call-overload]
+    kv_heads, value_dim = int(case.params["kv_heads"]), int(case.params.get("value_dim", head_dim))
     return {
         "q": case.shape,
         "k": (batch, seq, kv_heads, head_dim),
@@ -157,7 +161,7 @@ def _attention_global_shapes(case: Case) -> dict[str, tuple[int, ...]]:
     }
 
 
-def attention_whole(case: Case, arrays) -> dict[str, np.ndarray]:
+def attention_whole(case: Case, arrays: Arrays) -> dict[str, np.ndarray]:
     """An attention case's whole arrays (`make_arrays` holds every rank's rows padded): the valid rows of every
     rank, concatenated along seq in rank order."""
     rows = attention_rows(case)
@@ -299,14 +303,14 @@ def case_table(world_size: int) -> list[Case]:
 
 def context_case(
     ring_size: int,
-    shape,
+    shape: Sequence[int],
     tag: str = "",
     /,
     *,
     kv_heads: int,
     dtype: str = "float64",
     ulysses_size: int | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> Case:
     """A `ring_attention` row over `ring_size` ranks, or with `ulysses_size` U a `usp_attention` row over
     ``ring_size * U`` ranks (world rank ``r * U + u`` at ring index r, Ulysses index u): global q of `shape`
@@ -331,7 +335,7 @@ def context_case(
 
 def context_layout(case: Case) -> tuple[int, int, str]:
     """(ring size, Ulysses size, layout) of a context row."""
-    ulysses_size = int(case.params.get("ulysses_size", 1))  # type: ignore[call-overload]
+    ulysses_size = int(case.params.get("ulysses_size", 1))
     return case.world_size // ulysses_size, ulysses_size, str(case.params.get("layout", "contiguous"))
 
 
@@ -481,7 +485,7 @@ def make_arrays(case: Case, seed: int) -> dict[str, list[np.ndarray]]:
 _SIZES = ("sizes", "scatter_sizes", "gather_sizes")
 
 
-def _uneven_plan(case: Case):
+def _uneven_plan(case: Case) -> plans.Plan | None:
     """The case's (padded) plan when it has uneven sizes and the spec takes it, else None."""
     if case.op == ATTENTION or all(case.params.get(key) is None for key in _SIZES):
         return None
@@ -492,11 +496,11 @@ def _uneven_plan(case: Case):
     return plan if plan.is_uneven else None
 
 
-def _cut(array: np.ndarray, cut) -> np.ndarray:
+def _cut(array: np.ndarray, cut: tuple[int, int] | None) -> np.ndarray:
     return array if cut is None else np.take(array, range(cut[1]), axis=cut[0])
 
 
-def _pad(array: np.ndarray, cut, size: int) -> np.ndarray:
+def _pad(array: np.ndarray, cut: tuple[int, int] | None, size: int) -> np.ndarray:
     if cut is None:
         return array
     dim, rows = cut
@@ -505,7 +509,7 @@ def _pad(array: np.ndarray, cut, size: int) -> np.ndarray:
     return np.pad(array, widths)
 
 
-def exact_arrays(case: Case, arrays, rank: int) -> dict[str, np.ndarray]:
+def exact_arrays(case: Case, arrays: Arrays, rank: int) -> dict[str, np.ndarray]:
     """Rank `rank`'s arrays as torch holds them: a sharded dim cut to the rank's size (inputs on the gathered
     dim, the cotangent on the scattered one; attention: every array's seq rows); as stored where the case is
     even or invalid."""
@@ -566,7 +570,7 @@ def _attention_plans(case: Case) -> list[attention.UlyssesPlan]:
     return plans
 
 
-def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
+def _attention_expected(case: Case, arrays: Arrays) -> tuple[list, dict]:
     """The float64 reference on the whole sequence, cut into every rank's (padded) rows."""
     whole, kwargs = attention_whole(case, arrays), attention_kwargs(case)
     q, k, v, ct = (whole[name].astype(np.float64) for name in ("q", "k", "v", "cotangent"))
@@ -576,7 +580,7 @@ def _attention_expected(case: Case, arrays) -> tuple[list, dict]:
     return outputs, {name: attention_shards(case, g) for name, g in zip("qkv", grads, strict=True)}
 
 
-def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
+def expected(case: Case, arrays: Arrays) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
     """Reference per-rank outputs and per-rank input gradients {input name: [rank arrays]}."""
     if case.op in CONTEXT_OPS:
         return _context_expected(case, arrays)
@@ -589,7 +593,7 @@ def expected(case: Case, arrays) -> tuple[list[np.ndarray], dict[str, list[np.nd
     return reference.forward(plan, xs), {"x": reference.vjp(plan, xs, arrays["cotangent"])}
 
 
-def _context_expected(case: Case, arrays) -> tuple[list, dict]:
+def _context_expected(case: Case, arrays: Arrays) -> tuple[list, dict]:
     """The float64 reference of a context row (an any-length row: on the valid rows, padded back with zeros)."""
     ring_size, ulysses_size, layout = context_layout(case)
     kwargs = context_kwargs(case)

@@ -243,7 +243,7 @@ examples:
   commlib bench --host"""
 
 
-def _add_bench(commands) -> None:
+def _add_bench(commands: argparse._SubParsersAction) -> None:
     timing = commands.add_parser(
         "bench",
         help="time commlib against raw collectives, the seed and bare jax.lax",
@@ -287,7 +287,7 @@ def _add_bench(commands) -> None:
     timing.set_defaults(handler=_bench)
 
 
-def _add_parity(commands) -> None:
+def _add_parity(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "parity",
         help="run the case table through numpy, torch and JAX and compare",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +174,7 @@ def padding(case: FuzzCase, seed: int = 0) -> list[np.ndarray]:
     return [part < 0 for part in segment_shards(ids, case.layout)]
 
 
-def _row(case: FuzzCase, framework: str, mode: str, got: list[dict], want: list[dict], rows) -> Row:
+def _row(case: FuzzCase, framework: str, mode: str, got: list[dict], want: list[dict], rows: list[np.ndarray]) -> Row:
     out_error, grad_error = relative_error(got, want, ("out",)), relative_error(got, want, OUTPUTS[1:])
     nonzero = [
         key
@@ -234,7 +235,11 @@ class FuzzResults(SequenceResults):
 
 
 def run(
-    world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None, count: int = CASES
+    world_size: int,
+    seed: int = 0,
+    frameworks: Sequence[str] = FRAMEWORKS,
+    timeout: float | None = None,
+    count: int = CASES,
 ) -> list[Row]:
     """`count` fuzz cases (world sizes 1..`world_size`): rows per framework and case, then torch against JAX."""
     if world_size < 1 or count < 1:

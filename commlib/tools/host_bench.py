@@ -36,12 +36,12 @@ BY_HAND_OPS = (
     "shard (dim 0)",
     "reduce",
 )
-_HOST = dict(world_size=4, size_mib=0.0)
+_HOST: dict[str, Any] = dict(world_size=4, size_mib=0.0)
 #: The issue's targets (fake backend, world size 4, small tensors), ratios of medians from one run.
 TARGETS = (
-    bench.Target("torch", "all_reduce", "torch.distributed.nn", 1.3, **_HOST),  # type: ignore[arg-type]
-    bench.Target("torch", "all_to_all_4d*", "hand-written (torch.distributed.nn)", 1.1, **_HOST),  # type: ignore[arg-type]
-    *(bench.Target("torch", name, "by hand", 1.3, **_HOST) for name in BY_HAND_OPS),  # type: ignore[arg-type]
+    bench.Target("torch", "all_reduce", "torch.distributed.nn", 1.3, **_HOST),
+    bench.Target("torch", "all_to_all_4d*", "hand-written (torch.distributed.nn)", 1.1, **_HOST),
+    *(bench.Target("torch", name, "by hand", 1.3, **_HOST) for name in BY_HAND_OPS),
 )
 
 

@@ -19,6 +19,7 @@ output and in dq, dk and dv.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +161,7 @@ def _nonzero_padding(got: list[dict], rows: list[np.ndarray]) -> list[str]:
     ]
 
 
-def _row(case: MaskCase, framework: str, mode: str, got: list[dict], want: list[dict], rows) -> Row:
+def _row(case: MaskCase, framework: str, mode: str, got: list[dict], want: list[dict], rows: list[np.ndarray]) -> Row:
     out_error, grad_error = relative_error(got, want, ("out",)), relative_error(got, want, OUTPUTS[1:])
     nonzero = _nonzero_padding(got, rows)
     detail = f"padding rows not exactly 0 in {', '.join(nonzero)}" if nonzero else ""
@@ -209,7 +210,9 @@ class MaskResults(SequenceResults):
     stem = RESULTS
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+def run(
+    world_size: int, seed: int = 0, frameworks: Sequence[str] = FRAMEWORKS, timeout: float | None = None
+) -> list[Row]:
     """The masks workload at `world_size`: rows per framework, mode and case, then torch against JAX."""
     return run_workload(
         "masks",

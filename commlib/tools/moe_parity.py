@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,9 @@ def route_options(case: MoeCase, indices: list[np.ndarray]) -> dict:
     return dict(capacity=capacity, capacity_factor=case.capacity_factor, experts_per_rank=placement)
 
 
-def expert_scales(tokens_per_expert, first_expert: int, rows: int, length: int, num_experts: int) -> np.ndarray:
+def expert_scales(
+    tokens_per_expert: Sequence[int], first_expert: int, rows: int, length: int, num_experts: int
+) -> np.ndarray:
     """``[length]``: each dispatched row's expert e as ``1 + e / E`` (expert e is ``tanh((1 + e / E) * row)``),
     0 past `rows` (the padded rows). `tokens_per_expert`: this rank's rows per local expert, in order."""
     counts = np.asarray(tokens_per_expert, dtype=np.int64)
@@ -312,7 +315,9 @@ class MoeResults(SequenceResults):
     stem = RESULTS
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+def run(
+    world_size: int, seed: int = 0, frameworks: Sequence[str] = FRAMEWORKS, timeout: float | None = None
+) -> list[Row]:
     """The moe workload at `world_size`: rows per framework, mode and case, then torch's padded rows against
     JAX's."""
     return run_workload(

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ class Results:
         self.errors: dict[str, str] = {}
         self.entries: list[tuple[str, str]] = []  # (case name, mode) in the order run
 
-    def add(self, case: cases.Case, mode: str, outputs, gradients: dict) -> None:
+    def add(self, case: cases.Case, mode: str, outputs: Sequence[Any], gradients: dict) -> None:
         self.entries.append((case.name, mode))
         progress.done(case.name)
         for rank, value in enumerate(outputs):
@@ -99,12 +99,12 @@ def _max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 def check(
     case: cases.Case,
-    arrays,
-    outputs,
-    gradients,
+    arrays: cases.Arrays,
+    outputs: list[np.ndarray] | None,
+    gradients: dict[str, list[np.ndarray]] | None,
     error: str | None,
-    framework="",
-    mode="",
+    framework: str = "",
+    mode: str = "",
     *,
     forward_only: bool = False,
 ) -> Row:
@@ -120,14 +120,17 @@ def check(
         detail = "" if passed else f"expected {want_error!r}, got {error!r}"
         return Row(case.name, framework, mode, None, None, passed, detail)
     want_outputs, want_gradients = cases.expected(case, arrays)
+    assert outputs is not None and (forward_only or gradients is not None)  # None only with an error (above)
     out_error = _max_error(outputs, want_outputs)
     names = () if forward_only else want_gradients
-    grad_error = max((_max_error(gradients[name], want_gradients[name]) for name in names), default=0.0)
+    grad_error = max((_max_error((gradients or {})[name], want_gradients[name]) for name in names), default=0.0)
     tol = cases.tolerance(case)
     return Row(case.name, framework, mode, out_error, grad_error, out_error <= tol and grad_error <= tol)
 
 
-def _compare_case(case, arrays, framework, mode, stored, meta) -> Row:
+def _compare_case(
+    case: cases.Case, arrays: cases.Arrays, framework: str, mode: str, stored: dict[str, np.ndarray], meta: dict
+) -> Row:
     error = meta["errors"].get(f"{case.name}|{mode}")
     if error is not None:
         return check(case, arrays, None, None, error, framework, mode)
@@ -141,7 +144,7 @@ def _compare_case(case, arrays, framework, mode, stored, meta) -> Row:
     return check(case, arrays, outputs, gradients, None, framework, mode)
 
 
-def compare(table, framework: str, result_dir: Path) -> list[Row]:
+def compare(table: Sequence[tuple[cases.Case, cases.Arrays]], framework: str, result_dir: Path) -> list[Row]:
     """Rows for every (case, mode) the runner reported; a case it never ran is a failed row."""
     meta = json.loads((result_dir / "results.json").read_text())
     with np.load(result_dir / "results.npz") as data:
@@ -196,7 +199,9 @@ def _run_framework(
     return [failed] if failed else compare(cases.read(in_dir), framework, out_dir)
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+def run(
+    world_size: int, seed: int = 0, frameworks: Sequence[str] = FRAMEWORKS, timeout: float | None = None
+) -> list[Row]:
     """The whole parity table at `world_size` (`timeout`: seconds per runner; None: `runner_timeout` of the
     table's rows)."""
     if world_size < 1:
@@ -215,7 +220,7 @@ def run_workload(
     workload: str,
     world_size: int,
     seed: int,
-    frameworks,
+    frameworks: Sequence[str],
     timeout: float | None,
     compare: Callable[[str, Path], list[Row]],
     cross: Callable[[Path, Path], list[Row]],

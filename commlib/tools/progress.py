@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -63,7 +64,11 @@ class Display:
     """What the driver shows for one phase (one runner): `update` as items finish, `finish` at the end."""
 
     def __init__(
-        self, phase: str, total: int | None = None, stream: TextIO | None = None, clock=time.monotonic
+        self,
+        phase: str,
+        total: int | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.phase, self.total, self.stream, self.clock = phase, total, stream or sys.stderr, clock
         self.terminal = self.stream.isatty()

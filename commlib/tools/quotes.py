@@ -18,6 +18,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DOCUMENTS", "QUOTES", "ROOT", "check", "memory_table", "quoted", "write"]
 
@@ -38,7 +39,7 @@ def _line(name: str, start: str) -> str:
     return [line for line in _text(name).splitlines() if line.startswith(start)][-1].strip()
 
 
-def _json(path: str):
+def _json(path: str) -> Any:
     return json.loads((ROOT / path).read_text(encoding="utf-8"))
 
 

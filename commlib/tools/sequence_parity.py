@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +221,11 @@ def load(directory: Path, stem: str = SequenceResults.stem) -> tuple[dict, dict[
         return meta, dict(stored)
 
 
-def _ranks(stored: dict, case: str, mode: str, keys, world_size: int) -> list[dict[str, np.ndarray]]:
+def _ranks(stored: dict, case: str, mode: str, keys: Sequence[str], world_size: int) -> list[dict[str, np.ndarray]]:
     return [{key: stored[f"{case}|{mode}|{key}|{rank}"] for key in keys} for rank in range(world_size)]
 
 
-def relative_error(got: list[dict], want: list[dict], keys) -> float:
+def relative_error(got: list[dict], want: list[dict], keys: Sequence[str]) -> float:
     """Max abs error over ranks and `keys`, relative to max(1, max |want|) per array (inf on a shape mismatch)."""
     worst = 0.0
     for mine, theirs in zip(got, want, strict=True):
@@ -266,7 +268,7 @@ def _expected_cases(framework: str, world_size: int) -> list[str]:
     ]
 
 
-def _case_rows(case: str, framework: str, mode: str, meta: dict, stored: dict, world_size: int, want) -> list[Row]:
+def _case_rows(case: str, framework: str, mode: str, meta: dict, stored: dict, world_size: int, want: Any) -> list[Row]:
     """One reported (case, mode): its error as a failed row, a model row, or a layout's helper rows."""
     error = meta["errors"].get(f"{case}|{mode}")
     if error is not None:
@@ -310,7 +312,9 @@ def cross(torch_dir: Path, jax_dir: Path, world_size: int) -> list[Row]:
     return rows
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+def run(
+    world_size: int, seed: int = 0, frameworks: Sequence[str] = FRAMEWORKS, timeout: float | None = None
+) -> list[Row]:
     """The sequence workload at `world_size`: rows per framework, mode, layout and helper, the model rows, then
     torch against JAX."""
     return run_workload(
@@ -328,7 +332,7 @@ def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def example(name: str):
+def example(name: str) -> types.ModuleType:
     """examples/<name>.py as a module, loaded once (the model rows of both runners run the example's own code)."""
     if name in sys.modules:
         return sys.modules[name]

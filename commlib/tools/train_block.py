@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class BlockConfig:
     steps: int = 20
 
     @classmethod
-    def for_world_size(cls, world_size: int, **overrides) -> BlockConfig:
+    def for_world_size(cls, world_size: int, **overrides: Any) -> BlockConfig:
         """A block every SP x TP mesh of `world_size` ranks can shard: S = 2W, H = W, hidden = 4W."""
         return cls(seq=2 * world_size, heads=world_size, hidden=4 * world_size, **overrides)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,9 @@ def write(directory: Path, world_size: int, seed: int) -> None:
     (directory / "train.json").write_text(json.dumps(meta, indent=1))
 
 
-def read(directory: Path):
+def read(
+    directory: Path,
+) -> tuple[train_block.BlockConfig, dict[str, np.ndarray], np.ndarray, np.ndarray, list[tuple[int, ...]]]:
     """``(config, params, x, target, meshes)`` as `write` stored them."""
     meta = json.loads((directory / "train.json").read_text())
     with np.load(directory / "train.npz") as data:
@@ -125,7 +128,9 @@ def _load(directory: Path) -> tuple[list[dict], dict[str, History]]:
     return meta["runs"], histories
 
 
-def reference(config: train_block.BlockConfig, params, x, target, steps: int) -> list[tuple[float, dict]]:
+def reference(
+    config: train_block.BlockConfig, params: dict[str, np.ndarray], x: np.ndarray, target: np.ndarray, steps: int
+) -> list[tuple[float, dict]]:
     """The numpy block's (loss, gradients) at each of `steps` SGD steps."""
     trajectory = []
     for _ in range(steps):
@@ -157,7 +162,7 @@ def _errors(history: History, want: History) -> tuple[float, float, str]:
     return loss_error, grad_error, worst
 
 
-def expected(trajectory, mesh: tuple[int, int] | None) -> History:
+def expected(trajectory: list[tuple[float, dict]], mesh: tuple[int, int] | None) -> History:
     """The reference as every rank of `mesh` should hold it: the total loss, its TP block of each gradient."""
     sp, tp = mesh or (1, 1)
     history = []
@@ -177,7 +182,7 @@ def check(case: str, framework: str, mode: str, history: History, want: History)
     return Row(case, framework, mode, loss_error, grad_error, passed, "" if passed else worst)
 
 
-def compare(framework: str, result_dir: Path, trajectory) -> list[Row]:
+def compare(framework: str, result_dir: Path, trajectory: list[tuple[float, dict]]) -> list[Row]:
     """A row per run the runner reported: every rank's losses and gradients at every step against the reference."""
     runs, histories = _load(result_dir)
     rows = []
@@ -205,7 +210,9 @@ def cross(torch_dir: Path, jax_dir: Path) -> list[Row]:
     return rows
 
 
-def run(world_size: int, seed: int = 0, frameworks=FRAMEWORKS, timeout: float | None = None) -> list[Row]:
+def run(
+    world_size: int, seed: int = 0, frameworks: Sequence[str] = FRAMEWORKS, timeout: float | None = None
+) -> list[Row]:
     """The train workload at `world_size`: rows per framework, mode and mesh, then torch against JAX."""
     if world_size < 1:
         raise CommError(f"parity: world_size ({world_size}) must be >= 1")
