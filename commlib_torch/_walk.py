@@ -32,10 +32,10 @@ all_gather, reduce_scatter, permute and the exact walk of uneven sizes begin asy
 rooted collective runs at once and returns a completed `Started`.
 
 Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`)
-and taken once per plan by `walk`, which makes the plan's walk -- a collective's is a small frozen record
-(`_InPlace`, `_Exchange`, `_Permute`, `_Rooted`: its fields the passes, the c10d call, the buffers' shapes and
-dtype), called for the synchronous walk, its ``start`` the asynchronous one; a local step's is a closure -- and a
-call does only what depends on it: the tensor (contiguous or not) and the group (this rank). Which walk is made
+and taken once per plan by `walk`, which makes the plan's walk: a small frozen record per walk (`_InPlace`,
+`_Exchange`, `_Permute`, `_Rooted`, the local steps', the exact walk's: its fields the passes, the c10d call, the
+buffers' shapes and dtype), called for the synchronous walk, its ``start`` the asynchronous one. A call does only
+what depends on it: the tensor (contiguous or not) and the group (this rank). Which walk is made
 is a small frozen record too, read by every step's builder: `Synchronous` (eager, `EAGER`, or traced,
 `COMPILED`) or `Asynchronous` (`STARTED`). Nothing reads a tensor's values on the host and no allocation depends
 on them, so a walk can be captured in a CUDA graph.
@@ -352,34 +352,38 @@ def _step_walk(plan: Plan, kind: Synchronous) -> Walk: ...
 @overload
 def _step_walk(plan: Plan, kind: Asynchronous) -> StartedWalk: ...
 def _step_walk(plan: Plan, kind: Kind) -> _Made:
-    """The walk of `plan`'s step, dispatched by its kind (x in the dtype the wire carries)."""
-    if kind.asynchronous and not isinstance(plan.step, (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)):
-        done = _step_walk(plan, EAGER)  # a local step or a rooted collective: at once
-        return lambda x, group: _completed(done(x, group))
+    """The walk of `plan`'s step (x in the dtype the wire carries): its record, or the record's `start`."""
+    made = _step_record(plan, kind)
+    return made.start if kind.asynchronous else made
+
+
+_BEGIN = (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)  # the steps an asynchronous walk begins
+
+
+def _step_record(plan: Plan, kind: Kind) -> _Record:
+    """The record of `plan`'s walk of `kind`, dispatched by its step."""
     if plan.is_exact:
-        if kind.asynchronous:
-            return lambda x, group: run_exact(plan, x, group, asynchronous=True)
-        return lambda x, group: run_exact(plan, x, group)
-    accum_dtype = plan.arithmetic.accum_dtype
-    accum = None if accum_dtype is None else getattr(torch, accum_dtype)
+        return _Exact(plan, isinstance(plan.step, _BEGIN))
+    arithmetic = plan.arithmetic
+    accum = None if arithmetic.accum_dtype is None else getattr(torch, arithmetic.accum_dtype)
     step = plan.step
     match step:
         case Identity():
-            return _identity(plan)
+            return _Identity(arithmetic.scale)
         case Slice(dim=dim):
-            return _slice(plan, dim)
+            return _Slice(dim, plan.layout.recv_shape[dim], arithmetic.scale)
         case Pad(dim=dim):
-            return _pad(plan, dim)
+            return _Pad(dim, plan.out_shape, arithmetic.scale)
         case AllReduce(op=op):
-            return _of_kind(_all_reduce(plan, op, accum, kind), kind)
+            return _all_reduce(plan, op, accum, kind)
         case AllToAll():
-            return _of_kind(_all_to_all(plan, accum, kind), kind)
+            return _all_to_all(plan, accum, kind)
         case AllGather(dim=dim):
-            return _of_kind(_gather_or_scatter(plan, dim, None, accum, kind), kind)
+            return _gather_or_scatter(plan, dim, None, accum, kind)
         case ReduceScatter(dim=dim, op=op):
-            return _of_kind(_gather_or_scatter(plan, dim, op, accum, kind), kind)
+            return _gather_or_scatter(plan, dim, op, accum, kind)
         case Permute():
-            return _of_kind(_permute(step, plan, accum, kind), kind)
+            return _permute(step, plan, accum, kind)
         case Broadcast() | Reduce() | Gather() | Scatter():
             made = _finisher(plan, accum, plan.layout.recv_shape)[1]
             transfer = (_rooted_traceable if kind.compiling else _rooted_transfer)(step, plan, made)
@@ -458,6 +462,19 @@ def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
 # synchronous walk (`Walk`), its `start` the asynchronous one (`StartedWalk`: the same calls, the work unwaited)
 
 Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (the received buffer, x) -> this rank's output
+
+
+class _AtOnce:
+    """A walk that begins nothing (a local step, a rooted collective): its asynchronous form runs it at once."""
+
+    __slots__ = ()
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        raise NotImplementedError
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        """The walk run now: a completed `Started`."""
+        return _completed(self(x, group))
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,10 +574,10 @@ class _Permute:
 
 
 @dataclass(frozen=True, slots=True)
-class _Rooted:
+class _Rooted(_AtOnce):
     """broadcast, reduce, gather, scatter: zeros on a rank that receives nothing; under torch.compile as
-    `_rooted_traceable`, every rank packing its input (module docstring). Synchronous only (an asynchronous
-    walk runs it at once: `_step_walk`)."""
+    `_rooted_traceable`, every rank packing its input (module docstring). Its asynchronous form runs it at
+    once."""
 
     send: Pass  # x -> the send buffer
     transfer: Transfer  # the collective: (send buffer or None, group, rank, x, dtype) -> the received or None
@@ -575,15 +592,6 @@ class _Rooted:
         recv = self.transfer(buffer, group, rank, x, x.dtype if self.accum is None else self.accum)
         del buffer
         return x.new_zeros(self.out_shape) if recv is None else self.finish(recv, x)
-
-
-@overload
-def _of_kind(made: _InPlace | _Exchange | _Permute, kind: Synchronous) -> Walk: ...
-@overload
-def _of_kind(made: _InPlace | _Exchange | _Permute, kind: Asynchronous) -> StartedWalk: ...
-def _of_kind(made: _InPlace | _Exchange | _Permute, kind: Kind) -> _Made:
-    """The record itself for a synchronous walk, its `start` for an asynchronous one."""
-    return made.start if kind.asynchronous else made
 
 
 def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind) -> _InPlace:
@@ -658,43 +666,69 @@ def _rooted(plan: Plan, transfer: Transfer, receive_only_root: int | None, accum
     return _Rooted(send, transfer, finish, plan.out_shape, receive_only_root, accum)
 
 
-# ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
+# ---- the local steps of gradient plans, and the exact walk of uneven sizes: records as the collectives'
 
 
-def _itself(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-    return x
+@dataclass(frozen=True, slots=True)
+class _Identity(_AtOnce):
+    """identity times the scale (x itself where the scale is 1)."""
+
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        return x if self.scale == 1.0 else x * self.scale
 
 
-def _identity(plan: Plan) -> Walk:
-    """identity times the scale."""
-    scale = plan.arithmetic.scale
-    return _itself if scale == 1.0 else lambda x, group: x * scale
-
-
-def _slice(plan: Plan, dim: int) -> Walk:
+@dataclass(frozen=True, slots=True)
+class _Slice(_AtOnce):
     """This rank's block of `dim`: a copy, not a view (the output may be modified in place, and a gradient
     frees the rest)."""
-    block, scale = plan.layout.recv_shape[dim], plan.arithmetic.scale
 
-    def slice_(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+    dim: int
+    block: int  # rows per rank
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        dim, block = self.dim, self.block
         start = group_rank(group) * block
         if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
             out = x[start : start + block].clone()
         else:
             out = x.narrow(dim, start, block).clone(memory_format=_CONTIGUOUS)
-        return out if scale == 1.0 else out.mul_(scale)
-
-    return slice_
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
-def _pad(plan: Plan, dim: int) -> Walk:
-    """This rank's block of zeros along `dim` (the transpose of `_slice`)."""
-    out_shape, scale = plan.out_shape, plan.arithmetic.scale
+@dataclass(frozen=True, slots=True)
+class _Pad(_AtOnce):
+    """This rank's block of zeros along `dim` (the transpose of `_Slice`)."""
 
-    def pad(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+    dim: int
+    out_shape: tuple[int, ...]
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        dim = self.dim
         block = x.shape[dim]
-        out = x.new_zeros(out_shape)
+        out = x.new_zeros(self.out_shape)
         out.narrow(dim, group_rank(group) * block, block).copy_(x)
-        return out if scale == 1.0 else out.mul_(scale)
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
-    return pad
+
+@dataclass(frozen=True, slots=True)
+class _Exact:
+    """Uneven sizes held exactly: `commlib_torch._exact.run_exact` of the plan."""
+
+    plan: Plan
+    begins: bool  # its asynchronous form begins the collective (else: a local step or rooted, run at once)
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        return run_exact(self.plan, x, group)
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        if self.begins:
+            return run_exact(self.plan, x, group, asynchronous=True)
+        return _completed(run_exact(self.plan, x, group))
+
+
+#: Every walk's record (`_step_record`).
+_Record = _Identity | _Slice | _Pad | _Exact | _InPlace | _Exchange | _Permute | _Rooted

@@ -56,9 +56,10 @@ def test_walks_made_once_per_plan_and_forgotten_with_the_plans():
     assert plans.all_gather((3, 5), 4, dim=1) == plan
 
 
-def test_each_collective_walk_is_a_record_of_its_plans_decisions():
-    """A collective's walk is a small frozen record (its passes, its c10d call, its buffers' shapes and dtype),
-    its asynchronous walk the same kind of record's ``start``: no flag is looked up per call. Ulysses'
+def test_each_walk_is_a_record_of_its_plans_decisions():
+    """Every walk is a small frozen record (a collective's: its passes, its c10d call, its buffers' shapes and
+    dtype), its asynchronous walk the same kind of record's ``start`` (a local step's or a rooted one's runs at
+    once). Ulysses'
     all_to_all_4d at batch 1 receives straight into its output (the unpack is a view); an all_reduce with
     accum_dtype is received into its float32 send buffer."""
     import dataclasses
@@ -78,11 +79,14 @@ def test_each_collective_walk_is_a_record_of_its_plans_decisions():
         plans.reduce((3,), 2),
         plans.gather((3,), 2),
         plans.scatter((4,), 2),
+        plans.shard((8,), 4, dim=0),
+        plans.sum_grad((3,), 4),
+        plans.all_gather((3, 2), 4, dim=1, sizes=(3, 3, 2, 1), rank=2),
     ]
     for plan in every:
         made = walk(plan)
         assert dataclasses.is_dataclass(made) and type(made).__dataclass_params__.frozen, plan.op_name
-    for plan in every[:5]:  # (the rooted ones begin nothing: run at once)
+    for plan in every:
         started = started_walk(plan)
         assert type(started.__self__) is type(walk(plan)) and started.__name__ == "start", plan.op_name
     ulysses = plans.all_to_all_4d((1, 8, 4, 2), 4)
