@@ -35,10 +35,9 @@ def held() -> dict:
     """Entries the caches hold now (and their estimated bytes, where the code measured has the estimate: the
     same script measures the code before the byte bound)."""
     plans = sum(fast.cache_info().currsize + len(general) for fast, general in plan_cache._caches.values())
-    walk_cache = _walk.walk if hasattr(_walk.walk, "cache_info") else None
     return {
         "plans": plans,
-        "walks": walk_cache.cache_info().currsize if walk_cache else _walk.held_walks(),
+        "walks": _walk.walk.cache_info().currsize,  # (an lru_cache before the byte bound, a held_cache since)
         "estimated_bytes": plan_cache.held_bytes() if hasattr(plan_cache, "held_bytes") else None,
     }
 

@@ -213,9 +213,10 @@ def cached_plan(builder: Builder) -> Builder:
 
 def estimated_bytes(root: object) -> int:
     """``sys.getsizeof`` summed over `root` and every object it reaches once (tuples, lists, dicts, sets, the
-    attributes of records, a closure's cells; numpy arrays with their buffers); strings, numbers, enum members,
-    classes and modules are counted but not entered. Shared objects (small ints, interned names) count every
-    time they are reached from a new owner: an upper estimate, costing microseconds per plan (paid on a miss)."""
+    attributes of records, a closure's cells, a bound method's object; numpy arrays with their buffers);
+    strings, numbers, enum members, classes and modules are counted but not entered. Shared objects (small ints,
+    interned names) count every time they are reached from a new owner: an upper estimate, costing microseconds
+    per plan (paid on a miss)."""
     seen: set[int] = set()
     stack, total = [root], 0
     while stack:
@@ -233,6 +234,8 @@ def estimated_bytes(root: object) -> int:
             stack.extend(item)
         elif isinstance(item, types.FunctionType):
             stack.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+        elif isinstance(item, types.MethodType):  # (a record's bound method: torch's asynchronous walks)
+            stack.append(item.__self__)
         else:
             stack.extend(_attributes(item))
     return total

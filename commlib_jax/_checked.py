@@ -29,8 +29,8 @@ import jax
 from commlib import check, layer_check
 from commlib.errors import CommTimeout, comm_error
 from commlib_jax._compat import distributed_client
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES
-from commlib_jax._walk import dtype_name
 
 __all__ = ["TIMEOUT_MS", "LayerFrontend", "checks_data", "exchange_layer", "is_checked"]
 

@@ -19,9 +19,10 @@ from jax.typing import DTypeLike
 from commlib import frontend_errors, gradients
 from commlib.layout import Plan
 from commlib_jax._compat import bound_axis_names
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array
-from commlib_jax._vma import axis_arg, to_varying
-from commlib_jax._walk import dtype_name, rank, run
+from commlib_jax._vma import axis_arg, rank, to_varying
+from commlib_jax._walk import run
 from commlib_jax.testing_trace import ACTIVE, recorded_op
 
 __all__ = ["collective", "apply", "axis_size", "world_size", "accum"]

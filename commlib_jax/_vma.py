@@ -18,7 +18,7 @@ from commlib_jax._compat import manual_axes, mesh_axis_names, varying_axes
 if TYPE_CHECKING:
     from commlib_jax._types import Array, AxisName
 
-__all__ = ["axes_of", "axis_arg", "checked_axes", "mesh_order", "shared_axes", "to_varying", "varying_axes"]
+__all__ = ["axes_of", "axis_arg", "checked_axes", "mesh_order", "rank", "shared_axes", "to_varying", "varying_axes"]
 
 
 def axes_of(axis_name: AxisName | list[str]) -> tuple[str, ...]:
@@ -29,6 +29,11 @@ def axes_of(axis_name: AxisName | list[str]) -> tuple[str, ...]:
 def axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     """The form lax takes: one name, or the tuple of names."""
     return axes if len(axes) > 1 else axes[0]
+
+
+def rank(axes: tuple[str, ...]) -> jax.Array:
+    """This device's rank along `axes` (row-major over a tuple of names)."""
+    return lax.axis_index(axis_arg(axes))
 
 
 def mesh_order(axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -16,7 +16,6 @@ from typing import assert_never
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.typing import DTypeLike
 
 from commlib import Plan, ReduceOp
 from commlib.layout import Padded, Take, completed_pairs, reorder_pairs
@@ -35,19 +34,9 @@ from commlib.steps import (
     Slice,
 )
 from commlib_jax._compat import manual_axes
-from commlib_jax._vma import axis_arg, mesh_order, to_varying
+from commlib_jax._vma import axis_arg, mesh_order, rank, to_varying
 
-__all__ = ["dtype_name", "run", "rank"]
-
-
-def dtype_name(dtype: DTypeLike) -> str:
-    """``jnp.bfloat16 -> "bfloat16"``: the spelling the spec uses (names pass through)."""
-    return dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-
-
-def rank(axes: tuple[str, ...]) -> jax.Array:
-    """This device's rank along `axes` (row-major over a tuple of names)."""
-    return lax.axis_index(axis_arg(axes))
+__all__ = ["run"]
 
 
 def _on_root(root: int, axes: tuple[str, ...], x: jax.Array) -> jax.Array:

@@ -30,8 +30,7 @@ from commlib.ulysses import Finished, walk
 from commlib_jax import _kernels
 from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
-from commlib_jax._vma import axes_of
-from commlib_jax._walk import rank
+from commlib_jax._vma import axes_of, rank
 from commlib_jax.cross_attention import cross_attention
 from commlib_jax.functional import Array, AxisName, all_gather, all_to_all, all_to_all_4d
 from commlib_jax.ring import ring_attention, usp_attention

@@ -11,7 +11,7 @@ from commlib import cfg as spec
 from commlib.frontend_errors import wrong_type
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
-from commlib_jax._vma import axes_of, axis_arg, shared_axes
+from commlib_jax._vma import axes_of, rank, shared_axes
 from commlib_jax.functional import all_gather, shard
 
 __all__ = ["cfg_split", "cfg_combine"]
@@ -56,7 +56,7 @@ def cfg_split(uncond: Array, cond: Array, axis_name: AxisName, *, dim: int = 0) 
     if size > 1 and shared_axes(both, axes) == tuple(name for name in axes if lax.axis_size(name) > 1):
         # typed invariant (check_vma=True): JAX sums the gradient of a shared value itself, so take the slice
         rows = both.shape[axis] // size
-        return lax.dynamic_slice_in_dim(both, lax.axis_index(axis_arg(axes)) * rows, rows, axis)
+        return lax.dynamic_slice_in_dim(both, rank(axes) * rows, rows, axis)
     return shard(both, axis_name, axis)
 
 

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from commlib import cross_attention as spec
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
 from commlib_jax._vma import axes_of
-from commlib_jax._walk import dtype_name
 from commlib_jax.functional import all_gather
 
 __all__ = ["cross_attention"]

@@ -30,10 +30,10 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from commlib import ReduceOp, plans, training
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._op import accum, apply, world_size
 from commlib_jax._types import Array, AxisName
 from commlib_jax._vma import axes_of, axis_arg, shared_axes
-from commlib_jax._walk import dtype_name
 
 #: What ``op=`` takes: a name ("sum", "avg", "max", "min", "product") or a `commlib.ReduceOp`.
 ReduceOpArgument = str | ReduceOp

@@ -31,10 +31,10 @@ from commlib.errors import comm_error, kind_error
 from commlib.frontend_errors import wrong_type
 from commlib.layer_check import moe_call
 from commlib_jax._checked import exchange_layer, is_checked
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array, AxisName
 from commlib_jax._vma import axes_of, axis_arg, to_varying
-from commlib_jax._walk import dtype_name
 from commlib_jax.functional import all_to_all
 
 __all__ = ["Routing", "route", "dispatch", "combine", "traced_routing", "traced_tables"]

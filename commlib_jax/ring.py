@@ -33,8 +33,7 @@ from commlib.sequence import SequenceLayout
 from commlib_jax import _kernels
 from commlib_jax._checked import LayerFrontend
 from commlib_jax._op import axis_size
-from commlib_jax._vma import axes_of, axis_arg, to_varying, varying_axes
-from commlib_jax._walk import rank
+from commlib_jax._vma import axes_of, axis_arg, rank, to_varying, varying_axes
 from commlib_jax.functional import Array, AxisName, all_gather, all_reduce, all_to_all, all_to_all_4d, permute
 
 __all__ = ["ring_attention", "usp_attention"]

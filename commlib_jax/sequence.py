@@ -36,10 +36,10 @@ from commlib import parallel as parallel_spec
 from commlib import sequence_helpers as spec
 from commlib_jax import _parallel
 from commlib_jax._checked import checks_data
+from commlib_jax._dtypes import dtype_name
 from commlib_jax._op import axis_size
 from commlib_jax._types import ARRAY_NAME, ARRAY_TYPES, Array
-from commlib_jax._vma import axes_of, axis_arg, shared_axes, to_varying
-from commlib_jax._walk import dtype_name, rank
+from commlib_jax._vma import axes_of, axis_arg, rank, shared_axes, to_varying
 from commlib_jax.functional import AxisName, all_gather, all_reduce, shard
 from commlib_jax.training import summed_axes
 

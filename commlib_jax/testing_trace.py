@@ -34,7 +34,7 @@ from commlib.layout import Plan
 from commlib.testing.trace import Recorder, Trace, calling_module, describe_plan
 from commlib_jax._compat import manual_axes
 from commlib_jax._types import Array
-from commlib_jax._walk import rank
+from commlib_jax._vma import rank
 
 __all__ = ["record"]  # `ACTIVE`, `recorded_op` and `recorded_layer`: the hooks of the call path
 

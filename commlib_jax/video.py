@@ -19,7 +19,7 @@ import numpy as np
 from commlib import SequenceLayout
 from commlib import video as spec
 from commlib_jax._types import Array
-from commlib_jax._walk import rank
+from commlib_jax._vma import rank
 from commlib_jax.functional import AxisName
 from commlib_jax.sequence import _check_array, _gather_sequence, _layout, _shard_sequence
 

@@ -32,18 +32,20 @@ all_gather, reduce_scatter, permute and the exact walk of uneven sizes begin asy
 rooted collective runs at once and returns a completed `Started`.
 
 Host work per call is what the plan leaves: every decision is read from it (built once, `commlib.plan_cache`)
-and taken once per plan by `walk`, which makes the plan's walk -- a closure that does only what depends on
-the call: the tensor (contiguous or not) and the group (this rank). Which walk is made is a small frozen record,
-read by every step's builder: `Synchronous` (eager, `EAGER`, or traced, `COMPILED`) or `Asynchronous`
-(`STARTED`). Nothing reads a tensor's values on the
-host and no allocation depends on them, so a walk can be captured in a CUDA graph.
+and taken once per plan by `walk`, which makes the plan's walk: a small frozen record per walk (`_InPlace`,
+`_Exchange`, `_Permute`, `_Rooted`, the local steps', the exact walk's: its fields the passes, the c10d call, the
+buffers' shapes and dtype), called for the synchronous walk, its ``start`` the asynchronous one. A call does only
+what depends on it: the tensor (contiguous or not) and the group (this rank). Which walk is made
+is a small frozen record too, read by every step's builder: `Synchronous` (eager, `EAGER`, or traced,
+`COMPILED`) or `Asynchronous` (`STARTED`). Nothing reads a tensor's values on the host and no allocation depends
+on them, so a walk can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, assert_never, overload
 
 import torch
@@ -132,8 +134,8 @@ def _itself_value(x: Any) -> Any:
     return x
 
 
-# ---- the rooted collectives and permute: (step, plan, the received buffer's shape `made`: `_finisher`) ->
-# transfer, a transfer: (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer
+# ---- the rooted collectives: (step, plan, the received buffer's shape `made`: `_finisher`) -> transfer, a
+# transfer: (packed send buffer or None, group, rank, input, buffer dtype) -> the received buffer
 # (contiguous, of `made`, which the collective receives into as a view of the plan's recv_shape), None where this
 # rank receives nothing
 
@@ -196,45 +198,6 @@ def _scatter(step: Scatter, plan: Plan, made: tuple[int, ...]) -> Transfer:
         return recv
 
     return transfer
-
-
-def _permute(step: Permute, plan: Plan, kind: Kind) -> tuple[Transfer, list[dist.Work | None]]:
-    """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
-    pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
-    of dim 0 (a 0-d tensor goes as one row): no flat views. The splits are worked out once per rank. Returns the
-    transfer and, for an `Asynchronous` walk, the list its call appends the begun work to (`_started_permute`
-    takes it at once)."""
-    shape, pairs, world_size = plan.layout.send_shape, step.pairs, plan.world_size
-    rows_shape = shape or (1,)
-    by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = {}
-    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
-    begun: list[dist.Work | None] = []  # (the c10d calls type their work optional: begun, it is there)
-    if kind.asynchronous:
-        begin = all_to_all
-        all_to_all = lambda *arguments: begun.append(begin(*arguments))  # noqa: E731
-
-    def transfer(
-        send: torch.Tensor | None, group: ResolvedGroup, rank: int, x: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        assert send is not None  # (every rank sends its buffer, or none of it)
-        splits = by_rank.get(rank)
-        if splits is None:
-            send_splits, recv_splits = permute_splits(pairs, world_size, rank, rows_shape[0])
-            splits = by_rank[rank] = (send_splits, recv_splits, any(send_splits), any(recv_splits))
-        send_splits, recv_splits, sends, receives = splits
-        rows = send if shape else send.view(rows_shape)
-        if not sends:
-            rows = rows[:0]
-        if not receives:
-            recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
-            all_to_all(recv, rows, group, recv_splits, send_splits)
-            return _nothing_received(recv, shape)
-        # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
-        recv = torch.empty_like(send, memory_format=_CONTIGUOUS)
-        all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
-        return recv
-
-    return transfer, begun
 
 
 def _nothing_received(recv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -389,24 +352,28 @@ def _step_walk(plan: Plan, kind: Synchronous) -> Walk: ...
 @overload
 def _step_walk(plan: Plan, kind: Asynchronous) -> StartedWalk: ...
 def _step_walk(plan: Plan, kind: Kind) -> _Made:
-    """The walk of `plan`'s step, dispatched by its kind (x in the dtype the wire carries)."""
-    if kind.asynchronous and not isinstance(plan.step, (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)):
-        done = _step_walk(plan, EAGER)  # a local step or a rooted collective: at once
-        return lambda x, group: _completed(done(x, group))
+    """The walk of `plan`'s step (x in the dtype the wire carries): its record, or the record's `start`."""
+    made = _step_record(plan, kind)
+    return made.start if kind.asynchronous else made
+
+
+_BEGIN = (AllReduce, AllToAll, AllGather, ReduceScatter, Permute)  # the steps an asynchronous walk begins
+
+
+def _step_record(plan: Plan, kind: Kind) -> _Record:
+    """The record of `plan`'s walk of `kind`, dispatched by its step."""
     if plan.is_exact:
-        if kind.asynchronous:
-            return lambda x, group: run_exact(plan, x, group, asynchronous=True)
-        return lambda x, group: run_exact(plan, x, group)
-    accum_dtype = plan.arithmetic.accum_dtype
-    accum = None if accum_dtype is None else getattr(torch, accum_dtype)
+        return _Exact(plan, isinstance(plan.step, _BEGIN))
+    arithmetic = plan.arithmetic
+    accum = None if arithmetic.accum_dtype is None else getattr(torch, arithmetic.accum_dtype)
     step = plan.step
     match step:
         case Identity():
-            return _identity(plan)
+            return _Identity(arithmetic.scale)
         case Slice(dim=dim):
-            return _slice(plan, dim)
+            return _Slice(dim, plan.layout.recv_shape[dim], arithmetic.scale)
         case Pad(dim=dim):
-            return _pad(plan, dim)
+            return _Pad(dim, plan.out_shape, arithmetic.scale)
         case AllReduce(op=op):
             return _all_reduce(plan, op, accum, kind)
         case AllToAll():
@@ -416,15 +383,12 @@ def _step_walk(plan: Plan, kind: Kind) -> _Made:
         case ReduceScatter(dim=dim, op=op):
             return _gather_or_scatter(plan, dim, op, accum, kind)
         case Permute():
-            transfer, begun = _permute(step, plan, kind)
-            if kind.asynchronous:
-                return _started_permute(plan, transfer, begun, accum)
-            return _rooted_or_permute(plan, transfer, None, accum)
+            return _permute(step, plan, accum, kind)
         case Broadcast() | Reduce() | Gather() | Scatter():
             made = _finisher(plan, accum, plan.layout.recv_shape)[1]
             transfer = (_rooted_traceable if kind.compiling else _rooted_transfer)(step, plan, made)
             receives_only = isinstance(step, (Broadcast, Scatter)) and not kind.compiling  # non-roots' input is
-            return _rooted_or_permute(plan, transfer, step.root if receives_only else None, accum)  # never read
+            return _rooted(plan, transfer, step.root if receives_only else None, accum)  # never read
         case _:
             assert_never(step)
 
@@ -494,70 +458,160 @@ def _packs(plan: Plan, accum: torch.dtype | None) -> bool:
     return accum is not None or not (isinstance(pack, Rearrange) and pack.keeps_order)  # (Blocks: the exact walk's)
 
 
-def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind) -> _Made:
+# ---- the collectives' walks: one small record per walk, each field a decision its plan fixes; called, it is the
+# synchronous walk (`Walk`), its `start` the asynchronous one (`StartedWalk`: the same calls, the work unwaited)
+
+Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (the received buffer, x) -> this rank's output
+
+
+class _AtOnce:
+    """A walk that begins nothing (a local step, a rooted collective): its asynchronous form runs it at once."""
+
+    __slots__ = ()
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        raise NotImplementedError
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        """The walk run now: a completed `Started`."""
+        return _completed(self(x, group))
+
+
+@dataclass(frozen=True, slots=True)
+class _InPlace:
+    """all_reduce: the send buffer, a clone of x's shape, is reduced in place."""
+
+    send: Pass  # x -> the send buffer (the pack pass; the scale first where the plan says so)
+    collective: _c10d.Buffers  # (buffer, group): the reduction into it (begun: its work returned)
+    finish: Finish  # the scale (where not first) and the unpack
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        buffer = self.send(x)
+        self.collective(buffer, group)
+        return self.finish(buffer, x)
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        buffer = self.send(x)
+        return Started((self.collective(buffer, group),), self.finish, buffer, x)
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """all_to_all, all_gather, reduce_scatter: one packed send buffer out, one fresh buffer received into."""
+
+    send: Pass  # x -> the send buffer
+    collective: _c10d.Buffers  # (receive buffer, send buffer, group) (begun: its work returned)
+    finish: Finish  # (the received buffer, x) -> the output
+    made: tuple[int, ...]  # the receive buffer's shape: the output's where the unpack is a view (received into)
+    view: tuple[int, ...] | None  # the shape the collective receives into, a view of the buffer (None: `made`)
+    accum: torch.dtype | None  # the buffers' dtype (None: x's)
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        buffer, view = self.send(x), self.view
+        recv = x.new_empty(self.made) if self.accum is None else x.new_empty(self.made, dtype=self.accum)
+        self.collective(recv if view is None else recv.view(view), buffer, group)
+        del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
+        return self.finish(recv, x)
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        buffer, view = self.send(x), self.view
+        recv = x.new_empty(self.made) if self.accum is None else x.new_empty(self.made, dtype=self.accum)
+        work = self.collective(recv if view is None else recv.view(view), buffer, group)
+        return Started((work,), _finish_sent, self.finish, recv, x, buffer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Permute:
+    """ppermute as one all_to_all_single with uneven splits (the spec's `permute_splits`): one call for every
+    pattern, and traceable by torch.compile. A rank sends its whole buffer or nothing, so the splits count rows
+    of dim 0 (a 0-d tensor goes as one row): no flat views. A rank that receives nothing gets zeros."""
+
+    send: Pass  # x -> the send buffer, of `shape`
+    all_to_all: _c10d.Buffers  # (recv, send, group, recv_splits, send_splits) (begun: its work returned)
+    finish: Finish  # (the received buffer, x) -> the output
+    shape: tuple[int, ...]  # the send (and receive) buffer's shape
+    out_shape: tuple[int, ...]  # the output's (zeros of it where nothing is received)
+    pairs: tuple[tuple[int, int], ...]  # (source, destination), group-local
+    world_size: int
+    accum: torch.dtype | None  # the buffers' dtype (None: x's)
+    #: rank -> (send splits, recv splits, sends anything, receives anything): worked out on its first call
+    by_rank: dict[int, tuple[list[int], list[int], bool, bool]] = field(default_factory=dict, compare=False)
+
+    def _sent(self, buffer: torch.Tensor, x: torch.Tensor, group: ResolvedGroup) -> tuple[torch.Tensor | None, Any]:
+        """(the received buffer, None where nothing is: `_nothing_received`; the call's work)."""
+        rank, shape = group_rank(group), self.shape
+        rows_shape = shape or (1,)
+        splits = self.by_rank.get(rank)
+        if splits is None:
+            send_splits, recv_splits = permute_splits(self.pairs, self.world_size, rank, rows_shape[0])
+            splits = self.by_rank[rank] = (send_splits, recv_splits, any(send_splits), any(recv_splits))
+        send_splits, recv_splits, sends, receives = splits
+        rows = buffer if shape else buffer.view(rows_shape)
+        if not sends:
+            rows = rows[:0]
+        dtype = x.dtype if self.accum is None else self.accum
+        if not receives:
+            recv = x.new_empty((0, *rows_shape[1:]), dtype=dtype)
+            work = self.all_to_all(recv, rows, group, recv_splits, send_splits)
+            return _nothing_received(recv, shape), work
+        # the buffer has the plan's shape (a Function's output that is a view costs autograd's view bookkeeping)
+        recv = torch.empty_like(buffer, memory_format=_CONTIGUOUS)
+        return recv, self.all_to_all(recv if shape else recv.view(rows_shape), rows, group, recv_splits, send_splits)
+
+    def _received(self, recv: torch.Tensor | None, x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_zeros(self.out_shape) if recv is None else self.finish(recv, x)
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        buffer = self.send(x)
+        recv, _ = self._sent(buffer, x, group)
+        del buffer
+        return self._received(recv, x)
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        buffer = self.send(x)
+        recv, work = self._sent(buffer, x, group)
+        return Started((work,), self._received, recv, x, buffer)  # (the send buffer kept until the work is done)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rooted(_AtOnce):
+    """broadcast, reduce, gather, scatter: zeros on a rank that receives nothing; under torch.compile as
+    `_rooted_traceable`, every rank packing its input (module docstring). Its asynchronous form runs it at
+    once."""
+
+    send: Pass  # x -> the send buffer
+    transfer: Transfer  # the collective: (send buffer or None, group, rank, x, dtype) -> the received or None
+    finish: Finish  # (the received buffer, x) -> the output
+    out_shape: tuple[int, ...]  # the output's (zeros of it where nothing is received)
+    receive_only_root: int | None  # an eager broadcast's or scatter's root: other ranks' x is never read (no pack)
+    accum: torch.dtype | None  # the buffers' dtype (None: x's)
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        rank, root = group_rank(group), self.receive_only_root
+        buffer = None if root is not None and rank != root else self.send(x)
+        recv = self.transfer(buffer, group, rank, x, x.dtype if self.accum is None else self.accum)
+        del buffer
+        return x.new_zeros(self.out_shape) if recv is None else self.finish(recv, x)
+
+
+def _all_reduce(plan: Plan, op: ReduceOp, accum: torch.dtype | None, kind: Kind) -> _InPlace:
     """all_reduce, in place: the send buffer, a clone of x's shape, is received into."""
     send_shape = plan.layout.send_shape
     send, (finish, _) = _sender(plan, accum, send_shape), _finisher(plan, accum, send_shape)
     reduce = _c10d.all_reduce(_C10D_REDUCE[op], dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
-    if kind.asynchronous:
-
-        def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-            buffer = send(x)
-            return Started((reduce(buffer, group),), finish, buffer, x)
-
-        return started
-
-    def all_reduce(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-        buffer = send(x)
-        reduce(buffer, group)
-        return finish(buffer, x)
-
-    return all_reduce
+    return _InPlace(send, reduce, finish)
 
 
-def _begun(
-    send: Pass,
-    collective: _c10d.Buffers,
-    finish: Callable[..., torch.Tensor],
-    made: tuple[int, ...],
-    recv_shape: tuple[int, ...],
-    accum: torch.dtype | None,
-) -> StartedWalk:
-    """The asynchronous form of a walk that sends one packed buffer and receives into one (all_to_all, all_gather,
-    reduce_scatter): the buffer packed, the receive buffer made (received into through a view where its shape is
-    not `recv_shape`), the collective begun; `finish` left to `Started.wait`."""
-    viewed = made != recv_shape
-
-    def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-        buffer = send(x)
-        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-        work = collective(recv.view(recv_shape) if viewed else recv, buffer, group)
-        return Started((work,), _finish_sent, finish, recv, x, buffer)
-
-    return started
-
-
-def _all_to_all(plan: Plan, accum: torch.dtype | None, kind: Kind) -> _Made:
+def _all_to_all(plan: Plan, accum: torch.dtype | None, kind: Kind) -> _Exchange:
     """all_to_all: the send buffer's dim 0 goes out in W blocks (c10d's all_to_all_single)."""
     shape = _a2a_buffers(plan, _packs(plan, accum), accum)
     recv_shape = shape or plan.layout.recv_shape
     send, (finish, made) = _sender(plan, accum, shape or plan.layout.send_shape), _finisher(plan, accum, recv_shape)
-    viewed = made != recv_shape  # the output is received into (a view of it)
     exchange = _c10d.all_to_all(dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
-    if kind.asynchronous:
-        return _begun(send, exchange, finish, made, recv_shape, accum)
-
-    def all_to_all(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-        buffer = send(x)
-        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-        exchange(recv.view(recv_shape) if viewed else recv, buffer, group)
-        del buffer  # dead once sent: the unpack's output can take its memory (peak = send + recv)
-        return finish(recv, x)
-
-    return all_to_all
+    return _Exchange(send, exchange, finish, made, None if made == recv_shape else recv_shape, accum)
 
 
-def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, kind: Kind) -> _Made:
+def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.dtype | None, kind: Kind) -> _Exchange:
     """all_gather (`op` None) and reduce_scatter: c10d's dim-0 forms, x itself along dim 0 ([n, ...] <->
     [W * n, ...]), else flat buffers."""
     world_size, layout = plan.world_size, plan.layout
@@ -569,7 +623,6 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
     else:
         send_shape, recv_shape = (numel,), (numel * world_size if gathers else numel // world_size,)
     send, (finish, made) = _sender(plan, accum, send_shape), _finisher(plan, accum, recv_shape)
-    viewed = made != recv_shape
     complex_ = dtypes.is_complex(plan.dtype)
     compiling, asynchronous = kind.compiling, kind.asynchronous
     collective = (
@@ -577,22 +630,18 @@ def _gather_or_scatter(plan: Plan, dim: int, op: ReduceOp | None, accum: torch.d
         if op is None
         else _c10d.reduce_scatter(_C10D_REDUCE[op], complex_, compiling, asynchronous)
     )
-    if asynchronous:
-        return _begun(send, collective, finish, made, recv_shape, accum)
-
-    def gather_or_scatter(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-        buffer = send(x)
-        recv = x.new_empty(made) if accum is None else x.new_empty(made, dtype=accum)
-        collective(recv.view(recv_shape) if viewed else recv, buffer, group)
-        del buffer
-        return finish(recv, x)
-
-    return gather_or_scatter
+    return _Exchange(send, collective, finish, made, None if made == recv_shape else recv_shape, accum)
 
 
-def _finish_sent(
-    finish: Callable[..., torch.Tensor], recv: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor
-) -> torch.Tensor:
+def _permute(step: Permute, plan: Plan, accum: torch.dtype | None, kind: Kind) -> _Permute:
+    """permute: the splits worked out once per rank, on its first call (`_Permute`)."""
+    layout = plan.layout
+    all_to_all = _c10d.all_to_all(dtypes.is_complex(plan.dtype), kind.compiling, kind.asynchronous)
+    send, (finish, _) = _sender(plan, accum, layout.send_shape), _finisher(plan, accum, layout.recv_shape)
+    return _Permute(send, all_to_all, finish, layout.send_shape, plan.out_shape, step.pairs, plan.world_size, accum)
+
+
+def _finish_sent(finish: Finish, recv: torch.Tensor, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """`finish` of an asynchronous walk, the send `buffer` kept until its work is done."""
     return finish(recv, x)
 
@@ -610,82 +659,76 @@ def _a2a_buffers(plan: Plan, packed: bool, accum: torch.dtype | None) -> tuple[i
     return None
 
 
-def _rooted_or_permute(
-    plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None
-) -> Walk:
-    """broadcast, reduce, gather, scatter and permute: zeros on a rank that receives nothing; under torch.compile
-    the rooted ones as `_rooted_traceable`, every rank packing its input (module docstring). `receive_only_root`:
-    the root of an eager broadcast or scatter, whose other ranks' input is never read (no pack pass there)."""
-    out_shape = plan.out_shape
+def _rooted(plan: Plan, transfer: Transfer, receive_only_root: int | None, accum: torch.dtype | None) -> _Rooted:
+    """broadcast, reduce, gather, scatter (`_Rooted`). `receive_only_root`: the root of an eager broadcast or
+    scatter, whose other ranks' input is never read (no pack pass there)."""
     send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
-    receives_only = receive_only_root is not None
-
-    def rooted(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-        rank = group_rank(group)
-        buffer = None if receives_only and rank != receive_only_root else send(x)
-        recv = transfer(buffer, group, rank, x, x.dtype if accum is None else accum)
-        del buffer
-        return x.new_zeros(out_shape) if recv is None else finish(recv, x)
-
-    return rooted
+    return _Rooted(send, transfer, finish, plan.out_shape, receive_only_root, accum)
 
 
-def _started_permute(
-    plan: Plan, transfer: Transfer, begun: list[dist.Work | None], accum: torch.dtype | None
-) -> StartedWalk:
-    """permute begun: its transfer (`_permute`) appends the work to `begun`, taken at once; `Started.wait` gives
-    the received buffer's output, or zeros on a rank that receives nothing (the send buffer kept till then)."""
-    out_shape = plan.out_shape
-    send, (finish, _) = _sender(plan, accum, plan.layout.send_shape), _finisher(plan, accum, plan.layout.recv_shape)
-
-    def received(recv: torch.Tensor | None, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(out_shape) if recv is None else finish(recv, x)
-
-    def started(x: torch.Tensor, group: ResolvedGroup) -> Started:
-        buffer = send(x)
-        recv = transfer(buffer, group, group_rank(group), x, x.dtype if accum is None else accum)
-        return Started((begun.pop(),), received, recv, x, buffer)
-
-    return started
+# ---- the local steps of gradient plans, and the exact walk of uneven sizes: records as the collectives'
 
 
-# ---- the local steps of gradient plans: plan -> walk --------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Identity(_AtOnce):
+    """identity times the scale (x itself where the scale is 1)."""
+
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        return x if self.scale == 1.0 else x * self.scale
 
 
-def _itself(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
-    return x
-
-
-def _identity(plan: Plan) -> Walk:
-    """identity times the scale."""
-    scale = plan.arithmetic.scale
-    return _itself if scale == 1.0 else lambda x, group: x * scale
-
-
-def _slice(plan: Plan, dim: int) -> Walk:
+@dataclass(frozen=True, slots=True)
+class _Slice(_AtOnce):
     """This rank's block of `dim`: a copy, not a view (the output may be modified in place, and a gradient
     frees the rest)."""
-    block, scale = plan.layout.recv_shape[dim], plan.arithmetic.scale
 
-    def slice_(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+    dim: int
+    block: int  # rows per rank
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        dim, block = self.dim, self.block
         start = group_rank(group) * block
         if dim == 0 and x.is_contiguous():  # the block is contiguous: clone keeps its strides
             out = x[start : start + block].clone()
         else:
             out = x.narrow(dim, start, block).clone(memory_format=_CONTIGUOUS)
-        return out if scale == 1.0 else out.mul_(scale)
-
-    return slice_
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
-def _pad(plan: Plan, dim: int) -> Walk:
-    """This rank's block of zeros along `dim` (the transpose of `_slice`)."""
-    out_shape, scale = plan.out_shape, plan.arithmetic.scale
+@dataclass(frozen=True, slots=True)
+class _Pad(_AtOnce):
+    """This rank's block of zeros along `dim` (the transpose of `_Slice`)."""
 
-    def pad(x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+    dim: int
+    out_shape: tuple[int, ...]
+    scale: float
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        dim = self.dim
         block = x.shape[dim]
-        out = x.new_zeros(out_shape)
+        out = x.new_zeros(self.out_shape)
         out.narrow(dim, group_rank(group) * block, block).copy_(x)
-        return out if scale == 1.0 else out.mul_(scale)
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
-    return pad
+
+@dataclass(frozen=True, slots=True)
+class _Exact:
+    """Uneven sizes held exactly: `commlib_torch._exact.run_exact` of the plan."""
+
+    plan: Plan
+    begins: bool  # its asynchronous form begins the collective (else: a local step or rooted, run at once)
+
+    def __call__(self, x: torch.Tensor, group: ResolvedGroup) -> torch.Tensor:
+        return run_exact(self.plan, x, group)
+
+    def start(self, x: torch.Tensor, group: ResolvedGroup) -> Started:
+        if self.begins:
+            return run_exact(self.plan, x, group, asynchronous=True)
+        return _completed(run_exact(self.plan, x, group))
+
+
+#: Every walk's record (`_step_record`).
+_Record = _Identity | _Slice | _Pad | _Exact | _InPlace | _Exchange | _Permute | _Rooted

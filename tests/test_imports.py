@@ -185,3 +185,63 @@ def test_the_library_never_imports_its_tools():
 def test_importing_the_library_loads_no_tool(package):
     loaded = _loaded_after("import " + ", ".join(_library_modules(package)))
     assert loaded["tools"] == []
+
+
+#: Each frontend's walk module and the names it is for: a plan walked on that framework's arrays.
+WALK_EXPORTS = {
+    "commlib_torch._walk": {"rearrange", "run", "started_walk", "walk"},
+    "commlib_jax._walk": {"run"},
+}
+
+
+def _names_taken_from(module: str) -> dict[str, set[str]]:
+    """Every name another file of the project (library, tests, benchmarks, examples) takes from `module`: by
+    ``from module import name``, or as an attribute of the module imported (``_walk.name``,
+    ``commlib_torch._walk.name``) -> the files that take it."""
+    package, leaf = module.rsplit(".", 1)
+    taken: dict[str, set[str]] = {}
+    folders = ("commlib", "commlib_torch", "commlib_jax", "tests", "benchmarks", "examples")
+    for path in (path for folder in folders for path in (ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        spellings = {module}  # how the file names the module: commlib_torch._walk, or _walk where imported so
+        imports_leaf = any(
+            isinstance(node, ast.ImportFrom) and node.module == package and any(a.name == leaf for a in node.names)
+            for node in ast.walk(tree)
+        )
+        if imports_leaf:
+            spellings.add(leaf)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == module:
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Attribute) and ast.unparse(node.value) in spellings:
+                names = [node.attr]
+            else:
+                continue
+            for name in names:
+                taken.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return taken
+
+
+@pytest.mark.parametrize("module", sorted(WALK_EXPORTS))
+def test_walk_modules_are_their_walks(module):
+    """A frontend's `_walk` holds its walks and nothing else: its ``__all__`` is its walks, each taken by some
+    other file (no dead export), every name it imports is used in it (no re-export), and no file takes any
+    other name from it (dtype names are in `_dtypes`, ranks in `_groups` / `_vma`, `Started` in `_c10d`)."""
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    (exports,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["__all__"]
+    ]
+    assert set(exports) == WALK_EXPORTS[module]
+    imported = {
+        alias.asname or alias.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.module != "__future__")
+        for alias in node.names
+    }
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert sorted(imported - used) == []
+    taken = _names_taken_from(module)
+    assert {name: files for name, files in taken.items() if name not in exports} == {}
+    assert set(exports) <= set(taken)
