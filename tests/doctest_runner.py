@@ -32,6 +32,7 @@ MODULES = {
         "commlib_torch.video",
         "commlib_torch.moe",
         "commlib_torch.integrations.transformers",
+        "commlib_torch.integrations.diffusers",
         "commlib_torch.testing",
         "commlib_torch.testing_trace",
         "commlib_torch.handle",

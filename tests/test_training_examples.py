@@ -7,6 +7,8 @@ proves something distinct, every claim of a launch checked on its output:
 - ``torchrun --standalone --nproc-per-node 4 examples/transformers_llama.py`` and ``python examples/flax_llama.py``
   (4 CPU devices in one process): one launch per layer (ulysses, ring, usp), USP's with ``--packed`` (documents of
   random lengths and padding), 5 AdamW steps equal to the unsharded model's;
+- ``torchrun --standalone --nproc-per-node 4 examples/diffusers_dit.py``: a tiny diffusers Wan over each layer
+  (ulysses, ring, usp) and a tiny Flux over Ulysses (joint attention), 3 AdamW steps equal to the unsharded model's;
 - the MoE block's ``torchrun --standalone --nproc-per-node 4 examples/moe_torch.py`` and ``python
   examples/moe_jax.py``.
 
@@ -129,6 +131,22 @@ def test_transformers_llama_with_torchrun(attention, packed):
     _assert_steps(output, 5)
     tag = " packed" if packed else ""
     _assert_passed(output, rf"{attention} W=4 S=37 sizes=\([0-9, ]+\){tag}, 5 AdamW steps")
+
+
+#: One launch per layer on Wan (27 video tokens: 7, 7, 7, 6 rows) and Flux's joint attention (Ulysses only for now).
+DIT_LAUNCHES = [("wan", "ulysses"), ("wan", "ring"), ("wan", "usp"), ("flux", "ulysses")]
+
+
+@pytest.mark.parametrize(("model", "attention"), DIT_LAUNCHES)
+def test_diffusers_dit_with_torchrun(model, attention):
+    """examples/diffusers_dit.py over 4 ranks: a tiny diffusers Wan (self- and cross-attention) or Flux (joint
+    attention) through commlib's diffusers backend, 3 AdamW steps equal to the unsharded model's (loss 1e-12,
+    output and every gradient 1e-10). The in-process cases (W = 1 and 3, the refusals):
+    tests/torch/test_diffusers.py."""
+    pytest.importorskip("diffusers")
+    (output,) = _launch(_torchrun("examples/diffusers_dit.py", "--model", model, "--attention", attention))
+    _assert_steps(output, 3)
+    _assert_passed(output, rf"{model} {attention} W=4 tokens=[0-9]+ sizes=\([0-9, ]+\), 3 AdamW steps")
 
 
 def test_transformers_llama_refuses_fewer_tokens_than_ranks():
