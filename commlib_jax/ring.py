@@ -38,6 +38,15 @@ from commlib_jax.functional import Array, AxisName, all_gather, all_reduce, all_
 
 __all__ = ["ring_attention", "usp_attention"]
 
+
+def _given(joint: tuple[Array | None, Array | None, Array | None]) -> tuple[Array, Array, Array] | None:
+    """The joint q, k, v when all three are given (the spec refuses some without the others), else None."""
+    joint_q, joint_k, joint_v = joint
+    if joint_q is None or joint_k is None or joint_v is None:
+        return None
+    return joint_q, joint_k, joint_v
+
+
 MATH = _kernels.MATH
 
 
@@ -357,8 +366,8 @@ def ring_attention(
     )
     block_size = blockwise.check_block_size(spec.RING_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    given = None if plan.joint is None else joint
-    return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids, given)  # type: ignore[arg-type]
+    given = None if plan.joint is None else _given(joint)
+    return _ring_on_axes(plan, axes, block_size, q, k, v, segment_ids, given)
 
 
 def _heads_out(plan: spec.RingPlan, q: Array, k: Array, v: Array, ulysses_axis: AxisName) -> tuple[Array, ...]:
@@ -461,8 +470,9 @@ def usp_attention(
     )
     block_size = blockwise.check_block_size(spec.USP_OP, block_size)
     segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    if plan.joint is not None:
-        joint = _joint_heads(plan, (joint_q, joint_k, joint_v), ulysses_axes)  # type: ignore[arg-type]
+    given = _given((joint_q, joint_k, joint_v))
+    if plan.joint is not None and given is not None:
+        joint = _joint_heads(plan, given, ulysses_axes)
         local_q, local_k, local_v = _heads_out(plan, q, k, v, ulysses_axis)
         out, joint_out = _ring_on_axes(plan, ring_axes, block_size, local_q, local_k, local_v, None, joint)
         return all_to_all_4d(out, ulysses_axis, 1, 2), all_gather(joint_out, ulysses_axis, 2)

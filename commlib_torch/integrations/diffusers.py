@@ -158,7 +158,8 @@ def parallelize(model: torch.nn.Module) -> torch.nn.Module:
 
     active = _AttentionBackendRegistry._active_backend
     # this model's processors; diffusers also makes it every model's default, and other models keep theirs:
-    model.set_attention_backend(BACKEND)  # type: ignore[operator]
+    set_attention_backend: Any = model.set_attention_backend  # ModelMixin's (mypy: Tensor)
+    set_attention_backend(BACKEND)
     _AttentionBackendRegistry.set_active_backend(active)
     if not getattr(model, "_commlib_edges", False):
         modules = dict(model.named_modules())
