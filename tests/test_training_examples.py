@@ -9,6 +9,8 @@ proves something distinct, every claim of a launch checked on its output:
   random lengths and padding), 5 AdamW steps equal to the unsharded model's;
 - ``torchrun --standalone --nproc-per-node 4 examples/diffusers_dit.py``: a tiny diffusers Wan over each layer
   (ulysses, ring, usp) and a tiny Flux over Ulysses (joint attention), 3 AdamW steps equal to the unsharded model's;
+- ``python examples/dit_jax.py`` (4 CPU devices in one process): a Flux-style MMDiT block's joint attention over
+  Ulysses (15 image tokens: uneven shards) and the ring (16, zigzag), 3 adamw steps equal to the unsharded block's;
 - the MoE block's ``torchrun --standalone --nproc-per-node 4 examples/moe_torch.py`` and ``python
   examples/moe_jax.py``.
 
@@ -187,6 +189,24 @@ def test_flax_llama_with_python(attention, seq_len, packed):
     _assert_steps(output, 5)
     tag = " packed" if packed else ""
     _assert_passed(output, rf"{attention} W=4 S={seq_len} sizes=\([0-9, ]+\){tag}, 5 adamw steps")
+
+
+#: Ulysses over an uneven grid (3 x 5: shards of 4, 4, 4, 3 rows) and the ring over an even one (4 x 4, zigzag:
+#: the ring takes joint tensors over even shards only). USP (2 x 2) runs the same path as these two composed and
+#: costs a launch as much (~17 s CPU): run by hand (docs/dit.md).
+DIT_JAX_LAUNCHES = [("ulysses", 3, 5), ("ring", 4, 4)]
+
+
+@pytest.mark.parametrize(("attention", "height", "width"), DIT_JAX_LAUNCHES)
+def test_dit_jax_with_python(attention, height, width):
+    """examples/dit_jax.py on 4 CPU devices: diffusers' Flux double-stream block ported to Flax nnx, its joint
+    attention (5 text tokens replicated, the image tokens sharded) through commlib_jax's layer, 3 optax adamw steps
+    in one jitted step equal to the unsharded block's (every step's loss 1e-12, image output and every gradient
+    1e-10). The port against diffusers' own block: tests/jax/test_dit_parity.py."""
+    arguments = ["--attention", attention, "--height", str(height), "--width", str(width)]
+    (output,) = _launch(_python("examples/dit_jax.py", *arguments), jax=True)
+    _assert_steps(output, 3)
+    _assert_passed(output, rf"{attention} W=4 tokens={height * width} text=5 sizes=\([0-9, ]+\), 3 adamw steps")
 
 
 @pytest.mark.parametrize(
