@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from commlib.errors import CommError, comm_error, kind_error
+from commlib.plans import CONVENTIONS
 from commlib.reduce_op import ReduceOp, is_floating, parse_reduce_op
 from commlib.sequence import SequenceLayout
 from commlib.validators import check_int, iterable
@@ -138,15 +139,23 @@ def check_token_segments(op_name: str, shape: object, dtype: str, ids_shape: tup
         )
 
 
-def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: str) -> int:
-    """`dim` normalised, after checking that ``shape[dim] == rows`` (`what` names the expected count).
+def check_sequence(op_name: str, shape: object, dim: object, rows: int, what: str, *, convention: object = None) -> int:
+    """`dim` normalised, after checking that ``shape[dim] == rows`` (`what` names the expected count) and, for a
+    gather, that `convention` is all_gather's ("sum" or "replicated"; None: no gather).
 
     >>> check_sequence("gather_sequence", (2, 3, 4), 1, 2, "layout.sizes[1]")
     Traceback (most recent call last):
     ...
     commlib.errors.CommError: gather_sequence: x.shape[1] (3) must be layout.sizes[1] (2). Received: ...
+    >>> check_sequence("gather_latents", (2, 3, 4), 1, 3, "layout.sizes[0]", convention="mean")
+    Traceback (most recent call last):
+    ...
+    commlib.errors.CommError: gather_latents: convention ('mean') must be one of sum, replicated. Received: ...
     """
     received = dict(shape=shape, dim=dim)
+    if convention is not None and convention not in CONVENTIONS:
+        message = f"convention ({convention!r}) must be one of {', '.join(CONVENTIONS)}"
+        raise comm_error(op_name, message, **received, convention=convention)
     dims = _dims(op_name, shape, received)
     value = check_int(op_name, "dim", dim, received)
     if not -len(dims) <= value < len(dims):

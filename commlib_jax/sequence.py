@@ -282,7 +282,7 @@ def _gather_sequence(
     """`gather_sequence` as helper `op_name` (its errors name it)."""
     x = _check_array(op_name, x)
     layout, axes = _layout(op_name, layout, axis_name)
-    dim = spec.check_sequence(op_name, x.shape, dim, layout.max_size, "layout.max_size")
+    dim = spec.check_sequence(op_name, x.shape, dim, layout.max_size, "layout.max_size", convention=convention)
     whole = all_gather(x, axes, dim, convention=convention, sizes=spec.gather_sizes(layout))
     order = spec.gather_order(layout)
     return whole if order is None else jnp.take(whole, jnp.asarray(order.astype(np.int32)), axis=dim)

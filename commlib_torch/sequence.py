@@ -266,7 +266,9 @@ def _gather_sequence(
             (resolved,),
             x.device,
         )
-    dim = spec.check_sequence(op_name, tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]")
+    dim = spec.check_sequence(
+        op_name, tuple(x.shape), dim, layout.sizes[rank], f"layout.sizes[{rank}]", convention=convention
+    )
     whole = all_gather(x, dim, resolved, convention=convention, sizes=spec.gather_sizes(layout))
     if spec.gather_order(layout) is None:
         return whole

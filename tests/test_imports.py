@@ -245,3 +245,18 @@ def test_walk_modules_are_their_walks(module):
     taken = _names_taken_from(module)
     assert {name: files for name, files in taken.items() if name not in exports} == {}
     assert set(exports) <= set(taken)
+
+
+def test_no_library_module_imports_the_references():
+    """`commlib.reference`'s docstring: the float64 references import the spec, the library (spec and frontends,
+    outside ``*.tools``) never imports a reference, except `commlib.attention`'s re-export of its own."""
+    graph = _import_graph()
+    found = [
+        (module, imported)
+        for module, edges in sorted(graph.items())
+        if not _is_tool(module) and not module.startswith("commlib.reference")
+        for imported in sorted(edges)
+        if imported.startswith("commlib.reference")
+        and (module, imported) != ("commlib.attention", "commlib.reference.attention")
+    ]
+    assert found == []

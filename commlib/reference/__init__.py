@@ -12,6 +12,8 @@
   gather of a sequence, the loss over every rank's tokens);
 - `commlib.reference.joint`: joint attention (MMDiT), the full sequence and the joint tokens concatenated
   (`reference`, `concatenated`);
+- `commlib.reference.video`: video DiTs' latent helpers on W simulated ranks, forward and VJP
+  (`shard_latents_reference`, `gather_latents_reference`; `to_tokens`, `to_latents` between latents and tokens);
 - `commlib.reference.moe`: the spec's MoE walk on W simulated ranks, both layouts (`simulate_moe`).
 
 A reference imports the spec's rules (plans, schedules, walks, index tables) and never a frontend; the spec's

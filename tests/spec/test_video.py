@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from commlib import CommError, SequenceLayout, video
+from commlib.reference import video as reference
 
 
 def _layouts():
@@ -29,12 +30,12 @@ def test_grid_positions_and_latents(layout):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, *layout.grid))
     for padded in (False, True):
-        shards, _ = video.shard_latents_reference(x, None, layout, padded=padded)
-        whole, _ = video.gather_latents_reference(shards, [x] * layout.world_size, layout, padded=padded)
+        shards, _ = reference.shard_latents_reference(x, None, layout, padded=padded)
+        whole, _ = reference.gather_latents_reference(shards, [x] * layout.world_size, layout, padded=padded)
         assert all(np.array_equal(w, x) for w in whole)  # gather(shard(x)) == x, bit for bit
     token_cotangents = [rng.standard_normal((2, size, 3)) for size in layout.sizes]
-    _, grads = video.shard_latents_reference(x, token_cotangents, layout)
-    want = video.to_latents(layout.unshard(token_cotangents, 1), layout.grid)
+    _, grads = reference.shard_latents_reference(x, token_cotangents, layout)
+    want = reference.to_latents(layout.unshard(token_cotangents, 1), layout.grid)
     assert all(np.array_equal(g, want) for g in grads)
 
 
