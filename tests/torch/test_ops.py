@@ -5,11 +5,30 @@ cotangents, negative dims, bfloat16 and the rejected calls, at world sizes 1-4 (
 test_properties.py).
 """
 
-import pytest
+from __future__ import annotations
 
+import pytest
+import torch
+
+import commlib_torch
 from commlib.tools import cases, parity
 from commlib_torch.tools.parity_jobs import merge, run_case
-from tests.torch import transform_jobs
+
+# --- per-rank jobs: the pool's workers run them (module level: pickled by reference) ------------------------
+# torch.func transforms over commlib's ops.
+
+
+def vmap_all_reduce(ctx) -> str:
+    """``torch.func.vmap`` over all_reduce: the error text this rank gets."""
+    try:
+        torch.func.vmap(commlib_torch.all_reduce)(torch.ones(3, 2))
+    except TypeError as error:
+        return f"TypeError: {error}"
+    return "no error"
+
+
+# --- the tests ----------------------------------------------------------------------------------------------
+
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -47,7 +66,7 @@ def test_case_table_through_torch_func(pool, world_size):
 
 
 def test_torch_func_vmap_is_refused_by_name(pool):
-    (message,) = set(pool(2).run(transform_jobs.vmap_all_reduce))
+    (message,) = set(pool(2).run(vmap_all_reduce))
     assert message == (
         "TypeError: all_reduce: torch.func.vmap is not supported: each rank runs the collective "
         "once, not once per batch element; put the batch in the tensor (a leading dim) or loop over "
