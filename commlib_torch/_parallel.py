@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,23 @@ class Parallel:
             )
         return self._layer(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids, mask=mask)
 
+    def attend_joint(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
+        joint_position: str,
+        causal: bool,
+        scale: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's layer with joint tensors ``joint = (joint_q, joint_k, joint_v)``, each ``[B, S_j, H, D]``
+        and the same on every rank: ``(out, joint_out)``, as the layers return them."""
+        joint_q, joint_k, joint_v = joint
+        keywords = dict(joint_q=joint_q, joint_k=joint_k, joint_v=joint_v, joint_position=joint_position)
+        return self._call(q, k, v, causal=causal, scale=scale, keywords={**self.plan.keywords, **keywords})
+
     def _layer(
         self,
         q: torch.Tensor,
@@ -110,6 +128,19 @@ class Parallel:
         keywords = self.plan.keywords if segment_ids is None else {**self.plan.keywords, "segment_ids": segment_ids}
         if mask is not None:
             keywords = {**keywords, "mask": mask}
+        return self._call(q, k, v, causal=causal, scale=scale, keywords=keywords)
+
+    def _call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float | None,
+        keywords: dict[str, Any],
+    ) -> Any:
+        """The plan's layer (ulysses_attention, ring_attention or usp_attention over this context's groups)."""
         if self.plan.attention == "ulysses":
             return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, **keywords)
         if self.plan.attention == "ring":

@@ -10,7 +10,9 @@ than 1e-10 relative, or any AdamW step's loss by more than 1e-12.
 
 Wan (`WanTransformer3DModel`): self-attention over the video tokens (27 of them after patchify: shards of 7, 7,
 7, 6 rows) and cross-attention to the text, replicated. Flux (`FluxTransformer2DModel`, an MMDiT): 5 text tokens
-replicated, 15 image tokens sharded, joint attention (Ulysses only for now).
+replicated, 15 image tokens sharded, joint attention (Ulysses here: over a ring of 4 its 15 image
+tokens are uneven shards, which ring and USP refuse with joint tensors; tests/torch/test_diffusers.py runs Flux
+on a ring of 3).
 
 The recipe (what a user writes): `parallelize(model)` once; inside ``commlib_torch.sequence.parallel(layout,
 ...)``, whose layout's ``seq_len`` is the model's number of video (image) tokens, call the model with the whole

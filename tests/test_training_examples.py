@@ -135,7 +135,9 @@ def test_transformers_llama_with_torchrun(attention, packed):
     _assert_passed(output, rf"{attention} W=4 S=37 sizes=\([0-9, ]+\){tag}, 5 AdamW steps")
 
 
-#: One launch per layer on Wan (27 video tokens: 7, 7, 7, 6 rows) and Flux's joint attention (Ulysses only for now).
+#: One launch per layer on Wan (27 video tokens: 7, 7, 7, 6 rows) and Flux's joint attention under Ulysses (its 15
+#: image tokens over a ring of 4 are uneven shards, which the ring refuses with joint tensors; tests/torch/
+#: test_diffusers.py runs Flux on a ring of 3).
 DIT_LAUNCHES = [("wan", "ulysses"), ("wan", "ring"), ("wan", "usp"), ("flux", "ulysses")]
 
 

@@ -11,8 +11,8 @@ which calls the backend with ``[B, S, H, D]`` query, key and value and nothing a
   cross-attention to the text (and image) states -> `commlib_torch.attention.cross_attention(..., kv="replicated")`
   (local, no communication).
 - Flux (`FluxAttnProcessor`): the text tokens stay replicated, the image tokens are sharded; the joint attention
-  over ``[text | image]`` (double- and single-stream blocks) -> ``ulysses_attention(..., joint_q=, joint_k=,
-  joint_v=, joint_position="front")``; Ulysses only for now (ring and USP joint are refused).
+  over ``[text | image]`` (double- and single-stream blocks) -> the context's layer (Ulysses, ring or USP) with
+  ``joint_q=, joint_k=, joint_v=, joint_position="front"`` (ring and USP refuse joint tensors over uneven shards).
 
 diffusers is an optional extra (``pip install commlib[diffusers]``), imported by `register` and `parallelize` only.
 """
@@ -28,7 +28,6 @@ import torch
 
 from commlib.errors import CommError, comm_error
 from commlib_torch import _parallel
-from commlib_torch.attention import ulysses_attention
 from commlib_torch.cross_attention import cross_attention
 from commlib_torch.sequence import gather_sequence
 
@@ -258,14 +257,14 @@ def attention(
     D]`` (GQA by head counts) -> ``[B, S_q, H, D_v]``, query's dtype. What the call is comes from its attention
     module (hooked by `parallelize`): self-attention (``S_q = S_k = layout.sizes[shard]``) -> the context's layer;
     cross-attention (kv the same on every rank) -> ``cross_attention(..., kv="replicated")``; joint (Flux: the
-    first ``S_q - layout.sizes[shard]`` rows are the replicated text) -> ``ulysses_attention(..., joint_q=...,
+    first ``S_q - layout.sizes[shard]`` rows are the replicated text) -> the context's layer ``(..., joint_q=...,
     joint_position="front")``, returning ``cat([joint_out, out])``. Gradient: exact, the layers' (convention
     "sum": rank r's dk, dv of replicated kv, and its d joint_*, are its part; summed by `sync_gradients`).
 
     Raises:
         CommError: outside a `parallel` context or a model `parallelize` prepared; an attention mask, dropout > 0,
-            ``return_lse``, diffusers' own parallel config, causal cross-attention; joint attention under ring or
-            USP (not yet); query rows not the shard's (plus the text's, joint); the layers' own errors.
+            ``return_lse``, diffusers' own parallel config, causal cross-attention; query rows not the shard's (plus
+            the text's, joint); the layers' own errors (ring and USP: joint tensors over uneven shards).
 
     Example (one rank: WORLD of size 1; the call a Wan self-attention module makes):
         >>> import commlib
@@ -296,18 +295,15 @@ def attention(
     text = query.shape[1] - rows
     if text == 0:
         return state.attend(query, key, value, causal=bool(is_causal), scale=scale)
-    out, joint_out = ulysses_attention(
+    joint = (query[:, :text], key[:, :text], value[:, :text])
+    out, joint_out = state.attend_joint(
         query[:, text:],
         key[:, text:],
         value[:, text:],
-        state.group,
+        joint,
+        joint_position="front",
         causal=bool(is_causal),
         scale=scale,
-        joint_q=query[:, :text],
-        joint_k=key[:, :text],
-        joint_v=value[:, :text],
-        joint_position="front",
-        **state.plan.keywords,
     )
     return torch.cat([joint_out, out], dim=1)
 
@@ -352,14 +348,6 @@ def _check(
         raise comm_error(
             OP_NAME,
             f"query rows ({query.shape[1]}) must be the text's plus layout.sizes[{state.shard}] ({rows})",
-            query_shape=tuple(query.shape),
-            **where,
-        )
-    if route == "joint" and query.shape[1] > rows and state.plan.attention != "ulysses":
-        raise comm_error(
-            OP_NAME,
-            f"joint attention (the {query.shape[1] - rows} replicated text tokens of a {kind} call) runs under "
-            f"attention='ulysses' only for now, not attention={state.plan.attention!r}",
             query_shape=tuple(query.shape),
             **where,
         )

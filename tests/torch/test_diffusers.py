@@ -14,7 +14,7 @@ TOLERANCE = 1e-10
 
 @pytest.mark.parametrize(
     ("model", "attention", "world_size"),
-    [("wan", "ulysses", 1), ("wan", "ulysses", 3), ("wan", "ring", 3), ("flux", "ulysses", 3)],
+    [("wan", "ulysses", 1), ("wan", "ulysses", 3), ("wan", "ring", 3), ("flux", "ulysses", 3), ("flux", "ring", 3)],
 )
 def test_model_step_is_the_unsharded_models(pool, model, attention, world_size):
     """27 Wan tokens (9 each over 3 ranks, 4 heads over 3: 2, 1, 1) and 15 Flux image tokens plus 5 text tokens."""
@@ -35,10 +35,9 @@ def test_refusals(pool):
     assert "is_causal=True with cross-attention" in first["causal cross"]
     assert "query rows (15) must be layout.sizes[0] (14)" in first["rows"]
     assert "rope output 0.shape[1] (27) must be the layout's seq_len (28)" in first["tokens"]
-    assert (
-        "joint attention (the 5 replicated text tokens of a FluxAttnProcessor call) runs under attention='ulysses' "
-        "only for now, not attention='ring'" in first["joint ring"]
-    )
+    # Flux's 15 image tokens over a zigzag ring of 2 are uneven shards: the ring layer refuses joint tensors there
+    uneven = "ring_attention: joint_q cannot be given with a SequenceLayout whose shards are uneven"
+    assert all(uneven in reply.pop("joint uneven ring") for reply in replies)
     unknown = "the attention processor Unknown of 'blocks.0.attn1' is not one the route knows"
     assert unknown in first["unknown processor"]
     assert "Linear has no edge plan" in first["no plan"]
