@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("ulysses", "ring", "usp")
 HEADS, DIM, WORLD = 8, 64, 4
+STDERR_LINES = 20  # of a failed child's stderr, stored with its row
 
 
 def _rss_mib() -> float:
@@ -50,8 +51,28 @@ def _peak_mib() -> float:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | None) -> dict:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={WORLD}"
+def xla_flags(timeout: float, flags: str = "") -> str:
+    """`flags` with the JAX child's: 4 CPU devices, and XLA's CPU collectives allowed to wait `timeout` seconds.
+
+    A device that reaches a collective waits for the others there; XLA's CPU runtime ends the process after
+    ``--xla_cpu_collective_call_terminate_timeout_seconds`` (default 40: "Termination timeout ... Exiting to
+    ensure a consistent program state", then a native stack trace) and fails a collective after
+    ``--xla_cpu_collective_timeout_seconds`` (default 1,800). The causal contiguous ring is skewed (device 0
+    skips what device 3 computes), so at S = 65,536 on 2 shared cores a device waits minutes at a step's
+    permute: with the defaults that run died."""
+    seconds = max(int(timeout), 1)
+    return " ".join(
+        [
+            flags,
+            f"--xla_force_host_platform_device_count={WORLD}",
+            f"--xla_cpu_collective_call_terminate_timeout_seconds={seconds}",
+            f"--xla_cpu_collective_timeout_seconds={seconds}",
+        ]
+    ).strip()
+
+
+def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | None, timeout: float) -> dict:
+    os.environ["XLA_FLAGS"] = xla_flags(timeout, os.environ.get("XLA_FLAGS", ""))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,6 +102,7 @@ def _jax_child(layer: str, seq: int, run: bool, repeats: int, block_size: int | 
         "compile_s": time.perf_counter() - start,
         "rss_before_mib": before,
         "imported": str(Path(commlib_jax.__file__).parent),  # the tree whose layers were measured
+        "xla_flags": os.environ["XLA_FLAGS"],
     }
     if run:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -158,15 +180,17 @@ def _measure(
     # run as a script from `path`: sys.path is this file's folder, then `path` (its commlib, commlib_jax), then
     # this tree (`python -m` would put the working folder, this tree, first and import its packages instead)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", framework, layer, str(seq), str(int(run))]
-    command += ["--repeats", str(repeats), "--child-block-size", str(block_size)]
+    command += ["--repeats", str(repeats), "--child-block-size", str(block_size), "--timeout", str(timeout)]
     env = dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{ROOT}")
     row = {"framework": framework, "layer": layer, "seq": seq, "tree": str(path), "block_size": block_size or None}
     try:
         done = subprocess.run(command, env=env, cwd=path, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return row | {"error": f"timed out after {timeout:.0f} s"}
-    if done.returncode:
-        return row | {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
+    if done.returncode:  # the last line, and the last lines that are not a native stack trace's frames
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        said = [line for line in lines if not line.lstrip().startswith("@")][-STDERR_LINES:]
+        return row | {"error": lines[-1], "exit": done.returncode, "stderr": said}
     return row | json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -195,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         framework, layer, seq, run = args.child
         if framework == "jax":
-            facts = _jax_child(layer, int(seq), run == "1", args.repeats, args.child_block_size or None)
+            facts = _jax_child(layer, int(seq), run == "1", args.repeats, args.child_block_size or None, args.timeout)
         else:
             facts = _torch_child(layer, int(seq))
         print(json.dumps(facts))

@@ -205,7 +205,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "memory-speed-ulysses": lambda: _memory_speed(f"{_MEMORY}/baseline_ulysses_4096.json"),
     "memory-block-size": lambda: _memory(f"{_MEMORY}/block_size.json"),
     "memory-torch": lambda: _memory_files(f"{_MEMORY}/torch_ulysses.json", f"{_MEMORY}/torch_ring_usp.json"),
-    "memory-65536": lambda: _memory_files(f"{_MEMORY}/torch_65536_ring.json"),
+    "memory-65536": lambda: _memory_files(f"{_MEMORY}/torch_65536_ring.json", f"{_MEMORY}/torch_65536_usp.json"),
 }
 
 
